@@ -1,0 +1,49 @@
+"""graphforge: compile ordinary ONNX models into training programs that run on stock onnxruntime."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from graphforge.errors import (
+    GraphforgeError,
+    InvalidModelError,
+    ModelLoadError,
+    ModelSaveError,
+    PassError,
+    PipelineError,
+    PipelineSpecError,
+)
+from graphforge.graph import Model, load, save
+from graphforge.pass_manager import CompileResult, PassManager, PassRecord, compile
+from graphforge.pipeline import Pass, PassRegistry, PassResult, default_registry, parse_pipeline
+from graphforge.runtime import available_providers, create_session
+from graphforge.verify import verify_model
+
+try:
+    __version__ = version("graphforge")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "CompileResult",
+    "GraphforgeError",
+    "InvalidModelError",
+    "Model",
+    "ModelLoadError",
+    "ModelSaveError",
+    "Pass",
+    "PassError",
+    "PassManager",
+    "PassRecord",
+    "PassRegistry",
+    "PassResult",
+    "PipelineError",
+    "PipelineSpecError",
+    "__version__",
+    "available_providers",
+    "compile",
+    "create_session",
+    "default_registry",
+    "load",
+    "parse_pipeline",
+    "save",
+    "verify_model",
+]

@@ -1,0 +1,5 @@
+"""Read-only analyses of graphs (networkx views, orderings)."""
+
+from graphforge.analysis.dag import outer_inputs, to_digraph, topological_order
+
+__all__ = ["outer_inputs", "to_digraph", "topological_order"]

@@ -1,0 +1,49 @@
+"""The error hierarchy: every failure a user can cause is a GraphforgeError with one clear message."""
+
+from __future__ import annotations
+
+
+class GraphforgeError(Exception):
+    """Base of every error graphforge raises on purpose.
+
+    The message is one line that names what failed and where; the CLI prints it
+    without a traceback and exits with status 2.
+    """
+
+
+class ModelLoadError(GraphforgeError):
+    """A model file is missing, unreadable, not ONNX, or refers to unsafe external data."""
+
+
+class ModelSaveError(GraphforgeError):
+    """A model could not be written (the destination is left as it was)."""
+
+
+class InvalidModelError(GraphforgeError):
+    """A model failed the ONNX checker, shape inference, or onnxruntime's own loader."""
+
+
+class PipelineSpecError(GraphforgeError):
+    """A textual pipeline names an unknown pass or parameter, or a value of the wrong type."""
+
+
+class PassError(GraphforgeError):
+    """A pass refused or failed; the PassManager adds the pipeline position and pass name."""
+
+    def __init__(self, message: str, *, node: str | None = None, op_type: str | None = None):
+        where = ""
+        if node is not None or op_type is not None:
+            where = f" (node {node!r}, op {op_type})" if node is not None else f" (op {op_type})"
+        super().__init__(message + where)
+        self.node = node
+        self.op_type = op_type
+
+
+class PipelineError(GraphforgeError):
+    """A pass failed inside a pipeline; names the position and the pass, wraps the cause."""
+
+    def __init__(self, message: str, *, position: int, pass_name: str, dumped_to: str | None = None):
+        super().__init__(message)
+        self.position = position
+        self.pass_name = pass_name
+        self.dumped_to = dumped_to

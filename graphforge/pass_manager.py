@@ -1,0 +1,183 @@
+"""The PassManager: runs passes in order and, around each one, verifies, times, counts and dumps.
+
+Debugging aids borrowed from LLVM: ``dump_dir`` is print-after-all (one numbered model
+per pass application), ``dump_on_change`` keeps only the passes that changed something,
+and ``bisect_limit=N`` (``-opt-bisect-limit``) runs only the first N pass applications.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from graphforge.errors import GraphforgeError, PipelineError
+from graphforge.graph import Model, ModelSource, load, save
+from graphforge.pipeline import Pass, PassRegistry, parse_pipeline
+from graphforge.verify import verify_model
+
+#: a pass that asks for a fixed point is stopped after this many applications
+MAX_FIXED_POINT_ITERATIONS = 16
+
+
+def op_histogram(model: Model) -> Counter[str]:
+    """Node count per op type, subgraphs (If/Loop/Scan bodies) and local functions included."""
+    graph = model.graph
+    counts: Counter[str] = Counter()
+    for g in [graph, *graph.subgraphs(recursive=True), *graph.functions]:
+        counts.update(node.op for node in g.nodes)
+    return counts
+
+
+@dataclass
+class PassRecord:
+    """One pass application, as the report shows it."""
+
+    index: int  # 1-based application number, the unit of bisect_limit and dump file names
+    position: int  # 1-based position in the pipeline
+    name: str
+    spec: str
+    iteration: int = 1
+    ran: bool = True
+    changed: bool = False
+    seconds: float = 0.0
+    verify_seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    delta: dict[str, int] = field(default_factory=dict)
+    dumped_to: str | None = None
+
+
+@dataclass
+class CompileResult:
+    model: onnx.ModelProto
+    records: list[PassRecord]
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds + r.verify_seconds for r in self.records)
+
+
+class PassManager:
+    """Runs a list of passes over a model.
+
+    verify: run the ONNX checker with strict shape inference on the input and after each pass.
+    verify_with_ort: also build an onnxruntime session from each result.
+    dump_dir: write ``000_input.onnx`` and ``NNN_<pass>.onnx`` after each application.
+    dump_on_change: with dump_dir, write only the applications that changed the model.
+    bisect_limit: run only the first N pass applications; the rest are reported as skipped.
+    """
+
+    def __init__(
+        self,
+        passes: Sequence[Pass],
+        *,
+        verify: bool = True,
+        verify_with_ort: bool = False,
+        dump_dir: str | Path | None = None,
+        dump_on_change: bool = False,
+        bisect_limit: int | None = None,
+    ):
+        self.passes = list(passes)
+        self.verify = verify
+        self.verify_with_ort = verify_with_ort
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self.dump_on_change = dump_on_change
+        if bisect_limit is not None and bisect_limit < 0:
+            raise GraphforgeError(f"bisect limit must be 0 or more, got {bisect_limit}")
+        self.bisect_limit = bisect_limit
+
+    @classmethod
+    def from_pipeline(cls, text: str, registry: PassRegistry | None = None, **options) -> PassManager:
+        return cls(parse_pipeline(text, registry), **options)
+
+    def run(self, source: ModelSource | Model) -> CompileResult:
+        proto = source.to_proto() if isinstance(source, Model) else load(source)
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+        if self.verify:
+            verify_model(proto, with_ort=self.verify_with_ort, where="the input model")
+        if self.dump_dir is not None and not self.dump_on_change:
+            save(proto, self.dump_dir / "000_input.onnx")
+        model = Model.from_proto(proto)
+        records: list[PassRecord] = []
+        for position, pass_ in enumerate(self.passes, start=1):
+            iteration = 0
+            while True:
+                iteration += 1
+                record = PassRecord(len(records) + 1, position, pass_.name, pass_.spec(), iteration)
+                records.append(record)
+                if self.bisect_limit is not None and record.index > self.bisect_limit:
+                    record.ran = False
+                    break
+                model, proto = self._apply(pass_, model, proto, record)
+                if not (pass_.repeat_to_fixed_point and record.changed and iteration < MAX_FIXED_POINT_ITERATIONS):
+                    break
+        return CompileResult(proto, records)
+
+    def _apply(self, pass_: Pass, model: Model, proto: onnx.ModelProto, record: PassRecord):
+        """Run one pass application; ``proto`` is the model it starts from, kept intact."""
+        before = op_histogram(model)
+        record.nodes_before = sum(before.values())
+        label = f"pass {record.position} ({pass_.spec()})"
+        start = time.perf_counter()
+        try:
+            result = pass_.run(model)
+        except Exception as exc:
+            dumped = self._dump_failure(proto, record, "failed-input")
+            detail = str(exc) if isinstance(exc, GraphforgeError) else f"internal error {type(exc).__name__}: {exc}"
+            raise PipelineError(
+                f"{label} failed: {detail}" + (f" [its input model is in {dumped}]" if dumped else ""),
+                position=record.position,
+                pass_name=pass_.name,
+                dumped_to=dumped,
+            ) from exc
+        record.seconds = time.perf_counter() - start
+        record.changed = result.changed
+        model = result.model
+        after = op_histogram(model)
+        record.nodes_after = sum(after.values())
+        record.delta = {
+            op: after[op] - before[op] for op in sorted(set(before) | set(after)) if after[op] != before[op]
+        }
+        if not result.changed:
+            if self.dump_dir is not None and not self.dump_on_change:
+                record.dumped_to = self._dump(proto, record)
+            return model, proto
+        start = time.perf_counter()
+        new_proto = model.to_proto()
+        if self.verify:
+            try:
+                verify_model(new_proto, with_ort=self.verify_with_ort, where=f"the output of {label}")
+            except GraphforgeError as exc:
+                dumped = self._dump_failure(proto, record, "failed-input")
+                self._dump_failure(new_proto, record, "invalid-output")
+                raise PipelineError(
+                    str(exc) + (f" [its input model is in {dumped}]" if dumped else ""),
+                    position=record.position,
+                    pass_name=pass_.name,
+                    dumped_to=dumped,
+                ) from exc
+        record.verify_seconds = time.perf_counter() - start
+        if self.dump_dir is not None:
+            record.dumped_to = self._dump(new_proto, record)
+        return model, new_proto
+
+    def _dump(self, proto: onnx.ModelProto, record: PassRecord, suffix: str = "") -> str:
+        assert self.dump_dir is not None
+        path = self.dump_dir / f"{record.index:03d}_{record.name}{suffix}.onnx"
+        save(proto, path)
+        return str(path)
+
+    def _dump_failure(self, proto: onnx.ModelProto, record: PassRecord, what: str) -> str | None:
+        return self._dump(proto, record, f".{what}") if self.dump_dir is not None else None
+
+
+def compile(source: ModelSource | Model, pipeline: str | Sequence[Pass], **options) -> CompileResult:
+    """Run a pipeline (text or pass instances) over a model; see PassManager for the options."""
+    passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else pipeline
+    return PassManager(passes, **options).run(source)

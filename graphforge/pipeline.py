@@ -1,0 +1,262 @@
+"""Passes: the Pass protocol, an explicit registry, the textual pipeline parser, the PassManager.
+
+A pipeline is written the same way in Python and on the command line::
+
+    "dce, cse, fold_constants, autodiff, adamw(lr=3e-4, weight_decay=0.01)"
+
+It is parsed with Python's own expression parser (``ast``): a pass is a bare name or a
+call with keyword arguments; bare words in values are strings, ``true``/``false`` are
+booleans, ``[a, b]`` is a list. Values are converted to the types the pass declares.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from graphforge.errors import PipelineSpecError
+from graphforge.graph import Model
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass returns: the model it produced and whether it changed anything."""
+
+    model: Model
+    changed: bool
+
+
+class Pass:
+    """Base of every pass. Subclasses are dataclasses whose fields are their parameters.
+
+    A subclass sets ``name`` (the word used in pipelines), writes a docstring (shown by
+    ``graphforge passes``) and implements :meth:`run`. It may mutate ``model`` in place and
+    return it; the PassManager keeps the input safe, verifies and times the result. A pass
+    that can expose more work for itself sets ``repeat_to_fixed_point``.
+    """
+
+    name: ClassVar[str]
+    repeat_to_fixed_point: ClassVar[bool] = False
+
+    def run(self, model: Model) -> PassResult:
+        raise NotImplementedError
+
+    @classmethod
+    def parameters(cls) -> list[Parameter]:
+        hints = typing.get_type_hints(cls)
+        return [
+            Parameter(f.name, hints[f.name], _default_of(f))
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.init
+        ]
+
+    @classmethod
+    def summary(cls) -> str:
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def spec(self) -> str:
+        """This pass written back as pipeline text."""
+        args = [
+            f"{p.name}={_format_value(getattr(self, p.name))}"
+            for p in self.parameters()
+            if getattr(self, p.name) != p.default
+        ]
+        return f"{self.name}({', '.join(args)})" if args else self.name
+
+
+_REQUIRED = object()
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return _REQUIRED
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    type: Any
+    default: Any
+
+    @property
+    def required(self) -> bool:
+        return self.default is _REQUIRED
+
+    def describe(self) -> str:
+        default = "" if self.required else f" = {_format_value(self.default)}"
+        return f"{self.name}: {_type_name(self.type)}{default}"
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_format_value(v) for v in value) + "]"
+    return str(value)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class PassRegistry:
+    """An explicit name → pass-class table; registering a name twice is an error."""
+
+    def __init__(self, passes: Iterable[type[Pass]] = ()):
+        self._passes: dict[str, type[Pass]] = {}
+        for cls in passes:
+            self.register(cls)
+
+    def register(self, cls: type[Pass]) -> type[Pass]:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"pass {cls.__name__} must be a dataclass (its fields are its parameters)")
+        if cls.name in self._passes:
+            raise ValueError(
+                f"pass name {cls.name!r} is registered twice ({self._passes[cls.name].__name__}, {cls.__name__})"
+            )
+        self._passes[cls.name] = cls
+        return cls
+
+    def get(self, name: str) -> type[Pass]:
+        try:
+            return self._passes[name]
+        except KeyError:
+            raise PipelineSpecError(f"unknown pass {name!r}; valid passes: {', '.join(sorted(self._passes))}") from None
+
+    def __iter__(self) -> Iterator[type[Pass]]:
+        return iter(sorted(self._passes.values(), key=lambda c: c.name))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._passes
+
+
+def default_registry() -> PassRegistry:
+    """The registry of every pass graphforge ships (``graphforge.passes.REGISTRY``)."""
+    from graphforge.passes import REGISTRY
+
+    return REGISTRY
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_pipeline(text: str, registry: PassRegistry | None = None) -> list[Pass]:
+    """Parse pipeline text into pass instances; every mistake names what and where."""
+    registry = registry or default_registry()
+    if not text.strip():
+        raise PipelineSpecError("the pipeline is empty")
+    try:
+        tree = ast.parse(f"[{text}]", mode="eval")
+    except SyntaxError as exc:
+        col = max((exc.offset or 1) - 2, 0)
+        raise PipelineSpecError(f"pipeline syntax error at column {col + 1}: {text!r}") from None
+    assert isinstance(tree.body, ast.List)
+    return [_build_pass(item, registry, text) for item in tree.body.elts]
+
+
+def _build_pass(item: ast.expr, registry: PassRegistry, text: str) -> Pass:
+    if isinstance(item, ast.Name):
+        name, keywords = item.id, []
+    elif isinstance(item, ast.Call) and isinstance(item.func, ast.Name):
+        name, keywords = item.func.id, item.keywords
+        if item.args:
+            raise PipelineSpecError(f"pass {name!r}: write parameters as name=value (got a positional value)")
+    else:
+        raise PipelineSpecError(
+            f"expected a pass name or name(param=value, ...) at: {ast.get_source_segment(f'[{text}]', item)!r}"
+        )
+    cls = registry.get(name)
+    params = {p.name: p for p in cls.parameters()}
+    kwargs: dict[str, Any] = {}
+    for kw in keywords:
+        if kw.arg is None or kw.arg not in params:
+            valid = ", ".join(p.describe() for p in params.values()) or "none"
+            raise PipelineSpecError(f"pass {name!r} has no parameter {kw.arg!r}; its parameters: {valid}")
+        raw = _literal(kw.value, name, kw.arg)
+        kwargs[kw.arg] = convert_value(raw, params[kw.arg].type, where=f"pass {name!r} parameter {kw.arg!r}")
+    missing = [p.name for p in params.values() if p.required and p.name not in kwargs]
+    if missing:
+        raise PipelineSpecError(f"pass {name!r} needs parameter(s) {', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise PipelineSpecError(f"pass {name!r}: {exc}") from None
+
+
+def _literal(node: ast.expr, pass_name: str, param: str) -> Any:
+    """A value as written: numbers, strings, bare words (as strings), true/false/none, lists."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        lowered = node.id.lower()
+        return {"true": True, "false": False, "none": None}.get(lowered, node.id)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        inner = _literal(node.operand, pass_name, param)
+        if isinstance(inner, int | float) and not isinstance(inner, bool):
+            return -inner if isinstance(node.op, ast.USub) else inner
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_literal(e, pass_name, param) for e in node.elts]
+    if isinstance(node, ast.Attribute):
+        # dotted names such as a tensor "h.0.attn" are strings too
+        return ast.unparse(node)
+    raise PipelineSpecError(f"pass {pass_name!r} parameter {param!r}: cannot read value {ast.unparse(node)!r}")
+
+
+def convert_value(value: Any, tp: Any, *, where: str) -> Any:
+    """Convert a written value to the declared type, or say what was expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return convert_value(value, option, where=where)
+            except PipelineSpecError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin in (tuple, list):
+        (item_type, *_) = typing.get_args(tp)
+        items = value if isinstance(value, list) else [value]
+        converted = [convert_value(v, item_type, where=where) for v in items]
+        return tuple(converted) if origin is tuple else converted
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+    raise PipelineSpecError(f"{where}: expected {_type_name(tp)}, got {_format_value(value)!r}")

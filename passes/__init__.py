@@ -1,0 +1,32 @@
+"""Every transformation graphforge ships, and the registry that names them.
+
+The registry is an explicit list: what is registered does not depend on which modules
+happen to have been imported.
+"""
+
+from graphforge.passes.cse import CommonSubexpressionElimination
+from graphforge.passes.dce import DeadCodeElimination
+from graphforge.passes.fold_constants import FoldConstants
+from graphforge.passes.identity_elimination import IdentityElimination
+from graphforge.passes.topo_sort import TopologicalSort
+
+from graphforge.pipeline import PassRegistry
+
+REGISTRY = PassRegistry(
+    [
+        DeadCodeElimination,
+        CommonSubexpressionElimination,
+        FoldConstants,
+        IdentityElimination,
+        TopologicalSort,
+    ]
+)
+
+__all__ = [
+    "REGISTRY",
+    "CommonSubexpressionElimination",
+    "DeadCodeElimination",
+    "FoldConstants",
+    "IdentityElimination",
+    "TopologicalSort",
+]

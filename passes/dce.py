@@ -1,0 +1,31 @@
+"""Dead-code elimination: drop nodes and tensors that no graph output depends on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphforge.graph import Model
+from graphforge.ir import fingerprint
+from graphforge.pipeline import Pass, PassResult
+
+
+@dataclass(frozen=True)
+class DeadCodeElimination(Pass):
+    """Remove nodes whose results reach no graph output.
+
+    1. A node none of whose outputs feeds, directly or not, a graph output is removed,
+       in the main graph, in subgraphs and in local functions.
+    2. Initializers used only by removed nodes go with them.
+    3. Graph inputs are kept even when unused: they are the model's interface
+       (set ``remove_unused_inputs=true`` to drop them).
+    """
+
+    name = "dce"
+    remove_unused_inputs: bool = False
+
+    def run(self, model: Model) -> PassResult:
+        before = fingerprint(model.graph)
+        inputs_before = len(model.graph.inputs)
+        model.graph.cleanup(remove_unused_graph_inputs=self.remove_unused_inputs)
+        changed = fingerprint(model.graph) != before or len(model.graph.inputs) != inputs_before
+        return PassResult(model, changed)

@@ -1,0 +1,91 @@
+"""Identity and no-op elimination: bypass nodes whose output equals their first input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from onnx import helper
+
+from graphforge.graph import Model
+from graphforge.ir import all_graphs, replace_uses
+from graphforge.pipeline import Pass, PassResult
+
+
+@dataclass(frozen=True)
+class IdentityElimination(Pass):
+    """Remove nodes that pass their first input through unchanged.
+
+    No-ops recognised: ``Identity``; ``Dropout`` in inference mode (no mask read, and
+    ``training_mode`` absent or a constant false); ``Cast`` to the type the input already
+    has; ``Transpose`` with the identity permutation; ``Reshape``/``Expand`` whose input
+    and output have the same fully static shape.
+
+    1. Internal tensor: consumers read the node's input instead.
+    2. The output is a graph output and the input is produced by a node in the same
+       graph that feeds nothing else: that producer writes the graph output directly.
+    3. The output is a graph output and the input is a graph input, an initializer, or a
+       tensor with other consumers: the node stays, since the output name must stay.
+    """
+
+    name = "identity_elimination"
+
+    def run(self, model: Model) -> PassResult:
+        removed = 0
+        for graph in [*all_graphs(model.graph), *model.graph.functions]:
+            removed += _eliminate(graph)
+        if removed:
+            model.graph.cleanup()
+        return PassResult(model, removed > 0)
+
+
+def _eliminate(graph: gs.Graph) -> int:
+    removed = 0
+    graph_outputs = {id(t) for t in graph.outputs}
+    produced_here = {id(t) for n in graph.nodes for t in n.outputs}
+    for node in list(graph.nodes):
+        if not is_noop(node, graph_outputs):
+            continue
+        source, result = node.inputs[0], node.outputs[0]
+        if id(result) not in graph_outputs:  # case 1
+            replace_uses(result, source)
+            node.outputs.clear()
+            removed += 1
+        elif id(source) in produced_here and len(source.outputs) == 1 and id(source) not in graph_outputs:  # case 2
+            producer = source.inputs[0]
+            node.inputs.clear()
+            node.outputs.clear()
+            producer.outputs[producer.outputs.index(source)] = result
+            removed += 1
+    return removed
+
+
+def is_noop(node: gs.Node, graph_outputs: set[int]) -> bool:
+    """Whether ``node`` returns its first input unchanged (and has no other visible output)."""
+    if not node.inputs or not node.outputs or node.domain not in (None, "", "ai.onnx"):
+        return False
+    if any(id(t) in graph_outputs or t.outputs for t in node.outputs[1:]):
+        return False
+    x, y = node.inputs[0], node.outputs[0]
+    if node.op == "Identity":
+        return True
+    if node.op == "Dropout":
+        training = node.inputs[2] if len(node.inputs) > 2 else None
+        return (
+            training is None
+            or training.is_empty()
+            or (isinstance(training, gs.Constant) and not bool(np.asarray(training.values).item()))
+        )
+    if node.op == "Cast":
+        return x.dtype is not None and np.dtype(x.dtype) == helper.tensor_dtype_to_np_dtype(node.attrs["to"])
+    if node.op == "Transpose":
+        perm = node.attrs.get("perm")
+        return perm is not None and list(perm) == list(range(len(perm)))
+    if node.op in ("Reshape", "Expand"):
+        return _static(x.shape) and _static(y.shape) and list(x.shape) == list(y.shape)
+    return False
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(isinstance(d, int) and d >= 0 for d in shape)
