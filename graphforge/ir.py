@@ -7,6 +7,11 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_graphsurgeon as gs
 
+#: ops whose two calls with equal inputs may give different results: never merged or folded
+NONDETERMINISTIC_OPS = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+)
+
 
 def all_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
     """The graph, then every nested subgraph (If/Loop/Scan bodies), outermost first."""

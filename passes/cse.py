@@ -8,13 +8,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge.graph import Model
-from graphforge.ir import all_graphs, replace_uses
+from graphforge.ir import NONDETERMINISTIC_OPS, all_graphs, replace_uses
 from graphforge.pipeline import Pass, PassResult
-
-#: ops whose two calls with equal inputs may give different results
-NONDETERMINISTIC_OPS = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
-)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge.graph import Model, runtime_limits
-from graphforge.ir import all_graphs, fingerprint, is_parameter
+from graphforge.ir import NONDETERMINISTIC_OPS, all_graphs, fingerprint, is_parameter
 from graphforge.pipeline import Pass, PassResult
 
 
@@ -48,7 +48,7 @@ class FoldConstants(Pass):
         try:
             graph.fold_constants(
                 size_threshold=int(self.size_limit_mb * 2**20),
-                should_exclude_node=lambda node: node.op in _RANDOM_OPS,
+                should_exclude_node=lambda node: node.op in NONDETERMINISTIC_OPS,
                 error_ok=True,
             )
             graph.cleanup()
@@ -58,11 +58,6 @@ class FoldConstants(Pass):
             for tensor, values in hidden:
                 tensor.to_constant(values)
         return PassResult(model, fingerprint(graph) != before)
-
-
-_RANDOM_OPS = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
-)
 
 
 def _hide_parameters(graph: gs.Graph) -> list[tuple[gs.Tensor, np.ndarray]]:
