@@ -4,6 +4,7 @@ The registry is an explicit list: what is registered does not depend on which mo
 happen to have been imported.
 """
 
+from graphforge.passes.autodiff import Autodiff
 from graphforge.passes.cse import CommonSubexpressionElimination
 from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
@@ -14,6 +15,7 @@ from graphforge.pipeline import PassRegistry
 
 REGISTRY = PassRegistry(
     [
+        Autodiff,
         DeadCodeElimination,
         CommonSubexpressionElimination,
         FoldConstants,
@@ -24,6 +26,7 @@ REGISTRY = PassRegistry(
 
 __all__ = [
     "REGISTRY",
+    "Autodiff",
     "CommonSubexpressionElimination",
     "DeadCodeElimination",
     "FoldConstants",

@@ -1,0 +1,227 @@
+"""The builder passes use to emit standard ONNX ops into an onnx-graphsurgeon graph.
+
+It hides the opset differences rules would otherwise repeat (axes as an attribute before
+opset 13 and as an input after; ReduceMean's axes input from 18), names what it creates
+after the node it works for, and folds shapes that are statically known into constants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+TensorLike = gs.Tensor | np.ndarray | float | int
+
+#: reductions whose ``axes`` moved from an attribute to an input, and the opset where it did
+_AXES_INPUT_SINCE = {
+    "ReduceSum": 13,
+    "ReduceMean": 18,
+    "ReduceMax": 18,
+    "ReduceMin": 18,
+    "ReduceProd": 18,
+    "ReduceL1": 18,
+    "ReduceL2": 18,
+    "ReduceLogSum": 18,
+    "ReduceLogSumExp": 18,
+    "ReduceSumSquare": 18,
+    "Squeeze": 13,
+    "Unsqueeze": 13,
+}
+
+
+class Builder:
+    """Appends nodes to ``graph``. Every node and tensor it makes is named
+    ``<prefix><scope>/<op>_<n>`` so generated nodes remember where they came from."""
+
+    def __init__(self, graph: gs.Graph, *, prefix: str = ""):
+        self.graph = graph
+        self.opset = graph.opset or 13
+        self.prefix = prefix
+        self._scope = ""
+        self._ids = itertools.count()
+        self._taken = {t for t in graph.tensors()} | {n.name for n in graph.nodes if n.name}
+
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        saved, self._scope = self._scope, name
+        try:
+            yield
+        finally:
+            self._scope = saved
+
+    def fresh_name(self, what: str) -> str:
+        while True:
+            name = f"{self.prefix}{self._scope}/{what}_{next(self._ids)}"
+            if name not in self._taken:
+                self._taken.add(name)
+                return name
+
+    # ------------------------------------------------------------------ generic
+
+    def op(self, op_type: str, *inputs: TensorLike | None, outputs: int = 1, domain: str | None = None, **attrs):
+        """Emit one node; returns its output tensor (or a list when ``outputs`` > 1).
+
+        A None input is written as the empty name (an omitted optional input)."""
+        ins = [gs.Variable.empty() if x is None else self.tensor(x) for x in inputs]
+        dtype = _result_dtype(op_type, ins, attrs)
+        outs = [gs.Variable(self.fresh_name(f"{op_type}_out"), dtype=dtype) for _ in range(outputs)]
+        node = gs.Node(op_type, name=self.fresh_name(op_type), attrs=attrs, inputs=ins, outputs=outs, domain=domain)
+        self.graph.nodes.append(node)
+        return outs[0] if outputs == 1 else outs
+
+    def tensor(self, x: TensorLike) -> gs.Tensor:
+        if isinstance(x, gs.Tensor):
+            return x
+        return self.constant(np.asarray(x))
+
+    def constant(self, value: np.ndarray | float | int, dtype: np.dtype | type | None = None) -> gs.Constant:
+        array = np.asarray(value, dtype=dtype)
+        return gs.Constant(self.fresh_name("const"), array)
+
+    def scalar_like(self, value: float, like: gs.Tensor) -> gs.Constant:
+        """A 0-d constant of ``like``'s floating dtype (float32 if unknown)."""
+        return self.constant(value, dtype=like.dtype if like.dtype is not None else np.float32)
+
+    def ints(self, values: Sequence[int]) -> gs.Constant:
+        return self.constant(np.asarray(list(values), dtype=np.int64).reshape(-1))
+
+    # ------------------------------------------------------------------ arithmetic
+
+    def add(self, a, b):
+        return self.op("Add", a, b)
+
+    def sub(self, a, b):
+        return self.op("Sub", a, b)
+
+    def mul(self, a, b):
+        return self.op("Mul", a, b)
+
+    def div(self, a, b):
+        return self.op("Div", a, b)
+
+    def neg(self, a):
+        return self.op("Neg", a)
+
+    def matmul(self, a, b):
+        return self.op("MatMul", a, b)
+
+    def sum(self, tensors: Sequence[gs.Tensor]) -> gs.Tensor:
+        return tensors[0] if len(tensors) == 1 else self.op("Sum", *tensors)
+
+    # ------------------------------------------------------------------ shapes
+
+    def shape(self, x: gs.Tensor, start: int | None = None, end: int | None = None) -> gs.Tensor:
+        """Shape of ``x`` (a constant when statically known)."""
+        static = static_shape(x)
+        if static is not None:
+            return self.ints(static[start:end])
+        attrs = {}
+        if start is not None:
+            attrs["start"] = start
+        if end is not None:
+            attrs["end"] = end
+        if attrs and self.opset < 15:
+            full = self.op("Shape", x)
+            return self.op("Slice", full, self.ints([start or 0]), self.ints([end if end is not None else 2**62]))
+        return self.op("Shape", x, **attrs)
+
+    def reshape(self, x, shape):
+        return self.op("Reshape", x, shape if isinstance(shape, gs.Tensor) else self.ints(shape))
+
+    def transpose(self, x, perm: Sequence[int]):
+        return self.op("Transpose", x, perm=list(perm))
+
+    def cast(self, x, dtype) -> gs.Tensor:
+        from onnx import helper
+
+        return self.op("Cast", x, to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+
+    def cast_like(self, x, like: gs.Tensor) -> gs.Tensor:
+        return self.op("CastLike", x, like) if self.opset >= 15 else self.cast(x, like.dtype)
+
+    def expand(self, x, shape):
+        return self.op("Expand", x, shape)
+
+    def zeros_like(self, x: gs.Tensor) -> gs.Tensor:
+        return self.op("Mul", x, self.scalar_like(0.0, x)) if x.dtype is None else self._fill_like(x, 0.0)
+
+    def ones_like(self, x: gs.Tensor) -> gs.Tensor:
+        return self._fill_like(x, 1.0)
+
+    def _fill_like(self, x: gs.Tensor, value: float) -> gs.Tensor:
+        from onnx import numpy_helper
+
+        dtype = x.dtype if x.dtype is not None else np.float32
+        return self.op("ConstantOfShape", self.shape(x), value=numpy_helper.from_array(np.array([value], dtype=dtype)))
+
+    # ------------------------------------------------------------------ opset-dependent forms
+
+    def axes_op(self, op_type: str, x, axes: Sequence[int] | gs.Tensor | None, **attrs):
+        """A reduction or (Un)Squeeze with ``axes`` given the way this opset wants it."""
+        since = _AXES_INPUT_SINCE[op_type]
+        if axes is None:
+            return self.op(op_type, x, **attrs)
+        if self.opset >= since:
+            return self.op(op_type, x, axes if isinstance(axes, gs.Tensor) else self.ints(axes), **attrs)
+        if isinstance(axes, gs.Tensor):
+            raise ValueError(f"{op_type} before opset {since} needs static axes")
+        return self.op(op_type, x, axes=list(axes), **attrs)
+
+    def reduce_sum(self, x, axes, keepdims: bool = True):
+        if not isinstance(axes, gs.Tensor) and len(axes) == 0:
+            return x
+        return self.axes_op("ReduceSum", x, axes, keepdims=int(keepdims))
+
+    def unsqueeze(self, x, axes: Sequence[int]):
+        return self.axes_op("Unsqueeze", x, axes)
+
+    def squeeze(self, x, axes: Sequence[int]):
+        return self.axes_op("Squeeze", x, axes)
+
+
+_INT64_RESULT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_BOOL_RESULT = frozenset(
+    {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf"}
+)
+
+
+def _result_dtype(op_type: str, inputs: Sequence[gs.Tensor], attrs: dict) -> np.dtype | None:
+    """The element type of a node's first output where the builder can tell, so later
+    rules can make constants of the right type without shape inference."""
+    from onnx import helper
+
+    if op_type in _INT64_RESULT:
+        return np.dtype(np.int64)
+    if op_type in _BOOL_RESULT:
+        return np.dtype(bool)
+    if op_type == "Cast":
+        return helper.tensor_dtype_to_np_dtype(attrs["to"])
+    if op_type == "ConstantOfShape" and "value" in attrs:
+        value = attrs["value"]
+        return (
+            value.values.dtype if isinstance(value, gs.Constant) else helper.tensor_dtype_to_np_dtype(value.data_type)
+        )
+    if op_type == "CastLike":
+        return inputs[1].dtype
+    if op_type == "Where":
+        return inputs[1].dtype
+    return next((t.dtype for t in inputs if not t.is_empty() and t.dtype is not None), None)
+
+
+def static_shape(x: gs.Tensor) -> tuple[int, ...] | None:
+    """The shape as integers, or None if any dim is symbolic or unknown."""
+    if isinstance(x, gs.Constant):
+        return tuple(x.shape)
+    shape = x.shape
+    if shape is None or not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def rank(x: gs.Tensor) -> int | None:
+    shape = x.shape
+    return None if shape is None else len(shape)

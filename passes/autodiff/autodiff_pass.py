@@ -1,0 +1,142 @@
+"""The autodiff pass: append the backward graph of the loss, in standard ONNX ops."""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients
+
+from graphforge import roles
+from graphforge.errors import PassError
+from graphforge.graph import Model
+from graphforge.ir import is_parameter
+from graphforge.pipeline import Pass, PassResult
+from graphforge.shapes import infer_shapes
+
+
+@dataclass(frozen=True)
+class Autodiff(Pass):
+    """Build the gradient of the scalar loss with respect to the trainable parameters.
+
+    1. The loss is the graph output named by ``loss`` (default ``loss``, as the loss pass
+       writes it); it must hold one element, or the pass refuses.
+    2. Parameters are the floating-point initializers whose names match a ``trainable``
+       glob and no ``frozen`` glob (default: all of them). ``inputs`` names graph inputs
+       to differentiate as well (their gradients are ``<input>_grad`` too).
+    3. The gradient of parameter ``P`` becomes the graph output ``P_grad``; the original
+       outputs stay (``keep_outputs=false`` keeps only the loss and the gradients).
+    4. Parameters the loss does not depend on get no output and are listed in a warning;
+       a loss that depends on none of them is an error.
+    5. Roles (loss, parameters, gradients) are recorded in the model's metadata.
+    Only standard ai.onnx operators are emitted.
+    """
+
+    name = "autodiff"
+    loss: str = "loss"
+    trainable: tuple[str, ...] = ("*",)
+    frozen: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    keep_outputs: bool = True
+
+    def run(self, model: Model) -> PassResult:
+        model = infer_shapes(model)
+        graph = model.graph
+        loss = self._loss_tensor(graph)
+        params = self._parameters(graph)
+        extra_inputs = self._inputs(graph)
+        wrt = params + extra_inputs
+        if not wrt:
+            raise PassError(
+                f"no trainable parameters match trainable={list(self.trainable)} frozen={list(self.frozen)}"
+            )
+        grads = build_gradients(graph, loss, wrt)
+        if not grads:
+            raise PassError(f"the loss {loss.name!r} depends on none of the {len(wrt)} trainable tensors")
+        missing = [t.name for t in wrt if id(t) not in grads]
+        if missing:
+            warnings.warn(
+                f"autodiff: the loss does not depend on {len(missing)} parameter(s), which get no gradient: "
+                + ", ".join(missing),
+                stacklevel=2,
+            )
+
+        outputs = list(graph.outputs) if self.keep_outputs else [loss]
+        if loss not in outputs:
+            outputs.insert(0, loss)
+        gradient_names = {}
+        taken = set(graph.tensors())
+        for t in wrt:
+            if id(t) not in grads:
+                continue
+            name = roles.grad_name(t.name)
+            if name in taken and graph.tensors()[name] is not grads[id(t)]:
+                raise PassError(
+                    f"cannot name the gradient of {t.name!r} {name!r}: the model already has a tensor with that name"
+                )
+            outputs.append(_named_output(graph, grads[id(t)], name, t, outputs))
+            gradient_names[t.name] = name
+        graph.outputs = outputs
+        graph.cleanup()
+
+        roles.set_json(model, roles.PARAMETERS, [t.name for t in params])
+        roles.set_json(model, roles.GRADIENTS, gradient_names)
+        model.metadata[roles.LOSS] = loss.name
+        return PassResult(model, True)
+
+    def _loss_tensor(self, graph: gs.Graph) -> gs.Tensor:
+        loss = next((t for t in graph.outputs if t.name == self.loss), None)
+        if loss is None:
+            outputs = ", ".join(t.name for t in graph.outputs)
+            raise PassError(
+                f"the model has no output {self.loss!r} to use as the loss (outputs: {outputs}); "
+                "add one with the loss pass, e.g. loss(kind=cross_entropy, output=logits)"
+            )
+        shape = loss.shape
+        if shape is None or not all(isinstance(d, int | np.integer) and d == 1 for d in shape):
+            raise PassError(f"the loss {loss.name!r} must be a scalar (one element), but its shape is {shape}")
+        return loss
+
+    def _parameters(self, graph: gs.Graph) -> list[gs.Tensor]:
+        seen: dict[str, gs.Tensor] = {}
+        for node in graph.nodes:
+            for t in node.inputs:
+                if is_parameter(t) and t.name not in seen and self._is_trainable(t.name):
+                    seen[t.name] = t
+        return list(seen.values())
+
+    def _is_trainable(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.trainable) and not any(
+            fnmatch.fnmatchcase(name, p) for p in self.frozen
+        )
+
+    def _inputs(self, graph: gs.Graph) -> list[gs.Tensor]:
+        by_name = {t.name: t for t in graph.inputs}
+        unknown = [n for n in self.inputs if n not in by_name]
+        if unknown:
+            raise PassError(f"inputs={unknown} are not graph inputs; the graph inputs are: {', '.join(by_name)}")
+        return [by_name[n] for n in self.inputs]
+
+
+def _named_output(graph: gs.Graph, grad: gs.Tensor, name: str, like: gs.Tensor, outputs: list[gs.Tensor]) -> gs.Tensor:
+    """Expose ``grad`` as the graph output ``name``, renaming it when it is a fresh backward
+    tensor and going through an Identity when it is shared (a forward tensor, a constant,
+    or the gradient of a tied parameter already exposed under another name)."""
+    fresh = (
+        isinstance(grad, gs.Variable)
+        and grad.name.startswith(GRAD_PREFIX)
+        and not any(grad is o for o in outputs)
+        and not any(grad is o for o in graph.outputs)
+    )
+    if fresh:
+        out = grad
+        out.name = name
+    else:
+        out = gs.Variable(name)
+        graph.nodes.append(gs.Node("Identity", name=f"{GRAD_PREFIX}{name}/Identity", inputs=[grad], outputs=[out]))
+    out.dtype = like.dtype
+    out.shape = list(like.shape) if like.shape is not None else None
+    return out

@@ -1,0 +1,156 @@
+"""What a gradient rule sees: the forward node, a builder scoped to it, and shape helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from graphforge.builder import Builder, rank, static_shape
+from graphforge.errors import PassError
+
+
+class GradContext:
+    """Handed to a rule for one forward node.
+
+    ``b`` emits backward nodes (named after the forward node). ``x(i)``/``y(i)`` are the
+    node's i-th input/output (None when absent). Shapes come from ONNX shape inference:
+    static where known, otherwise the helpers emit ``Shape`` ops so the gradient stays
+    correct for every batch size and sequence length.
+    """
+
+    def __init__(self, node: gs.Node, builder: Builder, opset: int):
+        self.node = node
+        self.b = builder
+        self.opset = opset
+
+    # -------------------------------------------------------------- the forward node
+
+    def x(self, i: int) -> gs.Tensor | None:
+        inputs = self.node.inputs
+        return inputs[i] if i < len(inputs) and not inputs[i].is_empty() else None
+
+    def y(self, i: int = 0) -> gs.Tensor | None:
+        outputs = self.node.outputs
+        return outputs[i] if i < len(outputs) and not outputs[i].is_empty() else None
+
+    def attr(self, name: str, default=None):
+        return self.node.attrs.get(name, default)
+
+    def const_value(self, i: int) -> np.ndarray | None:
+        """The value of input i when it is a constant (an initializer or a Constant node)."""
+        t = self.x(i)
+        if t is None:
+            return None
+        if isinstance(t, gs.Constant):
+            return np.asarray(t.values)
+        producer = t.inputs[0] if t.inputs else None
+        if producer is not None and producer.op == "Constant":
+            value = producer.attrs.get("value")
+            if isinstance(value, gs.Constant):
+                return np.asarray(value.values)
+            for key in ("value_int", "value_ints", "value_float", "value_floats"):
+                if key in producer.attrs:
+                    return np.asarray(producer.attrs[key])
+        return None
+
+    def axes(self, i: int, attr: str = "axes") -> list[int] | None:
+        """Axes given as an attribute (old opsets) or as constant input i (new ones), normalised
+        to non-negative numbers when the rank is known. None if absent (meaning: all)."""
+        value = self.attr(attr)
+        if value is None:
+            const = self.const_value(i)
+            if const is None:
+                if self.x(i) is not None:
+                    self.fail(f"input {i} ({attr}) must be a constant to differentiate this node")
+                return None
+            value = const.reshape(-1).tolist()
+        r = rank(self.node.inputs[0])
+        return [int(a) + r if r is not None and a < 0 else int(a) for a in value]
+
+    def rank(self, t: gs.Tensor) -> int:
+        r = rank(t)
+        if r is None:
+            self.fail(f"the rank of {t.name!r} is unknown (shape inference could not tell)")
+        return r
+
+    def static_shape(self, t: gs.Tensor) -> tuple[int, ...] | None:
+        return static_shape(t)
+
+    def shape(self, t: gs.Tensor) -> gs.Tensor:
+        return self.b.shape(t)
+
+    def fail(self, message: str) -> None:
+        raise PassError(f"cannot differentiate: {message}", node=self.node.name, op_type=self.node.op)
+
+    # -------------------------------------------------------------- small helpers rules share
+
+    def scalar(self, value: float, like: gs.Tensor) -> gs.Constant:
+        return self.b.scalar_like(value, like)
+
+    def dy_or_zeros(self, dys, i: int) -> gs.Tensor:
+        """Output i's gradient, or zeros of its shape when no gradient reaches that output
+        (multi-output ops like Split whose outputs are not all used)."""
+        return dys[i] if dys[i] is not None else self.b.zeros_like(self.node.outputs[i])
+
+    def ensure_output(self, i: int, name: str) -> gs.Tensor:
+        """The forward node's output i, adding it if the model did not ask for it
+        (MaxPool's indices, Dropout's mask): the backward pass reads it."""
+        outputs = self.node.outputs
+        while len(outputs) <= i:
+            outputs.append(gs.Variable.empty())
+        if outputs[i].is_empty():
+            outputs[i] = gs.Variable(self.b.fresh_name(name))
+        return outputs[i]
+
+    def unbroadcast(self, grad: gs.Tensor, grad_shape, x: gs.Tensor) -> gs.Tensor:
+        """Sum ``grad`` (shaped ``grad_shape``, a broadcast result) down to ``x``'s shape."""
+        return _unbroadcast(self, grad, grad_shape, x)
+
+
+def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor) -> gs.Tensor:
+    """Sum ``grad`` (of shape ``grad_shape``, the broadcast result's) down to ``x``'s shape.
+
+    Axes that are equal (same number or same symbolic name) are kept; axes where x has a
+    static 1 are summed statically; any other case is decided at run time."""
+    if x.shape is None or grad_shape is None:
+        ctx.fail(f"un-broadcasting needs the rank of {x.name!r} and of its gradient; shape inference did not give them")
+    xs, gs_ = list(x.shape), list(grad_shape)
+    lead = len(gs_) - len(xs)
+    if lead < 0:
+        ctx.fail(f"input {x.name!r} has a higher rank than its broadcast result")
+    axes = list(range(lead))
+    dynamic = False
+    for i, (xd, gd) in enumerate(zip(xs, gs_[lead:], strict=True)):
+        if _same_dim(xd, gd):
+            continue
+        if xd == 1:
+            axes.append(lead + i)
+        else:
+            dynamic = True
+    b = ctx.b
+    if dynamic:
+        return _unbroadcast_dynamic(b, grad, x, lead)
+    if not axes:
+        return grad
+    summed = b.reduce_sum(grad, axes, keepdims=True)
+    return b.reshape(summed, b.shape(x)) if lead else summed
+
+
+def _same_dim(a, b) -> bool:
+    if isinstance(a, int | np.integer) and isinstance(b, int | np.integer):
+        return int(a) == int(b) and a >= 0
+    return isinstance(a, str) and a == b
+
+
+def _unbroadcast_dynamic(builder: Builder, grad: gs.Tensor, x: gs.Tensor, lead: int) -> gs.Tensor:
+    """Reduce over the axes where x has size 1 and grad does not, found at run time."""
+    b = builder
+    x_shape = b.shape(x)
+    if lead:
+        x_shape = b.op("Concat", b.ints([1] * lead), x_shape, axis=0)
+    g_shape = b.op("Shape", grad)
+    one = b.ints([1])
+    broadcast = b.op("And", b.op("Equal", x_shape, one), b.op("Not", b.op("Equal", g_shape, one)))
+    axes = b.reshape(b.op("NonZero", broadcast), [-1])
+    summed = b.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
+    return b.reshape(summed, b.shape(x))

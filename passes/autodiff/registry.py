@@ -1,0 +1,89 @@
+"""The gradient-rule registry: one small function per op type, in an explicit table.
+
+A rule receives a GradContext (the forward node, a builder, shape helpers) and the
+gradients of the node's outputs (None where none flows), and returns one gradient per
+forward input: a tensor, or None for an input that takes none (a Reshape's shape).
+The driver does the shared work: ordering, summing, un-broadcasting, dtype checks.
+
+Helpers make each family one line: ``unary`` for elementwise ops of one input,
+``nondifferentiable`` for ops whose outputs carry no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx_graphsurgeon as gs
+    from graphforge.passes.autodiff.context import GradContext
+
+Grads = Sequence["gs.Tensor | None"]
+RuleFn = Callable[["GradContext", Grads], Sequence["gs.Tensor | None"]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    op_type: str
+    fn: RuleFn | None  # None: non-differentiable, no gradient flows through
+    since: int = 1  # first ai.onnx opset the rule handles
+    until: int | None = None  # last one (None: up to the newest)
+    broadcast: bool = False  # inputs broadcast numpy-style: the driver un-broadcasts each gradient
+    domain: str = ""
+
+    @property
+    def differentiable(self) -> bool:
+        return self.fn is not None
+
+    def covers(self, opset: int) -> bool:
+        return self.since <= opset and (self.until is None or opset <= self.until)
+
+
+class RuleRegistry:
+    """op type → Rule. A second rule for the same (domain, op type) is refused."""
+
+    def __init__(self) -> None:
+        self._rules: dict[tuple[str, str], Rule] = {}
+
+    def add(self, rule: Rule) -> Rule:
+        key = (rule.domain, rule.op_type)
+        if key in self._rules:
+            raise ValueError(f"a gradient rule for {rule.op_type!r} is already registered")
+        self._rules[key] = rule
+        return rule
+
+    def get(self, op_type: str, domain: str | None = "") -> Rule | None:
+        return self._rules.get((domain or "", op_type))
+
+    def __iter__(self):
+        return iter(sorted(self._rules.values(), key=lambda r: (r.domain, r.op_type)))
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def op_types(self) -> list[str]:
+        return sorted(r.op_type for r in self._rules.values())
+
+    # -------------------------------------------------------------- decorators and helpers
+
+    def gradient(self, op_type: str, *, since: int = 1, until: int | None = None, broadcast: bool = False):
+        """Register the decorated function as ``op_type``'s rule."""
+
+        def register(fn: RuleFn) -> RuleFn:
+            self.add(Rule(op_type, fn, since, until, broadcast))
+            return fn
+
+        return register
+
+    def unary(self, op_type: str, dx: Callable[[GradContext, gs.Tensor], gs.Tensor], *, since: int = 1) -> None:
+        """An elementwise op of one differentiable input: ``dx(ctx, dy)`` is its gradient."""
+        self.add(Rule(op_type, lambda ctx, dys: [dx(ctx, dys[0]), *[None] * (len(ctx.node.inputs) - 1)], since))
+
+    def nondifferentiable(self, *op_types: str, since: int = 1) -> None:
+        """Ops through which no gradient flows (integer/bool results, or a zero derivative)."""
+        for op_type in op_types:
+            self.add(Rule(op_type, None, since))
+
+
+RULES = RuleRegistry()

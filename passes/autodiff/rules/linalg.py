@@ -1,0 +1,70 @@
+"""Matrix products: MatMul (with batch broadcasting and 1-D operands) and Gemm."""
+
+from __future__ import annotations
+
+from graphforge.passes.autodiff.registry import RULES
+
+gradient = RULES.gradient
+
+
+def _swap_last_two(ctx, t):
+    r = len(t.shape)
+    return ctx.b.transpose(t, [*range(r - 2), r - 1, r - 2])
+
+
+@gradient("MatMul")
+def matmul(ctx, dys):
+    # numpy semantics: a 1-D left operand is a row vector, a 1-D right operand a column,
+    # batch dims broadcast. Promote 1-D operands (and dy with them), take the 2-D
+    # gradients, un-broadcast the batch dims, and drop the promoted axis again.
+    b, a, w, dy = ctx.b, ctx.x(0), ctx.x(1), dys[0]
+    ra, rw = ctx.rank(a), ctx.rank(w)
+    y_shape = list(ctx.y().shape)
+    a2, w2 = a, w
+    if ra == 1:
+        axis = len(y_shape) - 1 if rw > 1 else 0
+        a2, dy = _promoted(ctx, a, 0), b.unsqueeze(dy, [axis])
+        y_shape.insert(axis, 1)
+    if rw == 1:
+        w2, dy = _promoted(ctx, w, 1), b.unsqueeze(dy, [len(y_shape)])
+        y_shape.append(1)
+    batch = y_shape[:-2]
+    da = b.matmul(dy, _swap_last_two(ctx, w2))
+    dw = b.matmul(_swap_last_two(ctx, a2), dy)
+    da = ctx.unbroadcast(da, [*batch, *a2.shape[-2:]], a2)
+    dw = ctx.unbroadcast(dw, [*batch, *w2.shape[-2:]], w2)
+    if ra == 1:
+        da = b.reshape(da, b.shape(a))
+    if rw == 1:
+        dw = b.reshape(dw, b.shape(w))
+    return [da, dw]
+
+
+def _promoted(ctx, t, axis: int):
+    """``t`` (1-D) with a unit axis inserted, annotated with its shape for un-broadcasting."""
+    out = ctx.b.unsqueeze(t, [axis])
+    shape = list(t.shape)
+    shape.insert(axis, 1)
+    out.shape, out.dtype = shape, t.dtype
+    return out
+
+
+@gradient("Gemm")
+def gemm(ctx, dys):
+    # Y = alpha * A' B' + beta * C with A' = A^T if transA, B' = B^T if transB
+    b, a, w, c, dy = ctx.b, ctx.x(0), ctx.x(1), ctx.x(2), dys[0]
+    alpha, beta = ctx.attr("alpha", 1.0), ctx.attr("beta", 1.0)
+    ta, tb = ctx.attr("transA", 0), ctx.attr("transB", 0)
+    if ta:
+        da = b.op("Gemm", w, dy, alpha=alpha, transA=tb, transB=1)
+    else:
+        da = b.op("Gemm", dy, w, alpha=alpha, transB=0 if tb else 1)
+    if tb:
+        dw = b.op("Gemm", dy, a, alpha=alpha, transA=1, transB=ta)
+    else:
+        dw = b.op("Gemm", a, dy, alpha=alpha, transA=0 if ta else 1)
+    dc = None
+    if c is not None:
+        scaled = dy if beta == 1.0 else b.mul(dy, ctx.scalar(beta, dy))
+        dc = ctx.unbroadcast(scaled, ctx.y().shape, c)
+    return [da, dw, dc]

@@ -1,0 +1,149 @@
+"""Data movement: reshapes, transposes, concatenation, splitting, slicing, gathering.
+
+Ops that pick elements (Slice, Gather*) are differentiated by scattering the gradient
+back: ScatterElements/ScatterND with ``reduction="add"`` (opset 16+) where an element may
+be picked more than once, and a one-hot MatMul for Gather below opset 16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from graphforge.passes.autodiff.registry import RULES
+
+gradient = RULES.gradient
+
+
+def _like_input(ctx, dy):
+    """dy reshaped to the first input's shape: the whole rule for view-like ops."""
+    return [ctx.b.reshape(dy[0], ctx.shape(ctx.x(0))), *[None] * (len(ctx.node.inputs) - 1)]
+
+
+for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
+    gradient(_op)(_like_input)
+
+
+@gradient("Transpose")
+def transpose(ctx, dys):
+    perm = ctx.attr("perm") or list(reversed(range(ctx.rank(ctx.x(0)))))
+    return [ctx.b.transpose(dys[0], list(np.argsort(perm)))]
+
+
+@gradient("Expand")
+def expand(ctx, dys):
+    return [ctx.unbroadcast(dys[0], ctx.y().shape, ctx.x(0)), None]
+
+
+def _dim(ctx, t, axis: int):
+    """Size of ``t`` along ``axis`` as a 1-element int64 tensor (a constant when static)."""
+    return ctx.b.shape(t, axis, axis + 1 if axis != -1 else None)
+
+
+def _split(ctx, t, sizes, axis: int, count: int):
+    b = ctx.b
+    if ctx.opset >= 13:
+        return b.op("Split", t, sizes, axis=axis, outputs=count)
+    static = sizes.values.tolist() if hasattr(sizes, "values") else None
+    if static is None:
+        ctx.fail("Split before opset 13 needs static sizes")
+    return b.op("Split", t, axis=axis, split=static, outputs=count)
+
+
+@gradient("Concat")
+def concat(ctx, dys):
+    axis = ctx.attr("axis")
+    if axis < 0:
+        axis += ctx.rank(ctx.y())
+    inputs = ctx.node.inputs
+    static = [ctx.static_shape(x) for x in inputs]
+    if all(s is not None for s in static):
+        sizes = ctx.b.ints([s[axis] for s in static])
+    else:
+        sizes = ctx.b.op("Concat", *[_dim(ctx, x, axis) for x in inputs], axis=0)
+    parts = _split(ctx, dys[0], sizes, axis, len(inputs))
+    return parts if len(inputs) > 1 else [parts]
+
+
+@gradient("Split")
+def split(ctx, dys):
+    axis = ctx.attr("axis", 0)
+    parts = [ctx.dy_or_zeros(dys, i) for i in range(len(ctx.node.outputs))]
+    return [ctx.b.op("Concat", *parts, axis=axis), *[None] * (len(ctx.node.inputs) - 1)]
+
+
+def _flat_positions(ctx, x):
+    """An int64 tensor shaped like ``x`` holding each element's flat position."""
+    b = ctx.b
+    size = (
+        b.reshape(b.op("Size", x), [1]) if ctx.static_shape(x) is None else b.ints([int(np.prod(ctx.static_shape(x)))])
+    )
+    count = b.squeeze(size, [0])
+    positions = b.op("Range", b.constant(np.array(0, np.int64)), count, b.constant(np.array(1, np.int64)))
+    return b.reshape(positions, ctx.shape(x)), size
+
+
+def _scatter_flat(ctx, x, positions, dy, accumulate: bool):
+    """A tensor shaped like ``x``: zeros, plus dy added at the given flat positions."""
+    b = ctx.b
+    zeros = b.reshape(b.zeros_like(x), [-1])
+    attrs = {"reduction": "add"} if accumulate else {}
+    flat = b.op("ScatterElements", zeros, b.reshape(positions, [-1]), b.reshape(dy, [-1]), axis=0, **attrs)
+    return b.reshape(flat, ctx.shape(x))
+
+
+@gradient("Slice")
+def slice_(ctx, dys):
+    # Slice the tensor of flat positions the same way: that says where each result element
+    # came from, whatever the starts, ends, steps and clamping; no element is picked twice.
+    positions, _ = _flat_positions(ctx, ctx.x(0))
+    picked = ctx.b.op("Slice", positions, *ctx.node.inputs[1:])
+    return [_scatter_flat(ctx, ctx.x(0), picked, dys[0], accumulate=False), *[None] * (len(ctx.node.inputs) - 1)]
+
+
+@gradient("Gather")
+def gather(ctx, dys):
+    b, data, indices, dy = ctx.b, ctx.x(0), ctx.x(1), dys[0]
+    axis = ctx.attr("axis", 0)
+    r = ctx.rank(data)
+    axis = axis + r if axis < 0 else axis
+    if ctx.opset < 16:
+        return [_gather_one_hot(ctx, data, indices, dy, axis), None]
+    # updates: dy with the index dims flattened into one; indices: broadcast along the rest
+    head = [b.shape(data, 0, axis)] if axis else []
+    tail = [b.shape(data, axis + 1)] if axis + 1 < r else []
+    updates_shape = b.op("Concat", *head, b.ints([-1]), *tail, axis=0)
+    updates = b.reshape(dy, updates_shape)
+    flat_idx = b.reshape(indices, [1] * axis + [-1] + [1] * (r - axis - 1))
+    idx = b.expand(flat_idx, b.op("Shape", updates))
+    dx = b.op("ScatterElements", b.zeros_like(data), idx, updates, axis=axis, reduction="add")
+    return [dx, None]
+
+
+def _gather_one_hot(ctx, data, indices, dy, axis: int):
+    """Below opset 16 there is no scatter-add: dx = onehot(indices)^T @ dy, on axis 0."""
+    b = ctx.b
+    if axis != 0:
+        ctx.fail("Gather gradients before opset 16 are supported on axis 0 only")
+    values = b.constant(np.array([0, 1], dtype=data.dtype or np.float32))
+    one_hot = b.op("OneHot", b.reshape(indices, [-1]), b.shape(data, 0, 1), values, axis=-1)  # [n, V]
+    rows = b.op("Flatten", b.reshape(dy, b.op("Concat", b.ints([-1]), b.shape(data, 1), axis=0)), axis=1)
+    dx = b.matmul(b.transpose(one_hot, [1, 0]), rows)
+    return b.reshape(dx, ctx.shape(data))
+
+
+@gradient("GatherElements", since=11)
+def gather_elements(ctx, dys):
+    b = ctx.b
+    if ctx.opset < 16:
+        ctx.fail("GatherElements gradients need opset 16+ (ScatterElements with reduction=add)")
+    dx = b.op("ScatterElements", b.zeros_like(ctx.x(0)), ctx.x(1), dys[0], axis=ctx.attr("axis", 0), reduction="add")
+    return [dx, None]
+
+
+@gradient("GatherND", since=11)
+def gather_nd(ctx, dys):
+    b = ctx.b
+    if ctx.attr("batch_dims", 0):
+        ctx.fail("GatherND with batch_dims > 0 is not differentiable yet")
+    if ctx.opset < 16:
+        ctx.fail("GatherND gradients need opset 16+ (ScatterND with reduction=add)")
+    return [b.op("ScatterND", b.zeros_like(ctx.x(0)), ctx.x(1), dys[0], reduction="add"), None]
