@@ -189,6 +189,97 @@ _BOOL_RESULT = frozenset(
 )
 
 
+_SAME_AS_FIRST = frozenset(
+    [
+        "Abs",
+        "Acos",
+        "Acosh",
+        "Add",
+        "Asin",
+        "Asinh",
+        "Atan",
+        "Atanh",
+        "AveragePool",
+        "BatchNormalization",
+        "Ceil",
+        "Clip",
+        "Concat",
+        "Conv",
+        "ConvTranspose",
+        "Cos",
+        "Cosh",
+        "CumSum",
+        "DepthToSpace",
+        "Div",
+        "Einsum",
+        "Elu",
+        "Erf",
+        "Exp",
+        "Expand",
+        "Flatten",
+        "Floor",
+        "Gather",
+        "GatherElements",
+        "GatherND",
+        "Gemm",
+        "GlobalAveragePool",
+        "GlobalMaxPool",
+        "Identity",
+        "InstanceNormalization",
+        "LayerNormalization",
+        "LeakyRelu",
+        "Log",
+        "LogSoftmax",
+        "MatMul",
+        "Max",
+        "MaxPool",
+        "Mean",
+        "Min",
+        "Mul",
+        "Neg",
+        "Pad",
+        "Pow",
+        "Range",
+        "Reciprocal",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceMax",
+        "ReduceMean",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceSum",
+        "ReduceSumSquare",
+        "Relu",
+        "Reshape",
+        "Resize",
+        "Round",
+        "ScatterElements",
+        "ScatterND",
+        "Sigmoid",
+        "Sign",
+        "Sin",
+        "Sinh",
+        "Slice",
+        "Softmax",
+        "Softplus",
+        "SpaceToDepth",
+        "Split",
+        "Sqrt",
+        "Squeeze",
+        "Sub",
+        "Sum",
+        "Tan",
+        "Tanh",
+        "Tile",
+        "Transpose",
+        "Trilu",
+        "Unsqueeze",
+    ]
+)
+
+
 def _result_dtype(op_type: str, inputs: Sequence[gs.Tensor], attrs: dict) -> np.dtype | None:
     """The element type of a node's first output where the builder can tell, so later
     rules can make constants of the right type without shape inference."""
@@ -205,11 +296,13 @@ def _result_dtype(op_type: str, inputs: Sequence[gs.Tensor], attrs: dict) -> np.
         return (
             value.values.dtype if isinstance(value, gs.Constant) else helper.tensor_dtype_to_np_dtype(value.data_type)
         )
-    if op_type == "CastLike":
+    if op_type in ("CastLike", "Where"):
         return inputs[1].dtype
-    if op_type == "Where":
-        return inputs[1].dtype
-    return next((t.dtype for t in inputs if not t.is_empty() and t.dtype is not None), None)
+    if op_type == "OneHot":
+        return inputs[2].dtype
+    if op_type in _SAME_AS_FIRST and inputs and not inputs[0].is_empty():
+        return inputs[0].dtype
+    return None  # unknown here: leave it to shape inference rather than guess wrong
 
 
 def static_shape(x: gs.Tensor) -> tuple[int, ...] | None:

@@ -5,6 +5,7 @@ happen to have been imported.
 """
 
 from graphforge.passes.autodiff import Autodiff
+from graphforge.passes.loss import Loss
 from graphforge.passes.cse import CommonSubexpressionElimination
 from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
@@ -16,6 +17,7 @@ from graphforge.pipeline import PassRegistry
 REGISTRY = PassRegistry(
     [
         Autodiff,
+        Loss,
         DeadCodeElimination,
         CommonSubexpressionElimination,
         FoldConstants,
@@ -27,6 +29,7 @@ REGISTRY = PassRegistry(
 __all__ = [
     "REGISTRY",
     "Autodiff",
+    "Loss",
     "CommonSubexpressionElimination",
     "DeadCodeElimination",
     "FoldConstants",

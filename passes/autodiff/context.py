@@ -111,9 +111,10 @@ def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor) ->
     """Sum ``grad`` (of shape ``grad_shape``, the broadcast result's) down to ``x``'s shape.
 
     Axes that are equal (same number or same symbolic name) are kept; axes where x has a
-    static 1 are summed statically; any other case is decided at run time."""
+    static 1 are summed statically; anything else (symbolic dims, unknown ranks) is
+    decided at run time from the two shapes."""
     if x.shape is None or grad_shape is None:
-        ctx.fail(f"un-broadcasting needs the rank of {x.name!r} and of its gradient; shape inference did not give them")
+        return _unbroadcast_dynamic(ctx, grad, x, None)
     xs, gs_ = list(x.shape), list(grad_shape)
     lead = len(gs_) - len(xs)
     if lead < 0:
@@ -129,7 +130,7 @@ def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor) ->
             dynamic = True
     b = ctx.b
     if dynamic:
-        return _unbroadcast_dynamic(b, grad, x, lead)
+        return _unbroadcast_dynamic(ctx, grad, x, lead)
     if not axes:
         return grad
     summed = b.reduce_sum(grad, axes, keepdims=True)
@@ -142,15 +143,27 @@ def _same_dim(a, b) -> bool:
     return isinstance(a, str) and a == b
 
 
-def _unbroadcast_dynamic(builder: Builder, grad: gs.Tensor, x: gs.Tensor, lead: int) -> gs.Tensor:
-    """Reduce over the axes where x has size 1 and grad does not, found at run time."""
-    b = builder
-    x_shape = b.shape(x)
-    if lead:
+def _unbroadcast_dynamic(ctx: GradContext, grad: gs.Tensor, x: gs.Tensor, lead: int | None) -> gs.Tensor:
+    """Reduce over the axes where x has size 1 (or is missing) and grad does not, with the
+    axes found at run time; ``lead`` (extra leading axes of grad) may be unknown too."""
+    b = ctx.b
+    if ctx.opset < 13:
+        ctx.fail("un-broadcasting over symbolic dims needs opset 13+ (ReduceSum with run-time axes)")
+    x_shape, g_shape = b.shape(x), b.op("Shape", grad)
+    if lead is None:
+        missing = b.sub(b.op("Size", g_shape), b.op("Size", x_shape))
+        ones = b.op("ConstantOfShape", b.reshape(missing, [1]), value=_int64_one())
+        x_shape = b.op("Concat", ones, x_shape, axis=0)
+    elif lead:
         x_shape = b.op("Concat", b.ints([1] * lead), x_shape, axis=0)
-    g_shape = b.op("Shape", grad)
     one = b.ints([1])
     broadcast = b.op("And", b.op("Equal", x_shape, one), b.op("Not", b.op("Equal", g_shape, one)))
     axes = b.reshape(b.op("NonZero", broadcast), [-1])
     summed = b.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
     return b.reshape(summed, b.shape(x))
+
+
+def _int64_one():
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.array([1], dtype=np.int64))

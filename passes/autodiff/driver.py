@@ -75,6 +75,9 @@ def build_gradients(
         with builder.scope(node.name or node.op):
             ctx = GradContext(node, builder, opset)
             dxs = list(rule.fn(ctx, dys))
+            # rules may list every optional input; trailing ones the node omits must get None
+            while len(dxs) > len(node.inputs) and dxs[-1] is None:
+                dxs.pop()
             if len(dxs) != len(node.inputs):
                 raise PassError(
                     f"gradient rule for {node.op} returned {len(dxs)} gradients for {len(node.inputs)} inputs",

@@ -123,7 +123,7 @@ def _gather_one_hot(ctx, data, indices, dy, axis: int):
     b = ctx.b
     if axis != 0:
         ctx.fail("Gather gradients before opset 16 are supported on axis 0 only")
-    values = b.constant(np.array([0, 1], dtype=data.dtype or np.float32))
+    values = b.constant(np.array([0, 1], dtype=data.dtype if data.dtype is not None else np.float32))
     one_hot = b.op("OneHot", b.reshape(indices, [-1]), b.shape(data, 0, 1), values, axis=-1)  # [n, V]
     rows = b.op("Flatten", b.reshape(dy, b.op("Concat", b.ints([-1]), b.shape(data, 1), axis=0)), axis=1)
     dx = b.matmul(b.transpose(one_hot, [1, 0]), rows)

@@ -1,0 +1,185 @@
+"""Numeric gradient checking of one ONNX op: the machinery behind the per-op table.
+
+A case is one node. Its model feeds every input from a graph input, and the loss is
+sum(y_k * R_k) over the node's float outputs with fixed random R_k, so every element of
+every output matters. The autodiff pass differentiates with respect to the inputs the
+case marks; central differences on the forward model, run by onnxruntime, are the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from graphforge.passes import Autodiff
+from onnx import helper, numpy_helper
+
+import graphforge
+
+DOUBLE, FLOAT = np.float64, np.float32
+
+
+@dataclass
+class Case:
+    """One row of the table.
+
+    inputs: the node's inputs in order, each an ndarray (used as given; float arrays are cast
+      to the case dtype) or None for an omitted optional input.
+    grad: indices of the inputs to differentiate (default: every floating-point input).
+    const: indices of inputs fed as initializers instead of graph inputs (axes, shapes, ...).
+    """
+
+    op: str
+    inputs: list
+    attrs: dict = field(default_factory=dict)
+    grad: list[int] | None = None
+    const: tuple[int, ...] = ()
+    opset: int = 18
+    outputs: int = 1
+    rtol: float = 1e-5
+    atol: float = 1e-6
+    f32_rtol: float = 2e-2
+    f32_atol: float = 2e-3
+    eps: float | None = None
+    id: str = ""
+    symbolic: bool = True  # also check with every input dim symbolic
+
+    def label(self) -> str:
+        return self.id or self.op
+
+
+def _is_float(a) -> bool:
+    return a is not None and np.issubdtype(np.asarray(a).dtype, np.floating)
+
+
+def build_model(case: Case, dtype, *, symbolic: bool = False) -> tuple[onnx.ModelProto, dict, list[str]]:
+    """The one-node model, its feeds, and the names of the inputs to differentiate."""
+    rng = np.random.default_rng(1234)
+    graph_inputs, initializers, names, feeds = [], [], [], {}
+    grad = case.grad if case.grad is not None else [i for i, a in enumerate(case.inputs) if _is_float(a)]
+    wrt = []
+    for i, value in enumerate(case.inputs):
+        if value is None:
+            names.append("")
+            continue
+        name = f"in{i}"
+        names.append(name)
+        arr = np.asarray(value)
+        if _is_float(arr):
+            arr = arr.astype(dtype)
+        if i in case.const:
+            initializers.append(numpy_helper.from_array(arr, name))
+            continue
+        shape = [f"{name}_d{k}" for k in range(arr.ndim)] if symbolic else list(arr.shape)
+        graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), shape))
+        feeds[name] = arr
+        if i in grad:
+            wrt.append(name)
+    outs = [f"out{k}" for k in range(case.outputs)]
+    nodes = [helper.make_node(case.op, names, outs, **case.attrs)]
+    # loss = sum_k sum(out_k * R_k): needs the outputs' shapes, found by running the node once
+    probe = _run(_model(nodes, graph_inputs, initializers, [_vi(o) for o in outs], case.opset), feeds)
+    float_outs = [(o, v) for o, v in zip(outs, probe, strict=True) if _is_float(v)]
+    terms = []
+    for o, v in float_outs:
+        r = rng.standard_normal(v.shape).astype(v.dtype)
+        initializers.append(numpy_helper.from_array(r, f"R_{o}"))
+        nodes.append(helper.make_node("Mul", [o, f"R_{o}"], [f"w_{o}"]))
+        nodes.append(helper.make_node("ReduceSum", [f"w_{o}"], [f"s_{o}"], keepdims=0))
+        terms.append(f"s_{o}")
+    nodes.append(helper.make_node("Sum", terms, ["loss"]))
+    loss_type = helper.np_dtype_to_tensor_dtype(np.dtype(float_outs[0][1].dtype))
+    model = _model(
+        nodes, graph_inputs, initializers, [helper.make_tensor_value_info("loss", loss_type, [])], case.opset
+    )
+    return model, feeds, wrt
+
+
+def _vi(name):
+    return helper.make_value_info(name, onnx.TypeProto())
+
+
+def _model(nodes, inputs, initializers, outputs, opset):
+    graph = helper.make_graph(nodes, "case", inputs, outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def _run(model, feeds, outputs=None):
+    session = graphforge.create_session(model, providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
+def analytic_gradients(model, feeds, wrt) -> dict[str, np.ndarray]:
+    result = graphforge.compile(model, [Autodiff(inputs=tuple(wrt))])
+    names = [f"{n}_grad" for n in wrt]
+    return dict(zip(wrt, _run(result.model, feeds, names), strict=True))
+
+
+def numeric_gradients(model, feeds, wrt, eps: float) -> dict[str, np.ndarray]:
+    session = graphforge.create_session(model, providers=["CPUExecutionProvider"])
+    grads = {}
+    for name in wrt:
+        base = feeds[name]
+        g = np.zeros(base.shape, dtype=np.float64)
+        for idx in np.ndindex(base.shape):
+            values = []
+            for sign in (1, -1):
+                bumped = base.copy()
+                bumped[idx] += sign * eps
+                values.append(float(session.run(["loss"], {**feeds, name: bumped})[0]))
+            g[idx] = (values[0] - values[1]) / (2 * eps)
+        grads[name] = g
+    return grads
+
+
+def supports_double(case: Case) -> bool:
+    """Whether onnxruntime's CPU provider runs this op (and its gradient graph) in float64."""
+    try:
+        model, feeds, wrt = build_model(case, DOUBLE)
+        analytic_gradients(model, feeds, wrt)
+    except Exception as exc:
+        message = str(exc)
+        if any(m in message for m in ("NOT_IMPLEMENTED", "Could not find an implementation", "Type 'tensor(double)'")):
+            return False
+        raise
+    return True
+
+
+def check(case: Case, *, symbolic: bool = False) -> str:
+    """Compare analytic and numeric gradients; returns the dtype used."""
+    dtype = DOUBLE if supports_double(case) else FLOAT
+    model, feeds, wrt = build_model(case, dtype, symbolic=symbolic)
+    assert wrt, f"{case.label()}: no input to differentiate"
+    analytic = analytic_gradients(model, feeds, wrt)
+    eps = case.eps or (1e-6 if dtype is DOUBLE else 1e-2)
+    numeric = numeric_gradients(model, feeds, wrt, eps)
+    rtol, atol = (case.rtol, case.atol) if dtype is DOUBLE else (case.f32_rtol, case.f32_atol)
+    for name in wrt:
+        np.testing.assert_allclose(
+            analytic[name], numeric[name], rtol=rtol, atol=atol,
+            err_msg=f"{case.label()}: gradient of input {name} ({np.dtype(dtype).name}, symbolic={symbolic})",
+        )  # fmt: skip
+    return np.dtype(dtype).name
+
+
+def no_gradient_model(case: Case) -> tuple[onnx.ModelProto, list[str]]:
+    """A model whose loss depends on the inputs only through the (non-differentiable) op."""
+    graph_inputs, names, wrt = [], [], []
+    for i, value in enumerate(case.inputs):
+        name = f"in{i}"
+        names.append(name)
+        arr = np.asarray(value)
+        graph_inputs.append(
+            helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), list(arr.shape))
+        )
+        wrt.append(name)
+    nodes = [
+        helper.make_node(case.op, names, ["out0"], **case.attrs),
+        helper.make_node("Cast", ["out0"], ["as_float"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["as_float"], ["loss"], keepdims=0),
+    ]
+    loss = helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])
+    return _model(nodes, graph_inputs, [], [loss], case.opset), wrt
