@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEMO_PIPELINE := identity_elimination, fold_constants, cse, dce, topo_sort
+DEMO_PIPELINE := identity_elimination, fold_constants, cse, dce, topo_sort, loss(kind=cross_entropy, output=logits), autodiff
 
 .PHONY: install test demo lint bench clean
 

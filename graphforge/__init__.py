@@ -2,6 +2,9 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+# the passes are part of the public API (graphforge.passes.FoldConstants(...)); imported
+# last because they build on everything above
+from graphforge import passes
 from graphforge.errors import (
     GraphforgeError,
     InvalidModelError,
@@ -44,6 +47,7 @@ __all__ = [
     "default_registry",
     "load",
     "parse_pipeline",
+    "passes",
     "save",
     "verify_model",
 ]

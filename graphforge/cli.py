@@ -6,10 +6,10 @@ traceback and no output file (outputs are written atomically, after the work suc
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from collections import Counter
-from inspect import cleandoc
 from pathlib import Path
 from typing import Annotated
 
@@ -18,10 +18,13 @@ import numpy as np
 import onnx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import graphforge
+from graphforge import roles
 from graphforge.errors import GraphforgeError
+from graphforge.ir import FLOAT_TYPES
 from graphforge.pass_manager import CompileResult, PassManager
 from graphforge.pipeline import default_registry, parse_pipeline
 
@@ -39,6 +42,14 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 class UsageFailure(Exception):
     """Raised inside commands for a bad argument; printed as one line, exit 2."""
+
+
+# Recent typer (0.29 here) vendors click as typer._click, with its own exception classes; older typer
+# raises click's. Catch both, so a usage error never ends in a traceback.
+_CLICK_ERRORS: tuple[type[Exception], ...] = tuple(
+    {click.ClickException, getattr(typer, "TyperException", click.ClickException)}
+)
+_ABORTS: tuple[type[BaseException], ...] = tuple({click.exceptions.Abort, typer.Abort})
 
 
 def _version(value: bool) -> None:
@@ -94,7 +105,7 @@ def compile_command(
     result = manager.run(model)
     graphforge.save(result.model, output, external_data=external_data)
     print_report(result, out)
-    out.print(f"wrote [bold]{output}[/]")
+    out.print(f"wrote [bold]{escape(str(output))}[/]")
 
 
 def print_report(result: CompileResult, console: Console) -> None:
@@ -111,11 +122,11 @@ def print_report(result: CompileResult, console: Console) -> None:
     ]:
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for r in result.records:
-        name = r.spec if r.iteration == 1 else f"{r.spec} (iteration {r.iteration})"
+        name = escape(r.spec if r.iteration == 1 else f"{r.spec} (iteration {r.iteration})")
         if not r.ran:
             table.add_row(str(r.index), name, "[dim]skipped (bisect limit)[/]", "", "", "", "")
             continue
-        delta = ", ".join(f"{op} {n:+d}" for op, n in r.delta.items())
+        delta = escape(", ".join(f"{op} {n:+d}" for op, n in r.delta.items()))
         table.add_row(
             str(r.index),
             name,
@@ -134,42 +145,59 @@ def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to descr
     proto = graphforge.load(model)
     graph = proto.graph
     out.print(
-        f"[bold]{model}[/]  IR {proto.ir_version}, producer {proto.producer_name or '?'} {proto.producer_version}"
+        f"[bold]{escape(str(model))}[/]  IR {proto.ir_version}, "
+        + escape(f"producer {proto.producer_name or '?'} {proto.producer_version}")
     )
-    out.print("opsets: " + ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import))
+    out.print("opsets: " + ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import), markup=False)
     init_names = {t.name for t in graph.initializer}
     io = Table(title="inputs and outputs", title_justify="left")
     for column in ("kind", "name", "dtype", "shape"):
         io.add_column(column)
     for kind, values in (("input", [v for v in graph.input if v.name not in init_names]), ("output", graph.output)):
         for v in values:
-            io.add_row(kind, v.name, *_type_and_shape(v.type))
+            io.add_row(kind, escape(v.name), *_type_and_shape(v.type))
     out.print(io)
 
-    params = Table(title="parameters (floating-point initializers)", title_justify="left")
+    metadata = {p.key: p.value for p in proto.metadata_props}
+    # a compiled program says which initializers are parameters; otherwise every float one is
+    recorded = json.loads(metadata[roles.PARAMETERS]) if roles.PARAMETERS in metadata else None
+    title = "parameters" if recorded is not None else "parameters (floating-point initializers)"
+    params = Table(title=title, title_justify="left")
     for column, justify in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("elements", "right")):
         params.add_column(column, justify=justify)  # type: ignore[arg-type]
     total_elems = total_bytes = 0
     for t in graph.initializer:
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-        if not np.issubdtype(dtype, np.floating):
+        # by ONNX type, not NumPy's: bfloat16 and float8 are no np.floating, yet are parameters
+        if t.data_type not in FLOAT_TYPES or (recorded is not None and t.name not in recorded):
             continue
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
         count = int(np.prod(t.dims, dtype=np.int64))
         total_elems += count
-        total_bytes += count * dtype.itemsize
-        params.add_row(t.name, str(dtype), str(list(t.dims)), f"{count:,}")
+        total_bytes += count * dtype.itemsize // (2 if t.data_type == onnx.TensorProto.FLOAT4E2M1 else 1)
+        params.add_row(escape(t.name), str(dtype), escape(str(list(t.dims))), f"{count:,}")
     out.print(params)
     out.print(f"{total_elems:,} parameters, {total_bytes / 2**20:.2f} MiB")
+    graphforge_roles = {k: v for k, v in metadata.items() if k.startswith("graphforge.")}
+    if graphforge_roles:
+        out.print(
+            "roles: "
+            + ", ".join(f"{k.removeprefix('graphforge.')}={_brief(v)}" for k, v in sorted(graphforge_roles.items())),
+            highlight=False,
+        )
 
     histogram = Counter(n.op_type if not n.domain else f"{n.domain}::{n.op_type}" for n in graph.node)
     ops = Table(title=f"ops ({len(graph.node)} nodes)", title_justify="left")
     ops.add_column("op")
     ops.add_column("count", justify="right")
     for op, count in histogram.most_common():
-        ops.add_row(op, str(count))
+        ops.add_row(escape(op), str(count))
     out.print(ops)
     for warning in tied_initializer_warnings(proto):
-        err.print(f"[yellow]warning:[/] {warning}")
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+
+
+def _brief(value: str, limit: int = 60) -> str:
+    return escape(value if len(value) <= limit else value[: limit - 1] + "…")
 
 
 def tied_initializer_warnings(proto: onnx.ModelProto) -> list[str]:
@@ -201,7 +229,7 @@ def _type_and_shape(type_proto: onnx.TypeProto) -> tuple[str, str]:
         d.dim_param if d.HasField("dim_param") else str(d.dim_value) if d.HasField("dim_value") else "?"
         for d in tt.shape.dim
     ]
-    return dtype, "[" + ", ".join(dims) + "]"
+    return dtype, escape("[" + ", ".join(dims) + "]")
 
 
 @app.command("passes")
@@ -209,8 +237,10 @@ def list_passes() -> None:
     """List every registered pass with its parameters and documentation."""
     for cls in default_registry():
         params = ", ".join(p.describe() for p in cls.parameters())
-        out.print(f"[bold cyan]{cls.name}[/]" + (f"({params})" if params else ""))
-        out.print(textwrap.indent(cleandoc(cls.__doc__ or ""), "    "), soft_wrap=True, highlight=False)
+        out.print(
+            f"[bold cyan]{cls.name}[/]" + escape(f"({params})" if params else ""), soft_wrap=True, highlight=False
+        )
+        out.print(textwrap.indent(cls.description(), "    "), soft_wrap=True, highlight=False, markup=False)
         out.print()
 
 
@@ -219,12 +249,17 @@ def main() -> None:
     try:
         status = app(standalone_mode=False)
     except (GraphforgeError, UsageFailure) as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except _ABORTS:
         err.print("[red]aborted[/]")
         sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
+    except _CLICK_ERRORS as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `graphforge`: the help text
+            exc.show()
+        else:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            err.print(f"[red]error:[/] {escape(exc.format_message())}{hint}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     sys.exit(status if isinstance(status, int) else 0)

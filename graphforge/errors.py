@@ -31,10 +31,9 @@ class PassError(GraphforgeError):
     """A pass refused or failed; the PassManager adds the pipeline position and pass name."""
 
     def __init__(self, message: str, *, node: str | None = None, op_type: str | None = None):
-        where = ""
-        if node is not None or op_type is not None:
-            where = f" (node {node!r}, op {op_type})" if node is not None else f" (op {op_type})"
-        super().__init__(message + where)
+        parts = [f"node {node!r}"] if node is not None else []
+        parts += [f"op {op_type}"] if op_type is not None else []
+        super().__init__(message + (f" ({', '.join(parts)})" if parts else ""))
         self.node = node
         self.op_type = op_type
 

@@ -8,15 +8,17 @@ never escapes the model's folder, and a save is atomic (temp file + rename).
 from __future__ import annotations
 
 import functools
+import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 import onnx_graphsurgeon as gs
-from google.protobuf.message import DecodeError
-from onnx import external_data_helper
+from google.protobuf.message import DecodeError, EncodeError
+from onnx import external_data_helper, numpy_helper
 
 from graphforge.errors import ModelLoadError, ModelSaveError
 
@@ -74,14 +76,22 @@ def load(source: ModelSource, *, load_external_data: bool = True) -> onnx.ModelP
     """Load a model from a path, bytes or a ModelProto (returned as a copy).
 
     External data is read from the model's folder; a location that escapes that folder
-    (absolute, or with ``..``) is refused before anything is read.
+    (absolute, or with ``..``) is refused before anything is read. Bytes and a ModelProto
+    have no folder, so one that still refers to external data is refused unless
+    ``load_external_data=False`` (the caller then resolves it).
     """
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(source)
-        return _checked(proto, "<ModelProto>")
+        proto = _checked(proto, "<ModelProto>")
+        if load_external_data:
+            refuse_unresolved_external_data(proto, where="<ModelProto>")
+        return proto
     if isinstance(source, bytes | bytearray):
-        return _checked(_parse(bytes(source), "<bytes>"), "<bytes>")
+        proto = _checked(_parse(bytes(source), "<bytes>"), "<bytes>")
+        if load_external_data:
+            refuse_unresolved_external_data(proto, where="<bytes>")
+        return proto
     path = Path(source)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file")
@@ -90,14 +100,14 @@ def load(source: ModelSource, *, load_external_data: bool = True) -> onnx.ModelP
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read ({exc.strerror})") from None
+        raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from None
     proto = _checked(_parse(data, str(path)), str(path))
     check_external_data_locations(proto, path.parent, where=str(path))
     if load_external_data and _uses_external_data(proto):
         try:
             external_data_helper.load_external_data_for_model(proto, str(path.parent))
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{path}: cannot read its external data ({exc})") from None
+        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+            raise ModelLoadError(f"{path}: cannot read its external data ({one_line(exc)})") from None
     return proto
 
 
@@ -118,6 +128,22 @@ def _checked(proto: onnx.ModelProto, where: str) -> onnx.ModelProto:
     return proto
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message as one line: onnx and onnxruntime messages span several, and
+    the checker's ``==> Context: ...`` lines name the node, so they are kept, in parentheses."""
+    main, context = [], []
+    for line in str(exc).splitlines():
+        line = " ".join(line.split())
+        if line.startswith("==>"):
+            context.append(line.lstrip("=> ").removeprefix("Context: "))
+        elif line:
+            main.append(line)
+    text = " ".join(main)
+    if context:
+        text += f" ({'; '.join(context)})"
+    return text.strip() or type(exc).__name__
+
+
 def _uses_external_data(proto: onnx.ModelProto) -> bool:
     return any(external_data_helper.uses_external_data(t) for t in _all_tensors(proto))
 
@@ -126,19 +152,86 @@ def _all_tensors(proto: onnx.ModelProto):
     return external_data_helper._get_all_tensors(proto)
 
 
+def _external_location(tensor: onnx.TensorProto) -> str:
+    return next((e.value for e in tensor.external_data if e.key == "location"), "")
+
+
 def check_external_data_locations(proto: onnx.ModelProto, base_dir: Path, *, where: str) -> None:
     """Refuse external data that would be read from outside the model's folder."""
     base = base_dir.resolve()
     for tensor in _all_tensors(proto):
         if not external_data_helper.uses_external_data(tensor):
             continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        location = _external_location(tensor)
+        if not location:
+            raise ModelLoadError(f"{where}: tensor {tensor.name!r} is marked as external data but names no file")
         target = (base / location).resolve()
-        if not location or os.path.isabs(location) or not target.is_relative_to(base):
+        if os.path.isabs(location) or not target.is_relative_to(base):
             raise ModelLoadError(
                 f"{where}: tensor {tensor.name!r} stores its data at {location!r}, outside the model's "
                 f"folder {base}; refusing to read it"
             )
+
+
+def refuse_unresolved_external_data(proto: onnx.ModelProto, *, where: str) -> None:
+    """Refuse a model held in memory that still refers to external data files.
+
+    Such a model has no folder to read them from (onnxruntime would read them relative to
+    the current directory, unchecked), so it must be loaded from its path instead.
+    """
+    for tensor in _all_tensors(proto):
+        if external_data_helper.uses_external_data(tensor):
+            raise ModelLoadError(
+                f"{where}: tensor {tensor.name!r} keeps its data in the external file "
+                f"{_external_location(tensor)!r}, which a model held in memory has no folder to read from; "
+                f"load the model from its path instead"
+            )
+
+
+def exceeds_protobuf_limit(proto: onnx.ModelProto) -> bool:
+    """Whether ``proto`` is too large to serialize as one protobuf (2 GiB).
+
+    The tensor payloads are summed first: protobuf's own ByteSize() serializes the whole
+    message to measure it, and raises instead of answering for a message over the limit.
+    """
+    if sum(_raw_data_size(t) for t in _all_tensors(proto)) > PROTOBUF_LIMIT:
+        return True
+    try:
+        return proto.ByteSize() > PROTOBUF_LIMIT
+    except (EncodeError, ValueError):
+        return True
+
+
+def _element_bits() -> dict[int, int]:
+    bits = {}
+    for data_type in onnx.TensorProto.DataType.values():
+        if data_type in (onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING):
+            continue
+        try:
+            bits[data_type] = onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize * 8
+        except (KeyError, ValueError, TypeError):
+            continue
+    # packed types: numpy holds one per byte, raw_data packs them; others unknown here are measured
+    for name, width in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)):
+        if hasattr(onnx.TensorProto, name):
+            bits[getattr(onnx.TensorProto, name)] = width
+    for name in ("FLOAT6E2M3", "FLOAT6E3M2"):
+        bits.pop(getattr(onnx.TensorProto, name, -1), None)
+    return bits
+
+
+_ELEMENT_BITS = _element_bits()
+
+
+def _raw_data_size(tensor: onnx.TensorProto) -> int:
+    """Bytes in a tensor's raw_data, from its dims and type where they tell: reading the
+    field would copy it (a second gigabyte for a gigabyte tensor)."""
+    if not tensor.HasField("raw_data"):
+        return 0
+    bits = _ELEMENT_BITS.get(tensor.data_type)
+    if bits is None:
+        return len(tensor.raw_data)
+    return (math.prod(tensor.dims) * bits + 7) // 8
 
 
 # --------------------------------------------------------------------------- runtime compatibility
@@ -195,7 +288,7 @@ def make_runtime_compatible(proto: onnx.ModelProto) -> onnx.ModelProto:
         except Exception as exc:
             raise ModelSaveError(
                 f"the model uses ai.onnx opset {opset}, onnxruntime reads at most {max_opset}, "
-                f"and converting it failed: {exc}"
+                f"and converting it failed: {one_line(exc)}"
             ) from None
         converted.ir_version = min(converted.ir_version, max_ir)
         proto.CopyFrom(converted)
@@ -210,42 +303,175 @@ def save(
     path: str | os.PathLike,
     *,
     external_data: bool | None = None,
+    runtime_compatible: bool = True,
 ) -> Path:
     """Write a model atomically, readable by the installed onnxruntime.
 
     ``external_data=None`` writes tensors to ``<name>.data`` beside the model only when the
     model would not fit in one protobuf (2 GiB); True forces it, False forbids it. The
     caller's model is not modified. Either both files are replaced, or neither is.
+    ``runtime_compatible=False`` keeps the IR version and opsets as they are (for a file
+    that only onnx's own tools read).
     """
     proto = model.to_proto() if isinstance(model, Model) else model
     path = Path(path)
-    if not path.parent.exists():
-        raise ModelSaveError(f"{path}: folder {path.parent} does not exist")
-    over_limit = proto.ByteSize() > PROTOBUF_LIMIT
+    if not path.parent.is_dir():
+        what = "is not a folder" if path.parent.exists() else "does not exist"
+        raise ModelSaveError(f"{path}: folder {path.parent} {what}")
+    for tensor in _all_tensors(proto):
+        if external_data_helper.uses_external_data(tensor):
+            raise ModelSaveError(
+                f"{path}: tensor {tensor.name!r} still refers to external data ({_external_location(tensor)!r}); "
+                f"load the model with its external data before saving it"
+            )
+    over_limit = exceeds_protobuf_limit(proto)
     if external_data is False and over_limit:
         raise ModelSaveError(f"{path}: the model is over 2 GiB and must be saved with external data")
-    too_big = over_limit if external_data is None else external_data
-    # Converting to external data rewrites tensors in place: work on a copy.
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
-    make_runtime_compatible(out)
+    to_external = over_limit if external_data is None else external_data
+    # Moving tensors to external data rewrites them in place: work on a copy. One that will
+    # go to the data file leaves the large payloads out, to be read from the caller's model.
+    if to_external:
+        out, payload_sources = _copy_leaving_out_payloads(proto)
+    else:
+        out, payload_sources = onnx.ModelProto(), {}
+        out.CopyFrom(proto)
     data_name = path.name + ".data"
-    tmp_dir = Path(tempfile.mkdtemp(prefix=".graphforge-save-", dir=path.parent))
+    data_path = path.parent / data_name
+    tmp_dir: Path | None = None
     try:
-        tmp_model = tmp_dir / path.name
-        if too_big:
-            external_data_helper.convert_model_to_external_data(
-                out, all_tensors_to_one_file=True, location=data_name, size_threshold=EXTERNAL_DATA_THRESHOLD
-            )
-            external_data_helper.write_external_data_tensors(out, str(tmp_dir))
+        tmp_dir = Path(tempfile.mkdtemp(prefix=".graphforge-save-", dir=path.parent))
+        tmp_model, tmp_data, backup = tmp_dir / path.name, tmp_dir / data_name, tmp_dir / "previous.data"
+        if to_external:
+            _move_tensors_to_file(out, tmp_data, location=data_name, sources=payload_sources)
+        # after moving the tensors out: onnx's version converter cannot take a model over 2 GiB
+        if runtime_compatible:
+            make_runtime_compatible(out)
         tmp_model.write_bytes(out.SerializeToString())
-        if too_big:
-            os.replace(tmp_dir / data_name, path.parent / data_name)
-        os.replace(tmp_model, path)
-    except OSError as exc:
-        raise ModelSaveError(f"{path}: cannot write ({exc.strerror or exc})") from None
+        if not tmp_data.exists():
+            os.replace(tmp_model, path)
+            return path
+        if data_path.exists():
+            _link_or_copy(data_path, backup)
+        os.replace(tmp_data, data_path)
+        try:
+            os.replace(tmp_model, path)
+        except OSError:
+            if backup.exists():
+                os.replace(backup, data_path)
+            else:
+                data_path.unlink()
+            raise
+    except ModelSaveError as exc:
+        raise ModelSaveError(f"{path}: {exc}") from None
+    except (OSError, ValueError, EncodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
+        raise ModelSaveError(f"{path}: cannot write ({reason})") from None
     finally:
-        for leftover in tmp_dir.iterdir():
-            leftover.unlink()
-        tmp_dir.rmdir()
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     return path
+
+
+def _copy_leaving_out_payloads(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
+    """A copy of ``proto`` without the raw_data of its large main-graph initializers, and
+    for each of those (by position) the caller's tensor that still holds it.
+
+    Copying a >2 GiB model whole just to move its weights out would hold them twice.
+    """
+    out = onnx.ModelProto()
+    _copy_fields(proto, out, skip="graph")
+    _copy_fields(proto.graph, out.graph, skip="initializer")
+    sources: dict[int, onnx.TensorProto] = {}
+    for index, tensor in enumerate(proto.graph.initializer):
+        copy = out.graph.initializer.add()
+        if _raw_data_size(tensor) >= EXTERNAL_DATA_THRESHOLD:
+            _copy_fields(tensor, copy, skip="raw_data")
+            sources[index] = tensor
+        else:
+            copy.CopyFrom(tensor)
+    return out, sources
+
+
+def _copy_fields(src, dst, *, skip: str) -> None:
+    """Copy every field of protobuf message ``src`` into ``dst`` but ``skip``, never reading
+    ``skip`` (reading a bytes field copies it)."""
+    for field_descriptor in src.DESCRIPTOR.fields:
+        name = field_descriptor.name
+        if name == skip:
+            continue
+        repeated = getattr(field_descriptor, "is_repeated", None)
+        if repeated is None:  # protobuf before 5: the label tells
+            repeated = field_descriptor.label == field_descriptor.LABEL_REPEATED
+        if repeated:
+            if len(getattr(src, name)):
+                getattr(dst, name).extend(getattr(src, name))
+        elif src.HasField(name):
+            if field_descriptor.message_type is not None:
+                getattr(dst, name).CopyFrom(getattr(src, name))
+            else:
+                setattr(dst, name, getattr(src, name))
+
+
+def _move_tensors_to_file(
+    proto: onnx.ModelProto,
+    data_file: Path,
+    *,
+    location: str,
+    sources: dict[int, onnx.TensorProto] | None = None,
+) -> None:
+    """Write every initializer of at least EXTERNAL_DATA_THRESHOLD bytes to ``data_file``
+    and point the tensor at it (``location``, relative to the model's folder). ``sources``
+    maps main-graph initializers, by position, to the tensor that holds their payload.
+
+    onnx's own helpers test the location against the current directory and skip tensors
+    kept in typed fields (float_data, ...), so this writes the file itself; each tensor's
+    payload is copied out of the protobuf once, and offsets are page aligned for mmap.
+    """
+    sources = sources or {}
+    with open(data_file, "wb") as f:
+        # the main graph's initializers come first, in order, then those of subgraphs
+        for position, tensor in enumerate(external_data_helper._get_initializer_tensors(proto)):
+            if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+                continue
+            source = sources.get(position)
+            if source is not None:
+                payload = source.raw_data
+            elif tensor.HasField("raw_data"):
+                payload = tensor.raw_data
+                if len(payload) < EXTERNAL_DATA_THRESHOLD:
+                    continue
+            else:  # typed fields hold little-endian values once written raw: from_array does that
+                payload = numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
+                if len(payload) < EXTERNAL_DATA_THRESHOLD:
+                    continue
+            offset = -f.tell() % 4096 + f.tell()
+            f.seek(offset)
+            f.write(payload)
+            del payload
+            for data_field in _TENSOR_DATA_FIELDS:
+                tensor.ClearField(data_field)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            length = f.tell() - offset
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                tensor.external_data.add(key=key, value=value)
+        if f.tell() == 0:
+            f.close()
+            data_file.unlink()
+
+
+_TENSOR_DATA_FIELDS = (
+    "raw_data",
+    "float_data",
+    "int32_data",
+    "string_data",
+    "int64_data",
+    "double_data",
+    "uint64_data",
+)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

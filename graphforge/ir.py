@@ -1,4 +1,4 @@
-"""Small graph helpers shared by passes: walking subgraphs, parameters, change detection."""
+"""Small graph helpers shared by passes: walking subgraphs, parameters, dtypes, change detection."""
 
 from __future__ import annotations
 
@@ -6,10 +6,29 @@ from collections.abc import Iterator
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import TensorProto, helper
 
 #: ops whose two calls with equal inputs may give different results: never merged or folded
 NONDETERMINISTIC_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+)
+
+#: ONNX element types that hold floating-point numbers (the ones this onnx version knows)
+FLOAT_TYPES = frozenset(
+    getattr(TensorProto, name)
+    for name in (
+        "FLOAT",
+        "DOUBLE",
+        "FLOAT16",
+        "BFLOAT16",
+        "FLOAT8E4M3FN",
+        "FLOAT8E4M3FNUZ",
+        "FLOAT8E5M2",
+        "FLOAT8E5M2FNUZ",
+        "FLOAT8E8M0",
+        "FLOAT4E2M1",
+    )
+    if hasattr(TensorProto, name)
 )
 
 
@@ -19,17 +38,39 @@ def all_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
     yield from graph.subgraphs(recursive=True)
 
 
+def every_graph(graph: gs.Graph) -> Iterator[gs.Graph]:
+    """The main graph and its subgraphs, then each local function and its subgraphs."""
+    yield from all_graphs(graph)
+    for function in graph.functions:
+        yield from all_graphs(function)
+
+
+def onnx_dtype(dtype) -> int | None:
+    """A tensor's element type as an ONNX enum, whichever way onnx-graphsurgeon stores it
+    (a NumPy dtype, or the ONNX enum itself for types NumPy lacks, e.g. bfloat16); None if unknown."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, int | np.integer):
+        return int(dtype)
+    try:
+        return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
 def is_parameter(tensor: gs.Tensor) -> bool:
-    """A floating-point initializer: what training treats as a parameter by default."""
-    return isinstance(tensor, gs.Constant) and np.issubdtype(tensor.dtype, np.floating)
+    """A floating-point initializer (bfloat16 and float8 included): what training treats as a
+    parameter by default. Reads only the element type, never the values."""
+    return isinstance(tensor, gs.Constant) and onnx_dtype(tensor.dtype) in FLOAT_TYPES
 
 
 def fingerprint(graph: gs.Graph) -> tuple:
     """A cheap summary of node order, op types and wiring (tensor names), for passes that
     delegate to a library call and must tell afterwards whether it changed anything.
-    Attributes are left out: the passes using this never edit attributes."""
+    Covers subgraphs and local functions. Attributes are left out: the passes using this
+    never edit attributes."""
     parts = []
-    for g in all_graphs(graph):
+    for g in every_graph(graph):
         parts.append(tuple(t.name for t in g.inputs))
         parts.append(tuple(t.name for t in g.outputs))
         for node in g.nodes:

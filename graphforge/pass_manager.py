@@ -15,9 +15,9 @@ from pathlib import Path
 
 import onnx
 
-from graphforge.errors import GraphforgeError, PipelineError
+from graphforge.errors import GraphforgeError, ModelSaveError, PipelineError
 from graphforge.graph import Model, ModelSource, load, save
-from graphforge.pipeline import Pass, PassRegistry, parse_pipeline
+from graphforge.pipeline import Pass, PassRegistry, PassResult, parse_pipeline
 from graphforge.verify import verify_model
 
 #: a pass that asks for a fixed point is stopped after this many applications
@@ -98,7 +98,12 @@ class PassManager:
     def run(self, source: ModelSource | Model) -> CompileResult:
         proto = source.to_proto() if isinstance(source, Model) else load(source)
         if self.dump_dir is not None:
-            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.dump_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ModelSaveError(
+                    f"{self.dump_dir}: cannot create the dump folder ({exc.strerror or exc})"
+                ) from None
         if self.verify:
             verify_model(proto, with_ort=self.verify_with_ort, where="the input model")
         if self.dump_dir is not None and not self.dump_on_change:
@@ -127,6 +132,8 @@ class PassManager:
         start = time.perf_counter()
         try:
             result = pass_.run(model)
+            if not isinstance(result, PassResult) or not isinstance(result.model, Model):
+                raise TypeError(f"run() must return PassResult(model, changed), got {type(result).__name__}")
         except Exception as exc:
             dumped = self._dump_failure(proto, record, "failed-input")
             detail = str(exc) if isinstance(exc, GraphforgeError) else f"internal error {type(exc).__name__}: {exc}"
@@ -149,7 +156,17 @@ class PassManager:
                 record.dumped_to = self._dump(proto, record)
             return model, proto
         start = time.perf_counter()
-        new_proto = model.to_proto()
+        try:
+            new_proto = model.to_proto()
+        except Exception as exc:  # the pass left a graph onnx-graphsurgeon cannot export
+            dumped = self._dump_failure(proto, record, "failed-input")
+            raise PipelineError(
+                f"{label} failed: its output cannot be exported to ONNX ({type(exc).__name__}: {exc})"
+                + (f" [its input model is in {dumped}]" if dumped else ""),
+                position=record.position,
+                pass_name=pass_.name,
+                dumped_to=dumped,
+            ) from exc
         if self.verify:
             try:
                 verify_model(new_proto, with_ort=self.verify_with_ort, where=f"the output of {label}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
+import keyword
 import types
 import typing
 from collections.abc import Iterable, Iterator
@@ -56,8 +58,19 @@ class Pass:
         ]
 
     @classmethod
+    def description(cls) -> str:
+        """The class docstring, dedented; empty when the pass has none (not dataclass's
+        generated ``Name(field: type = default)`` text)."""
+        doc = cls.__doc__ or ""
+        try:
+            generated = cls.__name__ + str(inspect.signature(cls)).replace(" -> None", "")
+        except (TypeError, ValueError):
+            generated = None
+        return "" if doc == generated else inspect.cleandoc(doc)
+
+    @classmethod
     def summary(cls) -> str:
-        doc = (cls.__doc__ or "").strip()
+        doc = cls.description()
         return doc.splitlines()[0] if doc else ""
 
     def spec(self) -> str:
@@ -99,7 +112,7 @@ class Parameter:
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return " | ".join(str(a) for a in typing.get_args(tp))
+        return " | ".join(_format_value(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin in (tuple, list):
@@ -116,7 +129,20 @@ def _format_value(value: Any) -> str:
         return "none"
     if isinstance(value, tuple | list):
         return "[" + ", ".join(_format_value(v) for v in value) + "]"
+    if isinstance(value, str) and not _reads_back_as_bare_word(value):
+        return repr(value)  # quoted, so that spec() text parses back to the same string
     return str(value)
+
+
+def _reads_back_as_bare_word(text: str) -> bool:
+    """Whether ``text`` written unquoted parses back as this same string (see ``_literal``)."""
+    # ASCII only: Python NFKC-normalizes non-ASCII identifiers, so "ﬁ" would read back as "fi"
+    parts = text.split(".")
+    return (
+        text.isascii()
+        and text.lower() not in ("true", "false", "none")
+        and all(part.isidentifier() and not keyword.iskeyword(part) for part in parts)
+    )
 
 
 # --------------------------------------------------------------------------- registry
@@ -131,6 +157,11 @@ class PassRegistry:
             self.register(cls)
 
     def register(self, cls: type[Pass]) -> type[Pass]:
+        if not (isinstance(cls, type) and issubclass(cls, Pass)):
+            raise TypeError(f"{cls!r} is not a Pass subclass")
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name):
+            raise TypeError(f"pass {cls.__name__} needs a class attribute name that a pipeline can spell, got {name!r}")
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"pass {cls.__name__} must be a dataclass (its fields are its parameters)")
         if cls.name in self._passes:
@@ -165,7 +196,7 @@ def default_registry() -> PassRegistry:
 
 def parse_pipeline(text: str, registry: PassRegistry | None = None) -> list[Pass]:
     """Parse pipeline text into pass instances; every mistake names what and where."""
-    registry = registry or default_registry()
+    registry = default_registry() if registry is None else registry
     if not text.strip():
         raise PipelineSpecError("the pipeline is empty")
     try:
@@ -173,7 +204,8 @@ def parse_pipeline(text: str, registry: PassRegistry | None = None) -> list[Pass
     except SyntaxError as exc:
         col = max((exc.offset or 1) - 2, 0)
         raise PipelineSpecError(f"pipeline syntax error at column {col + 1}: {text!r}") from None
-    assert isinstance(tree.body, ast.List)
+    if not isinstance(tree.body, ast.List):  # e.g. "dce] + [cse" parses as an expression
+        raise PipelineSpecError(f"expected a comma-separated list of passes, got: {text!r}")
     return [_build_pass(item, registry, text) for item in tree.body.elts]
 
 
@@ -192,7 +224,9 @@ def _build_pass(item: ast.expr, registry: PassRegistry, text: str) -> Pass:
     params = {p.name: p for p in cls.parameters()}
     kwargs: dict[str, Any] = {}
     for kw in keywords:
-        if kw.arg is None or kw.arg not in params:
+        if kw.arg is None:  # name(**value)
+            raise PipelineSpecError(f"pass {name!r}: write parameters as name=value")
+        if kw.arg not in params:
             valid = ", ".join(p.describe() for p in params.values()) or "none"
             raise PipelineSpecError(f"pass {name!r} has no parameter {kw.arg!r}; its parameters: {valid}")
         raw = _literal(kw.value, name, kw.arg)

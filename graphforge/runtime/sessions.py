@@ -1,30 +1,50 @@
 """Sessions in one place: which execution providers work here, and a session factory.
 
-``onnxruntime-gpu`` lists CUDAExecutionProvider even on a machine without a GPU, and asking
-for it there prints errors. So CUDA is offered only when the CUDA driver answers with at
-least one device *and* a probe session really runs on it.
+``onnxruntime-gpu`` lists CUDAExecutionProvider (and TensorRT) even on a machine without a
+GPU, and asking for one there prints errors and silently falls back to the CPU. So a
+provider other than the CPU is offered only when a probe session really runs on it (for
+CUDA, only after the CUDA driver answers with at least one device), and sessions are
+created without onnxruntime's fallback: a provider that fails is an error, not a surprise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnxruntime as ort
+from onnx import external_data_helper
 
-from graphforge.errors import GraphforgeError
-from graphforge.graph import PROTOBUF_LIMIT, ModelSource, load, make_runtime_compatible, runtime_limits, save
+from graphforge.errors import GraphforgeError, InvalidModelError, ModelSaveError
+from graphforge.graph import (
+    ModelSource,
+    exceeds_protobuf_limit,
+    load,
+    make_runtime_compatible,
+    one_line,
+    refuse_unresolved_external_data,
+    runtime_limits,
+    save,
+)
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
-_SHORT_NAMES = {"cuda": CUDA, "cpu": CPU}
+TENSORRT = "TensorrtExecutionProvider"
+_SHORT_NAMES = {"cuda": CUDA, "cpu": CPU, "tensorrt": TENSORRT}
+#: providers that need a CUDA device: not even probed when the driver reports none
+_NEED_CUDA_DEVICE = frozenset({CUDA, TENSORRT})
 ENV_PROVIDERS = "GRAPHFORGE_PROVIDERS"
 ENV_THREADS = "GRAPHFORGE_THREADS"
+#: onnxruntime's session option for the folder of external data when the model comes as bytes
+_EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 def _cuda_driver_has_device() -> bool:
@@ -38,9 +58,39 @@ def _cuda_driver_has_device() -> bool:
     return count.value > 0
 
 
+@contextlib.contextmanager
+def _output_silenced() -> Iterator[None]:
+    """Send file descriptors 1 and 2 to /dev/null: a failing provider library logs from C++,
+    past Python's sys.stdout/sys.stderr. Used only around the one-time provider probe."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    try:
+        saved = [os.dup(1), os.dup(2)]
+    except OSError:  # no fd 1 or 2 to silence (a daemon): nothing can be printed anyway
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
 @functools.cache
-def _cuda_works() -> bool:
-    if CUDA not in ort.get_available_providers() or not _cuda_driver_has_device():
+def _provider_works(name: str) -> bool:
+    """Whether a session on ``name`` really runs on it here (cached: probed once per process)."""
+    if name == CPU:
+        return True
+    if name not in ort.get_available_providers():
+        return False
+    if name in _NEED_CUDA_DEVICE and not _cuda_driver_has_device():
         return False
     from onnx import helper
 
@@ -54,43 +104,80 @@ def _cuda_works() -> bool:
     options = ort.SessionOptions()
     options.log_severity_level = 4
     try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=[CUDA, CPU])
+        with _output_silenced():
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=[name, CPU], enable_fallback=0)
     except Exception:
         return False
-    return session.get_providers()[0] == CUDA
+    return session.get_providers()[0] == name
+
+
+def _cuda_works() -> bool:
+    return _provider_works(CUDA)
 
 
 def available_providers() -> list[str]:
     """Providers to use, best first: ``$GRAPHFORGE_PROVIDERS`` if set, else CUDA (if it works) then CPU."""
     override = os.environ.get(ENV_PROVIDERS, "").strip()
     if override:
-        return _parse_override(override)
+        return [_provider_name(p) for p in resolve_providers(override.split(","), source=f"${ENV_PROVIDERS}")]
     return [CUDA, CPU] if _cuda_works() else [CPU]
 
 
-def _parse_override(text: str) -> list[str]:
-    names = [_SHORT_NAMES.get(n.strip().lower(), n.strip()) for n in text.split(",") if n.strip()]
+def resolve_providers(providers: Sequence[Any], *, source: str = "providers") -> list[Any]:
+    """Check a provider list (names, short names ``cpu``/``cuda``/``tensorrt``, or
+    ``(name, options)`` pairs as onnxruntime takes them): every one must exist in this
+    onnxruntime build and work on this machine. Duplicates are dropped, order is kept."""
     known = ort.get_available_providers()
-    unknown = [n for n in names if n not in known]
+    resolved: list[Any] = []
+    seen: set[str] = set()
+    for entry in providers:
+        name, provider_options = (entry[0], entry[1]) if isinstance(entry, tuple) else (entry, None)
+        name = str(name).strip()
+        name = _SHORT_NAMES.get(name.lower(), name)
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        resolved.append((name, provider_options) if provider_options is not None else name)
+    if not resolved:
+        raise GraphforgeError(f"{source} names no execution provider; this onnxruntime has: {', '.join(known)}")
+    unknown = [n for n in map(_provider_name, resolved) if n not in known]
     if unknown:
         raise GraphforgeError(
-            f"${ENV_PROVIDERS} names {', '.join(unknown)}, which this onnxruntime does not have; "
-            f"it has: {', '.join(known)}"
+            f"{source} names {', '.join(unknown)}, which this onnxruntime does not have; it has: {', '.join(known)}"
         )
-    if CUDA in names and not _cuda_works():
-        raise GraphforgeError(f"${ENV_PROVIDERS} asks for CUDA, but no CUDA device is usable on this machine")
-    return names
+    for name in map(_provider_name, resolved):
+        if _provider_works(name):
+            continue
+        if name == CUDA:
+            raise GraphforgeError(f"{source} asks for CUDA, but no CUDA device is usable on this machine")
+        raise GraphforgeError(f"{source} asks for {name}, which this onnxruntime lists but which does not work here")
+    return resolved
+
+
+def _provider_name(entry: Any) -> str:
+    return entry[0] if isinstance(entry, tuple) else entry
 
 
 def session_options(*, intra_op_threads: int | None = None, inter_op_threads: int | None = None) -> ort.SessionOptions:
-    """Session options with thread counts (``$GRAPHFORGE_THREADS`` sets the intra-op default)."""
+    """Session options with thread counts (``$GRAPHFORGE_THREADS`` sets the intra-op default).
+
+    A thread count is a whole number ≥ 0; 0 lets onnxruntime choose.
+    """
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    if intra_op_threads is None and os.environ.get(ENV_THREADS):
+    env_threads = os.environ.get(ENV_THREADS, "").strip()
+    if intra_op_threads is None and env_threads:
         try:
-            intra_op_threads = int(os.environ[ENV_THREADS])
+            intra_op_threads = int(env_threads)
         except ValueError:
-            raise GraphforgeError(f"${ENV_THREADS} must be a whole number, got {os.environ[ENV_THREADS]!r}") from None
+            intra_op_threads = -1
+        if intra_op_threads < 0:
+            raise GraphforgeError(
+                f"${ENV_THREADS} must be a whole number ≥ 0 (0 lets onnxruntime choose), got {env_threads!r}"
+            )
+    for what, value in (("intra_op_threads", intra_op_threads), ("inter_op_threads", inter_op_threads)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise GraphforgeError(f"{what} must be a whole number ≥ 0 (0 lets onnxruntime choose), got {value!r}")
     if intra_op_threads is not None:
         options.intra_op_num_threads = intra_op_threads
     if inter_op_threads is not None:
@@ -101,31 +188,64 @@ def session_options(*, intra_op_threads: int | None = None, inter_op_threads: in
 def create_session(
     model: ModelSource,
     *,
-    providers: Sequence[str] | None = None,
+    providers: Sequence[Any] | None = None,
     options: ort.SessionOptions | None = None,
     intra_op_threads: int | None = None,
     inter_op_threads: int | None = None,
+    where: str | None = None,
 ) -> ort.InferenceSession:
-    """An InferenceSession for a path, bytes or ModelProto, on the best working providers."""
-    providers = list(providers) if providers is not None else available_providers()
+    """An InferenceSession for a path, bytes or ModelProto, on the best working providers.
+
+    A model onnxruntime refuses raises InvalidModelError naming ``where`` (by default the
+    path, ``<bytes>`` or ``the model``). A model with a newer IR version or opset than
+    onnxruntime reads is converted in memory first; a file's external data is then still
+    read from the file's folder (named in ``options`` as onnxruntime's external data folder).
+    """
+    providers = resolve_providers(providers, source="providers") if providers is not None else available_providers()
     options = options or session_options(intra_op_threads=intra_op_threads, inter_op_threads=inter_op_threads)
     if isinstance(model, str | os.PathLike):
-        # A file on disk may carry external data next to it: let onnxruntime read it there,
+        where = where or str(model)
+        # A file on disk may carry external data next to it: onnxruntime reads it there,
         # but only after the same checks load() applies, and with a readable IR version.
         proto = load(model, load_external_data=False)
         if _runtime_reads_as_is(proto):
-            return ort.InferenceSession(str(model), options, providers=providers)
-        proto = load(model)
+            return _session(str(model), options, providers, where)
+        _make_compatible(proto, where)
+        if any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(proto)):
+            options.add_session_config_entry(_EXTERNAL_DATA_FOLDER, str(Path(model).resolve().parent))
+        return _session(proto.SerializeToString(), options, providers, where)
+    if isinstance(model, bytes | bytearray):
+        where = where or "<bytes>"
+        proto = load(model)  # parsed here, so ours to convert in place
     else:
-        proto = load(model) if isinstance(model, bytes | bytearray) else model
-    compatible = onnx.ModelProto()
-    compatible.CopyFrom(proto)
-    make_runtime_compatible(compatible)
-    if compatible.ByteSize() > PROTOBUF_LIMIT:
+        where = where or "the model"
+        refuse_unresolved_external_data(model, where=where)
+        proto = model
+    if exceeds_protobuf_limit(proto):
         with tempfile.TemporaryDirectory(prefix="graphforge-session-") as tmp:
-            path = save(compatible, Path(tmp) / "model.onnx", external_data=True)
-            return ort.InferenceSession(str(path), options, providers=providers)
-    return ort.InferenceSession(compatible.SerializeToString(), options, providers=providers)
+            path = save(proto, Path(tmp) / "model.onnx", external_data=True)
+            return _session(str(path), options, providers, where)
+    if not _runtime_reads_as_is(proto):
+        if proto is model:
+            proto = onnx.ModelProto()
+            proto.CopyFrom(model)
+        _make_compatible(proto, where)
+    return _session(proto.SerializeToString(), options, providers, where)
+
+
+def _make_compatible(proto: onnx.ModelProto, where: str) -> None:
+    try:
+        make_runtime_compatible(proto)
+    except ModelSaveError as exc:
+        raise InvalidModelError(f"onnxruntime cannot load {where}: {exc}") from None
+
+
+def _session(source: str | bytes, options: ort.SessionOptions, providers: list[Any], where: str):
+    try:
+        # no fallback: onnxruntime would print to stdout and quietly continue on the CPU
+        return ort.InferenceSession(source, options, providers=providers, enable_fallback=0)
+    except Exception as exc:
+        raise InvalidModelError(f"onnxruntime cannot load {where}: {one_line(exc)}") from None
 
 
 def _runtime_reads_as_is(proto: onnx.ModelProto) -> bool:

@@ -102,12 +102,16 @@ class GradContext:
             outputs[i] = gs.Variable(self.b.fresh_name(name))
         return outputs[i]
 
-    def unbroadcast(self, grad: gs.Tensor, grad_shape, x: gs.Tensor) -> gs.Tensor:
-        """Sum ``grad`` (shaped ``grad_shape``, a broadcast result) down to ``x``'s shape."""
-        return _unbroadcast(self, grad, grad_shape, x)
+    def unbroadcast(self, grad: gs.Tensor, grad_shape, x: gs.Tensor, peers=()) -> gs.Tensor:
+        """Sum ``grad`` (shaped ``grad_shape``, a broadcast result) down to ``x``'s shape.
+
+        ``peers`` are the other operands of the broadcast: where all of them have size 1
+        (or no axis) at a position, x's dim *is* the result's, even when shape inference
+        named the two symbolic dims differently."""
+        return _unbroadcast(self, grad, grad_shape, x, peers)
 
 
-def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor) -> gs.Tensor:
+def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor, peers=()) -> gs.Tensor:
     """Sum ``grad`` (of shape ``grad_shape``, the broadcast result's) down to ``x``'s shape.
 
     Axes that are equal (same number or same symbolic name) are kept; axes where x has a
@@ -122,7 +126,7 @@ def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor) ->
     axes = list(range(lead))
     dynamic = False
     for i, (xd, gd) in enumerate(zip(xs, gs_[lead:], strict=True)):
-        if _same_dim(xd, gd):
+        if _same_dim(xd, gd) or _peers_are_one(peers, lead + i - len(gs_)):
             continue
         if xd == 1:
             axes.append(lead + i)
@@ -135,6 +139,19 @@ def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor) ->
         return grad
     summed = b.reduce_sum(grad, axes, keepdims=True)
     return b.reshape(summed, b.shape(x)) if lead else summed
+
+
+def _peers_are_one(peers, axis_from_end: int) -> bool:
+    """Whether every peer operand is absent or of static size 1 at this (negative) axis."""
+    if not peers:
+        return False
+    for peer in peers:
+        shape = peer.shape
+        if shape is None:
+            return False
+        if len(shape) >= -axis_from_end and shape[axis_from_end] != 1:
+            return False
+    return True
 
 
 def _same_dim(a, b) -> bool:

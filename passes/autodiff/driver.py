@@ -60,11 +60,15 @@ def build_gradients(
     builder = Builder(graph, prefix=GRAD_PREFIX)
     grads: dict[int, list[gs.Tensor]] = {id(loss): [_seed(builder, loss)]}
     reached_from: dict[int, gs.Node] = {}  # tensor id -> the node whose rule sent it a gradient
+    wrt_ids = {id(t) for t in wrt}
 
     for node in reversed(order):
         if id(node) not in relevant:
             continue
         dys = [_total(builder, grads.pop(id(y), None)) for y in node.outputs]
+        for y, dy in zip(node.outputs, dys, strict=True):
+            if dy is not None and id(y) in wrt_ids:  # a computed tensor asked for: keep its total
+                grads[id(y)] = [dy]
         if all(dy is None for dy in dys):
             continue
         rule = registry.get(node.op, node.domain)
@@ -88,7 +92,8 @@ def build_gradients(
                 if dx is None or x.is_empty() or id(x) not in relevant_tensors or not is_differentiable_type(x):
                     continue
                 if rule.broadcast:
-                    dx = ctx.unbroadcast(dx, node.outputs[0].shape, x)
+                    peers = [t for t in node.inputs if t is not x and not t.is_empty()]
+                    dx = ctx.unbroadcast(dx, node.outputs[0].shape, x, peers)
                 grads.setdefault(id(x), []).append(dx)
                 reached_from.setdefault(id(x), node)
 
@@ -103,14 +108,16 @@ def build_gradients(
 def _relevant(order: list[gs.Node], loss: gs.Tensor, wrt: Sequence[gs.Tensor]) -> tuple[set[int], set[int]]:
     """(ids of nodes, ids of tensors) on a path from ``wrt`` to ``loss`` through float tensors."""
     needs_grad = {id(t) for t in wrt}
+    downstream = set()  # nodes reading a tensor that needs a gradient (a wrt tensor's own producer may not)
     for node in order:  # forward: what depends on a wrt tensor through float tensors
         if any(id(t) in needs_grad for t in node.inputs):
+            downstream.add(id(node))
             needs_grad.update(id(t) for t in node.outputs if is_differentiable_type(t))
     feeds_loss = {id(loss)}
     nodes = set()
     for node in reversed(order):  # backward: what the loss depends on
         if any(id(t) in feeds_loss for t in node.outputs):
-            if any(id(t) in needs_grad for t in node.outputs):
+            if id(node) in downstream:
                 nodes.add(id(node))
             feeds_loss.update(id(t) for t in node.inputs)
     return nodes, needs_grad & feeds_loss
