@@ -126,7 +126,10 @@ class Builder:
             attrs["end"] = end
         if attrs and self.opset < 15:
             full = self.op("Shape", x)
-            return self.op("Slice", full, self.ints([start or 0]), self.ints([end if end is not None else 2**62]))
+            bounds = [start or 0], [end if end is not None else 2**62]
+            if self.opset < 10:  # Slice took its bounds as attributes before opset 10
+                return self.op("Slice", full, starts=bounds[0], ends=bounds[1])
+            return self.op("Slice", full, self.ints(bounds[0]), self.ints(bounds[1]))
         return self.op("Shape", x, **attrs)
 
     def reshape(self, x, shape):

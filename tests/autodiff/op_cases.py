@@ -153,3 +153,11 @@ NONDIFFERENTIABLE_CASES: list[Case] = [
         ("BitShift", [np.array([4], np.uint32), np.array([1], np.uint32)], {"direction": "LEFT"}),
     ]
 ]  # fmt: skip
+
+from op_cases_misc import MISC_CASES, MISC_NONDIFFERENTIABLE  # noqa: E402
+
+CASES += MISC_CASES
+NONDIFFERENTIABLE_CASES += MISC_NONDIFFERENTIABLE
+from op_cases_cnn import CNN_CASES  # noqa: E402
+
+CASES += CNN_CASES

@@ -1,0 +1,220 @@
+"""Convolutions, each differentiated by the other.
+
+Conv's input gradient is a ConvTranspose of dY with the same weights and ConvTranspose's
+is a Conv; both weight gradients are one Conv that correlates the (padded) input with the
+output gradient, batch and channel axes swapped, so the forward strides become dilations
+and the forward dilations become strides. Pads are resolved the way the spec (and
+onnxruntime) resolve auto_pad; when they depend on spatial dims known only at run time,
+they are computed from Shape ops so symbolic dims stay symbolic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from graphforge.passes.autodiff.registry import RULES
+
+gradient = RULES.gradient
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    n: int  # spatial rank
+    strides: list[int]
+    dilations: list[int]
+    group: int
+    kernel: list[int] | None  # None: known only at run time (from W's shape)
+
+    def attrs(self) -> dict:
+        return {"strides": self.strides, "dilations": self.dilations, "group": self.group}
+
+    def effective(self) -> list[int]:
+        """Extent of the dilated kernel along each axis."""
+        return [(k - 1) * d + 1 for k, d in zip(self.kernel, self.dilations, strict=True)]
+
+
+def _spatial(t) -> list[int] | None:
+    """``t``'s dims after batch and channel, or None unless all are static."""
+    shape = t.shape
+    if shape is None or len(shape) < 3:
+        return None
+    dims = shape[2:]
+    if not all(isinstance(d, int | np.integer) and d >= 0 for d in dims):
+        return None
+    return [int(d) for d in dims]
+
+
+def _geometry(ctx) -> _Geometry:
+    n = ctx.rank(ctx.x(0)) - 2
+    kernel = ctx.attr("kernel_shape") or _spatial(ctx.x(1))
+    return _Geometry(
+        n,
+        list(ctx.attr("strides") or [1] * n),
+        list(ctx.attr("dilations") or [1] * n),
+        ctx.attr("group", 1),
+        list(kernel) if kernel else None,
+    )
+
+
+def _spatial_axes(g: _Geometry) -> list[int]:
+    return list(range(2, g.n + 2))
+
+
+def _conv_pads(ctx, g: _Geometry) -> list[int] | None:
+    """Conv's pads [begins..., ends...]; None for auto_pad SAME over dims unknown until run time."""
+    mode = ctx.attr("auto_pad", "NOTSET")
+    if mode == "VALID":
+        return [0] * 2 * g.n
+    if mode == "NOTSET":
+        return list(ctx.attr("pads") or [0] * 2 * g.n)
+    xs = _spatial(ctx.x(0))
+    if xs is None or g.kernel is None:
+        return None
+    # the output is ceil(X / s); the padding that takes, odd cell at the end for SAME_UPPER
+    total = [max(0, (-(-x // s) - 1) * s + e - x) for x, s, e in zip(xs, g.strides, g.effective(), strict=True)]
+    begin = [t // 2 if mode == "SAME_UPPER" else t - t // 2 for t in total]
+    return begin + [t - p for t, p in zip(total, begin, strict=True)]
+
+
+def _same_pads(ctx, g: _Geometry):
+    """auto_pad SAME's (begins, ends) as int64 tensors computed from the run-time shapes."""
+    b = ctx.b
+    if ctx.opset < 12:
+        ctx.fail("auto_pad SAME over symbolic spatial dims needs opset 12+ (Max on int64)")
+    x, s = b.shape(ctx.x(0), 2), b.ints(g.strides)
+    if g.kernel is not None:
+        eff = b.ints(g.effective())
+    else:
+        eff = b.add(b.mul(b.sub(b.shape(ctx.x(1), 2), b.ints([1])), b.ints(g.dilations)), b.ints([1]))
+    out = b.div(b.add(x, b.sub(s, b.ints([1]))), s)
+    total = b.op("Max", b.sub(b.add(b.mul(b.sub(out, b.ints([1])), s), eff), x), b.ints([0]))
+    half = b.div(total, b.ints([2]))
+    begin = half if ctx.attr("auto_pad") == "SAME_UPPER" else b.sub(total, half)
+    return begin, b.sub(total, begin)
+
+
+def _pad(ctx, t, begin, end):
+    """``t`` padded (or, for negative amounts, cropped) on its spatial axes by run-time amounts."""
+    b = ctx.b
+    if ctx.opset < 11:
+        ctx.fail("padding by amounts known only at run time needs opset 11+ (Pad with a pads input)")
+    zeros = b.ints([0, 0])
+    return b.op("Pad", t, b.op("Concat", zeros, begin, zeros, end, axis=0))
+
+
+def _slice_spatial(ctx, g: _Geometry, t, like):
+    """``t``'s spatial axes cut to the spatial dims of ``like`` (static where they are known)."""
+    b, axes, ends = ctx.b, _spatial_axes(g), _spatial(like)
+    if ctx.opset < 10:  # Slice took attributes then
+        if ends is None:
+            ctx.fail("this gradient needs opset 10+ (Slice to run-time sizes) or static spatial dims")
+        return b.op("Slice", t, starts=[0] * g.n, ends=ends, axes=axes)
+    return b.op("Slice", t, b.ints([0] * g.n), b.shape(like, 2), b.ints(axes))
+
+
+def _weight_grad(ctx, g: _Geometry, inp, gout, pads: list[int]):
+    """result[m, c, k] = sum over n, o of gout[n, m, o] * inp_padded[n, c, o*stride + k*dilation],
+    per group: one Conv of inp (batch and channel swapped) with gout as its weights."""
+    b, spatial = ctx.b, _spatial_axes(g)
+    if g.group == 1:
+        data = b.transpose(inp, [1, 0, *spatial])
+    else:  # [N, G*C, ...] -> [C, G*N, ...] so that Conv's groups pair inp's groups with gout's
+        split = b.op("Concat", b.shape(inp, 0, 1), b.ints([g.group, -1]), b.shape(inp, 2), axis=0)
+        grouped = b.transpose(b.reshape(inp, split), [2, 1, 0, *range(3, g.n + 3)])
+        data = b.reshape(grouped, b.op("Concat", b.ints([0, -1]), b.shape(inp, 2), axis=0))
+    weights = b.transpose(gout, [1, 0, *spatial])
+    out = b.op("Conv", data, weights, strides=g.dilations, dilations=g.strides, group=g.group, pads=pads)
+    # the correlation can reach past the kernel (cells no output used): keep the kernel's extent
+    return b.transpose(_slice_spatial(ctx, g, out, ctx.x(1)), [1, 0, *spatial])
+
+
+def _bias_grad(ctx, g: _Geometry, dy):
+    return ctx.b.reduce_sum(dy, [0, *_spatial_axes(g)], keepdims=False) if ctx.x(2) is not None else None
+
+
+def _conv_input_grad(ctx, g: _Geometry, dy, pads: list[int]):
+    """ConvTranspose of dY, cropped by the begin pads and fitted to X's extent at the end
+    (cells past the last window, which no output read, get zeros)."""
+    b, x, w = ctx.b, ctx.x(0), ctx.x(1)
+    xs, ys = _spatial(x), _spatial(ctx.y())
+    if xs is not None and ys is not None and g.kernel is not None:
+        # how far the windows' extent reaches past X's end: cropped by an end pad when
+        # positive, filled with zeros by output_padding (always < stride) when negative
+        over = [
+            s * (y - 1) + e - p - xd
+            for s, y, e, p, xd in zip(g.strides, ys, g.effective(), pads[: g.n], xs, strict=True)
+        ]
+        crop = pads[: g.n] + [max(v, 0) for v in over]
+        return b.op("ConvTranspose", dy, w, pads=crop, output_padding=[max(-v, 0) for v in over], **g.attrs())
+    return _fit_to_input(ctx, b.op("ConvTranspose", dy, w, **g.attrs()), b.ints(pads[: g.n]))
+
+
+def _fit_to_input(ctx, full, begin):
+    """``full`` (a ConvTranspose over the padded extent) cropped to X: ``begin`` cells off the
+    front, and the end cut or zero-filled to X's size, amounts computed at run time."""
+    b = ctx.b
+    end = b.sub(b.add(b.shape(ctx.x(0), 2), begin), b.shape(full, 2))
+    return _pad(ctx, full, b.neg(begin), end)
+
+
+@gradient("Conv")
+def conv(ctx, dys):
+    g, dy, x = _geometry(ctx), dys[0], ctx.x(0)
+    pads = _conv_pads(ctx, g)
+    if pads is not None:
+        dx = _conv_input_grad(ctx, g, dy, pads)
+        dw = _weight_grad(ctx, g, x, dy, pads)
+    else:  # auto_pad SAME over run-time dims: pads computed, X padded explicitly for dW
+        begin, end = _same_pads(ctx, g)
+        dx = _fit_to_input(ctx, ctx.b.op("ConvTranspose", dy, ctx.x(1), **g.attrs()), begin)
+        dw = _weight_grad(ctx, g, _pad(ctx, x, begin, end), dy, [0] * 2 * g.n)
+    return [dx, dw, _bias_grad(ctx, g, dy)]
+
+
+def _transpose_pads(ctx, g: _Geometry) -> list[int]:
+    """ConvTranspose's pads [begins..., ends...] as the ONNX reference implementation and
+    onnxruntime resolve output_shape and auto_pad SAME (the odd cell at the end for
+    SAME_UPPER, at the front otherwise)."""
+    mode, out = ctx.attr("auto_pad", "NOTSET"), ctx.attr("output_shape")
+    if not out and mode in ("NOTSET", "VALID"):
+        return list(ctx.attr("pads") or [0] * 2 * g.n) if mode == "NOTSET" else [0] * 2 * g.n
+    if g.kernel is None:
+        ctx.fail("ConvTranspose with output_shape or auto_pad SAME needs a static kernel shape")
+    adj = ctx.attr("output_padding") or [0] * g.n
+    if out:
+        xs = _spatial(ctx.x(0))
+        if xs is None:
+            ctx.fail("ConvTranspose with output_shape needs static spatial input dims to differentiate")
+        natural = [(xd - 1) * s + a + e for xd, s, a, e in zip(xs, g.strides, adj, g.effective(), strict=True)]
+        total = [max(0, v - o) for v, o in zip(natural, out[-g.n :], strict=True)]
+    else:  # SAME: the output is X * stride
+        total = [max(0, a + e - s) for a, e, s in zip(adj, g.effective(), g.strides, strict=True)]
+    begin = [t // 2 if mode == "SAME_UPPER" else t - t // 2 for t in total]
+    return begin + [t - p for t, p in zip(total, begin, strict=True)]
+
+
+def _transpose_overhang(ctx, g: _Geometry, pads: list[int]) -> list[int]:
+    """Per axis: Y + begin pad - (where X's last window ends); the Conv that undoes a
+    ConvTranspose must see at least that much of dY (positive: cells past it)."""
+    adj = ctx.attr("output_padding") or [0] * g.n
+    out = ctx.attr("output_shape")
+    if not out:  # Y = (X-1)*s + adj + eff - begin - end
+        return [a - e for a, e in zip(adj, pads[g.n :], strict=True)]
+    xs = _spatial(ctx.x(0))
+    ends = [(xd - 1) * s + e for xd, s, e in zip(xs, g.strides, g.effective(), strict=True)]
+    return [o + p - v for o, p, v in zip(out[-g.n :], pads[: g.n], ends, strict=True)]
+
+
+@gradient("ConvTranspose")
+def conv_transpose(ctx, dys):
+    # Y = the full transposed convolution of X, cropped by pads: dX correlates dY (re-padded)
+    # with W, which is exactly a Conv; dW is the weight gradient with X and dY's roles swapped
+    b, g, dy, x = ctx.b, _geometry(ctx), dys[0], ctx.x(0)
+    pads = _transpose_pads(ctx, g)
+    over = _transpose_overhang(ctx, g, pads)
+    conv_pads = pads[: g.n] + [max(0, -v) for v in over]
+    dx = b.op("Conv", dy, ctx.x(1), pads=conv_pads, **g.attrs())
+    if any((v + max(0, -v)) >= s for v, s in zip(over, g.strides, strict=True)):
+        dx = _slice_spatial(ctx, g, dx, x)  # dY reaches past X's last window
+    return [dx, _weight_grad(ctx, g, dy, x, conv_pads), _bias_grad(ctx, g, dy)]
