@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import numpy_helper
 
 from graphforge.graph import Model
-from graphforge.ir import NONDETERMINISTIC_OPS, all_graphs, replace_uses
+from graphforge.ir import NONDETERMINISTIC_OPS, every_graph, onnx_dtype, replace_uses
 from graphforge.pipeline import Pass, PassResult
 
 
@@ -16,9 +17,10 @@ from graphforge.pipeline import Pass, PassResult
 class CommonSubexpressionElimination(Pass):
     """Merge nodes that compute the same thing.
 
-    1. Two nodes with the same op type, domain, attributes and input tensors (in order)
-       are merged: the later one's consumers read the earlier one's outputs. Repeating
-       this in topological order merges whole duplicated chains in one run.
+    1. Two nodes with the same op type, domain, attributes and input tensors (in order;
+       an omitted optional input equals another omitted one) and the same outputs
+       present are merged: the later one's consumers read the earlier one's outputs.
+       Repeating this in topological order merges whole duplicated chains in one run.
     2. Constant nodes with equal values are merged (their value is their only input).
     3. Random ops (Dropout, RandomNormal, ...) are never merged: equal inputs do not mean
        equal outputs.
@@ -32,7 +34,7 @@ class CommonSubexpressionElimination(Pass):
 
     def run(self, model: Model) -> PassResult:
         merged = 0
-        for graph in [*all_graphs(model.graph), *model.graph.functions]:
+        for graph in every_graph(model.graph):
             merged += _eliminate(graph)
         if merged:
             model.graph.cleanup()
@@ -46,7 +48,9 @@ def _eliminate(graph: gs.Graph) -> int:
     for node in graph.nodes:
         if node.op in NONDETERMINISTIC_OPS or any(True for _ in node.subgraphs()):
             continue
-        key = (node.domain, node.op, tuple(id(t) for t in node.inputs), len(node.outputs), _attrs_key(node))
+        inputs = tuple(None if t.is_empty() else id(t) for t in node.inputs)
+        outputs = tuple(t.is_empty() for t in node.outputs)
+        key = (node.domain, node.op, inputs, outputs, _attrs_key(node))
         first = seen.get(key)
         if first is None:
             seen[key] = node
@@ -66,12 +70,28 @@ def _attrs_key(node: gs.Node) -> tuple:
 
 def _value_key(value) -> object:
     if isinstance(value, gs.Constant):
-        array = value.values
-        return ("tensor", str(array.dtype), array.shape, array.tobytes())
+        return _constant_key(value)
     if isinstance(value, np.ndarray):
         return ("array", str(value.dtype), value.shape, value.tobytes())
     if isinstance(value, list | tuple):
         return tuple(_value_key(v) for v in value)
     if isinstance(value, gs.Tensor | gs.Graph):
         return ("object", id(value))
+    if isinstance(value, gs.Node.AttributeRef):  # a function attribute: equal if it names the same one
+        return ("ref", value.name)
     return value
+
+
+def _constant_key(value: gs.Constant) -> object:
+    # ``value.values`` would load lazy values in place, and gs converts types NumPy lacks
+    # (bfloat16, float8) to float32 as it loads: read a copy from the proto instead.
+    stored = value._values
+    if isinstance(stored, gs.ir.tensor.LazyValues):
+        try:
+            array = numpy_helper.to_array(stored.tensor)
+        except Exception:  # external data or an exotic type: only the same object is equal
+            return ("object", id(value))
+        return ("tensor", stored.tensor.data_type, array.shape, array.tobytes())
+    if isinstance(stored, np.ndarray):
+        return ("tensor", onnx_dtype(value.export_dtype), stored.shape, stored.tobytes())
+    return ("object", id(value))

@@ -17,15 +17,17 @@ class DeadCodeElimination(Pass):
        in the main graph, in subgraphs and in local functions.
     2. Initializers used only by removed nodes go with them.
     3. Graph inputs are kept even when unused: they are the model's interface
-       (set ``remove_unused_inputs=true`` to drop them).
+       (set ``remove_unused_inputs=true`` to drop them). Only the main graph's inputs are
+       ever dropped: a Loop/Scan body's or a function's inputs are its signature.
     """
 
     name = "dce"
     remove_unused_inputs: bool = False
 
     def run(self, model: Model) -> PassResult:
-        before = fingerprint(model.graph)
-        inputs_before = len(model.graph.inputs)
-        model.graph.cleanup(remove_unused_graph_inputs=self.remove_unused_inputs)
-        changed = fingerprint(model.graph) != before or len(model.graph.inputs) != inputs_before
-        return PassResult(model, changed)
+        graph = model.graph
+        before = fingerprint(graph)
+        graph.cleanup(remove_unused_graph_inputs=False)
+        if self.remove_unused_inputs:  # case 3: the main graph only
+            graph.cleanup(remove_unused_graph_inputs=True, recurse_subgraphs=False, recurse_functions=False)
+        return PassResult(model, fingerprint(graph) != before)

@@ -2,33 +2,46 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from graphforge.graph import Model, runtime_limits
-from graphforge.ir import NONDETERMINISTIC_OPS, all_graphs, fingerprint, is_parameter
+from graphforge.ir import FLOAT_TYPES, NONDETERMINISTIC_OPS, every_graph, fingerprint, is_parameter, onnx_dtype
 from graphforge.pipeline import Pass, PassResult
 
 
 @dataclass(frozen=True)
 class FoldConstants(Pass):
     """Replace nodes computable ahead of time by their values (onnx-graphsurgeon's folder,
-    evaluated on onnxruntime).
+    evaluated on onnxruntime), in the main graph, in subgraphs and in local functions.
 
     1. A node whose inputs are all constants (Constant nodes, non-parameter initializers,
        results of folded nodes) becomes a constant, and its dead producers go away.
-    2. ``Shape`` of a tensor whose shape is fully static folds; symbolic dims never do,
-       so dynamic batch and sequence dims stay dynamic.
+       Constant nodes themselves are left as they are; a folded floating-point result
+       becomes a Constant node, not an initializer, so folding never creates parameters
+       (with ``fold_parameters=true`` it becomes an initializer).
+    2. ``Shape`` of a tensor whose shape is fully static folds (its ``start``/``end``
+       respected), and so does a ``Gather`` or ``Slice`` of a ``Shape`` that picks only
+       static dims; symbolic dims never do, so dynamic batch and sequence dims stay dynamic.
     3. Floating-point initializers are parameters and are *not* folded into derived
        constants (folding ``Transpose(W)`` would make ``W`` vanish from training); set
        ``fold_parameters=true`` for an inference-only model.
     4. Results larger than ``size_limit_mb`` are left as computations, so folding never
-       bloats the file.
+       bloats the file; where the size of an ``Expand``, ``Tile`` or ``ConstantOfShape``
+       result is known beforehand, a too large one is not even evaluated.
     5. Random ops are never folded.
     6. Like ``dce``, it then removes every node no graph output needs (the producers
        folding left dead, and any that were dead already).
+
+    onnx-graphsurgeon's own shape folding is not used: it ignores ``Shape``'s
+    ``start``/``end`` and rewrites ``Cast(int→float) → op → Cast(→int)`` chains in integer
+    arithmetic, which changes results (``x * 0.5`` becomes ``x * 0``). Its flattening of
+    ``If`` nodes with a constant condition is not used either.
     """
 
     name = "fold_constants"
@@ -38,38 +51,272 @@ class FoldConstants(Pass):
     def run(self, model: Model) -> PassResult:
         graph = model.graph
         before = fingerprint(graph)
+        limit = int(self.size_limit_mb * 2**20)
         hidden = [] if self.fold_parameters else _hide_parameters(graph)
-        saved_ir = graph.ir_version
-        # gs evaluates with onnxruntime, which refuses files stamped with a newer IR version.
-        if graph.ir_version is not None:
-            graph.ir_version = min(graph.ir_version, runtime_limits()[0])
+        float_attrs = [saved for g in every_graph(graph) for saved in _float32_constant_values(g)]
+        constant_nodes = [
+            (node, node.outputs[0], node.outputs[0].dtype, node.outputs[0].shape)
+            for g in every_graph(graph)
+            for node in g.nodes
+            if node.op == "Constant" and len(node.outputs) == 1
+        ]
         level = gs.logger.G_LOGGER.severity
         gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
         try:
-            graph.fold_constants(
-                size_threshold=int(self.size_limit_mb * 2**20),
-                should_exclude_node=lambda node: node.op in NONDETERMINISTIC_OPS,
-                error_ok=True,
-            )
-            graph.cleanup()
+            for g, owner in _graphs_outer_first(graph):
+                written_by = [(node, list(node.outputs)) for node in g.nodes]
+                _fold_graph(g, owner, limit)
+                _replace_folded_nodes(g, written_by, constant_nodes, float_results_as_nodes=not self.fold_parameters)
+                # gs lowers every Constant node a graph reads, an outer one a subgraph reads
+                # included; each is given its output back, and the producers folding left
+                # dead (some short of an output) go, before the next graph is folded, since
+                # gs evaluates each graph with the model's functions beside it.
+                _reattach(constant_nodes)
+                g.cleanup(recurse_subgraphs=False, recurse_functions=False)
         finally:
             gs.logger.G_LOGGER.severity = level
-            graph.ir_version = saved_ir
-            for tensor, values in hidden:
-                tensor.to_constant(values)
+            for node, attrs in float_attrs:
+                node.attrs = attrs
+            for tensor, values, location, export_dtype in hidden:
+                tensor.to_constant(values, export_dtype=export_dtype)
+                tensor.data_location = location
+        graph.cleanup()
         return PassResult(model, fingerprint(graph) != before)
 
 
-def _hide_parameters(graph: gs.Graph) -> list[tuple[gs.Tensor, np.ndarray]]:
-    """Turn parameter initializers into variables for the duration of folding."""
+def _graphs_outer_first(graph: gs.Graph) -> Iterator[tuple[gs.Graph, gs.Function | None]]:
+    """The main graph, its subgraphs, then each function and its subgraphs, each with the
+    function it belongs to; a graph's subgraphs are listed only after the caller has folded
+    it (outer constants then reach the subgraphs, and a node folded away takes its
+    subgraphs with it)."""
+    stack = [*((f, f) for f in reversed(graph.functions)), (graph, None)]
+    while stack:
+        g, owner = stack.pop()
+        yield g, owner
+        stack.extend((sub, owner) for node in reversed(g.nodes) for sub in reversed(list(node.subgraphs())))
+
+
+def _fold_graph(graph: gs.Graph, owner: gs.Function | None, limit: int) -> None:
+    """Fold one graph level (gs is told not to recurse: the caller walks the subgraphs)."""
+    _fold_shapes(graph)
+    saved_ir = graph.ir_version
+    max_ir = runtime_limits()[0]
+    # gs evaluates with onnxruntime, which refuses files stamped with a newer IR version;
+    # a subgraph has none of its own, and gs would stamp onnx's newest.
+    graph.ir_version = max_ir if saved_ir is None else min(saved_ir, max_ir)
+    # gs evaluates a graph with the model's functions beside it; the function being folded
+    # is mid-rewrite (its Constant nodes lowered), and onnxruntime would refuse it. gs
+    # shares one function list between all graphs and merges them back on copy, so the
+    # function leaves that list itself for the duration.
+    functions = graph._functions
+    slot = next((i for i, f in enumerate(functions) if f is owner), None)
+    if slot is not None:
+        del functions[slot]
+    try:
+        graph.fold_constants(
+            fold_shapes=False,
+            recurse_subgraphs=False,
+            recurse_functions=False,
+            flatten_subgraphs=False,
+            size_threshold=limit,
+            should_exclude_node=lambda node: node.op in NONDETERMINISTIC_OPS or _too_big(node, limit),
+            error_ok=True,
+        )
+    finally:
+        graph.ir_version = saved_ir
+        if slot is not None:
+            functions.insert(slot, owner)
+
+
+def _float32_constant_values(graph: gs.Graph) -> list[tuple[gs.Node, dict]]:
+    """gs reads a Constant's ``value_float(s)`` as float64: give it a float32 ``value`` for
+    the duration of folding, and return the attributes to put back."""
+    saved = []
+    for node in graph.nodes:
+        name = next((n for n in ("value_float", "value_floats") if n in node.attrs), None)
+        if node.op == "Constant" and name and not isinstance(node.attrs[name], gs.Node.AttributeRef):
+            saved.append((node, node.attrs))
+            node.attrs = {"value": gs.Constant("", np.array(node.attrs[name], dtype=np.float32))}
+    return saved
+
+
+def _replace_folded_nodes(graph: gs.Graph, written_by, constant_nodes: list, *, float_results_as_nodes: bool) -> None:
+    """Case 1: gs turns each folded result into an initializer, and detaches it from the
+    node that computed it. A float result gets a Constant node in that node's place
+    instead (initializers are what training takes for parameters)."""
+    nodes = []
+    for node, outputs in written_by:
+        for tensor in outputs:
+            folded = isinstance(tensor, gs.Constant) and all(t is not tensor for t in node.outputs)
+            if folded and node.op != "Constant" and float_results_as_nodes and _is_float(tensor):
+                values = tensor.values
+                tensor.to_variable(dtype=values.dtype, shape=list(values.shape))
+                value = gs.Constant(tensor.name, values)
+                nodes.append(
+                    gs.Node("Constant", name=f"{tensor.name}_folded", attrs={"value": value}, outputs=[tensor])
+                )
+                constant_nodes.append((nodes[-1], tensor, tensor.dtype, tensor.shape))
+        nodes.append(node)
+    graph.nodes = nodes
+
+
+def _is_float(tensor: gs.Constant) -> bool:
+    return onnx_dtype(tensor.export_dtype) in FLOAT_TYPES
+
+
+def _reattach(constant_nodes: list) -> None:
+    """Give each Constant node gs lowered to an initializer its output back, typed as before."""
+    for node, tensor, dtype, shape in constant_nodes:
+        if isinstance(tensor, gs.Constant) and not tensor.inputs and not node.outputs:
+            tensor.to_variable()
+            tensor.dtype, tensor.shape = dtype, shape
+            node.outputs.append(tensor)
+
+
+# --------------------------------------------------------------------------- case 2: shapes
+
+
+def _fold_shapes(graph: gs.Graph) -> None:
+    here = {id(node) for node in graph.nodes}
+    for node in list(graph.nodes):
+        if node.op != "Shape" or len(node.outputs) != 1 or isinstance(node.outputs[0], gs.Constant):
+            continue
+        try:
+            dims = _shape_dims(node)
+        except (TypeError, ValueError):  # start/end given by a function attribute
+            continue
+        if dims is None:
+            continue
+        result = node.outputs[0]
+        if all(d is not None for d in dims):
+            _make_constant(result, np.array(dims, dtype=np.int64))
+            continue
+        for consumer in list(result.outputs):
+            if id(consumer) in here and consumer.inputs and consumer.inputs[0] is result:
+                picked = _pick_dims(consumer, np.array(dims, dtype=object))
+                if picked is not None and all(d is not None for d in picked.flat):
+                    _make_constant(consumer.outputs[0], picked.astype(np.int64))
+
+
+def _shape_dims(node: gs.Node) -> list[int | None] | None:
+    """What a Shape node returns: ints, None for a symbolic dim; None if the rank is unknown."""
+    shape = node.inputs[0].shape
+    if shape is None:
+        return None
+    dims = [d if isinstance(d, int) and not isinstance(d, bool) and d >= 0 else None for d in shape]
+    rank = len(dims)
+
+    def clamp(i: int) -> int:
+        return min(max(i + rank if i < 0 else i, 0), rank)
+
+    start = clamp(int(node.attrs.get("start", 0)))
+    end = clamp(int(node.attrs["end"])) if node.attrs.get("end") is not None else rank
+    return dims[start:end]
+
+
+def _pick_dims(node: gs.Node, dims: np.ndarray) -> np.ndarray | None:
+    """The part of a shape vector a Gather or Slice with constant arguments selects."""
+    try:
+        if node.op == "Gather" and int(node.attrs.get("axis", 0)) in (0, -1):
+            indices = _constant_value(node.inputs[1])
+            return None if indices is None else np.asarray(np.take(dims, indices.astype(np.int64)), dtype=object)
+        if node.op == "Slice" and 3 <= len(node.inputs) <= 5:
+            args = [_constant_value(t) if not t.is_empty() else None for t in node.inputs[1:]]
+            starts, ends, axes, steps = [*args, None, None][:4]
+            if starts is None or ends is None or starts.size != 1 or ends.size != 1:
+                return None
+            if (len(node.inputs) > 3 and axes is None) or (len(node.inputs) > 4 and steps is None):
+                return None  # not constant
+            if axes is not None and axes.reshape(-1).tolist() not in ([0], [-1]):
+                return None
+            step = 1 if steps is None else int(steps.reshape(-1)[0])
+            return dims[int(starts.reshape(-1)[0]) : int(ends.reshape(-1)[0]) : step]
+    except (IndexError, TypeError, ValueError):
+        return None
+    return None
+
+
+def _constant_value(tensor: gs.Tensor) -> np.ndarray | None:
+    """The value of a non-float constant (initializer or Constant node output), else None."""
+    if isinstance(tensor, gs.Constant):
+        return None if is_parameter(tensor) else np.asarray(tensor.values)
+    if len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
+        attrs = tensor.inputs[0].attrs
+        if isinstance(attrs.get("value"), gs.Constant):
+            return np.asarray(attrs["value"].values)
+        for name in ("value_int", "value_ints"):
+            if name in attrs and not isinstance(attrs[name], gs.Node.AttributeRef):
+                return np.asarray(attrs[name], dtype=np.int64)
+    return None
+
+
+def _make_constant(tensor: gs.Tensor, values: np.ndarray) -> None:
+    tensor.to_constant(values)
+    tensor.inputs.clear()
+
+
+# --------------------------------------------------------------------------- case 4: sizes
+
+
+def _too_big(node: gs.Node, limit: int) -> bool:
+    """Whether a result of ``node`` is known, before evaluating it, to exceed ``limit`` bytes."""
+    sizes = [_nbytes(t.shape, t.dtype) for t in node.outputs]
+    if node.op in ("Expand", "Tile", "ConstantOfShape") and node.inputs:
+        sizes.append(_result_nbytes(node))
+    return any(size is not None and size > limit for size in sizes)
+
+
+def _result_nbytes(node: gs.Node) -> int | None:
+    """Size of an Expand/Tile/ConstantOfShape result from its constant shape argument."""
+    try:
+        if node.op == "ConstantOfShape":
+            shape = _argument(node.inputs[0])
+            value = node.attrs.get("value")
+            dtype = value.dtype if isinstance(value, gs.Constant) else np.float32
+            return None if shape is None else _nbytes(shape.tolist(), dtype)
+        data, argument = node.inputs[0], _argument(node.inputs[1])
+        if argument is None or data.shape is None:
+            return None
+        if node.op == "Expand":
+            return _nbytes(list(np.broadcast_shapes(tuple(data.shape), tuple(argument.tolist()))), data.dtype)
+        return _nbytes([d * r for d, r in zip(data.shape, argument.tolist(), strict=True)], data.dtype)
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def _argument(tensor: gs.Tensor) -> np.ndarray | None:
+    return np.asarray(tensor.values).reshape(-1) if isinstance(tensor, gs.Constant) else None
+
+
+def _nbytes(shape, dtype) -> int | None:
+    if shape is None or not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
+        return None
+    code = onnx_dtype(dtype)
+    if code is None:
+        return None
+    try:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(code)).itemsize
+    except (KeyError, TypeError, ValueError):
+        return None
+    return math.prod(int(d) for d in shape) * itemsize
+
+
+# --------------------------------------------------------------------------- case 3: parameters
+
+
+def _hide_parameters(graph: gs.Graph) -> list[tuple[gs.Tensor, object, int | None, object]]:
+    """Turn parameter initializers into variables for the duration of folding.
+
+    Keeps gs's stored values (lazy ones stay unloaded: loading converts bfloat16 and float8
+    to float32), the data location and the export type, so they come back exactly.
+    """
     hidden = []
     seen: set[int] = set()
-    for g in all_graphs(graph):
+    for g in every_graph(graph):
         for tensor in g.tensors().values():
             if id(tensor) in seen or not is_parameter(tensor):
                 continue
             seen.add(id(tensor))
-            values = tensor.values
-            hidden.append((tensor, values))
-            tensor.to_variable(dtype=values.dtype, shape=list(values.shape))
+            hidden.append((tensor, tensor._values, tensor.data_location, tensor._export_dtype))
+            tensor.to_variable(dtype=tensor.dtype, shape=list(tensor.shape))
     return hidden

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from onnx import helper
 
 from graphforge.graph import Model
-from graphforge.ir import all_graphs, replace_uses
+from graphforge.ir import every_graph, onnx_dtype, replace_uses
 from graphforge.pipeline import Pass, PassResult
 
 
@@ -18,9 +17,9 @@ class IdentityElimination(Pass):
     """Remove nodes that pass their first input through unchanged.
 
     No-ops recognised: ``Identity``; ``Dropout`` in inference mode (no mask read, and
-    ``training_mode`` absent or a constant false); ``Cast`` to the type the input already
-    has; ``Transpose`` with the identity permutation; ``Reshape``/``Expand`` whose input
-    and output have the same fully static shape.
+    ``training_mode`` absent, or false in an initializer or a Constant node); ``Cast`` to
+    the type the input is known to have; ``Transpose`` with the identity permutation;
+    ``Reshape``/``Expand`` whose input and output have the same fully static shape.
 
     1. Internal tensor: consumers read the node's input instead.
     2. The output is a graph output and the input is produced by a node in the same
@@ -33,7 +32,7 @@ class IdentityElimination(Pass):
 
     def run(self, model: Model) -> PassResult:
         removed = 0
-        for graph in [*all_graphs(model.graph), *model.graph.functions]:
+        for graph in every_graph(model.graph):
             removed += _eliminate(graph)
         if removed:
             model.graph.cleanup()
@@ -50,13 +49,15 @@ def _eliminate(graph: gs.Graph) -> int:
         source, result = node.inputs[0], node.outputs[0]
         if id(result) not in graph_outputs:  # case 1
             replace_uses(result, source)
+            node.inputs.clear()  # no longer a reader of source: a later case 2 counts on that
             node.outputs.clear()
             removed += 1
         elif id(source) in produced_here and len(source.outputs) == 1 and id(source) not in graph_outputs:  # case 2
             producer = source.inputs[0]
             node.inputs.clear()
             node.outputs.clear()
-            producer.outputs[producer.outputs.index(source)] = result
+            slot = next(i for i, t in enumerate(producer.outputs) if t is source)
+            producer.outputs[slot] = result
             removed += 1
     return removed
 
@@ -72,19 +73,28 @@ def is_noop(node: gs.Node, graph_outputs: set[int]) -> bool:
         return True
     if node.op == "Dropout":
         training = node.inputs[2] if len(node.inputs) > 2 else None
-        return (
-            training is None
-            or training.is_empty()
-            or (isinstance(training, gs.Constant) and not bool(np.asarray(training.values).item()))
-        )
+        return training is None or training.is_empty() or _constant_value(training) is False
     if node.op == "Cast":
-        return x.dtype is not None and np.dtype(x.dtype) == helper.tensor_dtype_to_np_dtype(node.attrs["to"])
+        return onnx_dtype(x.dtype) is not None and onnx_dtype(x.dtype) == node.attrs.get("to")
     if node.op == "Transpose":
         perm = node.attrs.get("perm")
         return perm is not None and list(perm) == list(range(len(perm)))
     if node.op in ("Reshape", "Expand"):
         return _static(x.shape) and _static(y.shape) and list(x.shape) == list(y.shape)
     return False
+
+
+def _constant_value(tensor: gs.Tensor) -> bool | None:
+    """The value of a constant scalar boolean (an initializer or a Constant node's output)."""
+    if isinstance(tensor, gs.Constant):
+        values = tensor.values
+    elif len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
+        values = tensor.inputs[0].attrs.get("value")
+        values = values.values if isinstance(values, gs.Constant) else None
+    else:
+        return None
+    values = np.asarray(values) if values is not None else None
+    return bool(values.item()) if values is not None and values.size == 1 else None
 
 
 def _static(shape) -> bool:

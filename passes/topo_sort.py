@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from graphforge.analysis import topological_order
 from graphforge.graph import Model
-from graphforge.ir import all_graphs
+from graphforge.ir import every_graph
 from graphforge.pipeline import Pass, PassResult
 
 
@@ -24,7 +24,7 @@ class TopologicalSort(Pass):
 
     def run(self, model: Model) -> PassResult:
         changed = False
-        for graph in [*all_graphs(model.graph), *model.graph.functions]:
+        for graph in every_graph(model.graph):
             order = topological_order(graph)
             if order != list(range(len(graph.nodes))):
                 graph.nodes = [graph.nodes[i] for i in order]

@@ -30,16 +30,28 @@ def outer_inputs(node: gs.Node) -> list[gs.Tensor]:
 
 def to_digraph(graph: gs.Graph) -> nx.DiGraph:
     """Nodes are indices into ``graph.nodes``; an edge u→v means v reads a tensor u writes
-    (subgraph reads of outer tensors count as reads by the node that owns the subgraph)."""
+    (subgraph reads of outer tensors count as reads by the node that owns the subgraph).
+
+    A subgraph's read of an outer tensor is also matched by name: onnx-graphsurgeon imports
+    a subgraph that reads a tensor produced *later* in the file as a separate tensor of the
+    same name (ONNX names are unique across nested scopes, so the name is the link).
+    """
     producer: dict[int, int] = {}
+    by_name: dict[str, int] = {}
     for i, node in enumerate(graph.nodes):
         for t in node.outputs:
             producer[id(t)] = i
+            if t.name:
+                by_name[t.name] = i
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(graph.nodes)))
     for i, node in enumerate(graph.nodes):
-        for t in [*node.inputs, *outer_inputs(node)]:
+        for t in node.inputs:
             j = producer.get(id(t))
+            if j is not None:
+                dag.add_edge(j, i)
+        for t in outer_inputs(node):
+            j = producer.get(id(t), by_name.get(t.name))
             if j is not None:
                 dag.add_edge(j, i)
     return dag
