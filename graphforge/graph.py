@@ -44,19 +44,28 @@ class Model:
     doc_string: str = ""
     domain: str = ""
     model_version: int = 0
+    #: initializers that are graph inputs too (overridable defaults); graphsurgeon drops
+    #: them from the inputs, so they are put back on export while the initializer exists
+    initializer_inputs: list[str] = field(default_factory=list)
+    #: the input order of the file, kept for the initializer inputs put back
+    input_order: list[str] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, proto: onnx.ModelProto) -> Model:
+        init_names = {t.name for t in proto.graph.initializer}
         return cls(
             graph=gs.import_onnx(proto),
             metadata={p.key: p.value for p in proto.metadata_props},
             doc_string=proto.doc_string,
             domain=proto.domain,
             model_version=proto.model_version,
+            initializer_inputs=[v.name for v in proto.graph.input if v.name in init_names],
+            input_order=[v.name for v in proto.graph.input],
         )
 
     def to_proto(self) -> onnx.ModelProto:
         proto = gs.export_onnx(self.graph, do_type_check=False)
+        self._restore_initializer_inputs(proto)
         del proto.metadata_props[:]
         for key in sorted(self.metadata):
             proto.metadata_props.add(key=key, value=self.metadata[key])
@@ -65,8 +74,34 @@ class Model:
         proto.model_version = self.model_version
         return proto
 
+    def _restore_initializer_inputs(self, proto: onnx.ModelProto) -> None:
+        graph = proto.graph
+        inits = {t.name: t for t in graph.initializer}
+        current = {v.name: v for v in graph.input}
+        restored = {
+            name: onnx.helper.make_tensor_value_info(name, inits[name].data_type, list(inits[name].dims))
+            for name in self.initializer_inputs
+            if name in inits and name not in current
+        }
+        if not restored:
+            return
+        available = {**current, **restored}
+        order = [n for n in self.input_order if n in available]
+        order += [n for n in [*current, *restored] if n not in order]
+        new_inputs = [available[n] for n in order]
+        del graph.input[:]
+        graph.input.extend(new_inputs)
+
     def copy(self) -> Model:
-        return Model(self.graph.copy(), dict(self.metadata), self.doc_string, self.domain, self.model_version)
+        return Model(
+            self.graph.copy(),
+            dict(self.metadata),
+            self.doc_string,
+            self.domain,
+            self.model_version,
+            list(self.initializer_inputs),
+            list(self.input_order),
+        )
 
 
 # --------------------------------------------------------------------------- loading

@@ -791,3 +791,27 @@ def test_public_api_exports_the_io_functions():
     assert graphforge.load is load
     assert graphforge.save is save
     assert graphforge.Model is Model
+
+
+def test_initializers_that_are_inputs_stay_inputs_through_a_pass():
+    """An overridable initializer (IR >= 4: an initializer also listed as an input) keeps its
+    place among the inputs, and its default, after a pass rewrites the graph."""
+    from onnx import numpy_helper
+
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["x", "W"], ["y"]), onnx.helper.make_node("Identity", ["y"], ["z"])],
+        "g",
+        [
+            onnx.helper.make_tensor_value_info("W", onnx.TensorProto.FLOAT, [2]),
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2]),
+        ],
+        [onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(np.ones(2, np.float32), "W")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    result = graphforge.compile(model, "identity_elimination")
+    assert [v.name for v in result.model.graph.input] == ["W", "x"]
+    session = graphforge.create_session(result.model)
+    x = np.array([1.0, 2.0], np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x + 1)
+    np.testing.assert_array_equal(session.run(None, {"x": x, "W": np.full(2, 3, np.float32)})[0], x + 3)
