@@ -14,6 +14,12 @@ LOSS = "graphforge.loss"  # name of the scalar loss output
 LABELS = "graphforge.labels"  # name of the labels input the loss pass added
 PARAMETERS = "graphforge.parameters"  # JSON list of trainable parameter names
 GRADIENTS = "graphforge.gradients"  # JSON object: parameter (or input) name -> gradient output name
+OPTIMIZER = "graphforge.optimizer"  # JSON: {"kind": ..., "hyperparameters": {...}}
+STATE = "graphforge.state"  # JSON list: every tensor carried from step to step (see passes/optimizers.py)
+LR = "graphforge.lr"  # name of the learning-rate input
+DEFAULT_LR = "graphforge.default_lr"  # the learning rate the pipeline asked for
+STEP = "graphforge.step"  # name of the step-count input (steps done before this one)
+RESET_GRAD = "graphforge.lazy_reset_grad"  # name of the accumulate-or-overwrite flag input
 
 #: suffix of a gradient output: the gradient of parameter P is the graph output P_grad
 GRAD_SUFFIX = "_grad"
