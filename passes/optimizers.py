@@ -141,6 +141,7 @@ class _Optimizer(Pass):
                                    "role": "parameter", "dtype": np.dtype(p.dtype).name, "shape": list(p.shape),
                                    "like": None})  # fmt: skip
 
+        state_specs += self._buffers(graph, model, b, add_output)
         graph.outputs = outputs
         model.metadata[roles.LR] = "lr"
         model.metadata[roles.STEP] = "step"
@@ -150,6 +151,25 @@ class _Optimizer(Pass):
             model.metadata[roles.RESET_GRAD] = "lazy_reset_grad"
         model.metadata[roles.DEFAULT_LR] = repr(float(self.lr))
         return PassResult(model, True)
+
+    @staticmethod
+    def _buffers(graph: gs.Graph, model: Model, b: Builder, add_output) -> list[dict]:
+        """Non-trainable state the forward pass updates: BatchNormalization's running mean
+        and variance in training mode. The initializers become inputs; the node's running
+        statistics outputs become their ``_next`` outputs."""
+        specs = []
+        for node in graph.nodes:
+            if node.op != "BatchNormalization" or len(node.outputs) < 3 or node.outputs[1].is_empty():
+                continue
+            for stat, running in zip(node.inputs[3:5], node.outputs[1:3], strict=True):
+                if not isinstance(stat, gs.Constant) or any(spec["input"] == stat.name for spec in specs):
+                    continue
+                add_output(running, stat.name + NEXT, stat)
+                if stat.name not in model.initializer_inputs:
+                    model.initializer_inputs.append(stat.name)
+                specs.append({"input": stat.name, "output": stat.name + NEXT, "init": "initializer", "role": "buffer",
+                              "dtype": np.dtype(stat.dtype).name, "shape": list(stat.shape), "like": None})  # fmt: skip
+        return specs
 
 
 def _decayed(s: _Step, grad: gs.Tensor, weight_decay: float) -> gs.Tensor:
