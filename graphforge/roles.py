@@ -20,6 +20,11 @@ LR = "graphforge.lr"  # name of the learning-rate input
 DEFAULT_LR = "graphforge.default_lr"  # the learning rate the pipeline asked for
 STEP = "graphforge.step"  # name of the step-count input (steps done before this one)
 RESET_GRAD = "graphforge.lazy_reset_grad"  # name of the accumulate-or-overwrite flag input
+EXPORTED_FROM = "graphforge.exported_from"  # JSON: what an inference model was pruned from (passes/prune.py)
+
+#: name prefixes of what graphforge's passes generate (loss, backward, optimizer nodes and
+#: constants): never a user's parameter, and what prune removes
+GENERATED_PREFIXES = ("loss::", "grad::", "optim::")
 
 #: suffix of a gradient output: the gradient of parameter P is the graph output P_grad
 GRAD_SUFFIX = "_grad"

@@ -25,7 +25,8 @@ class Autodiff(Pass):
     1. The loss is the graph output named by ``loss`` (default ``loss``, as the loss pass
        writes it); it must hold one element, or the pass refuses.
     2. Parameters are the floating-point initializers whose names match a ``trainable``
-       glob and no ``frozen`` glob (default: all of them). ``inputs`` names graph inputs
+       glob and no ``frozen`` glob (default: all of them), except the constants
+       graphforge's own passes created (the loss pass's smoothing factor, say). ``inputs`` names graph inputs
        to differentiate as well (their gradients are ``<input>_grad`` too).
     3. The gradient of parameter ``P`` becomes the graph output ``P_grad``; the original
        outputs stay (``keep_outputs=false`` keeps only the loss and the gradients).
@@ -104,7 +105,8 @@ class Autodiff(Pass):
         seen: dict[str, gs.Tensor] = {}
         for node in graph.nodes:
             for t in node.inputs:
-                if is_parameter(t) and t.name not in seen and self._is_trainable(t.name):
+                generated = t.name.startswith(roles.GENERATED_PREFIXES)  # constants graphforge's passes made
+                if is_parameter(t) and not generated and t.name not in seen and self._is_trainable(t.name):
                     seen[t.name] = t
         return list(seen.values())
 

@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Sequence
+import gc
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -54,6 +56,26 @@ def build_gradients(
     Returns ``id(tensor) -> gradient tensor`` for each tensor of ``wrt`` the loss depends
     on (tensors it does not depend on are absent).
     """
+    with _gc_paused():
+        return _build(graph, loss, wrt, registry)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while building: the graph is millions of
+    long-lived objects (nodes, tensors, their synchronized lists), and collections that rescan
+    them made the driver superlinear (measured on a 100k-node ladder: 600 µs per forward node
+    with the collector on, 165 µs with it paused; 340 and 165 at 10k nodes)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _build(graph: gs.Graph, loss: gs.Tensor, wrt: Sequence[gs.Tensor], registry: RuleRegistry) -> dict[int, gs.Tensor]:
     opset = graph.opset or 1
     order = [graph.nodes[i] for i in topological_order(graph)]
     relevant, relevant_tensors = _relevant(order, loss, wrt)

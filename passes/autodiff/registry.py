@@ -11,6 +11,7 @@ Helpers make each family one line: ``unary`` for elementwise ops of one input,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ class Rule:
     until: int | None = None  # last one (None: up to the newest)
     broadcast: bool = False  # inputs broadcast numpy-style: the driver un-broadcasts each gradient
     domain: str = ""
+    module: str = ""  # the rules module that registered it (its op family, listed in docs/ops.md)
 
     @property
     def differentiable(self) -> bool:
@@ -71,19 +73,21 @@ class RuleRegistry:
         """Register the decorated function as ``op_type``'s rule."""
 
         def register(fn: RuleFn) -> RuleFn:
-            self.add(Rule(op_type, fn, since, until, broadcast))
+            self.add(Rule(op_type, fn, since, until, broadcast, module=fn.__module__))
             return fn
 
         return register
 
     def unary(self, op_type: str, dx: Callable[[GradContext, gs.Tensor], gs.Tensor], *, since: int = 1) -> None:
         """An elementwise op of one differentiable input: ``dx(ctx, dy)`` is its gradient."""
-        self.add(Rule(op_type, lambda ctx, dys: [dx(ctx, dys[0]), *[None] * (len(ctx.node.inputs) - 1)], since))
+        fn = lambda ctx, dys: [dx(ctx, dys[0]), *[None] * (len(ctx.node.inputs) - 1)]  # noqa: E731
+        self.add(Rule(op_type, fn, since, module=dx.__module__))
 
     def nondifferentiable(self, *op_types: str, since: int = 1) -> None:
         """Ops through which no gradient flows (integer/bool results, or a zero derivative)."""
+        module = sys._getframe(1).f_globals.get("__name__", "")  # the rules module calling this
         for op_type in op_types:
-            self.add(Rule(op_type, None, since))
+            self.add(Rule(op_type, None, since, module=module))
 
 
 RULES = RuleRegistry()
