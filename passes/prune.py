@@ -1,0 +1,270 @@
+"""Inference export: keep only the forward path to chosen outputs of a (training) program."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from graphforge.passes.dce import DeadCodeElimination
+from graphforge.passes.fold_constants import FoldConstants
+from graphforge.passes.identity_elimination import IdentityElimination
+from onnx import helper
+
+from graphforge import roles
+from graphforge.errors import PassError
+from graphforge.graph import Model
+from graphforge.ir import every_graph, fingerprint, onnx_dtype
+from graphforge.pipeline import Pass, PassResult
+
+#: metadata keys that stay in a pruned model (everything else under "graphforge." describes training)
+_KEPT_WHILE_TRUE = (roles.LOSS, roles.LABELS)
+
+
+@dataclass(frozen=True)
+class Prune(Pass):
+    """Keep only what the chosen outputs need: a training program becomes an inference model.
+
+    Works on a training program (``loss, autodiff, <optimizer>``), trained or not, on a
+    model after ``loss`` or ``autodiff`` only, and on a plain forward model.
+
+    1. The graph outputs become ``outputs``, in that order (an unknown name is an error
+       that lists the model's outputs); every node none of them needs goes: the loss,
+       gradient and optimizer nodes, unless a requested output needs them.
+    2. Graph inputs the kept graph does not read go (labels, lr, step, optimizer states,
+       gradient accumulators, lazy_reset_grad), except those named in ``keep_inputs``.
+    3. Parameters and buffers the optimizer made graph inputs become plain initializers
+       again, with the values they hold; ``parameters_as_inputs=true`` instead keeps (or
+       makes) every parameter and buffer still read an overridable input, for a runtime
+       that binds the current training values.
+    4. With ``inference=true`` (the default), Dropout runs in inference mode (its
+       ``training_mode`` input is dropped; the then-identity node is removed) and
+       BatchNormalization uses its running statistics (``training_mode`` 0, one output).
+       A kept node that reads BatchNorm's updated statistics is an error.
+    5. Cleanup reuses ``identity_elimination``, ``fold_constants`` (parameters are never
+       folded: their names stay and the file does not grow) and ``dce``.
+    6. The graphforge.* metadata, which describes training, goes; the loss and labels roles
+       stay while that output and that input do, and ``graphforge.exported_from`` records
+       the optimizer of a program that had one.
+    Input, output and parameter names never change; dynamic dims stay dynamic. The
+    result's note says how much smaller the model became.
+    """
+
+    name = "prune"
+    outputs: tuple[str, ...] = ()
+    keep_inputs: tuple[str, ...] = ()
+    inference: bool = True
+    parameters_as_inputs: bool = False
+
+    def __post_init__(self):
+        for field_name in ("outputs", "keep_inputs"):
+            value = getattr(self, field_name)
+            names = (value,) if isinstance(value, str) else tuple(value)
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                raise ValueError(f"{field_name} names {', '.join(map(repr, repeated))} more than once")
+            object.__setattr__(self, field_name, names)
+
+    def run(self, model: Model) -> PassResult:
+        graph = model.graph
+        before = ModelSize.of(model)
+        unchanged = (fingerprint(graph), dict(model.metadata), list(model.initializer_inputs))
+        outputs, keep = self._requested_outputs(graph), self._kept_inputs(graph)  # checked before any change
+        graph.outputs = outputs
+        DeadCodeElimination().run(model)  # case 1
+        converted = set_inference_mode(graph) if self.inference else 0  # case 4
+        IdentityElimination().run(model)  # case 5
+        FoldConstants().run(model)
+        DeadCodeElimination().run(model)
+        _drop_unread_inputs(graph, keep)  # case 2
+        _set_overridable(model, self.parameters_as_inputs)  # case 3
+        _strip_training_roles(model)  # case 6
+        after = ModelSize.of(model)
+        changed = converted > 0 or unchanged != (fingerprint(graph), model.metadata, model.initializer_inputs)
+        return PassResult(model, changed, note=after.compared_with(before))
+
+    def _requested_outputs(self, graph: gs.Graph) -> list[gs.Tensor]:
+        by_name = {t.name: t for t in graph.outputs}
+        if not self.outputs:
+            raise PassError(
+                f"name the outputs to keep with outputs=NAME or outputs=[A, B] (outputs: {', '.join(by_name)})"
+            )
+        unknown = [n for n in self.outputs if n not in by_name]
+        if unknown:
+            raise PassError(
+                f"the model has no output {', '.join(map(repr, unknown))}; its outputs are: " + ", ".join(by_name)
+            )
+        return [by_name[n] for n in self.outputs]
+
+    def _kept_inputs(self, graph: gs.Graph) -> set[str]:
+        names = [t.name for t in graph.inputs]
+        unknown = [n for n in self.keep_inputs if n not in names]
+        if unknown:
+            raise PassError(
+                f"keep_inputs names {', '.join(map(repr, unknown))}, which the model does not take as an input; "
+                f"its inputs are: {', '.join(names)}"
+            )
+        return set(self.keep_inputs)
+
+
+# --------------------------------------------------------------------------- case 4: inference mode
+
+
+def set_inference_mode(graph: gs.Graph) -> int:
+    """Put every Dropout and BatchNormalization (subgraphs and functions included) in
+    inference mode; returns how many nodes changed."""
+    changed = 0
+    for g in every_graph(graph):
+        for node in g.nodes:
+            if node.op == "Dropout" and node.domain in (None, "", "ai.onnx"):
+                changed += _dropout_inference(node)
+            elif node.op == "BatchNormalization" and node.domain in (None, "", "ai.onnx"):
+                changed += _batch_norm_inference(node, {id(t) for t in g.outputs})
+    return changed
+
+
+def _dropout_inference(node: gs.Node) -> bool:
+    """Opset 12+: without a training_mode input, Dropout is the identity (and its mask all ones)."""
+    changed = False
+    while len(node.inputs) > 2:
+        node.inputs.pop()
+        changed = True
+    if node.attrs.get("is_test") == 0:  # opset 6 and before
+        node.attrs["is_test"] = 1
+        changed = True
+    return changed
+
+
+def _batch_norm_inference(node: gs.Node, graph_outputs: set[int]) -> bool:
+    """Use the running statistics (inputs 3 and 4): training_mode 0 and only output Y.
+    Before opset 14 training mode is asking for more than one output."""
+    extra = [t for t in node.outputs[1:] if not t.is_empty()]
+    training = bool(node.attrs.get("training_mode", 0)) or bool(extra) or node.attrs.get("is_test") == 0
+    if not training:
+        return False
+    readers = [t.name for t in extra if t.outputs or id(t) in graph_outputs]
+    if readers:
+        raise PassError(
+            f"cannot put BatchNormalization in inference mode: the kept graph reads its training-mode "
+            f"statistics {', '.join(readers)}; prune to outputs that do not need them, or set inference=false",
+            node=node.name,
+            op_type=node.op,
+        )
+    node.attrs.pop("training_mode", None)
+    if "is_test" in node.attrs:
+        node.attrs["is_test"] = 1
+    while len(node.outputs) > 1:
+        node.outputs.pop()
+    return True
+
+
+# --------------------------------------------------------------------------- cases 2, 3, 6
+
+
+def trained_tensors(model: Model) -> list[str]:
+    """Parameters and buffers of a program: the initializers training updates, in the
+    order the metadata lists them (parameters first)."""
+    names = list(roles.get_json(model, roles.PARAMETERS, []))
+    for spec in roles.get_json(model, roles.STATE, []):
+        if spec.get("init") == "initializer" and spec["input"] not in names:
+            names.append(spec["input"])
+    return names
+
+
+def _set_overridable(model: Model, overridable: bool) -> None:
+    """Case 3: parameters and buffers become plain initializers, or all overridable inputs;
+    other initializer inputs (the source model's own) stay as they were. Names that are no
+    longer initializers leave the list."""
+    initializers = {
+        t.name for g in every_graph(model.graph) for t in g.tensors().values() if isinstance(t, gs.Constant)
+    }
+    trained = trained_tensors(model)
+    names = [n for n in model.initializer_inputs if n not in trained]
+    if overridable:
+        names += trained
+    model.initializer_inputs = [n for n in names if n in initializers]
+
+
+def _drop_unread_inputs(graph: gs.Graph, keep: set[str]) -> None:
+    """Case 2: graph inputs no node (subgraphs included) reads and no output passes on."""
+    read = {t.name for g in every_graph(graph) for node in g.nodes for t in node.inputs}
+    read |= {t.name for t in graph.outputs}
+    graph.inputs = [t for t in graph.inputs if t.name in read or t.name in keep]
+
+
+def _strip_training_roles(model: Model) -> None:
+    """Case 6: drop the graphforge.* metadata, keeping the roles still true of the result."""
+    metadata = model.metadata
+    if not any(key.startswith("graphforge.") and key != roles.EXPORTED_FROM for key in metadata):
+        return
+    optimizer = roles.get_json(model, roles.OPTIMIZER, None)
+    present = {t.name for t in model.graph.inputs} | {t.name for t in model.graph.outputs}
+    kept = {key: metadata[key] for key in _KEPT_WHILE_TRUE if metadata.get(key) in present}
+    if roles.EXPORTED_FROM in metadata:
+        kept[roles.EXPORTED_FROM] = metadata[roles.EXPORTED_FROM]
+    for key in [k for k in metadata if k.startswith("graphforge.")]:
+        del metadata[key]
+    metadata.update(kept)
+    if optimizer is not None:
+        metadata[roles.EXPORTED_FROM] = json.dumps({"optimizer": optimizer}, sort_keys=True)
+
+
+# --------------------------------------------------------------------------- the size report
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What a model holds: nodes (subgraphs and functions included), graph inputs
+    (overridable initializers included), outputs, and bytes of stored tensors
+    (initializers and Constant node values)."""
+
+    nodes: int
+    inputs: int
+    outputs: int
+    tensor_bytes: int
+
+    @classmethod
+    def of(cls, model: Model) -> ModelSize:
+        graph = model.graph
+        constants: dict[int, gs.Constant] = {}
+        nodes = 0
+        for g in every_graph(graph):
+            nodes += len(g.nodes)
+            for node in g.nodes:
+                value = node.attrs.get("value") if node.op == "Constant" else None
+                for t in [*node.inputs, *([value] if isinstance(value, gs.Constant) else [])]:
+                    if isinstance(t, gs.Constant):
+                        constants[id(t)] = t
+        inputs = len(graph.inputs) + len(model.initializer_inputs)
+        stored = sum(_nbytes(t) for t in constants.values())
+        return cls(nodes, inputs, len(graph.outputs), stored)
+
+    def compared_with(self, before: ModelSize) -> str:
+        """One line: each count before → after, and the stored bytes saved."""
+        saved = before.tensor_bytes - self.tensor_bytes
+        share = f" ({saved / before.tensor_bytes:.0%} less)" if before.tensor_bytes and saved > 0 else ""
+        return (
+            f"nodes {before.nodes} → {self.nodes}, inputs {before.inputs} → {self.inputs}, "
+            f"outputs {before.outputs} → {self.outputs}, stored tensors "
+            f"{_human(before.tensor_bytes)} → {_human(self.tensor_bytes)}{share}"
+        )
+
+
+def _nbytes(tensor: gs.Constant) -> int:
+    """Bytes of a constant from its shape and type, without loading lazy values."""
+    code = onnx_dtype(tensor.dtype)
+    try:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(code)).itemsize if code is not None else 0
+    except (KeyError, TypeError, ValueError):
+        itemsize = 0
+    shape = tensor.shape or ()
+    return int(np.prod([int(d) for d in shape], dtype=np.int64)) * itemsize
+
+
+def _human(size: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
