@@ -1,0 +1,190 @@
+"""Diff benchmark: ``graphforge.diff.diff_models`` on two GPT-2-small-size graphs.
+
+A: GPT-2 small (12 layers, 768 wide, random weights from ``transformers.GPT2Config``, logits
+output) exported by TorchScript (``dynamo=False``, ``do_constant_folding=False``, an explicit
+all-ones attention mask), cached under the temp dir. B: A with every node and tensor renamed
+(``graphforge.diff.rename.rename_all``: inputs, outputs and initializers too) and one attribute
+changed (the epsilon of a LayerNormalization in the middle layer).
+
+Timed with ``time.perf_counter``, from the two file paths to the finished report: reading both
+files, matching, comparing every initializer's bytes, and rendering the text and JSON reports.
+The HTML page is timed apart (it is not needed for a verdict). Each run must find exactly the
+one changed attribute, every node matched, and no node added or removed.
+
+    python benchmarks/diff_bench.py            # prints the markdown section
+    python benchmarks/run.py diff              # writes it into docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import onnx
+
+import graphforge
+from graphforge.diff import diff_models
+from graphforge.diff.html import render_html
+from graphforge.diff.rename import rename_all
+
+TITLE = "Diff"
+
+CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "diff"
+GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+#: --quick: a 2-layer model of the same width
+GPT2_QUICK = {**GPT2_SMALL, "n_layer": 2}
+RUNS = 5
+#: the target the issue sets for the full-size pair
+TARGET_S = 2.0
+
+
+def export_gpt2(path: Path, config: dict) -> Path:
+    """GPT-2 (input_ids -> logits) exported to ``path`` unless it is already there."""
+    if path.exists():
+        return path
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    inner = GPT2LMHeadModel(
+        GPT2Config(**config, attn_implementation="eager", use_cache=False, bos_token_id=0, eos_token_id=0)
+    )
+    with torch.no_grad():  # the exporter merges equal initializers (zero biases): make every one random
+        for p in inner.parameters():
+            if p.dim() == 1:
+                p.add_(0.05 * torch.randn(p.shape))
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            mask = torch.ones_like(input_ids)  # transformers 5.x traces a dynamic length only with a mask
+            return self.inner(input_ids=input_ids, attention_mask=mask).logits
+
+    ids = torch.randint(0, config["vocab_size"], (2, 16))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Logits().eval(),
+            (ids,),
+            str(partial),
+            dynamo=False,
+            do_constant_folding=False,
+            opset_version=17,
+            input_names=["input_ids"],
+            output_names=["logits"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}},
+        )
+    partial.replace(path)
+    return path
+
+
+def renamed_with_one_change(source: Path, path: Path) -> tuple[Path, str]:
+    """Every name changed, plus the epsilon of the middle LayerNormalization; returns the
+    path and the changed node's name in A."""
+    model = graphforge.load(source)
+    norms = [k for k, n in enumerate(model.graph.node) if n.op_type == "LayerNormalization"]
+    target = norms[len(norms) // 2]
+    changed_name = model.graph.node[target].name
+    copy = rename_all(model)
+    for attr in copy.graph.node[target].attribute:
+        if attr.name == "epsilon":
+            attr.f = 1e-3
+    if not path.exists() or path.stat().st_mtime < source.stat().st_mtime:
+        graphforge.save(copy, path)
+    return path, changed_name
+
+
+def measure(a: Path, b: Path, changed: str, runs: int) -> dict:
+    times, html_times = [], []
+    diff = None
+    for _ in range(runs):
+        start = time.perf_counter()
+        diff = diff_models(a, b)
+        text = diff.to_text()
+        blob = json.dumps(diff.to_json())
+        times.append(time.perf_counter() - start)
+    assert diff is not None
+    summary = diff.summary()
+    (change,) = diff.graph.changed  # the one changed attribute, found
+    assert change.a.name == changed and [c.name for c in change.attributes] == ["epsilon"], change
+    assert summary["nodes_added"] == summary["nodes_removed"] == 0
+    assert diff.graph.matched == diff.graph.nodes_a == diff.graph.nodes_b
+    for _ in range(max(1, runs // 2)):
+        start = time.perf_counter()
+        page = render_html([("bench", diff)])
+        html_times.append(time.perf_counter() - start)
+    return {
+        "nodes": diff.graph.nodes_a,
+        "initializers": len(graphforge.load(a, load_external_data=False).graph.initializer),
+        "bytes": a.stat().st_size,
+        "renamed": summary["renamed"],
+        "times": times,
+        "html_times": html_times,
+        "text_chars": len(text),
+        "json_chars": len(blob),
+        "html_chars": len(page),
+    }
+
+
+def run(quick: bool = False) -> str:
+    config, label = (
+        (GPT2_QUICK, "GPT-2 2-layer (768 wide)") if quick else (GPT2_SMALL, "GPT-2 small (12 layers, 768 wide)")
+    )
+    stem = f"gpt2_{config['n_layer']}x{config['n_embd']}"
+    a = export_gpt2(CACHE / f"{stem}.onnx", config)
+    b, changed = renamed_with_one_change(a, CACHE / f"{stem}.renamed.onnx")
+    diff_models(a, b)  # warm-up: imports, and the files into the page cache
+    row = measure(a, b, changed, RUNS)
+    median = statistics.median(row["times"])
+    verdict = "under" if median < TARGET_S else "OVER"
+    lines = [
+        "`diff_models(A, B)` from two file paths to the finished text and JSON reports, where B is A",
+        "with every node and tensor renamed (`graphforge.diff.rename.rename_all`) and the epsilon of",
+        "one LayerNormalization changed; each run finds exactly that one changed node, every node",
+        "matched and none added or removed. The HTML page (`render_html`, Graphviz `dot` layout of",
+        "the changed neighbourhood, the rest collapsed) is timed apart. Times in seconds.",
+        "",
+        "| pair | nodes | initializers | file MB | renames found | runs | median s | min s | max s | page s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {label} | {row['nodes']:,} | {row['initializers']} | {row['bytes'] / 2**20:,.0f} | {row['renamed']:,} "
+        f"| {len(row['times'])} | {median:.2f} | {min(row['times']):.2f} | {max(row['times']):.2f} "
+        f"| {statistics.median(row['html_times']):.2f} |",
+        "",
+        f"Median {median:.2f} s: {verdict} the {TARGET_S:.0f} s target. Machine: {_cpu_name()}, "
+        f"{_cores()} cores usable; Python {platform.python_version()}; graphforge {graphforge.__version__}, "
+        f"onnx {onnx.__version__}.",
+        f"Raw runs (s): {[round(t, 3) for t in row['times']]}; page: {[round(t, 3) for t in row['html_times']]}.",
+        "Standalone: `.venv/bin/python benchmarks/diff_bench.py` prints this section.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    print(run(quick="--quick" in sys.argv[1:]), end="")

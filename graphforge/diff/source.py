@@ -1,0 +1,247 @@
+"""The two sides of a diff: a model's structure parsed, its large weights left in the file.
+
+A diff reads every node, but of the weights it only needs to know whether they are equal:
+so for a file the main graph's initializers are parsed without their ``raw_data``, whose
+bytes stay in a read-only memory map of the file and are compared there. For GPT-2 small
+(500 MB of weights) this halves the time of a diff: protobuf no longer copies the weights
+into Python bytes objects, twice per model. Anything unusual (external data, a field
+written twice, bytes that do not scan) falls back to ``graphforge.load``, which also gives
+the error message a bad file deserves.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper, numpy_helper
+
+from graphforge.graph import ModelSource, load
+
+#: raw_data payloads at least this large stay in the file
+LAZY_PAYLOAD_BYTES = 4096
+
+_MODEL_GRAPH = 7  # ModelProto.graph
+_GRAPH_INITIALIZER = 5  # GraphProto.initializer
+_TENSOR_RAW_DATA = 9  # TensorProto.raw_data
+_LEN = 2  # wire type of length-delimited fields
+
+
+class _NotScannable(Exception):
+    """The bytes are not the plain layout the fast path reads; use the ordinary loader."""
+
+
+@dataclass(eq=False)
+class Side:
+    """One model of a diff. ``proto``'s main-graph initializers may lack their raw_data:
+    read tensor bytes through ``tensor_bytes``."""
+
+    proto: onnx.ModelProto
+    label: str
+    path: Path | None = None
+    #: main-graph initializer position -> (offset, length) of its raw_data in ``_buffer``
+    _payloads: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _buffer: mmap.mmap | None = None
+
+    @property
+    def stripped(self) -> bool:
+        return bool(self._payloads)
+
+    def payload(self, position: int) -> np.ndarray | None:
+        """The raw_data bytes of main-graph initializer ``position`` kept in the file, else None."""
+        region = self._payloads.get(position)
+        if region is None or self._buffer is None:
+            return None
+        offset, length = region
+        return np.frombuffer(self._buffer, dtype=np.uint8, count=length, offset=offset)
+
+    def full_proto(self) -> onnx.ModelProto:
+        """The whole model, weights included (numeric mode needs them)."""
+        if not self.stripped:
+            return self.proto
+        assert self.path is not None
+        return load(self.path)
+
+
+def open_side(source: ModelSource | Side, label: str | None = None) -> Side:
+    """A path, bytes or ModelProto as one side of a diff (errors as ``graphforge.load`` gives them)."""
+    if isinstance(source, Side):
+        return source
+    if isinstance(source, onnx.ModelProto):
+        return Side(load(source), label or "<ModelProto>")
+    if isinstance(source, bytes | bytearray):
+        return Side(load(bytes(source)), label or "<bytes>")
+    path = Path(source)
+    name = label or str(source)
+    try:
+        return _open_lazily(path, name)
+    except (_NotScannable, OSError, ValueError, DecodeError):
+        return Side(load(path), name, path)
+
+
+def _open_lazily(path: Path, label: str) -> Side:
+    if not path.is_file():
+        raise _NotScannable
+    with open(path, "rb") as f:
+        buffer = _map(f.fileno())
+    skeleton, payloads = _strip_payloads(buffer)
+    proto = onnx.ModelProto()
+    proto.ParseFromString(skeleton)
+    if proto.ir_version <= 0 or not proto.HasField("graph") or not proto.opset_import:
+        raise _NotScannable
+    if any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(proto)):
+        raise _NotScannable  # load() checks where external data lives, and reads it
+    if len(proto.graph.initializer) < len(payloads) or not payloads:
+        if not payloads:  # nothing was large: the skeleton is the model
+            return Side(proto, label, path)
+        raise _NotScannable
+    return Side(proto, label, path, payloads, buffer)
+
+
+def _map(fileno: int) -> mmap.mmap:
+    """A read-only map of the whole file, its page tables filled up front where Linux can:
+    comparing GPT-2 small's weights took 0.9 s through page faults, 0.1 s populated."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if populate:
+        return mmap.mmap(fileno, 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+    return mmap.mmap(fileno, 0, access=mmap.ACCESS_READ)
+
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise _NotScannable
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _fields(buf, start: int, end: int):
+    """(field number, wire type, field start, payload start, field end) of each field in buf[start:end]."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        tag, pos = _varint(buf, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, pos = _varint(buf, pos)
+            payload = pos
+        elif wire == 1:
+            payload, pos = pos, pos + 8
+        elif wire == _LEN:
+            length, payload = _varint(buf, pos)
+            pos = payload + length
+        elif wire == 5:
+            payload, pos = pos, pos + 4
+        else:  # groups: never written by onnx
+            raise _NotScannable
+        if pos > end:
+            raise _NotScannable
+        yield number, wire, field_start, payload, pos
+
+
+def _strip_payloads(buf) -> tuple[bytes, dict[int, tuple[int, int]]]:
+    """The model's bytes with large initializer raw_data fields cut out, and where they were."""
+    pieces: list[bytes] = []
+    graph: tuple[int, int] | None = None
+    for number, wire, start, payload, end in _fields(buf, 0, len(buf)):
+        if number == _MODEL_GRAPH and wire == _LEN:
+            if graph is not None:
+                raise _NotScannable  # a repeated message field merges: leave that to protobuf
+            graph = (payload, end)
+        else:
+            pieces.append(buf[start:end])
+    if graph is None:
+        raise _NotScannable
+    graph_bytes, payloads = _strip_graph(buf, *graph)
+    pieces.append(_encode_varint(_MODEL_GRAPH << 3 | _LEN) + _encode_varint(len(graph_bytes)) + graph_bytes)
+    return b"".join(pieces), payloads
+
+
+def _strip_graph(buf, start: int, end: int) -> tuple[bytes, dict[int, tuple[int, int]]]:
+    pieces: list[bytes] = []
+    payloads: dict[int, tuple[int, int]] = {}
+    run_start = start  # unchanged bytes are copied in runs
+    position = 0
+    for number, wire, field_start, payload, field_end in _fields(buf, start, end):
+        if number != _GRAPH_INITIALIZER or wire != _LEN:
+            continue
+        cut = _raw_data_field(buf, payload, field_end)
+        if cut is not None:
+            (raw_start, raw_payload, raw_end) = cut
+            tensor = buf[payload:raw_start] + buf[raw_end:field_end]
+            pieces.append(buf[run_start:field_start])
+            pieces.append(_encode_varint(_GRAPH_INITIALIZER << 3 | _LEN) + _encode_varint(len(tensor)) + tensor)
+            run_start = field_end
+            payloads[position] = (raw_payload, raw_end - raw_payload)
+        position += 1
+    pieces.append(buf[run_start:end])
+    return b"".join(pieces), payloads
+
+
+def _raw_data_field(buf, start: int, end: int) -> tuple[int, int, int] | None:
+    found = None
+    for number, wire, field_start, payload, field_end in _fields(buf, start, end):
+        if number == _TENSOR_RAW_DATA:
+            if wire != _LEN or found is not None:
+                raise _NotScannable
+            found = (field_start, payload, field_end)
+    if found is None or found[2] - found[1] < LAZY_PAYLOAD_BYTES:
+        return None
+    return found
+
+
+def tensor_bytes(side: Side | None, position: int | None, tensor: onnx.TensorProto) -> bytes | np.ndarray:
+    """A tensor's values as bytes in one canonical layout (little-endian, C order)."""
+    if side is not None and position is not None:
+        kept = side.payload(position)
+        if kept is not None:
+            return kept
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return b"\0".join(tensor.string_data)
+    return numpy_helper.to_array(tensor).astype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).tobytes()
+
+
+def tensor_array(side: Side | None, position: int | None, tensor: onnx.TensorProto) -> np.ndarray:
+    """A tensor's values as a NumPy array (weights kept in the file are read from there)."""
+    if side is not None and position is not None:
+        kept = side.payload(position)
+        if kept is not None:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(tensor)
+            copy.raw_data = kept.tobytes()
+            return numpy_helper.to_array(copy)
+    return numpy_helper.to_array(tensor)
+
+
+def bytes_equal(a: bytes | np.ndarray, b: bytes | np.ndarray, chunk: int = 1 << 22) -> bool:
+    """Equality of two byte buffers, compared in chunks (no buffer-sized temporary)."""
+    if isinstance(a, bytes) and isinstance(b, bytes):
+        return a == b
+    x = np.frombuffer(a, dtype=np.uint8) if isinstance(a, bytes) else a
+    y = np.frombuffer(b, dtype=np.uint8) if isinstance(b, bytes) else b
+    if len(x) != len(y):
+        return False
+    return all(np.array_equal(x[i : i + chunk], y[i : i + chunk]) for i in range(0, len(x), chunk))

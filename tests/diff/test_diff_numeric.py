@@ -1,0 +1,61 @@
+"""Numeric mode: both models run on the same inputs; the first diverging tensor is named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _diff_fixtures import constants_mid_graph, perturb_initializer, scale_constant
+
+import graphforge
+from graphforge.diff import diff_models
+from graphforge.errors import GraphforgeError
+
+
+def test_a_perturbed_constant_mid_graph_is_the_first_divergence(transformer_path):
+    before = graphforge.load(transformer_path)
+    target = constants_mid_graph(before)[0].name
+    after = scale_constant(before, target, 1.5)
+    diff = diff_models(before, after, numeric=True)
+    (change,) = diff.graph.changed  # structurally: the constant's value attribute
+    assert change.a.name == target and change.fields == ["attributes"]
+    report = diff.numeric
+    first = report.first_divergence
+    assert first is not None and first.node.name == target and first.status == "differs"
+    position = report.tensors.index(first)
+    assert position > 0 and all(t.status == "same" for t in report.tensors[:position])
+    assert first.stats.max_rel == pytest.approx(1 / 3, rel=1e-5)  # |x - 1.5x| / |1.5x|
+    assert report.inputs["input_ids"]["generated"] and report.inputs["input_ids"]["shape"] == [2, 2]
+    assert "numeric: " in diff.to_text(brief=True) and repr(first.a) in diff.to_text(brief=True)
+
+
+def test_a_perturbed_initializer_diverges_first_at_its_reader(mlp_path):
+    before = graphforge.load(mlp_path)
+    after = perturb_initializer(before, "2.bias", (3,), 0.5)
+    diff = diff_models(before, after, numeric=True)
+    first = diff.numeric.first_divergence
+    assert first.node.name == "/2/Gemm" and first.stats.differing == 2  # one column, batch of 2
+    assert first.stats.max_abs == pytest.approx(0.5, rel=1e-5)
+    statuses = [t.status for t in diff.numeric.tensors]
+    assert statuses[0] == "same"  # /0/Gemm and /1/Relu do not read it
+
+
+def test_given_inputs_are_used_and_identical_models_agree(mlp_path, tmp_path):
+    x = np.random.default_rng(3).standard_normal((5, 16)).astype(np.float32)
+    npz = tmp_path / "inputs.npz"
+    np.savez(npz, x=x)
+    for inputs in ({"x": x}, npz, str(npz)):
+        diff = diff_models(mlp_path, mlp_path, inputs=inputs)
+        report = diff.numeric
+        assert report.inputs == {"x": {"dtype": "float32", "shape": [5, 16], "generated": False}}
+        assert report.first_divergence is None and {t.status for t in report.tensors} == {"same"}
+        assert len(report.tensors) == 5
+
+
+def test_inputs_that_name_nothing_are_refused(mlp_path):
+    with pytest.raises(GraphforgeError, match="'nope', which neither model reads"):
+        diff_models(mlp_path, mlp_path, inputs={"nope": np.zeros(1)})
+
+
+def test_a_missing_inputs_file_is_refused(mlp_path, tmp_path):
+    with pytest.raises(GraphforgeError, match="no such inputs file"):
+        diff_models(mlp_path, mlp_path, inputs=tmp_path / "missing.npz")
