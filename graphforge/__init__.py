@@ -6,6 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 # last because they build on everything above
 from graphforge import passes
 from graphforge.errors import (
+    CheckpointError,
     GraphforgeError,
     InvalidModelError,
     ModelLoadError,
@@ -17,7 +18,14 @@ from graphforge.errors import (
 from graphforge.graph import Model, load, save
 from graphforge.pass_manager import CompileResult, PassManager, PassRecord, compile
 from graphforge.pipeline import Pass, PassRegistry, PassResult, default_registry, parse_pipeline
-from graphforge.runtime import available_providers, create_session
+from graphforge.runtime import (
+    CheckpointManager,
+    CheckpointState,
+    Module,
+    Optimizer,
+    available_providers,
+    create_session,
+)
 from graphforge.verify import verify_model
 
 try:
@@ -26,12 +34,17 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointState",
     "CompileResult",
     "GraphforgeError",
     "InvalidModelError",
     "Model",
     "ModelLoadError",
     "ModelSaveError",
+    "Module",
+    "Optimizer",
     "Pass",
     "PassError",
     "PassManager",

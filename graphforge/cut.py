@@ -86,11 +86,13 @@ def cut(model: Model | onnx.ModelProto, boundaries: Sequence[Sequence[str]]) -> 
         received = [t for t in reads[k].values() if id(t) not in graph_inputs]
         program_inputs = [t for t in graph.inputs if id(t) in reads[k]]
         seg_outputs = _unique([*outputs, *sends])
+        seg_model = _segment_model(model, own_nodes, [*program_inputs, *received], seg_outputs, k)
+        overridable = _restore_initializer_inputs(seg_model, model)
         segments.append(
             Segment(
                 index=k,
-                model=_segment_model(model, own_nodes, [*program_inputs, *received], seg_outputs, k),
-                inputs=[t.name for t in [*program_inputs, *received]],
+                model=seg_model,
+                inputs=[*(t.name for t in program_inputs), *overridable, *(t.name for t in received)],
                 outputs=[t.name for t in outputs if id(t) in output_ids],
                 receives=[t.name for t in received],
                 sends=[t.name for t in sends],
@@ -149,6 +151,18 @@ def _segment_model(model: Model, nodes, inputs, outputs, index: int) -> onnx.Mod
     return gs.export_onnx(sub, do_type_check=False)
 
 
+def _restore_initializer_inputs(segment: onnx.ModelProto, model: Model) -> list[str]:
+    """Keep the program's overridable initializers (parameters, buffers: initializers that
+    are graph inputs too) overridable in the segment: graphsurgeon sees them as constants,
+    so the segment would otherwise bake in their initial values. Returns their names."""
+    initializers = {t.name: t for t in segment.graph.initializer}
+    names = [n for n in model.initializer_inputs if n in initializers]
+    for name in names:
+        tensor = initializers[name]
+        segment.graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+    return names
+
+
 # --------------------------------------------------------------------------- execution
 
 #: called between segments with the tensors segment k sends; returns what later segments receive
@@ -172,7 +186,9 @@ def run_segments(
     results: dict[str, np.ndarray] = {}
     for session, segment in zip(sessions, segments, strict=True):
         names = [o.name for o in session.get_outputs()]
-        values = dict(zip(names, session.run(names, {n: available[n] for n in segment.inputs}), strict=True))
+        # an overridable initializer (a parameter) not in the feeds keeps its default
+        feeds_k = {n: available[n] for n in segment.inputs if n in available}
+        values = dict(zip(names, session.run(names, feeds_k), strict=True))
         sent = {n: values[n] for n in segment.sends}
         if between is not None and sent:
             replaced = between(segment.index, sent)

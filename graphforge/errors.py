@@ -46,3 +46,7 @@ class PipelineError(GraphforgeError):
         self.position = position
         self.pass_name = pass_name
         self.dumped_to = dumped_to
+
+
+class CheckpointError(GraphforgeError):
+    """A checkpoint is missing, corrupt, or does not match the program; names the file and tensor."""

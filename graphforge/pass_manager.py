@@ -50,6 +50,7 @@ class PassRecord:
     nodes_after: int = 0
     delta: dict[str, int] = field(default_factory=dict)
     dumped_to: str | None = None
+    note: str = ""  # the pass's own one-line summary (PassResult.note)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class PassManager:
             ) from exc
         record.seconds = time.perf_counter() - start
         record.changed = result.changed
+        record.note = result.note
         model = result.model
         after = op_histogram(model)
         record.nodes_after = sum(after.values())

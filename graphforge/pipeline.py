@@ -27,10 +27,12 @@ from graphforge.graph import Model
 
 @dataclass(frozen=True)
 class PassResult:
-    """What a pass returns: the model it produced and whether it changed anything."""
+    """What a pass returns: the model it produced, whether it changed anything, and an
+    optional one-line note for the report (e.g. how much smaller the model became)."""
 
     model: Model
     changed: bool
+    note: str = ""
 
 
 class Pass:

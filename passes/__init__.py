@@ -5,11 +5,14 @@ happen to have been imported.
 """
 
 from graphforge.passes.autodiff import Autodiff
-from graphforge.passes.loss import Loss
 from graphforge.passes.cse import CommonSubexpressionElimination
 from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
+from graphforge.passes.gradient_op import ExpandGradient
 from graphforge.passes.identity_elimination import IdentityElimination
+from graphforge.passes.loss import Loss
+from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
+from graphforge.passes.prune import Prune
 from graphforge.passes.topo_sort import TopologicalSort
 
 from graphforge.pipeline import PassRegistry
@@ -18,21 +21,33 @@ REGISTRY = PassRegistry(
     [
         Autodiff,
         Loss,
+        SGD,
+        Adam,
+        AdamW,
+        Lamb,
         DeadCodeElimination,
         CommonSubexpressionElimination,
+        ExpandGradient,
         FoldConstants,
         IdentityElimination,
         TopologicalSort,
+        Prune,
     ]
 )
 
 __all__ = [
     "REGISTRY",
+    "SGD",
+    "Adam",
+    "AdamW",
     "Autodiff",
-    "Loss",
     "CommonSubexpressionElimination",
     "DeadCodeElimination",
+    "ExpandGradient",
     "FoldConstants",
     "IdentityElimination",
+    "Lamb",
+    "Loss",
+    "Prune",
     "TopologicalSort",
 ]

@@ -112,3 +112,26 @@ def test_three_segments_and_pass_through_output():
 def test_unknown_boundary_tensor_is_named(program):
     with pytest.raises(graphforge.GraphforgeError, match="no_such_tensor"):
         cut(program, [["no_such_tensor"]])
+
+
+def test_overridable_initializers_stay_segment_inputs(mlp_path):
+    """Parameters that are initializers *and* graph inputs (an optimizer program's) stay
+    overridable in every segment that reads them: fed values replace the defaults."""
+    program = graphforge.compile(mlp_path, "loss(kind=mse, output=y), autodiff, sgd(lr=0.1)").model
+    params = [v.name for v in program.graph.input if v.name in {t.name for t in program.graph.initializer}]
+    assert params
+    grads = [o.name for o in program.graph.output if o.name.endswith("_grad")]
+    segments = cut(program, [grads])
+    for name in params:  # read by the forward/backward segment and by the update
+        assert all(name in s.inputs for s in segments), name
+        assert all(name in [i.name for i in s.model.graph.input] for s in segments), name
+    feeds = _feeds(program)
+    feeds.update({"lr": np.array(0.1, np.float32), "step": np.array(0, np.int64)})
+    inits = {t.name: numpy_helper.to_array(t) for t in program.graph.initializer}
+    feeds.update({name: inits[name] * 0.5 for name in params})
+    whole, pieces = _run_whole(program, feeds), _run_cut(segments, feeds)
+    for name, value in whole.items():
+        np.testing.assert_array_equal(pieces[name], value, err_msg=name)
+    assert not np.array_equal(
+        whole["loss"], _run_whole(program, {k: v for k, v in feeds.items() if k not in params})["loss"]
+    )

@@ -1,0 +1,445 @@
+"""Checkpoints: every tensor a training program carries, plus the loop's properties, in one file.
+
+A checkpoint is one safetensors file. Its tensors are the program's carried tensors
+(parameters, optimizer states, gradient accumulators, buffers such as BatchNorm running
+statistics), each under its program input name. Its header metadata holds, under the key
+``graphforge.checkpoint``, one JSON document with the properties: format version, step,
+learning rate, LR-schedule state, seeds, data position, user properties
+(``state.properties[...]``) and a manifest of the tensors (name, role, dtype, shape). The
+safetensors header is itself JSON, so any safetensors tool (or ``head -c``) reads both.
+
+One file means one atomic write: the checkpoint is written to a temporary file beside the
+target, flushed to disk, and renamed over it. A crash leaves either the previous
+checkpoint or the new one, never a half-written file.
+
+Loading refuses, with a CheckpointError naming the file and the tensor, a checkpoint that
+is truncated or not a checkpoint, whose JSON does not parse, whose tensors disagree with
+its manifest, or that does not match the program it is loaded for: a missing tensor, a
+tensor of another shape or dtype, and also an **extra** tensor the program does not carry
+(refused rather than ignored: it means the checkpoint was saved from another program, say
+an adam program's ``exp_avg`` offered to an sgd program, and silently dropping state is
+how a resumed run quietly diverges).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from graphforge import roles
+from graphforge.errors import CheckpointError, GraphforgeError
+from graphforge.graph import Model, ModelSource, load
+
+if TYPE_CHECKING:
+    from graphforge.runtime.training import Module
+
+FORMAT = "graphforge.checkpoint"
+VERSION = 1
+#: the safetensors header metadata key that holds the JSON properties
+METADATA_KEY = "graphforge.checkpoint"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One carried tensor: its program input name, role, dtype and shape."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.dtype} {list(self.shape)}"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "role": self.role, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+def program_proto(program: ModelSource | Model) -> onnx.ModelProto:
+    """A training program as a ModelProto, from a path, bytes, ModelProto or Model."""
+    if isinstance(program, Model):
+        return program.to_proto()
+    if isinstance(program, onnx.ModelProto):
+        return program
+    return load(program)
+
+
+def carried_specs(program: onnx.ModelProto) -> list[dict]:
+    """The program's ``graphforge.state`` entries (see passes/optimizers.py)."""
+    meta = {p.key: p.value for p in program.metadata_props}
+    text = meta.get(roles.STATE)
+    if text is None:
+        raise GraphforgeError(
+            "the model is not a training program (no graphforge.state metadata): compile it with "
+            "an optimizer pass, e.g. 'loss(kind=..., output=...), autodiff, adamw(lr=...)'"
+        )
+    return json.loads(text)
+
+
+def _tensor_specs(specs: Sequence[dict]) -> list[TensorSpec]:
+    return [TensorSpec(s["input"], s["role"], s["dtype"], tuple(s["shape"])) for s in specs]
+
+
+class CheckpointState:
+    """The state of a training run: carried tensors and properties.
+
+    Attributes: ``step`` (optimizer steps done), ``learning_rate`` (None: the program's
+    default), ``scheduler`` (an LR schedule's state_dict), ``seeds`` (name -> seed),
+    ``data_position`` (any JSON value: where the data loader stands), ``properties``
+    (any JSON values the user keeps), ``grad_reset_pending`` (an accumulating program's
+    next ``module(...)`` overwrites the accumulated gradients instead of adding to them;
+    saved so a run resumed mid-accumulation continues it). ``tensors`` are numpy arrays by program input name;
+    while a :class:`~graphforge.runtime.Module` trains on this state, they live inside
+    onnxruntime and ``tensors`` reads the current values back (a copy).
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        specs: Sequence[TensorSpec],
+        *,
+        step: int = 0,
+        learning_rate: float | None = None,
+        scheduler: dict | None = None,
+        seeds: dict[str, int] | None = None,
+        data_position: Any = None,
+        properties: dict[str, Any] | None = None,
+        grad_reset_pending: bool = True,
+        source: str | None = None,
+    ):
+        self._tensors = dict(tensors)
+        self.specs = list(specs)
+        self.step = step
+        self.learning_rate = learning_rate
+        self.scheduler = scheduler
+        self.seeds = dict(seeds or {})
+        self.data_position = data_position
+        self.properties = dict(properties or {})
+        self.grad_reset_pending = bool(grad_reset_pending)
+        #: where the state came from, for messages ("checkpoint runs/ck.safetensors")
+        self.source = source
+        self._module: Module | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_program(cls, program: ModelSource | Model) -> CheckpointState:
+        """The initial state of a program: initializer values, zeros for zero-initialized
+        states (optimizer moments, accumulators), step 0, the program's learning rate."""
+        proto = program_proto(program)
+        specs = carried_specs(proto)
+        initializers = {t.name: t for t in proto.graph.initializer}
+        tensors = {}
+        for spec in specs:
+            name = spec["input"]
+            if spec["init"] == "initializer":
+                if name not in initializers:
+                    raise CheckpointError(f"the program carries {name!r} from an initializer it does not have")
+                tensors[name] = numpy_helper.to_array(initializers[name]).copy()
+            else:
+                tensors[name] = np.zeros(spec["shape"], np.dtype(spec["dtype"]))
+        meta = {p.key: p.value for p in proto.metadata_props}
+        lr = float(meta[roles.DEFAULT_LR]) if roles.DEFAULT_LR in meta else None
+        return cls(tensors, _tensor_specs(specs), learning_rate=lr, source="the program's initial state")
+
+    def copy(self) -> CheckpointState:
+        """A detached snapshot (a state trains in one Module at a time)."""
+        return CheckpointState(
+            {k: np.array(v, copy=True) for k, v in self.tensors.items()},
+            self.specs,
+            step=self.step,
+            learning_rate=self.learning_rate,
+            scheduler=copy.deepcopy(self.scheduler),
+            seeds=dict(self.seeds),
+            data_position=copy.deepcopy(self.data_position),
+            properties=copy.deepcopy(self.properties),
+            grad_reset_pending=self.grad_reset_pending,
+            source=self.source,
+        )
+
+    # ------------------------------------------------------------------ tensors
+
+    @property
+    def tensors(self) -> dict[str, np.ndarray]:
+        """Carried tensors by name; read back from onnxruntime while a Module trains on them."""
+        if self._module is not None:
+            return self._module._read_carried()
+        return self._tensors
+
+    def _check_free(self) -> None:
+        if self._module is not None:
+            raise GraphforgeError(
+                "this CheckpointState already belongs to a Module; give the second Module state.copy() "
+                "(or CheckpointState.from_program / load) instead"
+            )
+
+    def _attach(self, module: Module) -> None:
+        if self._module is not module:
+            self._check_free()
+        self._module = module
+        self._tensors = {}  # the values live in the module now; tensors reads them back
+
+    def check(self, program: ModelSource | Model | Sequence[dict]) -> None:
+        """Refuse (CheckpointError) a state whose tensors do not match what ``program`` carries:
+        a missing tensor, an extra one, or one of another dtype or shape."""
+        specs = program if isinstance(program, Sequence) else carried_specs(program_proto(program))
+        expected = {s.name: s for s in _tensor_specs(specs)}
+        tensors = self._tensors if self._module is None else {s.name: s for s in self.specs}
+        where = self.source or "the checkpoint"
+        problems = []
+        for name, spec in expected.items():
+            if name not in tensors:
+                problems.append(f"no tensor {name!r} ({spec.role}, {spec.describe()}), which the program carries")
+                continue
+            have = tensors[name]
+            dtype, shape = (have.dtype, have.shape) if isinstance(have, TensorSpec) else (have.dtype.name, have.shape)
+            if (str(dtype), tuple(shape)) != (spec.dtype, spec.shape):
+                problems.append(f"tensor {name!r} is {dtype} {list(shape)}, the program expects {spec.describe()}")
+        extra = [n for n in tensors if n not in expected]
+        for name in extra:
+            problems.append(f"tensor {name!r} is not carried by the program (saved from a different program?)")
+        if problems:
+            raise CheckpointError(f"{where} does not match the program: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------ files
+
+    def _document(self, tensors: Mapping[str, np.ndarray]) -> str:
+        roles_by_name = {s.name: s.role for s in self.specs}
+        document = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "learning_rate": self.learning_rate,
+            "scheduler": self.scheduler,
+            "seeds": self.seeds,
+            "data_position": self.data_position,
+            "properties": self.properties,
+            "grad_reset_pending": bool(self.grad_reset_pending),
+            "tensors": [
+                TensorSpec(n, roles_by_name.get(n, "unknown"), t.dtype.name, tuple(t.shape)).to_json()
+                for n, t in tensors.items()
+            ],
+        }
+        if isinstance(self.step, bool) or not isinstance(self.step, int | np.integer) or self.step < 0:
+            raise CheckpointError(f"state.step must be a whole number ≥ 0, got {self.step!r}")
+        document["step"] = int(self.step)
+        if self.learning_rate is not None:
+            document["learning_rate"] = float(self.learning_rate)
+        for key in ("scheduler", "seeds", "data_position", "properties"):
+            try:
+                json.dumps(document[key], allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"state.{key} cannot be saved as JSON: {exc}") from None
+        return json.dumps(document, allow_nan=False)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the checkpoint atomically (temp file beside ``path``, fsync, rename).
+
+        On any failure the previous file at ``path`` is left as it was and no temp file stays.
+        """
+        path = Path(path)
+        if path.is_dir():
+            raise CheckpointError(f"{path}: is a folder, expected a checkpoint file path")
+        if not path.parent.is_dir():
+            raise CheckpointError(f"{path}: folder {path.parent} does not exist")
+        tensors = {name: np.ascontiguousarray(value) for name, value in self.tensors.items()}
+        metadata = {METADATA_KEY: self._document(tensors)}
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            _write_tensors(tmp, tensors, metadata)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError | ValueError) or type(exc).__name__ == "SafetensorError":
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                raise CheckpointError(f"{path}: cannot write the checkpoint ({reason})") from None
+            raise
+        _fsync_folder(path.parent)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, program: ModelSource | Model | None = None) -> CheckpointState:
+        """Read a checkpoint; with ``program``, also check that it matches what the program carries."""
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no such checkpoint file")
+        import safetensors
+
+        try:
+            with safetensors.safe_open(str(path), framework="numpy") as f:
+                metadata = f.metadata() or {}
+                names = list(f.keys())
+                if METADATA_KEY not in metadata:
+                    raise CheckpointError(f"{path}: not a graphforge checkpoint (no {METADATA_KEY!r} metadata)")
+                document = _parse_document(path, metadata[METADATA_KEY])
+                manifest = _parse_manifest(path, document)
+                _check_names(path, manifest, names)
+                tensors = {}
+                for spec in manifest:
+                    try:
+                        value = f.get_tensor(spec.name)
+                    except Exception as exc:
+                        raise CheckpointError(f"{path}: cannot read tensor {spec.name!r} ({exc})") from None
+                    if (value.dtype.name, tuple(value.shape)) != (spec.dtype, spec.shape):
+                        raise CheckpointError(
+                            f"{path}: tensor {spec.name!r} is {value.dtype.name} {list(value.shape)} but its "
+                            f"manifest says {spec.describe()}"
+                        )
+                    tensors[spec.name] = value
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors' own errors: truncated, bad header, not a safetensors file
+            raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt: {exc})") from None
+        state = cls(
+            tensors,
+            manifest,
+            step=document["step"],
+            learning_rate=document.get("learning_rate"),
+            scheduler=document.get("scheduler"),
+            seeds=document.get("seeds"),
+            data_position=document.get("data_position"),
+            properties=document.get("properties"),
+            grad_reset_pending=document.get("grad_reset_pending", True),
+            source=f"checkpoint {path}",
+        )
+        if program is not None:
+            state.check(program)
+        return state
+
+
+def _write_tensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """Write the safetensors file (one function, so tests can make it fail half-way)."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename itself durable (POSIX); not possible everywhere, so best effort."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _parse_document(path: Path, text: str) -> dict:
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: its properties are not valid JSON ({exc})") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: its properties are not a {FORMAT} document")
+    version = document.get("version")
+    if version != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {version!r}; this graphforge reads version {VERSION}")
+    step = document.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: its step is {step!r}, expected a whole number ≥ 0")
+    lr = document.get("learning_rate")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr)):
+        raise CheckpointError(f"{path}: its learning_rate is {lr!r}, expected a number")
+    if not isinstance(document.get("grad_reset_pending", True), bool):
+        raise CheckpointError(
+            f"{path}: its grad_reset_pending is {document['grad_reset_pending']!r}, expected true/false"
+        )
+    for key, kind in (("scheduler", dict), ("seeds", dict), ("properties", dict)):
+        value = document.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise CheckpointError(f"{path}: its {key} is {type(value).__name__}, expected an object")
+    return document
+
+
+def _parse_manifest(path: Path, document: dict) -> list[TensorSpec]:
+    entries = document.get("tensors")
+    if not isinstance(entries, list):
+        raise CheckpointError(f"{path}: its properties have no tensor manifest")
+    manifest = []
+    for entry in entries:
+        try:
+            spec = TensorSpec(str(entry["name"]), str(entry["role"]), str(entry["dtype"]), tuple(entry["shape"]))
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{path}: malformed tensor manifest entry {entry!r}") from None
+        manifest.append(spec)
+    return manifest
+
+
+def _check_names(path: Path, manifest: list[TensorSpec], names: list[str]) -> None:
+    listed = {s.name for s in manifest}
+    missing = [s.name for s in manifest if s.name not in names]
+    if missing:
+        raise CheckpointError(f"{path}: tensor {missing[0]!r} is listed in its manifest but missing from the file")
+    unlisted = [n for n in names if n not in listed]
+    if unlisted:
+        raise CheckpointError(f"{path}: tensor {unlisted[0]!r} is in the file but not in its manifest")
+
+
+class CheckpointManager:
+    """Step-numbered checkpoints in one folder: ``<prefix>-<step:08d>.safetensors``.
+
+    ``save(state)`` writes the checkpoint for ``state.step`` atomically, then deletes the
+    oldest so that at most ``keep_last`` remain (None keeps all). ``latest()`` is the path
+    of the newest one (by step), or None.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = None, prefix: str = "checkpoint"):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise GraphforgeError(f"keep_last must be a whole number ≥ 1 (or None to keep all), got {keep_last!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
+            raise GraphforgeError(f"checkpoint prefix {prefix!r} must be letters, digits, '_', '.' or '-'")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.prefix = prefix
+        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.safetensors")
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"{self.prefix}-{step:08d}.safetensors"
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, path) of every checkpoint in the folder, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            match = self._pattern.fullmatch(entry.name)
+            if match and entry.is_file():
+                found.append((int(match.group(1)), entry))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1][1] if found else None
+
+    def load_latest(self, program: ModelSource | Model | None = None) -> CheckpointState | None:
+        path = self.latest()
+        return None if path is None else CheckpointState.load(path, program)
+
+    def save(self, state: CheckpointState) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = state.save(self.path_for(int(state.step)))
+        if self.keep_last is not None:
+            for _, old in self.checkpoints()[: -self.keep_last]:
+                if old != path:
+                    old.unlink(missing_ok=True)
+        return path

@@ -1,0 +1,469 @@
+"""The training API: Module and Optimizer over a compiled training program, on stock onnxruntime.
+
+Familiar to users of ONNX Runtime's on-device training API::
+
+    state = CheckpointState.from_program("program.onnx")    # or CheckpointState.load(path)
+    module = Module("program.onnx", state, device="cuda")
+    optimizer = Optimizer(module)
+    for x, labels in batches:
+        loss = module(x, labels)          # forward + backward (+ accumulate)
+        optimizer.step()                  # apply the update
+        module.lazy_reset_grad()          # the next call overwrites the accumulated gradients
+    state.save("ckpt.safetensors")
+
+or, without gradient accumulation, the fused fast path ``loss = module.train_step(x, labels)``:
+one ``session.run`` of the whole program.
+
+How it runs. The program is one functional training step (passes/optimizers.py). Every
+carried tensor (parameter, optimizer state, accumulator, buffer) lives in two
+preallocated OrtValues on the device; a run reads one and writes the other, bound with
+IOBinding, and the two swap roles (ping-pong). So parameters and states never leave
+onnxruntime between steps and nothing is copied per step; they come back to numpy only
+when asked (``state.tensors``, ``module.parameters``, ``state.save``).
+
+The split path (``module(...)`` then ``optimizer.step()``) cuts the program
+(graphforge.cut) into segment 0, forward + backward (+ accumulate), and segment 1, the
+optimizer; the gradients (or accumulated gradients) cross between them as device
+OrtValues. Eval mode runs ``eval_model(program, ...)`` (dropout off, BatchNorm on its
+running statistics) with the current parameters bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from graphforge import roles
+from graphforge.errors import GraphforgeError
+from graphforge.graph import Model, ModelSource, one_line
+from graphforge.runtime.checkpoint import CheckpointState, carried_specs, program_proto
+from graphforge.runtime.sessions import CPU, CUDA, available_providers, create_session
+
+_NEXT = "_next"
+
+
+@dataclass
+class _Carried:
+    """One carried tensor: two device buffers, and which one holds the current value."""
+
+    name: str
+    output: str
+    role: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    slots: list[ort.OrtValue]
+    current: int = 0
+
+
+@dataclass
+class _Runner:
+    """A session for one model (the whole program, a segment, or the eval model) and its
+    IOBindings, cached by which buffer each carried tensor is bound to and what is fetched."""
+
+    session: ort.InferenceSession
+    inputs: list[str]
+    input_dtypes: dict[str, np.dtype]
+    defaults: set[str]  # inputs with an initializer default
+    outputs: list[str]
+    bindings: dict[tuple, ort.IOBinding] = field(default_factory=dict)
+
+
+class Module:
+    """A training program with its state, ready to run.
+
+    ``program``: a compiled training program (path, bytes, ModelProto or Model).
+    ``state``: a CheckpointState (default: the program's initial state); the Module
+    trains on it in place, so ``state.save(path)`` saves the current values.
+    ``device``: "cpu", "cuda", "cuda:N", or None for the best working one.
+    """
+
+    def __init__(
+        self,
+        program: ModelSource | Model,
+        state: CheckpointState | None = None,
+        device: str | None = None,
+        *,
+        intra_op_threads: int | None = None,
+        inter_op_threads: int | None = None,
+    ):
+        self._program = program_proto(program)
+        specs = carried_specs(self._program)
+        meta = {p.key: p.value for p in self._program.metadata_props}
+        self._lr_input = meta.get(roles.LR, "lr")
+        self._step_input = meta.get(roles.STEP, "step")
+        self._reset_input = meta.get(roles.RESET_GRAD)
+        self.default_lr = float(meta.get(roles.DEFAULT_LR, "nan"))
+        self.loss_name = meta.get(roles.LOSS, "loss")
+        grads = json.loads(meta.get(roles.GRADIENTS, "{}"))
+
+        state = state if state is not None else CheckpointState.from_program(self._program)
+        state._check_free()  # a state trains in one Module at a time
+        state.check(specs)
+        self._device_type, self._device_id, self._providers = _resolve_device(device)
+        self._threads = {"intra_op_threads": intra_op_threads, "inter_op_threads": inter_op_threads}
+
+        values = state.tensors  # not yet attached: the state's own arrays
+        self._carried: dict[str, _Carried] = {}
+        for spec in specs:
+            dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+            slot = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self._device_type, self._device_id)
+            slot.update_inplace(np.ascontiguousarray(values[spec["input"]]))
+            self._carried[spec["input"]] = _Carried(spec["input"], spec["output"], spec["role"], dtype, shape, [slot])
+        self._by_output = {c.output: c for c in self._carried.values()}
+        state._attach(self)
+        self.state = state
+
+        special = {self._lr_input, self._step_input, self._reset_input}
+        self.input_names = [
+            i.name for i in self._program.graph.input if i.name not in self._carried and i.name not in special
+        ]
+        not_forward = {self.loss_name, "grad_norm", self._step_input + _NEXT, *self._by_output, *grads.values()}
+        self.output_names = [o.name for o in self._program.graph.output if o.name not in not_forward]
+
+        self.training = True
+        self._received: dict[str, ort.OrtValue] | None = None  # what segment 1 needs from segment 0
+        self._fused: _Runner | None = None
+        self._segments: list[_Runner] | None = None
+        self._eval: _Runner | None = None
+        self._optimizer: Optimizer | None = None
+        self.last_grad_norm: float | None = None
+
+    # ------------------------------------------------------------------ modes
+
+    def train(self, mode: bool = True) -> Module:
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+    @property
+    def device(self) -> str:
+        return self._device_type if self._device_type == "cpu" else f"{self._device_type}:{self._device_id}"
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the program accumulates gradients (compiled with accumulate=true)."""
+        return self._reset_input is not None
+
+    @property
+    def learning_rate(self) -> float:
+        lr = self.state.learning_rate
+        return self.default_lr if lr is None else float(lr)
+
+    # ------------------------------------------------------------------ running
+
+    def __call__(self, *batch: Any, outputs: Sequence[str] = (), **feeds: Any):
+        """Train mode: forward + backward (+ accumulate into the gradient accumulators); the
+        update waits for ``Optimizer.step()``. Eval mode: forward + loss of the eval model.
+
+        Batch inputs go by position (``module.input_names`` order, labels included) or by
+        name. Returns the loss, or ``(loss, *outputs)`` when forward outputs are requested.
+        """
+        feeds = self._batch(batch, feeds)
+        outputs = list(outputs)
+        if not self.training:
+            runner = self._eval_runner()
+            self._check_outputs(outputs, runner, "in eval mode")
+            host, _ = self._run(runner, feeds, [self.loss_name, *outputs], [])
+            return _result(host, self.loss_name, outputs)
+        grad, optim = self._segment_runners()
+        self._check_outputs(outputs, grad, "from module(...) (the forward/backward segment)")
+        sends = [n for n in optim.inputs if n in grad.outputs and n not in self._carried]
+        host, device = self._run(grad, feeds, [self.loss_name, *outputs], sends)
+        self.state.grad_reset_pending = False
+        self._received = device
+        return _result(host, self.loss_name, outputs)
+
+    def train_step(self, *batch: Any, outputs: Sequence[str] = (), **feeds: Any):
+        """One whole training step in one session.run: forward, backward, (accumulate,) and
+        the optimizer update. Returns the loss (or ``(loss, *outputs)``; ``grad_norm`` and
+        gradients may be requested too). With an accumulating program, the gradients
+        accumulated by earlier ``module(...)`` calls are included, and reset afterwards.
+        """
+        feeds = self._batch(batch, feeds)
+        outputs = list(outputs)
+        runner = self._fused_runner()
+        self._check_outputs(outputs, runner, "from train_step")
+        fetch = [self.loss_name, *outputs]
+        if "grad_norm" in runner.outputs and "grad_norm" not in fetch:
+            fetch.append("grad_norm")
+        host, _ = self._run(runner, feeds, fetch, [])
+        self._after_update(host)
+        self._received = None
+        self.state.grad_reset_pending = True
+        return _result(host, self.loss_name, outputs)
+
+    def lazy_reset_grad(self) -> None:
+        """Make the next ``module(...)`` call overwrite the accumulated gradients instead of adding to them."""
+        self.state.grad_reset_pending = True
+
+    def _optimizer_step(self) -> None:
+        if not self.training:
+            raise GraphforgeError("optimizer.step() in eval mode: call module.train() first")
+        if self._received is None:
+            raise GraphforgeError("no gradients to apply: call the module on a batch (in train mode) first")
+        _, optim = self._segment_runners()
+        fetch = ["grad_norm"] if "grad_norm" in optim.outputs else []
+        host, _ = self._run(optim, dict(self._received), fetch, [])
+        self._after_update(host)
+
+    def _after_update(self, host: dict[str, np.ndarray]) -> None:
+        self.state.step = int(self.state.step) + 1
+        if "grad_norm" in host:
+            self.last_grad_norm = float(host["grad_norm"])
+
+    # ------------------------------------------------------------------ state
+
+    def _read_carried(self) -> dict[str, np.ndarray]:
+        return {name: _to_numpy(c.slots[c.current]) for name, c in self._carried.items()}
+
+    def _read_role(self, *roles_wanted: str) -> dict[str, np.ndarray]:
+        return {n: _to_numpy(c.slots[c.current]) for n, c in self._carried.items() if c.role in roles_wanted}
+
+    @property
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The current parameter values (copies), by name."""
+        return self._read_role("parameter")
+
+    @property
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The current buffers (BatchNorm running statistics; copies), by name."""
+        return self._read_role("buffer")
+
+    def export_model_for_inferencing(self, path: str | os.PathLike, output_names: Sequence[str]) -> Path:
+        """Write a plain inference model computing ``output_names`` with the current
+        parameter and buffer values embedded (atomic write)."""
+        from graphforge.graph import save
+        from graphforge.inference import export_inference_model
+
+        values = self._read_role("parameter", "buffer")
+        model = export_inference_model(self._program, values, list(output_names))
+        return save(model, path)
+
+    # ------------------------------------------------------------------ sessions
+
+    def _runner(self, model: onnx.ModelProto, where: str) -> _Runner:
+        session = create_session(model, providers=self._providers, where=where, **self._threads)
+        initializers = {t.name for t in model.graph.initializer}
+        dtypes = {
+            i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+            for i in model.graph.input
+            if i.type.HasField("tensor_type")
+        }
+        return _Runner(
+            session=session,
+            inputs=[i.name for i in model.graph.input],
+            input_dtypes=dtypes,
+            defaults={i.name for i in model.graph.input if i.name in initializers},
+            outputs=[o.name for o in model.graph.output],
+        )
+
+    def _fused_runner(self) -> _Runner:
+        if self._fused is None:
+            self._fused = self._runner(self._program, "the training program")
+        return self._fused
+
+    def _segment_runners(self) -> list[_Runner]:
+        """Segment 0 (forward + backward + accumulate) and segment 1 (the optimizer update)."""
+        if self._segments is None:
+            from graphforge.cut import cut
+
+            update = {c.output for c in self._carried.values() if c.role in ("parameter", "optimizer")}
+            update |= {"grad_norm", self._step_input + _NEXT}
+            boundary = [o.name for o in self._program.graph.output if o.name not in update]
+            grad, optim = cut(self._program, [boundary])
+            for name in optim.inputs:
+                c = self._carried.get(name)
+                if c is not None and c.output in grad.outputs:
+                    raise GraphforgeError(
+                        f"cannot split this program: its optimizer segment reads {name!r}, which the "
+                        f"forward/backward segment already updates; use module.train_step(...)"
+                    )
+            self._segments = [
+                self._runner(grad.model, "the forward/backward segment"),
+                self._runner(optim.model, "the optimizer segment"),
+            ]
+        return self._segments
+
+    def _eval_runner(self) -> _Runner:
+        if self._eval is None:
+            from graphforge.inference import eval_model
+
+            model = eval_model(self._program, [self.loss_name, *self.output_names])
+            self._eval = self._runner(model, "the eval model")
+        return self._eval
+
+    # ------------------------------------------------------------------ binding
+
+    def _batch(self, batch: tuple, named: dict[str, Any]) -> dict[str, Any]:
+        if len(batch) > len(self.input_names):
+            raise GraphforgeError(
+                f"{len(batch)} batch inputs given, the program takes {len(self.input_names)}: "
+                f"{', '.join(self.input_names)}"
+            )
+        feeds = dict(zip(self.input_names, batch, strict=False))
+        for name, value in named.items():
+            if name in feeds:
+                raise GraphforgeError(f"batch input {name!r} given twice (by position and by name)")
+            feeds[name] = value
+        unknown = [n for n in feeds if n not in self.input_names]
+        if unknown:
+            raise GraphforgeError(
+                f"unknown batch input {unknown[0]!r}; the program takes: {', '.join(self.input_names)}"
+            )
+        return feeds
+
+    def _check_outputs(self, outputs: list[str], runner: _Runner, where: str) -> None:
+        for name in outputs:
+            if name not in runner.outputs or name in self._by_output:
+                available = [o for o in runner.outputs if o not in self._by_output and o != self.loss_name]
+                raise GraphforgeError(
+                    f"output {name!r} is not available {where}; available: {', '.join(available) or 'none'}"
+                )
+
+    def _scalars(self) -> dict[str, np.ndarray]:
+        lr = self.learning_rate
+        if not math.isfinite(lr):
+            raise GraphforgeError("no learning rate: the program has none; call optimizer.set_learning_rate(lr)")
+        scalars = {
+            self._lr_input: np.array(lr, np.float32),
+            self._step_input: np.array(self.state.step, np.int64),
+        }
+        if self._reset_input is not None:
+            scalars[self._reset_input] = np.array(self.state.grad_reset_pending, np.bool_)
+        return scalars
+
+    def _run(
+        self, runner: _Runner, feeds: dict[str, Any], fetch_host: list[str], fetch_device: list[str]
+    ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
+        """One run: carried inputs bound to their current buffers, carried outputs to the
+        other ones (which then become current), feeds and scalars bound as given."""
+        carried_in = [self._carried[n] for n in runner.inputs if n in self._carried]
+        carried_out = [self._by_output[o] for o in runner.outputs if o in self._by_output]
+        for c in carried_out:
+            if len(c.slots) == 1:
+                c.slots.append(
+                    ort.OrtValue.ortvalue_from_shape_and_type(c.shape, c.dtype, self._device_type, self._device_id)
+                )
+        key = (
+            tuple(c.current for c in carried_in),
+            tuple(c.current for c in carried_out),
+            tuple(fetch_host),
+            tuple(fetch_device),
+        )
+        binding = runner.bindings.get(key)
+        if binding is None:
+            binding = runner.session.io_binding()
+            for c in carried_in:
+                binding.bind_ortvalue_input(c.name, c.slots[c.current])
+            for c in carried_out:
+                binding.bind_ortvalue_output(c.output, c.slots[1 - c.current])
+            runner.bindings[key] = binding
+
+        scalars = self._scalars()
+        for name in runner.inputs:
+            if name in self._carried:
+                continue
+            if name in scalars:
+                binding.bind_cpu_input(name, scalars[name])
+            elif name in feeds:
+                self._bind_feed(binding, runner, name, feeds[name])
+            elif name not in runner.defaults:
+                raise GraphforgeError(f"missing batch input {name!r}; the program takes: {', '.join(self.input_names)}")
+        for name in fetch_host:
+            binding.bind_output(name, "cpu")
+        for name in fetch_device:
+            binding.bind_output(name, self._device_type, self._device_id)
+        try:
+            runner.session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise GraphforgeError(f"onnxruntime failed to run the program: {one_line(exc)}") from None
+        values = binding.get_outputs()
+        offset = len(carried_out)
+        host = {n: values[offset + i].numpy() for i, n in enumerate(fetch_host)}
+        offset += len(fetch_host)
+        device = {n: values[offset + i] for i, n in enumerate(fetch_device)}
+        for c in carried_out:
+            c.current = 1 - c.current
+        return host, device
+
+    def _bind_feed(self, binding: ort.IOBinding, runner: _Runner, name: str, value: Any) -> None:
+        if isinstance(value, ort.OrtValue):
+            binding.bind_ortvalue_input(name, value)
+            return
+        array = np.ascontiguousarray(np.asarray(value))
+        expected = runner.input_dtypes.get(name)
+        if expected is not None and array.dtype != expected:
+            raise GraphforgeError(f"batch input {name!r} must be {np.dtype(expected).name}, got {array.dtype.name}")
+        binding.bind_cpu_input(name, array)
+
+
+class Optimizer:
+    """The optimizer step of a Module's program: ``step()`` applies the update with the
+    gradients of the last ``module(...)`` call (accumulated ones with an accumulating
+    program); the learning rate is the state's (default: the program's)."""
+
+    def __init__(self, module: Module):
+        if module._optimizer is not None:
+            raise GraphforgeError("this Module already has an Optimizer")
+        module._optimizer = self
+        self.module = module
+        if module.state.learning_rate is None:
+            module.state.learning_rate = module.default_lr
+
+    def step(self) -> None:
+        self.module._optimizer_step()
+
+    def set_learning_rate(self, lr: float) -> None:
+        if isinstance(lr, bool) or not isinstance(lr, int | float | np.floating) or not math.isfinite(lr) or lr < 0:
+            raise GraphforgeError(f"the learning rate must be a finite number ≥ 0, got {lr!r}")
+        self.module.state.learning_rate = float(lr)
+
+    def get_learning_rate(self) -> float:
+        return self.module.learning_rate
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping), or None."""
+        return self.module.last_grad_norm
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _result(host: dict[str, np.ndarray], loss_name: str, outputs: list[str]):
+    loss = host[loss_name]
+    return loss if not outputs else (loss, *(host[n] for n in outputs))
+
+
+def _to_numpy(value: ort.OrtValue) -> np.ndarray:
+    # on the CPU numpy() may share the buffer, which the next step overwrites: always copy
+    return np.array(value.numpy(), copy=True)
+
+
+def _resolve_device(device: str | None) -> tuple[str, int, list]:
+    """(OrtValue device type, device id, providers) for "cpu", "cuda", "cuda:N" or None (best)."""
+    if device is None:
+        providers = available_providers()
+        device = "cuda" if providers[0] == CUDA else "cpu"
+        if device == "cpu":
+            return "cpu", 0, providers
+    text = str(device).strip().lower()
+    kind, _, index = text.partition(":")
+    if kind == "cpu" and not index:
+        return "cpu", 0, [CPU]
+    if kind in ("cuda", "gpu") and (not index or index.isdigit()):
+        device_id = int(index or 0)
+        return "cuda", device_id, [(CUDA, {"device_id": str(device_id)}), CPU]
+    raise GraphforgeError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")

@@ -1,0 +1,137 @@
+"""Module mechanics: the fused train_step equals module(...) + optimizer.step(), state stays
+inside onnxruntime (ping-pong buffers), inputs and outputs are checked and named."""
+
+from __future__ import annotations
+
+import _training_models as tm
+import numpy as np
+import pytest
+
+from graphforge import CheckpointState, GraphforgeError, Module, Optimizer
+from graphforge.runtime import CosineSchedule
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def program():
+    return tm.compile_program(tm.mlp_onnx(), "adamw(lr=0.01, weight_decay=0.1, clip_grad_norm=1.0)")
+
+
+def test_train_step_equals_call_then_step(program):
+    split, fused = Module(program, device="cpu"), Module(program, device="cpu")
+    split_optimizer, fused_optimizer = Optimizer(split), Optimizer(fused)
+    for schedule_owner in (split_optimizer, fused_optimizer):
+        CosineSchedule(schedule_owner, warmup_steps=3, total_steps=30)
+    for x, target in tm.batches(30):
+        split_loss = split(x, target)
+        split_optimizer.step()
+        split_optimizer_lr = split_optimizer.get_learning_rate()
+        fused_loss = fused.train_step(x, target)
+        assert fused_optimizer.get_learning_rate() == split_optimizer_lr
+        assert np.array_equal(split_loss, fused_loss)
+        assert split.last_grad_norm == fused.last_grad_norm
+    assert split.state.step == fused.state.step == 30
+    split_state, fused_state = split.state.tensors, fused.state.tensors
+    assert sorted(split_state) == sorted(fused_state)
+    for name, value in split_state.items():
+        assert np.array_equal(value, fused_state[name]), name
+
+
+def test_forward_outputs_and_gradients_on_request(program):
+    module = Module(program, device="cpu")
+    x, target = tm.batches(1)[0]
+    loss, y = module(x, target, outputs=["y"])
+    assert y.shape == (6, tm.N_OUT) and loss.shape == ()
+    np.testing.assert_allclose(loss, np.mean((y - target) ** 2), rtol=1e-6)
+    loss2, norm, grad = module.train_step(x=x, labels=target, outputs=["grad_norm", "0.weight_grad"])
+    assert np.array_equal(loss, loss2)  # the same parameters: module(...) did not update them
+    assert grad.shape == (tm.N_HIDDEN, tm.N_IN) and norm > 0
+    assert module.input_names == ["x", "labels"] and module.output_names == ["y"]
+
+
+def test_parameters_stay_in_onnxruntime_and_are_read_back_as_copies(program):
+    state = CheckpointState.from_program(program)
+    initial = state.tensors["0.weight"].copy()
+    module = Module(program, state, device="cpu")
+    assert np.array_equal(state.tensors["0.weight"], initial)
+    snapshot = module.parameters["0.weight"]
+    x, target = tm.batches(1)[0]
+    module.train_step(x, target)
+    buffers = [list(c.slots) for c in module._carried.values()]
+    assert all(len(pair) == 2 for pair in buffers)
+    for _ in range(3):
+        module.train_step(x, target)
+    # the same two buffers per carried tensor, swapping roles: no per-step allocation or copy
+    for pair, carried in zip(buffers, module._carried.values(), strict=True):
+        assert pair[0] is carried.slots[0] and pair[1] is carried.slots[1]
+    assert np.array_equal(snapshot, initial)  # a read-back is a copy, not a view of a live buffer
+    assert not np.array_equal(module.parameters["0.weight"], initial)
+    assert not np.array_equal(state.tensors["0.weight"], initial)  # the state is live
+    assert len(module._fused.bindings) == 2  # one IOBinding per ping-pong parity, reused
+
+
+def test_batch_size_may_change_between_steps(program):
+    module = Module(program, device="cpu")
+    for batch in (2, 7, 3):
+        x, target = tm.batches(1, batch=batch)[0]
+        _, y = module.train_step(x, target, outputs=["y"])
+        assert y.shape == (batch, tm.N_OUT)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m, x, t: m(x), "missing batch input 'labels'"),
+        (lambda m, x, t: m(x, t, t), "3 batch inputs given, the program takes 2: x, labels"),
+        (lambda m, x, t: m(x, t, z=x), "unknown batch input 'z'"),
+        (lambda m, x, t: m(x, t, x=x), "'x' given twice"),
+        (lambda m, x, t: m(x.astype(np.float64), t), "batch input 'x' must be float32, got float64"),
+        (lambda m, x, t: m(x, t, outputs=["nope"]), "output 'nope' is not available"),
+        (lambda m, x, t: m(x, t, outputs=["0.weight_next"]), "output '0.weight_next' is not available"),
+        (lambda m, x, t: m(x[:, :3], t), "onnxruntime failed to run the program"),
+    ],
+)
+def test_bad_calls_are_refused_with_a_clear_message(program, call, message):
+    module = Module(program, device="cpu")
+    x, target = tm.batches(1)[0]
+    before = module.state.tensors
+    with pytest.raises(GraphforgeError, match=message):
+        call(module, x, target)
+    for name, value in module.state.tensors.items():  # a failed run changes nothing
+        assert np.array_equal(value, before[name]), name
+
+
+def test_step_without_gradients_and_double_attach_are_refused(program):
+    state = CheckpointState.from_program(program)
+    module = Module(program, state, device="cpu")
+    optimizer = Optimizer(module)
+    with pytest.raises(GraphforgeError, match="no gradients to apply"):
+        optimizer.step()
+    with pytest.raises(GraphforgeError, match="already belongs to a Module"):
+        Module(program, state, device="cpu")
+    Module(program, state.copy(), device="cpu")
+    with pytest.raises(GraphforgeError, match="already has an Optimizer"):
+        Optimizer(module)
+    with pytest.raises(GraphforgeError, match="learning rate must be a finite number"):
+        optimizer.set_learning_rate(float("nan"))
+    with pytest.raises(GraphforgeError, match="unknown device 'tpu'"):
+        Module(program, device="tpu")
+
+
+def test_not_a_training_program_is_refused():
+    with pytest.raises(GraphforgeError, match="not a training program"):
+        Module(tm.mlp_onnx(), device="cpu")
+
+
+def test_learning_rate_defaults_to_the_programs_and_is_settable(program):
+    module = Module(program, device="cpu")
+    optimizer = Optimizer(module)
+    assert optimizer.get_learning_rate() == 0.01 == module.state.learning_rate
+    optimizer.set_learning_rate(0.0)
+    x, target = tm.batches(1)[0]
+    before = module.parameters
+    module.train_step(x, target)
+    # lr 0: adamw's decay (1 - lr * wd) and the update both vanish
+    for name, value in module.parameters.items():
+        assert np.array_equal(value, before[name]), name
