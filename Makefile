@@ -11,12 +11,27 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[torch,dev]"
+	@# system tools for `graphforge diff`: Graphviz's dot (page layout) and Chromium (the headless
+	@# browser test); installed only when missing, and only where apt-get exists and we are root
+	@missing=""; \
+	command -v dot >/dev/null 2>&1 || missing="$$missing graphviz"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			echo "installing system packages:$$missing"; \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) \
+				|| echo "warning: apt-get could not install$$missing"; \
+		else \
+			echo "note: not installing$$missing (needs apt-get and root): diff pages use a pure-Python layout, the browser test skips"; \
+		fi; \
+	fi
 	touch $(STAMP)
 
 install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(BIN)/graphforge golden check golden_models
 
 demo: $(STAMP)
 	mkdir -p out

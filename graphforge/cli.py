@@ -137,6 +137,9 @@ def print_report(result: CompileResult, console: Console) -> None:
             delta,
         )
     console.print(table)
+    for r in result.records:
+        if r.ran and r.note:
+            console.print(f"{escape(r.spec)}: {escape(r.note)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -242,6 +245,113 @@ def list_passes() -> None:
         )
         out.print(textwrap.indent(cls.description(), "    "), soft_wrap=True, highlight=False, markup=False)
         out.print()
+
+
+# --------------------------------------------------------------------------- graphforge golden
+
+golden_app = typer.Typer(
+    name="golden",
+    help="Golden models: compile the shipped models through their pipelines and compare with the recorded expectations.",
+    no_args_is_help=True,
+)
+app.add_typer(golden_app)
+
+GoldenFolder = Annotated[Path, typer.Argument(help="The golden folder (model folders with golden.json).")]
+GoldenModels = Annotated[list[str] | None, typer.Option("--model", "-m", help="Only this model (repeat for several).")]
+GoldenPipelines = Annotated[
+    list[str] | None,
+    typer.Option("--pipeline", "-p", help="Only this pipeline id, or test_data (repeat for several)."),
+]
+
+
+def _print_golden(report) -> None:
+    out.print(report.to_text(), markup=False, highlight=False, soft_wrap=True)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@golden_app.command("check")
+def golden_check(
+    folder: GoldenFolder = Path("golden_models"),
+    model: GoldenModels = None,
+    pipeline: GoldenPipelines = None,
+) -> None:
+    """Compare every model and pipeline with its expectations: exit 1 with what changed, 0 when all pass."""
+    from graphforge import golden
+
+    _quiet_onnxruntime()
+    _print_golden(golden.check(folder, models=model, pipelines=pipeline))
+
+
+@golden_app.command("update")
+def golden_update(
+    folder: GoldenFolder = Path("golden_models"),
+    model: GoldenModels = None,
+    pipeline: GoldenPipelines = None,
+    force: Annotated[bool, typer.Option(help="Rewrite expectations that still pass, too.")] = False,
+) -> None:
+    """Record what the pipelines produce now where it differs from the expectations, printing the diff."""
+    from graphforge import golden
+
+    _quiet_onnxruntime()
+    _print_golden(golden.update(folder, models=model, pipelines=pipeline, force=force))
+
+
+def _quiet_onnxruntime() -> None:
+    """onnxruntime's default logger prints optimizer warnings from sessions passes create
+    (fold_constants), which would bury the report."""
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
+
+
+# --------------------------------------------------------------------------- graphforge diff
+
+
+@app.command("diff")
+def diff_command(
+    a: Annotated[Path | None, typer.Argument(help="Model A, or a dump folder (compile --dump-dir).")] = None,
+    b: Annotated[Path | None, typer.Argument(help="Model B, or a second dump folder.")] = None,
+    pipeline: Annotated[
+        str | None,
+        typer.Option("--pipeline", "-p", help="Diff the one model given against what this pipeline makes of it."),
+    ] = None,
+    brief: Annotated[bool, typer.Option("--brief", help="Print the summary only.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the JSON report (schema: docs/diff-json.md).")
+    ] = False,
+    html_out: Annotated[
+        Path | None, typer.Option("--html", help="Also write a self-contained page drawing both graphs here.")
+    ] = None,
+    numeric: Annotated[
+        bool, typer.Option("--numeric", help="Run both models on the same inputs and compare every matched tensor.")
+    ] = False,
+    inputs: Annotated[
+        Path | None, typer.Option("--inputs", help="Inputs for --numeric: an .npz of input name -> array.")
+    ] = None,
+    context: Annotated[int, typer.Option(help="In the page of a large graph, hops drawn around each change.")] = 2,
+) -> None:
+    """Compare two models by structure: what was added, removed or changed (exit 0 same, 1 different).
+
+    Also: two dump folders pass by pass, one dump folder step by step, or --pipeline SPEC MODEL.
+    """
+    from graphforge.diff.command import run_diff
+
+    _quiet_onnxruntime()
+    status = run_diff(
+        a,
+        b,
+        pipeline=pipeline,
+        brief=brief,
+        json_out=json_out,
+        html_out=html_out,
+        numeric=numeric,
+        inputs=inputs,
+        context=context,
+        console=out,
+    )
+    if status:
+        raise typer.Exit(status)
 
 
 def main() -> None:
