@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from graphforge import roles
 from graphforge.errors import GraphforgeError, PipelineSpecError
 from graphforge.golden.compare import Problem, expectation_problems, structural_diff, value_problems
 from graphforge.golden.fingerprint import summarize
@@ -70,17 +71,19 @@ Stage = Callable[[GoldenModel, onnx.ModelProto], list[Value]]
 
 def run_stage(golden: GoldenModel, program: onnx.ModelProto, stage: str = RUN) -> list[Value]:
     """Stage ``run``: every output of ``program`` on every test data set (its inputs, plus the
-    extra inputs a compiled program adds, such as the loss pass's ``labels``)."""
+    extra inputs a compiled program adds, such as the loss pass's ``labels``), except the
+    updated state of a training program."""
     try:
         session = create_session(program, providers=[CPU], where="the compiled program")
     except GraphforgeError as exc:
         raise CaseError(Problem("run", str(exc))) from None
-    names = [o.name for o in session.get_outputs()]
+    scalars = _optimizer_scalars(program)
+    names = [o.name for o in session.get_outputs() if o.name not in _state_updates(program)]
     values = []
     for test_set in golden.test_sets:
         feeds = {}
         for spec in session.get_inputs():
-            array = test_set.feed(spec.name)
+            array = scalars[spec.name] if spec.name in scalars else test_set.feed(spec.name)
             if array is None:
                 message = (
                     f"the program takes input {spec.name!r}, which {test_set.name} does not provide "
@@ -96,11 +99,104 @@ def run_stage(golden: GoldenModel, program: onnx.ModelProto, stage: str = RUN) -
     return values
 
 
-#: what a pipeline's ``stages`` may name. The Training issue adds its stages here, e.g.
-#: ``train_steps`` (the parameters after 3 optimizer steps, as values named like the
-#: parameters) and ``inference_export`` (the outputs of the pruned inference model); each
-#: records Values under its own stage name, so the expectation format stays as it is.
-STAGES: dict[str, Stage] = {RUN: run_stage}
+def _optimizer_scalars(program: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The first step's inputs of a training program besides the batch: its initial state
+    (zero optimizer moments), default learning rate, step 0 and, with gradient
+    accumulation, a reset of the accumulators. None of these for a plain model."""
+    from graphforge.runtime.checkpoint import CheckpointState
+
+    meta = {p.key: p.value for p in program.metadata_props}
+    if roles.OPTIMIZER not in meta:
+        return {}
+    scalars = dict(CheckpointState.from_program(program).tensors)
+    if roles.LR in meta:
+        scalars[meta[roles.LR]] = np.array(float(meta.get(roles.DEFAULT_LR, "nan")), np.float32)
+    if roles.STEP in meta:
+        scalars[meta[roles.STEP]] = np.array(0, np.int64)
+    if roles.RESET_GRAD in meta:
+        scalars[meta[roles.RESET_GRAD]] = np.array(True)
+    return scalars
+
+
+def _state_updates(program: onnx.ModelProto) -> set[str]:
+    """Outputs of a training program that are the next values of its carried state
+    (parameters, moments): the ``train_steps`` stage records where those lead."""
+    from graphforge.runtime.checkpoint import carried_specs
+
+    if not any(p.key == roles.OPTIMIZER for p in program.metadata_props):
+        return set()
+    return {spec["output"] for spec in carried_specs(program)}
+
+
+#: optimizer steps the ``train_steps`` and ``inference_export`` stages take
+TRAIN_STEPS = 3
+
+
+def _trained_parameters(golden: GoldenModel, program: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Parameters and buffers after TRAIN_STEPS fused training steps on the first test data
+    set, at the learning rate the pipeline text gives (each step sees the same batch)."""
+    from graphforge.runtime.training import Module
+
+    try:
+        module = Module(program, device="cpu")
+    except GraphforgeError as exc:
+        raise CaseError(Problem("train", f"not a training program (add an optimizer pass): {exc}")) from None
+    test_set = golden.test_sets[0]
+    feeds = {}
+    for name in module.input_names:
+        array = test_set.feed(name)
+        if array is None:
+            raise CaseError(
+                Problem("feeds", f"the program takes input {name!r}, which {test_set.name} does not provide")
+            )
+        feeds[name] = array
+    try:
+        for _ in range(TRAIN_STEPS):
+            module.train_step(**feeds)
+    except GraphforgeError as exc:
+        raise CaseError(Problem("train", str(exc))) from None
+    return {**module.parameters, **module.buffers}
+
+
+def train_steps_stage(golden: GoldenModel, program: onnx.ModelProto) -> list[Value]:
+    """Stage ``train_steps``: every parameter and buffer after TRAIN_STEPS optimizer steps,
+    recorded under its own name (set 0: the data the steps ran on)."""
+    trained = _trained_parameters(golden, program)
+    return [Value("train_steps", golden.test_sets[0].index, n, trained[n]) for n in sorted(trained)]
+
+
+def inference_export_stage(golden: GoldenModel, program: onnx.ModelProto) -> list[Value]:
+    """Stage ``inference_export``: the program trained for TRAIN_STEPS steps, pruned to its
+    forward outputs with the trained values embedded, run on every test data set."""
+    from graphforge.inference import export_inference_model
+
+    trained = _trained_parameters(golden, program)
+    try:
+        model = export_inference_model(program, trained)
+        session = create_session(model, providers=[CPU], where="the inference export")
+    except GraphforgeError as exc:
+        raise CaseError(Problem("export", str(exc))) from None
+    names = [o.name for o in session.get_outputs()]
+    values = []
+    for test_set in golden.test_sets:
+        feeds = {i.name: test_set.feed(i.name) for i in session.get_inputs()}
+        try:
+            outputs = session.run(names, feeds)
+        except Exception as exc:
+            raise CaseError(Problem("export", f"onnxruntime failed on {test_set.name}: {one_line(exc)}")) from None
+        values += [
+            Value("inference_export", test_set.index, n, np.asarray(a)) for n, a in zip(names, outputs, strict=True)
+        ]
+    return values
+
+
+#: what a pipeline's ``stages`` may name; each records Values under its own stage name, so
+#: the expectation format is the same for all
+STAGES: dict[str, Stage] = {
+    RUN: run_stage,
+    "train_steps": train_steps_stage,
+    "inference_export": inference_export_stage,
+}
 
 
 def compute(golden: GoldenModel, spec: PipelineSpec) -> Expectation:

@@ -278,7 +278,22 @@ def test_expectation_with_an_unknown_stage_is_refused(golden_copy, run_cli):
     """An older checkout must not silently skip values a newer graphforge recorded."""
     folder = golden_copy("demo_mlp")
     expectation = read_expectation(folder / "demo_mlp", "train")
-    expectation.values[0].stage = "train_steps"
+    expectation.values[0].stage = "distill_steps"
     write_expectation(folder / "demo_mlp", expectation)
     result = run_cli("golden", "check", folder)
-    assert result.code == 2 and "records stage(s) train_steps, which this graphforge does not know" in result.err
+    assert result.code == 2 and "records stage(s) distill_steps, which this graphforge does not know" in result.err
+
+
+def test_a_wrong_optimizer_update_fails_the_training_stages(golden_copy, run_cli, monkeypatch):
+    """The optimizer's arithmetic is checked too: one step more changes every trained
+    parameter and the trained inference model's outputs, and nothing else."""
+    from graphforge.golden import runner
+
+    folder = golden_copy("demo_mlp")
+    monkeypatch.setattr(runner, "TRAIN_STEPS", runner.TRAIN_STEPS + 1)
+    result = run_cli("golden", "check", folder)
+    assert result.code == 1, result.out
+    assert "demo_mlp / train_adamw: train_steps 'fc1.weight' (test_data_set_0) value:" in result.out
+    assert "demo_mlp / train_adamw: inference_export 'logits' (test_data_set_0) value:" in result.out
+    for unaffected in ("test_data", "cleanup", "train", "demo"):
+        assert f"ok        demo_mlp / {unaffected}\n" in result.out
