@@ -466,8 +466,11 @@ def readme_workspace(tmp_path) -> Path:
 
 def test_readme_tour_runs_as_written(readme_workspace):
     """The tour's CLI block, then its Python API block, in a fresh folder (as a reader would)."""
-    sh_blocks = [b for b in _readme_blocks("sh") if "graphforge " in b and "make " not in b]
-    assert len(sh_blocks) == 2, "the tour has two blocks of graphforge commands (passes, then gradients)"
+    blocks = _readme_blocks("sh")
+    sh_blocks = [
+        next(b for b in blocks if "graphforge passes" in b),  # the CLI block
+        next(b for b in blocks if "autodiff" in b and "graphforge compile" in b),  # gradients
+    ]
     proc = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", sh_blocks[0]],
         cwd=readme_workspace,
@@ -489,6 +492,16 @@ def test_readme_tour_runs_as_written(readme_workspace):
                       capture_output=True, text=True, timeout=300))  # fmt: skip
     grad_outputs = [o.name for o in onnx.load(out / "demo_grad.onnx").graph.output]
     assert grad_outputs == ["logits", "loss", "fc1.weight_grad", "fc1.bias_grad", "fc2.weight_grad", "fc2.bias_grad"]
+
+    # the diff block compares the shipped model with the one the CLI block compiled: each
+    # command exits 1 (different, as diff(1))
+    diff_block = next(b for b in blocks if "graphforge diff" in b)
+    setup, *commands = [line for line in diff_block.splitlines() if line.strip()]
+    for command in commands:
+        proc = subprocess.run(["bash", "-uc", f"{setup}\n{command}"], cwd=readme_workspace, env=_env(),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 1 and proc.stdout and "Traceback" not in proc.stderr, (command, proc.stderr)
+    assert (out / "diff.html").is_file()
 
     api_block = next(b for b in _readme_blocks("python") if "graphforge.compile(" in b)
     (readme_workspace / "out" / "demo.onnx").unlink()
