@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEMO_PIPELINE := identity_elimination, fold_constants, cse, dce, topo_sort, loss(kind=cross_entropy, output=logits), autodiff
+#: the test accuracy `make demo` must reach (README); its run reaches about 0.98
+DEMO_MIN_ACCURACY := 0.93
 
 .PHONY: install test demo lint bench clean
 
@@ -33,11 +34,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/graphforge golden check golden_models
 
+# Train a 64-64-10 MLP on the shipped 8×8 digits (examples/digits/train.toml), export the
+# inference model, and score it on the test split with a plain onnxruntime session.
 demo: $(STAMP)
-	mkdir -p out
-	$(BIN)/graphforge compile golden_models/demo_mlp/model.onnx -p "$(DEMO_PIPELINE)" \
-		-o out/demo_mlp.compiled.onnx --dump-dir out/demo_dumps --verify-with-ort
-	$(BIN)/graphforge inspect out/demo_mlp.compiled.onnx
+	rm -rf out/digits
+	mkdir -p out/digits
+	$(BIN)/graphforge train examples/digits/train.toml --out out/digits
+	$(BIN)/graphforge export out/digits/program.onnx --checkpoint out/digits -o out/digits/model.onnx
+	$(BIN)/python examples/digits/evaluate.py out/digits/model.onnx --min-accuracy $(DEMO_MIN_ACCURACY)
 
 lint: $(STAMP)
 	$(BIN)/ruff check graphforge passes tests golden_models benchmarks

@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 from graphforge import passes
 from graphforge.errors import (
     CheckpointError,
+    ConfigError,
     GraphforgeError,
     InvalidModelError,
     ModelLoadError,
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointState",
     "CompileResult",
+    "ConfigError",
     "GraphforgeError",
     "InvalidModelError",
     "Model",

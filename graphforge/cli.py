@@ -354,6 +354,79 @@ def diff_command(
         raise typer.Exit(status)
 
 
+# --------------------------------------------------------------------------- graphforge train / export
+
+
+@app.command("train")
+def train_command(
+    config: Annotated[Path, typer.Argument(help="The training config (TOML; keys: graphforge/train/config.py).")],
+    steps: Annotated[
+        int | None, typer.Option("--steps", min=1, help="Train this many steps (instead of train.steps / epochs).")
+    ] = None,
+    resume: Annotated[
+        bool | None,
+        typer.Option(
+            "--resume/--no-resume",
+            help="Resume from the latest checkpoint in the output folder (default: checkpoint.resume, true); "
+            "--no-resume refuses a folder that already holds checkpoints.",
+        ),
+    ] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Output folder (default: the config's out, else runs/<config name>).")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors; no progress bar.")] = False,
+) -> None:
+    """Train as CONFIG says, writing the program, checkpoints, a JSONL log and TensorBoard scalars.
+
+    Ctrl-C saves a checkpoint and exits with status 130; the same command then resumes.
+    """
+    from graphforge.train import Interrupted, run
+
+    _quiet_onnxruntime()
+    try:
+        run(config, steps=steps, resume=resume, out=out_dir, quiet=quiet, console=out)
+    except Interrupted as exc:
+        err.print(f"[yellow]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
+
+
+@app.command("export")
+def export_command(
+    program: Annotated[Path, typer.Argument(help="The training program (graphforge train writes OUT/program.onnx).")],
+    output_file: Annotated[Path, typer.Option("--out", "-o", help="Where to write the inference model.")],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            help="Trained values: a checkpoint file, or a folder (its latest checkpoint; a run folder works)."
+        ),
+    ] = None,
+    output: Annotated[
+        list[str] | None,
+        typer.Option("--output", help="A model output to keep (repeat; default: the forward outputs)."),
+    ] = None,
+) -> None:
+    """Write the inference model of PROGRAM with a checkpoint's trained values, and compare their sizes."""
+    from graphforge.train import export
+
+    report = export(program, output_file, checkpoint=checkpoint, outputs=output)
+    table = Table(title="size", title_justify="left")
+    for column, justify in (("", "left"), ("program", "right"), ("exported", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for row in report.rows():
+        table.add_row(*row)
+    out.print(table)
+    values = (
+        f"the values of {escape(str(report.checkpoint))} (step {report.step})"
+        if report.checkpoint is not None
+        else "the program's own values (no --checkpoint)"
+    )
+    out.print(
+        f"wrote [bold]{escape(str(report.path))}[/] (outputs: {escape(', '.join(report.outputs))}) with {values}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def main() -> None:
     """Entry point: run the app, turning every expected failure into one line and exit 2."""
     try:

@@ -50,3 +50,7 @@ class PipelineError(GraphforgeError):
 
 class CheckpointError(GraphforgeError):
     """A checkpoint is missing, corrupt, or does not match the program; names the file and tensor."""
+
+
+class ConfigError(GraphforgeError):
+    """A training config is unreadable, names an unknown key, a value of the wrong type, or a missing file."""

@@ -1,0 +1,30 @@
+"""Training from a config file: ``graphforge train CONFIG.toml``, and the inference export.
+
+::
+
+    import graphforge.train
+
+    result = graphforge.train.run("examples/digits/train.toml", out="out/digits")
+    print(result.step, result.loss, result.eval)
+    graphforge.train.export(result.program, "out/digits/model.onnx", checkpoint=result.checkpoint)
+
+config.py reads and checks the TOML file, data.py makes the batches, loop.py trains
+(checkpoints, resume, evaluation, Ctrl-C), logs.py writes the JSONL log and TensorBoard
+scalars, profiling.py the onnxruntime trace, export.py the inference model.
+"""
+
+from graphforge.train.config import Config, load_config
+from graphforge.train.export import ExportReport, export, find_checkpoint
+from graphforge.train.loop import Interrupted, TrainResult, prepare, run
+
+__all__ = [
+    "Config",
+    "ExportReport",
+    "Interrupted",
+    "TrainResult",
+    "export",
+    "find_checkpoint",
+    "load_config",
+    "prepare",
+    "run",
+]

@@ -1,0 +1,401 @@
+"""Data for the training loop: arrays from .npz / .npy files or a Python iterable, batched,
+shuffled per epoch from a seed, checked against the program's inputs, and resumable.
+
+The batches form one stream across epochs; its position is ``{"epoch": e, "batch": b}``
+(b batches of epoch e consumed). Epoch e's order is ``default_rng([seed, e]).permutation``,
+so a position alone restores the stream exactly: that is what makes a resumed run equal to
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from graphforge import roles
+from graphforge.errors import ConfigError
+from graphforge.graph import one_line
+from graphforge.train.config import DataLocation, PythonSource, shown
+
+Batch = dict[str, np.ndarray]
+
+
+# --------------------------------------------------------------------------- the program's inputs
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A batch input of the program: name, dtype, dims (int, or a name for a dynamic one) and
+    whether the program has a default for it (an initializer)."""
+
+    name: str
+    dtype: np.dtype
+    dims: tuple[int | str | None, ...] | None
+    has_default: bool
+
+    def describe_dims(self) -> str:
+        return "?" if self.dims is None else "[" + ", ".join("?" if d is None else str(d) for d in self.dims) + "]"
+
+
+def batch_inputs(program: onnx.ModelProto) -> list[InputSpec]:
+    """The program inputs a batch feeds: not carried state, learning rate, step or reset flag."""
+    meta = {p.key: p.value for p in program.metadata_props}
+    carried = {spec["input"] for spec in _state_specs(meta)}
+    special = {meta.get(roles.LR, "lr"), meta.get(roles.STEP, "step"), meta.get(roles.RESET_GRAD)}
+    initializers = {t.name for t in program.graph.initializer}
+    specs = []
+    for value in program.graph.input:
+        if value.name in carried or value.name in special or not value.type.HasField("tensor_type"):
+            continue
+        tensor_type = value.type.tensor_type
+        dims = None
+        if tensor_type.HasField("shape"):
+            dims = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
+            )
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+        specs.append(InputSpec(value.name, dtype, dims, value.name in initializers))
+    return specs
+
+
+def _state_specs(meta: dict[str, str]) -> list[dict]:
+    return json.loads(meta.get(roles.STATE, "[]"))
+
+
+class Conformer:
+    """Checks batches against the program's inputs and casts integer data to a float input
+    (uint8 images → float32), saying so once through ``note``; any other mismatch is an error.
+    ``where`` starts every message (the config file and key: ``train.toml: data.train``)."""
+
+    def __init__(self, inputs: list[InputSpec], where: str, note: Callable[[str], None]):
+        self.inputs = {spec.name: spec for spec in inputs}
+        self.where = where
+        self.note = note
+        self._noted: set[str] = set()
+
+    def check_array(self, name: str, array: np.ndarray, *, what: str = "array") -> np.dtype | None:
+        """Check one array (first dim = samples); returns the dtype to cast it to, or None."""
+        spec = self.inputs[name]
+        if spec.dims is not None:
+            sample_dims = spec.dims[1:]
+            static_ok = all(
+                isinstance(want, str) or want is None or want == have
+                for want, have in zip(sample_dims, array.shape[1:], strict=False)
+            )
+            if array.ndim != len(spec.dims) or not static_ok:
+                raise ConfigError(
+                    f"{self.where}: {what} {name!r} is {array.dtype.name} {list(array.shape)}; the program "
+                    f"input {name!r} takes {spec.dtype.name} {spec.describe_dims()}"
+                )
+        if array.dtype == spec.dtype:
+            return None
+        if np.issubdtype(array.dtype, np.integer) and np.issubdtype(spec.dtype, np.floating):
+            if name not in self._noted:
+                self._noted.add(name)
+                self.note(f"casting {name} {array.dtype.name} → {spec.dtype.name} (the program's input type)")
+            return spec.dtype
+        raise ConfigError(
+            f"{self.where}: {what} {name!r} is {array.dtype.name}, the program input {name!r} takes "
+            f"{spec.dtype.name} (only integer data is cast, to a float input; convert it beforehand)"
+        )
+
+    def required(self) -> list[str]:
+        return [name for name, spec in self.inputs.items() if not spec.has_default]
+
+    def conform(self, batch: Any, index: int) -> Batch:
+        """A batch from a Python source: a dict holding every required input, nothing unknown."""
+        what = f"batch {index}"
+        if not isinstance(batch, dict):
+            raise ConfigError(
+                f"{self.where}: {what} is {type(batch).__name__}; a Python source yields dicts of "
+                f"program input name → array ({', '.join(self.inputs)})"
+            )
+        missing = [n for n in self.required() if n not in batch]
+        unknown = [n for n in batch if n not in self.inputs]
+        if missing or unknown:
+            problem = f"has no {missing[0]!r}" if missing else f"has {unknown[0]!r}, which is no program input"
+            raise ConfigError(f"{self.where}: {what} {problem}; the program takes: {', '.join(self.inputs)}")
+        out = {}
+        for name, value in batch.items():
+            array = np.asarray(value)
+            cast = self.check_array(name, array, what=f"{what}'s")
+            out[name] = np.ascontiguousarray(array if cast is None else array.astype(cast))
+        return out
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class ArraySource:
+    """Arrays with one sample per row, cut into batches in a seeded per-epoch order."""
+
+    def __init__(
+        self,
+        arrays: dict[str, np.ndarray],
+        casts: dict[str, np.dtype],
+        *,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        label: str,
+    ):
+        self.arrays = arrays
+        self.casts = casts
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.samples = len(next(iter(arrays.values())))
+        full, rest = divmod(self.samples, batch_size)
+        self.batches_per_epoch = full if drop_last or not rest else full + 1
+        self.label = label
+
+    def describe(self) -> str:
+        return f"{self.samples:,} samples ({self.label})"
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.samples) if self.shuffle else None
+        for b in range(start, self.batches_per_epoch):
+            rows = slice(b * self.batch_size, min((b + 1) * self.batch_size, self.samples))
+            index = order[rows] if order is not None else rows
+            batch = {}
+            for name, array in self.arrays.items():
+                part = np.asarray(array[index])
+                cast = self.casts.get(name)
+                batch[name] = np.ascontiguousarray(part if cast is None else part.astype(cast))
+            yield batch
+
+
+class IterableSource:
+    """A Python callable returning an iterable of dict batches, called once per epoch."""
+
+    def __init__(self, factory: Callable[..., Any], conformer: Conformer, label: str):
+        self.factory = factory
+        self.conformer = conformer
+        self.label = label
+        try:
+            self._takes_epoch = "epoch" in inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            self._takes_epoch = False
+        self.samples: int | None = None
+        self.batches_per_epoch: int | None = None
+
+    def describe(self) -> str:
+        return f"batches from {self.label}"
+
+    def _iterable(self, epoch: int) -> Any:
+        try:
+            return self.factory(epoch=epoch) if self._takes_epoch else self.factory()
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"{self.conformer.where}: {self.label} failed: {one_line(exc)}") from None
+
+    def count_batches(self) -> int | None:
+        """Batches per epoch when the iterable has a length (for train.epochs)."""
+        iterable = self._iterable(0)
+        try:
+            self.batches_per_epoch = len(iterable)
+        except TypeError:
+            return None
+        return self.batches_per_epoch
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        iterable = self._iterable(epoch)
+        try:
+            iterator = iter(iterable)
+        except TypeError:
+            raise ConfigError(
+                f"{self.conformer.where}: {self.label} returned {type(iterable).__name__}, not an iterable of batches"
+            ) from None
+        index = 0
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except ConfigError:
+                raise
+            except Exception as exc:
+                raise ConfigError(
+                    f"{self.conformer.where}: {self.label} failed at batch {index}: {one_line(exc)}"
+                ) from None
+            if index >= start:
+                yield self.conformer.conform(batch, index)
+            index += 1
+
+
+Source = ArraySource | IterableSource
+
+
+class Stream:
+    """Batches one after another across epochs; ``position`` says where it stands."""
+
+    def __init__(self, source: Source, position: dict | None = None):
+        self.source = source
+        position = position or {}
+        self.epoch = int(position.get("epoch", 0))
+        self.batch = int(position.get("batch", 0))
+        self._iterator: Iterator[Batch] | None = None
+
+    @property
+    def position(self) -> dict[str, int]:
+        """Where the stream stands; the end of an epoch of known length reads as the next one's start."""
+        if self.source.batches_per_epoch is not None and self.batch >= self.source.batches_per_epoch:
+            return {"epoch": self.epoch + 1, "batch": 0}
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def next(self) -> Batch:
+        for _ in range(2):
+            if self._iterator is None:
+                self._iterator = self.source.epoch(self.epoch, self.batch)
+            batch = next(self._iterator, None)
+            if batch is not None:
+                self.batch += 1
+                return batch
+            if self.batch == 0:
+                raise ConfigError(f"{self.source.label}: epoch {self.epoch} has no batches")
+            self.epoch, self.batch, self._iterator = self.epoch + 1, 0, None
+        raise ConfigError(f"{self.source.label}: epoch {self.epoch} has no batches")  # pragma: no cover
+
+    def fractional_epoch(self) -> float:
+        per_epoch = self.source.batches_per_epoch
+        return self.epoch + self.batch / per_epoch if per_epoch else float(self.epoch)
+
+
+# --------------------------------------------------------------------------- opening a source
+
+
+def open_source(
+    location: DataLocation,
+    conformer: Conformer,
+    *,
+    names: dict[str, str],
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    drop_last: bool,
+) -> Source:
+    """The source at ``location`` (``data.train`` or ``data.eval``), checked against the program."""
+    where = conformer.where
+    if isinstance(location, PythonSource):
+        return IterableSource(_import(location, where), conformer, str(location))
+    available = _load_arrays(location, where)
+    arrays, casts = {}, {}
+    for name in [n for n in names if n not in conformer.inputs]:
+        raise ConfigError(
+            f"{where}: data.inputs.{name} maps no program input; the program takes: {', '.join(conformer.inputs)}"
+        )
+    for name in conformer.inputs:
+        array_name = names.get(name, name)
+        if array_name not in available:
+            if name not in conformer.required():
+                continue
+            hint = (
+                f"data.inputs.{name} maps it to {array_name!r}"
+                if name in names
+                else f'map one with data.inputs.{name} = "ARRAY"'
+            )
+            raise ConfigError(
+                f"{where}: {shown(location)} has no array {array_name!r} for the program input {name!r} ({hint}); "
+                f"its arrays: {', '.join(available) or 'none'}"
+            )
+        array = available[array_name]
+        if array.ndim == 0:
+            raise ConfigError(f"{where}: array {array_name!r} is a scalar; expected one row per sample")
+        cast = conformer.check_array(name, array, what="array")
+        arrays[name] = array
+        if cast is not None:
+            casts[name] = cast
+    if not arrays:
+        raise ConfigError(f"{where}: the program takes no batch inputs")
+    lengths = {name: len(a) for name, a in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise ConfigError(
+            f"{where}: the arrays hold different numbers of samples: "
+            + ", ".join(f"{n} {c:,}" for n, c in lengths.items())
+        )
+    count = next(iter(lengths.values()))
+    if count == 0 or (drop_last and count < batch_size):
+        raise ConfigError(
+            f"{where}: {count} samples make no batch of data.batch_size = {batch_size}"
+            + (" with data.drop_last" if count else "")
+        )
+    return ArraySource(
+        arrays, casts, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, label=shown(location)
+    )
+
+
+def _load_arrays(path: Path, where: str) -> dict[str, np.ndarray]:
+    if not path.exists():
+        raise ConfigError(f"{where}: no such file or folder {shown(path)}")
+    try:
+        if path.is_dir():
+            files = sorted(path.glob("*.npy"))
+            if not files:
+                raise ConfigError(f"{where}: the folder {shown(path)} holds no .npy files")
+            return {f.stem: np.load(f, mmap_mode="r", allow_pickle=False) for f in files}
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ConfigError(f"{where}: {shown(path)} is a single array; give an .npz file or a folder of .npy files")
+        with loaded as archive:
+            return {name: archive[name] for name in archive.files}
+    except ConfigError:
+        raise
+    except (OSError, ValueError, EOFError) as exc:
+        raise ConfigError(f"{where}: cannot read {shown(path)} ({one_line(exc)})") from None
+
+
+def _import(source: PythonSource, where: str) -> Callable[..., Any]:
+    """The callable a Python source names; a module is looked up beside the config first."""
+    try:
+        if source.file is not None:
+            module = _module_from_file(source.file, where)
+        else:
+            sys.path.insert(0, str(source.folder))
+            try:
+                module = importlib.import_module(source.module)
+            finally:
+                sys.path.remove(str(source.folder))
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{where}: importing {source} failed: {one_line(exc)}") from None
+    if not hasattr(module, source.attr):
+        raise ConfigError(f"{where}: {source.file or source.module} has no attribute {source.attr!r}")
+    target = getattr(module, source.attr)
+    if callable(target):
+        return target
+    if isinstance(target, list | tuple):
+        return lambda: target
+    raise ConfigError(
+        f"{where}: {source} is {type(target).__name__}; expected a callable returning an iterable of batches"
+    )
+
+
+def _module_from_file(file: Path, where: str):
+    if not file.is_file():
+        raise ConfigError(f"{where}: no such file {shown(file)}")
+    name = f"graphforge_data_{file.stem}_{abs(hash(str(file.resolve())))}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return module

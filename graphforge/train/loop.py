@@ -1,0 +1,594 @@
+"""The training loop behind ``graphforge train``: everything is checked first, then it trains.
+
+``prepare`` reads the model, compiles it, opens the data and the checkpoint to resume from,
+and checks every option against them; it writes nothing, so a bad config leaves no file
+behind. ``Run.train`` then writes the output folder::
+
+    OUT/program.onnx                           the compiled training program
+    OUT/checkpoints/checkpoint-<step>.safetensors   every checkpoint.every steps and at the end
+    OUT/log.jsonl  OUT/tensorboard/            one record per logged step (graphforge/train/logs.py)
+    OUT/profile/steps-<a>-<b>.json             onnxruntime's trace of the profiled steps
+
+A checkpoint holds the step, the learning rate, the schedule's state, the data seed and the
+stream position (epoch, batch), so resuming from it continues bit-identically to a run that
+was never interrupted. Ctrl-C stops at the end of the current step, saves a checkpoint and
+raises :class:`Interrupted` (a second Ctrl-C stops at once; the checkpoint then holds the
+state before the unfinished step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from rich.console import Console
+from rich.markup import escape
+
+from graphforge import roles
+from graphforge.errors import ConfigError, GraphforgeError
+from graphforge.graph import load, save
+from graphforge.inference import forward_outputs
+from graphforge.pass_manager import PassManager
+from graphforge.pipeline import parse_pipeline
+from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
+from graphforge.runtime.checkpoint import carried_specs
+from graphforge.runtime.lr_schedules import LRSchedule, make_schedule, schedule_from_state_dict
+from graphforge.train.config import Config, load_config, shown
+from graphforge.train.data import ArraySource, Conformer, Source, Stream, batch_inputs, open_source
+from graphforge.train.evaluation import evaluate
+from graphforge.train.logs import RunLog
+from graphforge.train.profiling import PROFILE_DIR, StepProfiler
+
+PROGRAM = "program.onnx"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class TrainResult:
+    """What a run did and wrote."""
+
+    step: int
+    total_steps: int
+    #: the mean training loss of the last step (None when no step ran)
+    loss: float | None
+    #: the last evaluation: eval_loss, and eval_accuracy for class-id labels
+    eval: dict[str, float]
+    out: Path
+    program: Path
+    checkpoint: Path | None
+    log: Path | None
+    tensorboard: Path | None
+    profile: Path | None
+    resumed_from: Path | None
+    seconds: float
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped on Ctrl-C after saving a checkpoint (still a KeyboardInterrupt)."""
+
+    def __init__(self, step: int, checkpoint: Path):
+        super().__init__(step, checkpoint)
+        self.step = step
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return f"interrupted at step {self.step}; saved {self.checkpoint} (run the same command again to resume)"
+
+
+# --------------------------------------------------------------------------- checking everything first
+
+
+@dataclass
+class Plan:
+    """A checked config with what it refers to, ready to train; nothing written yet."""
+
+    config: Config
+    out: Path
+    program: onnx.ModelProto
+    compiled_from: str
+    train: Source
+    eval: Source | None
+    eval_output: str | None
+    labels: str | None
+    total_steps: int
+    state: CheckpointState
+    resumed_from: Path | None
+    module: Module
+    schedule_options: dict
+    notes: list[str]
+
+
+def run(
+    config: Config | str | Path,
+    *,
+    steps: int | None = None,
+    out: str | Path | None = None,
+    resume: bool | None = None,
+    quiet: bool = False,
+    console: Console | None = None,
+) -> TrainResult:
+    """Train as ``config`` (a Config or a TOML file path) says.
+
+    ``steps``, ``out`` and ``resume`` override ``train.steps`` (instead of steps or
+    epochs), ``out`` (relative to the current folder here) and ``checkpoint.resume``.
+    Prints progress on ``console`` (default: stdout), nothing with ``quiet``. Raises a
+    ConfigError for a bad config before writing anything, and :class:`Interrupted` on Ctrl-C.
+    """
+    config = config if isinstance(config, Config) else load_config(config)
+    config = with_overrides(config, steps=steps, out=out, resume=resume)
+    console = Console(quiet=True) if quiet else (console or Console())
+    plan = prepare(config)
+    return Run(plan, console).train()
+
+
+def with_overrides(
+    config: Config, *, steps: int | None = None, out: str | Path | None = None, resume: bool | None = None
+) -> Config:
+    """``config`` with the command line's --steps, --out and --resume/--no-resume applied."""
+    if steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"steps must be a whole number ≥ 1, got {steps!r}")
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps, epochs=None))
+    if out is not None:
+        config = dataclasses.replace(config, out=Path(out))
+    if resume is not None:
+        config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=bool(resume)))
+    return config
+
+
+def prepare(config: Config) -> Plan:
+    """Check the config against the model, data and checkpoints; writes nothing."""
+    where = config.where
+    notes: list[str] = []
+    out = config.out if config.out is not None else Path("runs") / (config.source.stem if config.source else "train")
+    program, compiled_from = _program(config)
+    meta = {p.key: p.value for p in program.metadata_props}
+
+    accumulate = config.train.accumulate
+    if accumulate > 1 and roles.RESET_GRAD not in meta:
+        raise ConfigError(
+            f"{where}: train.accumulate = {accumulate} needs a program compiled with accumulate=true "
+            "(e.g. adamw(lr=1e-3, accumulate=true) in model.pipeline)"
+        )
+
+    inputs = batch_inputs(program)
+    data = config.data
+
+    def note(text: str) -> None:
+        if text not in notes:
+            notes.append(text)
+
+    def source(location, key: str, *, shuffle: bool, drop_last: bool, batch_size: int) -> Source:
+        conformer = Conformer(inputs, f"{where}: {key}", note)
+        return open_source(
+            location,
+            conformer,
+            names=data.inputs,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=data.seed,
+            drop_last=drop_last,
+        )
+
+    train = source(data.train, "data.train", shuffle=data.shuffle, drop_last=data.drop_last, batch_size=data.batch_size)
+    eval_source = None
+    if data.eval is not None:
+        eval_batch = config.eval.batch_size or data.batch_size
+        eval_source = source(data.eval, "data.eval", shuffle=False, drop_last=False, batch_size=eval_batch)
+
+    total_steps = _total_steps(config, train)
+    outputs = forward_outputs(program)
+    eval_output = config.eval.output
+    if eval_output is not None and eval_output not in outputs:
+        raise ConfigError(
+            f"{where}: eval.output {eval_output!r} is not an output of the model; it has: {', '.join(outputs) or 'none'}"
+        )
+    if eval_output is None and len(outputs) == 1:
+        eval_output = outputs[0]
+    if config.profile is not None and config.profile.start > total_steps:
+        raise ConfigError(
+            f"{where}: profile.start = {config.profile.start} is past the run's last step ({total_steps})"
+        )
+
+    state, resumed_from = _starting_state(config, out, program)
+    schedule_options = _schedule_options(config, meta, total_steps)
+    try:
+        module = Module(program, state, device=config.train.device)
+    except ConfigError:
+        raise
+    except GraphforgeError as exc:
+        if config.train.device is not None and "device" in str(exc):
+            raise ConfigError(f"{where}: train.device: {exc}") from None
+        raise
+    return Plan(
+        config=config,
+        out=out,
+        program=program,
+        compiled_from=compiled_from,
+        train=train,
+        eval=eval_source,
+        eval_output=eval_output,
+        labels=meta.get(roles.LABELS),
+        total_steps=total_steps,
+        state=state,
+        resumed_from=resumed_from,
+        module=module,
+        schedule_options=schedule_options,
+        notes=notes,
+    )
+
+
+def _program(config: Config) -> tuple[onnx.ModelProto, str]:
+    """The training program: model.path compiled with model.pipeline, or model.program."""
+    where, model = config.where, config.model
+    if model.program is not None:
+        program = _load(model.program, where, "model.program")
+        source = shown(model.program)
+        key = "model.program"
+    else:
+        try:
+            passes = parse_pipeline(model.pipeline)
+        except GraphforgeError as exc:
+            raise ConfigError(f"{where}: model.pipeline: {exc}") from None
+        forward = _load(model.path, where, "model.path")
+        started = time.perf_counter()
+        program = PassManager(passes).run(forward).model
+        source = f'{shown(model.path)}, compiled with "{model.pipeline}" in {time.perf_counter() - started:.2f} s'
+        key = "model.pipeline"
+    try:
+        carried_specs(program)
+    except GraphforgeError:
+        raise ConfigError(
+            f"{where}: {key}: not a training program; the pipeline must end with an optimizer pass, e.g. "
+            '"loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-3)"'
+        ) from None
+    return program, source
+
+
+def _load(path: Path, where: str, key: str) -> onnx.ModelProto:
+    if not path.is_file():
+        raise ConfigError(f"{where}: {key}: no such file {shown(path)}")
+    try:
+        return load(path)
+    except GraphforgeError as exc:
+        raise ConfigError(f"{where}: {key}: {exc}") from None
+
+
+def _total_steps(config: Config, train: Source) -> int:
+    where, accumulate = config.where, config.train.accumulate
+    if config.train.steps is not None:
+        return config.train.steps
+    per_epoch = train.batches_per_epoch
+    if per_epoch is None:
+        per_epoch = train.count_batches()
+        if per_epoch is None:
+            raise ConfigError(
+                f"{where}: train.epochs needs the number of batches per epoch, and the iterable "
+                f"{train.label} returns has no len(); give train.steps instead"
+            )
+    total = config.train.epochs * per_epoch // accumulate
+    if total < 1:
+        raise ConfigError(
+            f"{where}: train.epochs = {config.train.epochs} of {per_epoch} batches make no step of "
+            f"train.accumulate = {accumulate} batches"
+        )
+    return total
+
+
+def _starting_state(config: Config, out: Path, program: onnx.ModelProto) -> tuple[CheckpointState, Path | None]:
+    """The checkpoint to resume from (checkpoint.resume_from, or the latest in OUT/checkpoints), or a fresh state."""
+    where, options = config.where, config.checkpoint
+    manager = CheckpointManager(out / CHECKPOINTS, keep_last=options.keep_last)
+    path = None
+    if options.resume_from is not None:
+        path = options.resume_from
+        if path.is_dir():
+            path = CheckpointManager(path).latest()
+            if path is None:
+                raise ConfigError(f"{where}: checkpoint.resume_from: the folder {shown(path)} holds no checkpoint")
+        elif not path.is_file():
+            raise ConfigError(f"{where}: checkpoint.resume_from: no such checkpoint {shown(path)}")
+    elif options.resume:
+        path = manager.latest()
+    elif manager.checkpoints():
+        last_step, _ = manager.checkpoints()[-1]
+        raise ConfigError(
+            f"{manager.directory} already holds checkpoints of an earlier run (up to step {last_step}); "
+            "resume it (--resume), or choose another output folder (--out)"
+        )
+    if path is None:
+        return CheckpointState.from_program(program), None
+    return CheckpointState.load(path, program), path
+
+
+def _schedule_options(config: Config, meta: dict[str, str], total_steps: int) -> dict:
+    """The schedule's options, checked by building it once (free-standing)."""
+    schedule = config.schedule
+    base_lr = config.train.lr if config.train.lr is not None else float(meta.get(roles.DEFAULT_LR, "nan"))
+    if not math.isfinite(base_lr):
+        raise ConfigError(f"{config.where}: the program has no learning rate; set train.lr")
+    options = {
+        "base_lr": base_lr,
+        "warmup_steps": schedule.warmup_steps,
+        "warmup_start_factor": schedule.warmup_start_factor,
+        "end_lr": schedule.end_lr,
+        "total_steps": schedule.total_steps or total_steps,
+    }
+    if schedule.kind == "polynomial":
+        options["power"] = schedule.power
+    try:
+        make_schedule(schedule.kind, None, **options)
+    except GraphforgeError as exc:
+        raise ConfigError(f"{config.where}: schedule: {exc}") from None
+    return options
+
+
+# --------------------------------------------------------------------------- training
+
+
+class Run:
+    """One run of a Plan: the loop, its logs, checkpoints, evaluation and profiling."""
+
+    def __init__(self, plan: Plan, console: Console):
+        self.plan = plan
+        self.config = plan.config
+        self.console = console
+        self.module = plan.module
+        self.state = plan.state
+        self.checkpoints = CheckpointManager(plan.out / CHECKPOINTS, keep_last=self.config.checkpoint.keep_last)
+        self.last_saved: Path | None = None
+        self.saved_step: int | None = None
+        self.last_eval: dict[str, float] = {}
+        self.last_loss: float | None = None
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ the run
+
+    def train(self) -> TrainResult:
+        plan, config, state = self.plan, self.config, self.state
+        started, start_step = time.perf_counter(), state.step
+        plan.out.mkdir(parents=True, exist_ok=True)
+        program_path = save(plan.program, plan.out / PROGRAM)
+        self._describe(program_path)
+        optimizer = Optimizer(self.module)
+        schedule = self._schedule(optimizer)
+        if isinstance(plan.train, ArraySource) and plan.resumed_from is not None:
+            seed = int(state.seeds.get("data", config.data.seed))
+            if seed != config.data.seed:
+                self._say(
+                    f"         resuming with the checkpoint's data seed {seed} (the config says {config.data.seed})"
+                )
+            plan.train.seed = seed
+        stream = Stream(plan.train, state.data_position if plan.resumed_from is not None else None)
+        profile = config.profile
+        profiler = (
+            StepProfiler(plan.program, plan.out / PROFILE_DIR, profile.start, profile.steps)
+            if profile is not None
+            else None
+        )
+        log = RunLog(
+            plan.out,
+            config.log,
+            start_step=state.step,
+            total_steps=plan.total_steps,
+            console=self.console,
+            progress=config.log.progress,
+        )
+        if state.step >= plan.total_steps:
+            self._say(f"[bold]done[/]     already at step {state.step} of {plan.total_steps}: nothing to train")
+        try:
+            with self._stop_on_ctrl_c():
+                self._loop(optimizer, schedule, stream, profiler, log)
+        finally:
+            log.close()
+            profile_path = profiler.finish() if profiler is not None else None
+        if self.saved_step != state.step:
+            if plan.resumed_from is not None and self.saved_step is None and state.step == start_step:
+                self.last_saved = plan.resumed_from  # no step ran: the checkpoint resumed from is the latest
+            else:
+                self.last_saved = self._save(schedule, stream)
+        seconds = time.perf_counter() - started
+        self._summary(seconds, profile_path)
+        return TrainResult(
+            step=state.step,
+            total_steps=plan.total_steps,
+            loss=self.last_loss,
+            eval=dict(self.last_eval),
+            out=plan.out,
+            program=program_path,
+            checkpoint=self.last_saved,
+            log=log.jsonl,
+            tensorboard=log.tensorboard,
+            profile=profile_path,
+            resumed_from=plan.resumed_from,
+            seconds=seconds,
+        )
+
+    def _loop(self, optimizer: Optimizer, schedule: LRSchedule, stream: Stream, profiler, log: RunLog) -> None:
+        state = self.state
+        while state.step < self.plan.total_steps:
+            if self._stop_requested:
+                raise self._interrupt(schedule, stream, None, log, profiler)
+            before, position = state.step, stream.position
+            try:
+                lr = optimizer.get_learning_rate()
+                loss, samples, seconds = self._step(optimizer, schedule, stream, profiler)
+                self._after_step(loss, samples, seconds, lr, schedule, stream, profiler, log)
+            except KeyboardInterrupt:
+                raise self._interrupt(schedule, stream, (before, position), log, profiler) from None
+
+    def _step(self, optimizer: Optimizer, schedule: LRSchedule, stream: Stream, profiler) -> tuple[float, int, float]:
+        """One optimizer step: its mean loss, samples and seconds (profiling not counted)."""
+        module, accumulate = self.module, self.config.train.accumulate
+        number = self.state.step + 1
+        started = time.perf_counter()
+        losses, samples, profiled = [], 0, 0.0
+        for _ in range(accumulate):
+            batch = stream.next()
+            samples += len(next(iter(batch.values())))
+            if profiler is not None and profiler.wants(number):
+                mark = time.perf_counter()
+                profiler.run(module, batch)
+                profiled += time.perf_counter() - mark
+            # one micro-batch per step: the fused step, one session.run; else accumulate, then update
+            losses.append(float(module.train_step(**batch) if accumulate == 1 else module(**batch)))
+        if accumulate > 1:
+            optimizer.step()
+            module.lazy_reset_grad()
+        schedule.step()
+        return sum(losses) / len(losses), samples, time.perf_counter() - started - profiled
+
+    def _after_step(self, loss, samples, seconds, lr, schedule, stream: Stream, profiler, log: RunLog) -> None:
+        """Log, evaluate, print and save as the config asks at this step."""
+        plan, config, state, module = self.plan, self.config, self.state, self.module
+        step, total = state.step, plan.total_steps
+        self.last_loss = loss
+        log.step(step, loss, samples, seconds)
+        if profiler is not None and step == profiler.last:
+            profiler.finish()
+        state.properties["samples"] = int(state.properties.get("samples", 0)) + samples
+        values = {
+            "epoch": round(stream.fractional_epoch(), 4),
+            "samples": state.properties["samples"],
+            "lr": lr,
+            "grad_norm": module.last_grad_norm,
+        }
+        every_eval = config.eval.every
+        evaluated = plan.eval is not None and ((every_eval and step % every_eval == 0) or step == total)
+        if evaluated:
+            self.last_eval = evaluate(module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels)
+            values.update(self.last_eval)
+        if evaluated or step % config.log.every == 0 or step == total:
+            record = log.record(step, values)
+            # without evaluations to print, about ten lines of progress (at logged steps)
+            milestones = config.log.every * max(1, total // (10 * config.log.every)) if plan.eval is None else 0
+            if evaluated or (milestones and (step % milestones == 0 or step == total)):
+                log.print(_line(record, total))
+        every_checkpoint = config.checkpoint.every
+        if (every_checkpoint and step % every_checkpoint == 0) or step == total:
+            self.last_saved = self._save(schedule, stream)
+
+    # ------------------------------------------------------------------ checkpoints and Ctrl-C
+
+    def _schedule(self, optimizer: Optimizer) -> LRSchedule:
+        state = self.state
+        if self.plan.resumed_from is not None and state.scheduler:
+            try:
+                return schedule_from_state_dict(state.scheduler, optimizer)
+            except GraphforgeError as exc:
+                raise ConfigError(f"{self.plan.resumed_from}: its schedule state is unusable: {exc}") from None
+        return make_schedule(self.config.schedule.kind, optimizer, **self.plan.schedule_options, last_step=state.step)
+
+    def _save(self, schedule: LRSchedule, stream: Stream, position: dict | None = None) -> Path:
+        state = self.state
+        state.scheduler = schedule.state_dict()
+        state.seeds = {**state.seeds, "data": int(getattr(stream.source, "seed", self.config.data.seed))}
+        state.data_position = position if position is not None else stream.position
+        path = self.checkpoints.save(state)
+        self.saved_step = state.step
+        return path
+
+    def _interrupt(self, schedule, stream, unfinished, log: RunLog, profiler) -> Interrupted:
+        """Save the checkpoint of the last finished step; the Interrupted to raise."""
+        state = self.state
+        position = None
+        if unfinished is not None:
+            before, position_then = unfinished
+            if state.step == before:  # the update did not happen: redo the step's batches on resume
+                position = position_then
+                state.grad_reset_pending = True
+            elif schedule.last_step < state.step:  # updated, but the schedule had not moved on yet
+                schedule.step()
+        log.close()
+        if profiler is not None:
+            profiler.finish()
+        self.last_saved = self._save(schedule, stream, position)
+        return Interrupted(state.step, self.last_saved)
+
+    @contextlib.contextmanager
+    def _stop_on_ctrl_c(self) -> Iterator[None]:
+        """The first Ctrl-C asks the loop to stop after the current step; a second one stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    # ------------------------------------------------------------------ what it prints
+
+    def _say(self, text: str) -> None:
+        self.console.print(text, highlight=False, soft_wrap=True)
+
+    def _describe(self, program_path: Path) -> None:
+        plan, config = self.plan, self.config
+        meta = {p.key: p.value for p in plan.program.metadata_props}
+        optimizer = json.loads(meta.get(roles.OPTIMIZER, "{}")).get("kind", "?")
+        self._say(f"[bold]model[/]    {escape(plan.compiled_from)} → {escape(str(program_path))}")
+        train = plan.train
+        text = f"train {escape(train.describe())}"
+        if train.batches_per_epoch is not None and hasattr(train, "batch_size"):
+            text += f", {train.batches_per_epoch} batches of {train.batch_size} per epoch"
+        if plan.eval is not None:
+            text += f"; eval {escape(plan.eval.describe())}"
+        self._say(f"[bold]data[/]     {text}")
+        for note in plan.notes:
+            self._say(f"         {escape(note)}")
+        schedule = config.schedule
+        lr = plan.schedule_options["base_lr"]
+        what = f"{plan.total_steps} steps"
+        if config.train.epochs is not None:
+            what += f" ({config.train.epochs} epochs)"
+        if config.train.accumulate > 1:
+            what += f" of {config.train.accumulate} micro-batches"
+        what += f" on {self.module.device}, {optimizer}, {schedule.kind} schedule from lr {lr:g}"
+        if schedule.warmup_steps:
+            what += f", warmup {schedule.warmup_steps}"
+        self._say(f"[bold]run[/]      {what} → {escape(str(plan.out))}")
+        if plan.resumed_from is not None:
+            self._say(f"[bold]resume[/]   from {escape(str(plan.resumed_from))} at step {self.state.step}")
+
+    def _summary(self, seconds: float, profile: Path | None) -> None:
+        parts = [f"step {self.state.step}"]
+        if self.last_loss is not None:
+            parts.append(f"last batch loss {self.last_loss:.4f}")
+        if "eval_loss" in self.last_eval:
+            parts.append(f"eval loss {self.last_eval['eval_loss']:.4f}")
+        if "eval_accuracy" in self.last_eval:
+            parts.append(f"accuracy {self.last_eval['eval_accuracy']:.4f}")
+        self._say(f"[bold]done[/]     {', '.join(parts)} in {seconds:.1f} s")
+        self._say(f"[bold]saved[/]    {escape(str(self.last_saved))}")
+        if profile is not None:
+            self._say(f"[bold]profile[/]  {escape(str(profile))}")
+
+
+def _line(record: dict, total: int) -> str:
+    text = f"step {record['step']:>{len(str(total))}}/{total}"
+    if "loss" in record:
+        text += f"  loss {record['loss']:.4f}"
+    if "lr" in record:
+        text += f"  lr {record['lr']:.3g}"
+    if "samples_per_s" in record:
+        text += f"  {record['samples_per_s']:,.0f} samples/s"
+    if "eval_loss" in record:
+        text += f"  eval loss {record['eval_loss']:.4f}"
+    if "eval_accuracy" in record:
+        text += f"  accuracy {record['eval_accuracy']:.4f}"
+    return text
