@@ -7,25 +7,34 @@ never escapes the model's folder, and a save is atomic (temp file + rename).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError, EncodeError
 from onnx import external_data_helper, numpy_helper
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
+from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from graphforge.errors import ModelLoadError, ModelSaveError
+from graphforge.ir import FLOAT_TYPES
 
 #: protobuf refuses to serialize a message of 2 GiB or more
 PROTOBUF_LIMIT = 2**31 - 1
 #: tensors at least this large go to the external data file when one is written
 EXTERNAL_DATA_THRESHOLD = 1024
+#: the external-data location that a tensor whose values were left out names (a stand-in);
+#: no file of that name is ever read: the checker only sees that one exists
+LEFT_OUT = "graphforge-values-left-out"
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
 
@@ -51,9 +60,12 @@ class Model:
     input_order: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_proto(cls, proto: onnx.ModelProto) -> Model:
+    def from_proto(cls, proto: onnx.ModelProto, *, values_from: Model | None = None) -> Model:
+        """Import ``proto``. With ``values_from``, its stand-ins (a ``to_proto(values=False)``
+        export, after shape inference say) take back the values of ``values_from``'s
+        constants of the same names, shared, not copied."""
         init_names = {t.name for t in proto.graph.initializer}
-        return cls(
+        model = cls(
             graph=gs.import_onnx(proto),
             metadata={p.key: p.value for p in proto.metadata_props},
             doc_string=proto.doc_string,
@@ -62,9 +74,22 @@ class Model:
             initializer_inputs=[v.name for v in proto.graph.input if v.name in init_names],
             input_order=[v.name for v in proto.graph.input],
         )
+        if values_from is not None:
+            _take_values(model.graph, values_from.graph)
+        return model
 
-    def to_proto(self) -> onnx.ModelProto:
-        proto = gs.export_onnx(self.graph, do_type_check=False)
+    def to_proto(self, *, values: bool = True) -> onnx.ModelProto:
+        """Export to ONNX. Each initializer's bytes are copied once, straight into the result
+        (onnx-graphsurgeon's export copies them twice, and renames the TensorProto it reads).
+
+        ``values=False`` leaves the values of the large floating-point initializers out: each
+        is a stand-in (``is_stand_in``) with its name, type and shape, which is all that shape
+        inference and the checker read of such tensors, so no weight is copied. Give it back
+        to ``Model.from_proto(..., values_from=self)`` to have the values again."""
+        with _values_left_out(self.graph, values=values) as left_out:
+            proto = gs.export_onnx(self.graph, do_type_check=False)
+        if values:
+            _put_values_back(proto.graph, left_out)
         self._restore_initializer_inputs(proto)
         del proto.metadata_props[:]
         for key in sorted(self.metadata):
@@ -102,6 +127,162 @@ class Model:
             list(self.initializer_inputs),
             list(self.input_order),
         )
+
+
+# --------------------------------------------------------------------------- values left out
+#
+# Shape inference and the checker read an initializer's type and shape, and its values only
+# when they are a small constant input (a Reshape's shape, Range's bounds, Resize's scales);
+# the checker also checks the values are long enough. A model with hundreds of megabytes of
+# weights spends nearly all of its inference and checking time serializing and parsing them,
+# so these copies leave the large floating-point ones out (integers are kept: shapes are
+# integers). A stand-in is marked as external data at LEFT_OUT, which both tools accept
+# without reading; the checker needs a file of that name beside the model it checks.
+
+
+def _stand_in(name: str, data_type: int, dims) -> onnx.TensorProto:
+    tensor = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims))
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=LEFT_OUT)
+    return tensor
+
+
+def is_stand_in(tensor: onnx.TensorProto) -> bool:
+    """Whether ``tensor`` is a stand-in whose values were left out of a copy."""
+    return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == LEFT_OUT for e in tensor.external_data
+    )
+
+
+def _can_leave_out(tensor: onnx.TensorProto) -> bool:
+    """A floating-point initializer of at least EXTERNAL_DATA_THRESHOLD bytes, held in
+    raw_data alone (the one storage whose check is only its length, see ``_long_enough``)."""
+    if tensor.data_type not in FLOAT_TYPES or tensor.data_type not in _ELEMENT_BITS:
+        return False
+    if tensor.data_location == onnx.TensorProto.EXTERNAL or not tensor.HasField("raw_data"):
+        return False
+    return _raw_data_size(tensor) >= EXTERNAL_DATA_THRESHOLD and not any(
+        len(getattr(tensor, f)) for f in _TENSOR_DATA_FIELDS[1:]
+    )
+
+
+def _long_enough(tensor: onnx.TensorProto) -> bool:
+    """What the checker checks of a tensor ``_can_leave_out`` accepts: enough bytes for its
+    shape. (Measuring raw_data copies it, ~0.15 ms per MB, so only verification does.)"""
+    return len(tensor.raw_data) >= _raw_data_size(tensor)
+
+
+def copy_leaving_values_out(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of ``proto`` for the checker, whose large floating-point main-graph
+    initializers are stand-ins, their lengths checked here; None when there is none."""
+    initializers = proto.graph.initializer
+    left_out = [_can_leave_out(t) and _long_enough(t) for t in initializers]
+    if not any(left_out):
+        return None
+    out = onnx.ModelProto()
+    _copy_fields(proto, out, "graph")
+    _copy_fields(proto.graph, out.graph, "initializer")
+    for tensor, leave_out in zip(initializers, left_out, strict=True):
+        if leave_out:
+            out.graph.initializer.append(_stand_in(tensor.name, tensor.data_type, tensor.dims))
+        else:
+            out.graph.initializer.add().CopyFrom(tensor)
+    return out
+
+
+def stand_ins_long_enough(proto: onnx.ModelProto, model: Model) -> bool:
+    """Whether the values that ``proto`` (``model.to_proto(values=False)``) left out hold enough
+    bytes for their shapes, as the checker requires (NumPy arrays always do)."""
+    left_out = {t.name for t in proto.graph.initializer if is_stand_in(t)}
+    for constant in _constants(model.graph):
+        tensor = _lazy_tensor(constant) if constant.name in left_out else None
+        if tensor is not None and not _long_enough(tensor):
+            return False
+    return True
+
+
+def _lazy_tensor(constant: gs.Constant) -> onnx.TensorProto | None:
+    """The TensorProto a constant imported from a file still reads its values from, if any."""
+    values = constant._values
+    if isinstance(values, LazyValues) and not isinstance(values, SparseValues):
+        return values.tensor
+    return None
+
+
+def _constants(graph: gs.Graph) -> Iterator[gs.Constant]:
+    """The main graph's constants (what its export writes as initializers), each object once;
+    cheaper than ``graph.tensors()``, which also maps every variable."""
+    seen: set[int] = set()
+    for tensors in (graph.inputs, *(node.inputs for node in graph.nodes), graph.outputs):
+        for tensor in tensors:
+            if isinstance(tensor, gs.Constant) and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield tensor
+
+
+def _stand_in_for(constant: gs.Constant, values: bool) -> onnx.TensorProto | None:
+    """The stand-in an export writes for ``constant``, or None to export it as it is.
+
+    With ``values`` (the stand-in is filled afterwards): every constant still read from a
+    TensorProto, so the export never touches that TensorProto (onnx-graphsurgeon's renames
+    it), and every large NumPy one. Without: the large floating-point ones (``_can_leave_out``)."""
+    tensor = _lazy_tensor(constant)
+    if tensor is not None:
+        if values or _can_leave_out(tensor):
+            return _stand_in(constant.name, tensor.data_type, tensor.dims)
+        return None
+    array = constant._values
+    if not isinstance(array, np.ndarray) or array.nbytes < EXTERNAL_DATA_THRESHOLD:
+        return None
+    data_type = dtype_to_onnx(constant.export_dtype)
+    if not values and data_type not in FLOAT_TYPES:
+        return None
+    return _stand_in(constant.name, data_type, array.shape)
+
+
+@contextlib.contextmanager
+def _values_left_out(graph: gs.Graph, *, values: bool) -> Iterator[dict[str, gs.Constant]]:
+    """While exporting, the main graph's constants that ``_stand_in_for`` picks hold their
+    stand-ins; yields them by name, and gives them their values back on exit."""
+    swapped: list[tuple[gs.Constant, object]] = []
+    try:
+        for constant in _constants(graph):
+            stand_in = _stand_in_for(constant, values)
+            if stand_in is not None:
+                swapped.append((constant, constant._values))
+                constant._values = LazyValues(stand_in)
+        yield {constant.name: constant for constant, _ in swapped}
+    finally:
+        for constant, original in swapped:
+            constant._values = original
+
+
+def _put_values_back(graph: onnx.GraphProto, left_out: dict[str, gs.Constant]) -> None:
+    """Fill the stand-ins of an export with the constants' values: one copy each."""
+    if not left_out:
+        return
+    for tensor in graph.initializer:
+        constant = left_out.get(tensor.name)
+        if constant is None:
+            continue
+        source = _lazy_tensor(constant)
+        tensor.CopyFrom(source if source is not None else OnnxExporter.export_tensor_proto(constant))
+        tensor.name = constant.name
+
+
+def _take_values(graph: gs.Graph, source: gs.Graph) -> None:
+    """Give ``graph``'s stand-in constants the values of ``source``'s constants of the same name."""
+    originals = {constant.name: constant for constant in _constants(source)}
+    for constant in _constants(graph):
+        lazy = _lazy_tensor(constant)
+        if lazy is None or not is_stand_in(lazy):
+            continue
+        original = originals.get(constant.name)
+        if original is None:
+            raise ValueError(f"the values of constant {constant.name!r} were left out, and the source lacks them")
+        constant._values = original._values
+        constant.data_location = original.data_location
+        constant._export_dtype = original._export_dtype
 
 
 # --------------------------------------------------------------------------- loading
@@ -304,6 +485,13 @@ def runtime_limits() -> tuple[int, int]:
     return ir, opset
 
 
+def _is_runtime_compatible(proto: onnx.ModelProto) -> bool:
+    """Whether ``make_runtime_compatible`` would leave ``proto`` as it is."""
+    max_ir, max_opset = runtime_limits()
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    return proto.ir_version <= max_ir and (opset is None or opset <= max_opset)
+
+
 def make_runtime_compatible(proto: onnx.ModelProto) -> onnx.ModelProto:
     """Lower the IR version, and the ai.onnx opset if needed, to what onnxruntime reads.
 
@@ -359,17 +547,25 @@ def save(
                 f"{path}: tensor {tensor.name!r} still refers to external data ({_external_location(tensor)!r}); "
                 f"load the model with its external data before saving it"
             )
-    over_limit = exceeds_protobuf_limit(proto)
-    if external_data is False and over_limit:
-        raise ModelSaveError(f"{path}: the model is over 2 GiB and must be saved with external data")
-    to_external = over_limit if external_data is None else external_data
-    # Moving tensors to external data rewrites them in place: work on a copy. One that will
-    # go to the data file leaves the large payloads out, to be read from the caller's model.
-    if to_external:
-        out, payload_sources = _copy_leaving_out_payloads(proto)
+    # A model that needs no change is written as it is (a copy would copy its weights), and
+    # serializing it measures it: ByteSize() would serialize it a second time, just to measure.
+    serialized = None
+    if external_data is not True and (not runtime_compatible or _is_runtime_compatible(proto)):
+        serialized = _serialized_within_limit(proto)
+    if serialized is not None:
+        to_external, out, payload_sources, runtime_compatible = False, proto, {}, False
     else:
-        out, payload_sources = onnx.ModelProto(), {}
-        out.CopyFrom(proto)
+        over_limit = exceeds_protobuf_limit(proto)
+        if external_data is False and over_limit:
+            raise ModelSaveError(f"{path}: the model is over 2 GiB and must be saved with external data")
+        to_external = over_limit if external_data is None else external_data
+        # Moving tensors to external data rewrites them in place: work on a copy. One that will
+        # go to the data file leaves the large payloads out, to be read from the caller's model.
+        if to_external:
+            out, payload_sources = _copy_leaving_out_payloads(proto)
+        else:
+            out, payload_sources = onnx.ModelProto(), {}
+            out.CopyFrom(proto)
     data_name = path.name + ".data"
     data_path = path.parent / data_name
     tmp_dir: Path | None = None
@@ -381,7 +577,8 @@ def save(
         # after moving the tensors out: onnx's version converter cannot take a model over 2 GiB
         if runtime_compatible:
             make_runtime_compatible(out)
-        tmp_model.write_bytes(out.SerializeToString())
+        tmp_model.write_bytes(out.SerializeToString() if serialized is None else serialized)
+        del serialized
         if not tmp_data.exists():
             os.replace(tmp_model, path)
             return path
@@ -407,6 +604,17 @@ def save(
     return path
 
 
+def _serialized_within_limit(proto: onnx.ModelProto) -> bytes | None:
+    """``proto`` serialized, or None when it is over protobuf's limit (2 GiB)."""
+    if sum(_raw_data_size(t) for t in _all_tensors(proto)) > PROTOBUF_LIMIT:
+        return None
+    try:
+        data = proto.SerializeToString()
+    except (EncodeError, ValueError):
+        return None
+    return data if len(data) <= PROTOBUF_LIMIT else None
+
+
 def _copy_leaving_out_payloads(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
     """A copy of ``proto`` without the raw_data of its large main-graph initializers, and
     for each of those (by position) the caller's tensor that still holds it.
@@ -414,20 +622,20 @@ def _copy_leaving_out_payloads(proto: onnx.ModelProto) -> tuple[onnx.ModelProto,
     Copying a >2 GiB model whole just to move its weights out would hold them twice.
     """
     out = onnx.ModelProto()
-    _copy_fields(proto, out, skip="graph")
-    _copy_fields(proto.graph, out.graph, skip="initializer")
+    _copy_fields(proto, out, "graph")
+    _copy_fields(proto.graph, out.graph, "initializer")
     sources: dict[int, onnx.TensorProto] = {}
     for index, tensor in enumerate(proto.graph.initializer):
         copy = out.graph.initializer.add()
         if _raw_data_size(tensor) >= EXTERNAL_DATA_THRESHOLD:
-            _copy_fields(tensor, copy, skip="raw_data")
+            _copy_fields(tensor, copy, "raw_data")
             sources[index] = tensor
         else:
             copy.CopyFrom(tensor)
     return out, sources
 
 
-def _copy_fields(src, dst, *, skip: str) -> None:
+def _copy_fields(src, dst, skip: str) -> None:
     """Copy every field of protobuf message ``src`` into ``dst`` but ``skip``, never reading
     ``skip`` (reading a bytes field copies it)."""
     for field_descriptor in src.DESCRIPTOR.fields:

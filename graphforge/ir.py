@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Iterator
 
 import numpy as np
@@ -90,3 +92,21 @@ def replace_uses(old: gs.Tensor, new: gs.Tensor) -> None:
         for i, tensor in enumerate(consumer.inputs):
             if tensor is old:
                 consumer.inputs[i] = new
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector around work that builds or walks a whole graph.
+
+    A graph is millions of long-lived objects (nodes, tensors, their synchronized lists), and
+    collections that rescan them while a pass, an import or an export adds more made that work
+    superlinear (the autodiff driver on a 100k-node ladder: 600 µs per forward node with the
+    collector on, 165 µs with it paused). The collector runs again on exit, so the cycles that
+    were dropped meanwhile are still freed."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

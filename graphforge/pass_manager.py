@@ -17,6 +17,7 @@ import onnx
 
 from graphforge.errors import GraphforgeError, ModelSaveError, PipelineError
 from graphforge.graph import Model, ModelSource, load, save
+from graphforge.ir import gc_paused
 from graphforge.pipeline import Pass, PassRegistry, PassResult, parse_pipeline
 from graphforge.verify import verify_model
 
@@ -71,6 +72,9 @@ class PassManager:
     dump_dir: write ``000_input.onnx`` and ``NNN_<pass>.onnx`` after each application.
     dump_on_change: with dump_dir, write only the applications that changed the model.
     bisect_limit: run only the first N pass applications; the rest are reported as skipped.
+
+    Each change is exported and verified; the weights are copied into an export only for the
+    result, a dump or onnxruntime, and left out of the others (see ``Model.to_proto``).
     """
 
     def __init__(
@@ -109,8 +113,11 @@ class PassManager:
             verify_model(proto, with_ort=self.verify_with_ort, where="the input model")
         if self.dump_dir is not None and not self.dump_on_change:
             save(proto, self.dump_dir / "000_input.onnx")
-        model = Model.from_proto(proto)
+        with gc_paused():
+            model = Model.from_proto(proto)
         records: list[PassRecord] = []
+        current: onnx.ModelProto | None = proto  # `model` exported whole; None when it was not
+        last_change: PassRecord | None = None
         for position, pass_ in enumerate(self.passes, start=1):
             iteration = 0
             while True:
@@ -120,13 +127,27 @@ class PassManager:
                 if self.bisect_limit is not None and record.index > self.bisect_limit:
                     record.ran = False
                     break
-                model, proto = self._apply(pass_, model, proto, record)
-                if not (pass_.repeat_to_fixed_point and record.changed and iteration < MAX_FIXED_POINT_ITERATIONS):
+                repeats = pass_.repeat_to_fixed_point and iteration < MAX_FIXED_POINT_ITERATIONS
+                last = (position == len(self.passes) and not repeats) or record.index == self.bisect_limit
+                model, current = self._apply(pass_, model, current, record, last=last)
+                if record.changed:
+                    last_change = record
+                if not (repeats and record.changed):
                     break
-        return CompileResult(proto, records)
+        if current is None:  # the last change was verified without its weights: export it whole now
+            assert last_change is not None
+            start = time.perf_counter()
+            with gc_paused():
+                current = model.to_proto()
+            last_change.verify_seconds += time.perf_counter() - start
+        return CompileResult(current, records)
 
-    def _apply(self, pass_: Pass, model: Model, proto: onnx.ModelProto, record: PassRecord):
-        """Run one pass application; ``proto`` is the model it starts from, kept intact."""
+    def _apply(self, pass_: Pass, model: Model, proto: onnx.ModelProto | None, record: PassRecord, *, last: bool):
+        """Run one pass application; ``proto``, the model it starts from exported whole, is
+        kept intact (it is None when the previous change was verified without its weights,
+        which happens only when nothing is dumped). Returns the model and its whole export,
+        or None in its place when that can wait: no dump, no onnxruntime check, and a later
+        pass application may change the model again."""
         before = op_histogram(model)
         record.nodes_before = sum(before.values())
         label = f"pass {record.position} ({pass_.spec()})"
@@ -157,9 +178,13 @@ class PassManager:
             if self.dump_dir is not None and not self.dump_on_change:
                 record.dumped_to = self._dump(proto, record)
             return model, proto
+        # Exported whole only when needed now; otherwise without the weights (shape inference
+        # and the checker read only their types and shapes), which also shows it exports.
+        whole = last or self.dump_dir is not None or self.verify_with_ort
         start = time.perf_counter()
         try:
-            new_proto = model.to_proto()
+            with gc_paused():
+                new_proto = model.to_proto(values=whole)
         except Exception as exc:  # the pass left a graph onnx-graphsurgeon cannot export
             dumped = self._dump_failure(proto, record, "failed-input")
             raise PipelineError(
@@ -171,7 +196,13 @@ class PassManager:
             ) from exc
         if self.verify:
             try:
-                verify_model(new_proto, with_ort=self.verify_with_ort, where=f"the output of {label}")
+                with gc_paused():
+                    verify_model(
+                        new_proto,
+                        with_ort=self.verify_with_ort,
+                        where=f"the output of {label}",
+                        values_from=None if whole else model,
+                    )
             except GraphforgeError as exc:
                 dumped = self._dump_failure(proto, record, "failed-input")
                 self._dump_failure(new_proto, record, "invalid-output")
@@ -184,7 +215,7 @@ class PassManager:
         record.verify_seconds = time.perf_counter() - start
         if self.dump_dir is not None:
             record.dumped_to = self._dump(new_proto, record)
-        return model, new_proto
+        return model, new_proto if whole else None
 
     def _dump(self, proto: onnx.ModelProto, record: PassRecord, suffix: str = "") -> str:
         assert self.dump_dir is not None
@@ -192,8 +223,9 @@ class PassManager:
         save(proto, path)
         return str(path)
 
-    def _dump_failure(self, proto: onnx.ModelProto, record: PassRecord, what: str) -> str | None:
-        return self._dump(proto, record, f".{what}") if self.dump_dir is not None else None
+    def _dump_failure(self, proto: onnx.ModelProto | None, record: PassRecord, what: str) -> str | None:
+        # with a dump folder every model is exported whole, so ``proto`` is there
+        return self._dump(proto, record, f".{what}") if self.dump_dir is not None and proto is not None else None
 
 
 def compile(source: ModelSource | Model, pipeline: str | Sequence[Pass], **options) -> CompileResult:

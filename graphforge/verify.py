@@ -8,30 +8,82 @@ from pathlib import Path
 import onnx
 
 from graphforge.errors import GraphforgeError, InvalidModelError
-from graphforge.graph import exceeds_protobuf_limit, one_line, save
+from graphforge.graph import (
+    LEFT_OUT,
+    Model,
+    copy_leaving_values_out,
+    exceeds_protobuf_limit,
+    is_stand_in,
+    one_line,
+    save,
+    stand_ins_long_enough,
+)
+
+_CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
 
 
-def verify_model(proto: onnx.ModelProto, *, with_ort: bool = False, where: str = "model") -> None:
+def verify_model(
+    proto: onnx.ModelProto,
+    *,
+    with_ort: bool = False,
+    where: str = "model",
+    values_from: Model | None = None,
+) -> None:
     """Raise InvalidModelError unless ``proto`` passes the checker and strict shape inference.
 
-    Models over 2 GiB cannot be checked in memory (protobuf's limit), so they are checked
-    from a temporary copy written with external data. The message is one line.
+    The checker reads large floating-point weights only to check their length, which is
+    checked here instead, so it is given a copy with their values left out (stand-ins, see
+    ``graph.copy_leaving_values_out``): serializing and parsing hundreds of megabytes of
+    weights was nearly all of its time. Should that check fail, the whole model is checked
+    as it is, so the verdict and its message are always the checker's own. ``proto`` may
+    itself leave values out (``Model.to_proto(values=False)``) when ``values_from`` is the
+    model they come from. Models over 2 GiB cannot be checked in memory (protobuf's limit),
+    so they are checked from a temporary copy written with external data. The message is
+    one line.
     """
+    if values_from is not None and not any(is_stand_in(t) for t in proto.graph.initializer):
+        values_from = None  # nothing was left out: ``proto`` is the whole model
+    whole = proto if values_from is None else None
     try:
-        if exceeds_protobuf_limit(proto):
-            with tempfile.TemporaryDirectory(prefix="graphforge-verify-") as tmp:
-                path = save(proto, Path(tmp) / "model.onnx", external_data=True, runtime_compatible=False)
-                onnx.checker.check_model(str(path), full_check=True)
+        if values_from is None:
+            light = copy_leaving_values_out(proto)
         else:
-            onnx.checker.check_model(proto, full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+            light = proto if stand_ins_long_enough(proto, values_from) else None
+        if light is None or not _passes(light):
+            whole = values_from.to_proto() if whole is None else whole
+            _check(whole)
+    except _CHECK_ERRORS as exc:
         raise InvalidModelError(f"{where} is not a valid ONNX model: {one_line(exc)}") from None
     if with_ort:
         from graphforge.runtime.sessions import create_session
 
         try:
-            create_session(proto, where=where)
+            create_session(values_from.to_proto() if whole is None else whole, where=where)
         except GraphforgeError:
             raise
         except Exception as exc:
             raise InvalidModelError(f"onnxruntime cannot load {where}: {one_line(exc)}") from None
+
+
+def _passes(light: onnx.ModelProto) -> bool:
+    """Whether the checker accepts ``light``, a model whose large weights are stand-ins."""
+    if exceeds_protobuf_limit(light):
+        return False
+    with tempfile.TemporaryDirectory(prefix="graphforge-verify-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        path.write_bytes(light.SerializeToString())
+        (Path(tmp) / LEFT_OUT).touch()  # the checker wants the stand-ins' data file to exist
+        try:
+            onnx.checker.check_model(str(path), full_check=True)
+        except _CHECK_ERRORS:
+            return False
+    return True
+
+
+def _check(proto: onnx.ModelProto) -> None:
+    if exceeds_protobuf_limit(proto):
+        with tempfile.TemporaryDirectory(prefix="graphforge-verify-") as tmp:
+            path = save(proto, Path(tmp) / "model.onnx", external_data=True, runtime_compatible=False)
+            onnx.checker.check_model(str(path), full_check=True)
+    else:
+        onnx.checker.check_model(proto, full_check=True)

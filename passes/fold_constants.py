@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,6 +97,39 @@ def _graphs_outer_first(graph: gs.Graph) -> Iterator[tuple[gs.Graph, gs.Function
         stack.extend((sub, owner) for node in reversed(g.nodes) for sub in reversed(list(node.subgraphs())))
 
 
+#: the log level of the sessions that evaluate constant subgraphs: errors (3) and worse
+EVALUATION_LOG_SEVERITY = 3
+
+
+@contextlib.contextmanager
+def _quiet_evaluation_sessions() -> Iterator[None]:
+    """Give the onnxruntime sessions that gs creates to evaluate constants a log level.
+
+    gs creates them without session options, so they log at the default logger's level, and
+    onnxruntime's graph optimizer prints warnings ("UnsqueezeElimination cannot remove node
+    ...") about the small graphs it is handed: noise on the user's stderr. gs takes no options,
+    so for the duration of the folding, a session created without any gets ones at
+    EVALUATION_LOG_SEVERITY (errors still print). Sessions created with options, and every
+    session once folding is done, are left alone; the process-wide default level is never
+    touched (onnxruntime has no way to read it back, so it could not be restored)."""
+    import onnxruntime
+
+    original = onnxruntime.InferenceSession
+
+    class EvaluationSession(original):
+        def __init__(self, path_or_bytes, sess_options=None, *args, **kwargs):
+            if sess_options is None:
+                sess_options = onnxruntime.SessionOptions()
+                sess_options.log_severity_level = EVALUATION_LOG_SEVERITY
+            super().__init__(path_or_bytes, sess_options, *args, **kwargs)
+
+    onnxruntime.InferenceSession = EvaluationSession
+    try:
+        yield
+    finally:
+        onnxruntime.InferenceSession = original
+
+
 def _fold_graph(graph: gs.Graph, owner: gs.Function | None, limit: int) -> None:
     """Fold one graph level (gs is told not to recurse: the caller walks the subgraphs)."""
     _fold_shapes(graph)
@@ -113,15 +147,16 @@ def _fold_graph(graph: gs.Graph, owner: gs.Function | None, limit: int) -> None:
     if slot is not None:
         del functions[slot]
     try:
-        graph.fold_constants(
-            fold_shapes=False,
-            recurse_subgraphs=False,
-            recurse_functions=False,
-            flatten_subgraphs=False,
-            size_threshold=limit,
-            should_exclude_node=lambda node: node.op in NONDETERMINISTIC_OPS or _too_big(node, limit),
-            error_ok=True,
-        )
+        with _quiet_evaluation_sessions():
+            graph.fold_constants(
+                fold_shapes=False,
+                recurse_subgraphs=False,
+                recurse_functions=False,
+                flatten_subgraphs=False,
+                size_threshold=limit,
+                should_exclude_node=lambda node: node.op in NONDETERMINISTIC_OPS or _too_big(node, limit),
+                error_ok=True,
+            )
     finally:
         graph.ir_version = saved_ir
         if slot is not None:

@@ -13,7 +13,7 @@ from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients
 from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import is_parameter
+from graphforge.ir import gc_paused, is_parameter
 from graphforge.pipeline import Pass, PassResult
 from graphforge.shapes import infer_shapes
 
@@ -44,6 +44,10 @@ class Autodiff(Pass):
     keep_outputs: bool = True
 
     def run(self, model: Model) -> PassResult:
+        with gc_paused():  # shape inference's import, the driver and cleanup walk the whole graph
+            return self._run(model)
+
+    def _run(self, model: Model) -> PassResult:
         model = infer_shapes(model)
         graph = model.graph
         loss = self._loss_tensor(graph)
@@ -62,7 +66,7 @@ class Autodiff(Pass):
             warnings.warn(
                 f"autodiff: the loss does not depend on {len(missing)} parameter(s), which get no gradient: "
                 + ", ".join(missing),
-                stacklevel=2,
+                stacklevel=3,  # the caller of run()
             )
 
         outputs = list(graph.outputs) if self.keep_outputs else [loss]

@@ -373,3 +373,33 @@ def test_on_exported_cnn(tmp_path_factory):
     # only the integer arithmetic of the flattening reshape folds; nothing touches a parameter
     assert set(result.records[0].delta) <= {"Constant", "Unsqueeze"}
     assert ops(result.model)["Shape"] == 1  # the batch dim is still read at run time
+
+
+#: a folded Unsqueeze that onnxruntime's UnsqueezeElimination warns about in the evaluation session
+SHARED_UNSQUEEZE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4] x) => (float[N, 4, 4] y, float[4, 1] z) {
+  c = Constant <value = float[4] {1.0, 2.0, 3.0, 4.0}> ()
+  axes = Constant <value = int64[1] {1}> ()
+  u = Unsqueeze(c, axes)
+  v = Unsqueeze(c, axes)
+  z = Add(u, v)
+  xx = Unsqueeze(x, axes)
+  w = Unsqueeze(c, axes)
+  y = Add(xx, w)
+}
+"""
+
+
+def test_evaluation_sessions_print_no_optimizer_warnings(capfd):
+    import onnxruntime
+
+    session_class = onnxruntime.InferenceSession
+    model = parse(SHARED_UNSQUEEZE)
+    capfd.readouterr()
+    result = apply(model, "fold_constants")
+    assert result.records[0].changed
+    out, err = capfd.readouterr()
+    assert "onnxruntime" not in out + err, err  # e.g. "[W:onnxruntime:, unsqueeze_elimination.cc:24 ..."
+    assert onnxruntime.InferenceSession is session_class, "sessions created after folding are left alone"
+    assert_same_outputs(model, result.model, feeds_for(model))

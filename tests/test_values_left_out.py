@@ -1,0 +1,220 @@
+"""Exports that leave large weights out (stand-ins), and what relies on them: shape
+inference, the checker, the PassManager's verification. The oracle each time is the same
+work done on the whole model, as onnx and onnx-graphsurgeon do it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto, numpy_helper
+
+import graphforge
+from graphforge import verify
+from graphforge.errors import InvalidModelError
+from graphforge.graph import Model, is_stand_in
+from graphforge.shapes import infer_shapes
+from graphforge.verify import verify_model
+
+#: W (64 x 32 float32, 8 KiB in raw_data), a float16 weight of 4 KiB, a small bias, an int64
+#: shape that Reshape reads, float Resize scales, a Constant node, and an initializer that is
+#: also a graph input
+MIXED = """
+<ir_version: 8, opset_import: ["" : 17]>
+mixed (float[N, 64] x, float[32] b) => (float[N, 1, 4, 8] y, float16[2048] h)
+<float[32] b = {BIAS}, int64[4] shape = {-1, 1, 4, 8}, float[4] scales = {1.0, 1.0, 1.0, 1.0}>
+{
+    t = MatMul(x, W)
+    u = Add(t, b)
+    half = Constant <value_float = 0.5> ()
+    v = Mul(u, half)
+    r = Reshape(v, shape)
+    y = Resize <mode = "nearest"> (r, , scales)
+    h = Identity(H)
+}
+"""
+
+
+def mixed_model() -> onnx.ModelProto:
+    model = onnx.parser.parse_model(MIXED.replace("BIAS", ", ".join(str(i / 32) for i in range(32))))
+    rng = np.random.default_rng(0)
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32), "W"),
+            numpy_helper.from_array(rng.standard_normal(2048).astype(np.float16), "H"),
+        ]
+    )
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def with_numpy_constant(model: Model) -> Model:
+    """Add a large NumPy-valued constant (as a pass's builder makes them) to the graph."""
+    graph = model.graph
+    y = next(t for t in graph.outputs if t.name == "y")
+    big = gs.Constant("offsets", np.linspace(0, 1, 2048, dtype=np.float32).reshape(1, 64, 4, 8))  # 8 KiB
+    out = gs.Variable("y2", dtype=np.float32)
+    graph.nodes.append(gs.Node("Add", inputs=[y, big], outputs=[out]))
+    graph.outputs.append(out)
+    return model
+
+
+def fields(proto: onnx.ModelProto) -> dict[str, list[bytes]]:
+    g = proto.graph
+    return {f: [x.SerializeToString() for x in getattr(g, f)] for f in ("node", "initializer", "input", "output")}
+
+
+# --------------------------------------------------------------------------- Model.to_proto
+
+
+def test_export_writes_what_onnx_graphsurgeon_writes():
+    model = with_numpy_constant(Model.from_proto(mixed_model()))
+    ours = model.to_proto()
+    theirs = gs.export_onnx(model.graph, do_type_check=False)
+    model._restore_initializer_inputs(theirs)
+    assert fields(ours) == fields(theirs)
+
+
+def test_export_renames_a_copy_never_the_tensor_it_reads():
+    source = mixed_model()
+    model = Model.from_proto(source)
+    weight = next(t for t in model.graph.tensors().values() if t.name == "W")
+    weight.name = "W_renamed"
+    exported = {t.name: t for t in model.to_proto().graph.initializer}
+    assert (
+        numpy_helper.to_array(exported["W_renamed"]).tobytes()
+        == numpy_helper.to_array(next(t for t in source.graph.initializer if t.name == "W")).tobytes()
+    )
+    assert [t.name for t in source.graph.initializer] == ["b", "shape", "scales", "W", "H"]
+
+
+def test_export_without_values_leaves_only_large_floats_out():
+    model = with_numpy_constant(Model.from_proto(mixed_model()))
+    light = model.to_proto(values=False)
+    left_out = {t.name: t for t in light.graph.initializer if is_stand_in(t)}
+    assert sorted(left_out) == ["H", "W", "offsets"]  # b is 128 bytes; shape and scales are small
+    assert (list(left_out["W"].dims), left_out["W"].data_type) == ([64, 32], TensorProto.FLOAT)
+    assert (list(left_out["H"].dims), left_out["H"].data_type) == ([2048], TensorProto.FLOAT16)
+    assert all(not t.HasField("raw_data") for t in left_out.values())
+    # the model's own constants are untouched by the export
+    assert not any(is_stand_in(t) for t in model.to_proto().graph.initializer)
+
+
+def test_from_proto_takes_the_values_back_shared_not_copied():
+    model = with_numpy_constant(Model.from_proto(mixed_model()))
+    back = Model.from_proto(model.to_proto(values=False), values_from=model)
+    originals = {t.name: t for t in model.graph.tensors().values() if isinstance(t, gs.Constant)}
+    for name in ("W", "H", "offsets"):
+        assert back.graph.tensors()[name]._values is originals[name]._values
+    assert fields(back.to_proto()) == fields(model.to_proto())
+
+
+# --------------------------------------------------------------------------- shape inference
+
+
+def test_infer_shapes_finds_what_inference_on_the_whole_model_finds():
+    model = Model.from_proto(mixed_model())
+    whole = Model.from_proto(onnx.shape_inference.infer_shapes(model.to_proto(), data_prop=True))
+    inferred = infer_shapes(model)
+    assert fields(inferred.to_proto()) == fields(whole.to_proto())
+    assert inferred.to_proto().graph.value_info == whole.to_proto().graph.value_info
+    assert inferred.graph.tensors()["y"].shape == ["N", 1, 4, 8]  # read from the int64 shape and the scales
+
+
+# --------------------------------------------------------------------------- verification
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """The sizes of the models the checker is handed from now on: a path (a file written for
+    it) or a ModelProto."""
+    calls = []
+    check = onnx.checker.check_model
+
+    def spy(model, *args, **kwargs):
+        size = Path(model).stat().st_size if isinstance(model, str) else model.ByteSize()
+        calls.append(size)
+        return check(model, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.checker, "check_model", spy)
+    return calls
+
+
+def test_verify_does_not_hand_the_checker_the_weights(checked):
+    model = mixed_model()
+    checked.clear()
+    verify_model(model)
+    assert len(checked) == 1 and checked[0] < 2048, "W (8 KiB) and H (4 KiB) were left out"
+
+
+def test_verify_checks_the_length_of_the_weights_it_leaves_out(checked):
+    model = mixed_model()
+    weight = next(t for t in model.graph.initializer if t.name == "W")
+    weight.raw_data = weight.raw_data[:-4]
+    checked.clear()
+    with pytest.raises(InvalidModelError) as info:
+        verify_model(model)
+    assert str(info.value) == (
+        "model is not a valid ONNX model: TensorProto (tensor name: W) raw_data size (8188 bytes) is too small "
+        "for the declared shape and type (8192 bytes required)."
+    )
+    # W is handed to the checker (H is still left out), then the whole model, for its message
+    assert len(checked) == 2 and 8188 < checked[0] < model.ByteSize() == checked[1]
+
+
+def test_an_invalid_model_gets_the_checkers_own_message():
+    model = mixed_model()
+    model.graph.node[0].input[1] = "nowhere"
+    with pytest.raises(InvalidModelError) as info:
+        verify_model(model)
+    with pytest.raises(onnx.checker.ValidationError) as direct:
+        onnx.checker.check_model(model, full_check=True)
+    assert str(info.value) == f"model is not a valid ONNX model: {verify.one_line(direct.value)}"
+
+
+def test_verify_of_an_export_without_values(checked):
+    model = Model.from_proto(mixed_model())
+    checked.clear()
+    verify_model(model.to_proto(values=False), values_from=model)
+    assert len(checked) == 1 and checked[0] < 2048
+    broken = Model.from_proto(mixed_model())
+    broken.graph.nodes[0].op = "MatMulNoSuchOp"
+    with pytest.raises(InvalidModelError) as light:
+        verify_model(broken.to_proto(values=False), values_from=broken)
+    with pytest.raises(InvalidModelError) as whole:
+        verify_model(broken.to_proto())
+    assert str(light.value) == str(whole.value)
+
+
+def test_verify_of_an_export_without_values_checks_their_length():
+    source = mixed_model()
+    weight = next(t for t in source.graph.initializer if t.name == "W")
+    weight.raw_data = weight.raw_data[:-4]
+    model = Model.from_proto(source)
+    with pytest.raises(InvalidModelError, match=r"raw_data size \(8188 bytes\) is too small"):
+        verify_model(model.to_proto(values=False), values_from=model)
+
+
+# --------------------------------------------------------------------------- the PassManager
+
+
+def test_only_the_final_result_is_exported_with_its_weights(monkeypatch):
+    exports = []
+    to_proto = Model.to_proto
+
+    def spy(self, *, values=True):
+        exports.append(values)
+        return to_proto(self, values=values)
+
+    source = mixed_model()
+    monkeypatch.setattr(Model, "to_proto", spy)
+    pipeline = "loss(kind=mse, output=y), identity_elimination, autodiff(trainable=[W, b]), dce"
+    result = graphforge.compile(source, pipeline)
+    assert exports.count(True) == 1, exports  # the weights are copied once, for the result
+    assert [r.changed for r in result.records] == [True, True, True, False]
+    monkeypatch.setattr(Model, "to_proto", to_proto)
+    eager = graphforge.compile(source, pipeline, verify_with_ort=True)  # exports every result whole
+    assert result.model.SerializeToString() == eager.model.SerializeToString()
