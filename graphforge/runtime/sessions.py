@@ -15,7 +15,7 @@ import functools
 import os
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +252,123 @@ def _runtime_reads_as_is(proto: onnx.ModelProto) -> bool:
     max_ir, max_opset = runtime_limits()
     opsets_ok = all(o.version <= max_opset for o in proto.opset_import if o.domain in ("", "ai.onnx"))
     return proto.ir_version <= max_ir and opsets_ok
+
+
+def lean_model(
+    model: onnx.ModelProto, outputs: Sequence[str] | None = None, *, bound: Collection[str] = ()
+) -> onnx.ModelProto:
+    """A copy of ``model`` that computes the same values with less work, for one kind of run.
+
+    1. Only the graph outputs named in ``outputs`` stay (None: all), and only the nodes
+       they need: onnxruntime runs every node of a session on every run, and a graph
+       output never shares a buffer, so an output nobody fetches (the forward logits, the
+       gradients) costs time and memory.
+    2. An Identity that only names a graph output (``P_next = Identity(Sub_out)``) goes:
+       its producer writes that output directly. onnxruntime keeps such an Identity, and
+       it copies the tensor into the bound output buffer on every run.
+    3. The initializers of the inputs in ``bound`` go (the caller always binds them):
+       onnxruntime would otherwise hold a second copy of every parameter and state.
+
+    The inputs, and the values of the outputs kept, are unchanged.
+    """
+    source = model.graph
+    inputs = {i.name for i in source.input}
+    dropped = {t.name for t in source.initializer if t.name in bound and t.name in inputs}
+    # copied field by field, so that the initializers dropped are never copied
+    lean = _copy_fields(model, skip={"graph"})
+    graph = lean.graph
+    graph.CopyFrom(_copy_fields(source, skip={"initializer"}))
+    if outputs is not None:
+        wanted = set(outputs)
+        missing = wanted - {o.name for o in graph.output}
+        if missing:
+            raise GraphforgeError(f"the model has no output {sorted(missing)[0]!r}")
+        kept_outputs = [o for o in graph.output if o.name in wanted]
+        del graph.output[:]
+        graph.output.extend(kept_outputs)
+    _drop_dead_nodes(graph)
+    _fold_output_identities(graph)
+    used = {name for node in graph.node for name in _node_reads(node)} | {o.name for o in graph.output}
+    graph.initializer.extend(
+        t for t in source.initializer if t.name not in dropped and (t.name in used or t.name in inputs)
+    )
+    return lean
+
+
+def _copy_fields(message, skip: set[str]):
+    """A copy of a protobuf ``message`` without the fields named in ``skip``."""
+    copy = type(message)()
+    for descriptor, value in message.ListFields():
+        if descriptor.name in skip:
+            continue
+        target = getattr(copy, descriptor.name)
+        if hasattr(target, "extend"):  # a repeated field
+            target.extend(value)
+        elif hasattr(target, "CopyFrom"):  # a message
+            target.CopyFrom(value)
+        else:
+            setattr(copy, descriptor.name, value)
+    return copy
+
+
+def _node_reads(node: onnx.NodeProto) -> set[str]:
+    """The tensors ``node`` reads, its subgraphs' outer-scope reads included (all their
+    inputs, conservatively)."""
+    reads = {name for name in node.input if name}
+    for attribute in node.attribute:
+        for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+            for inner in sub.node:
+                reads |= _node_reads(inner)
+    return reads
+
+
+def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Remove the nodes no graph output needs (ONNX nodes are stored in topological order)."""
+    needed = {o.name for o in graph.output}
+    alive = []
+    for node in reversed(graph.node):
+        if any(name in needed for name in node.output):
+            alive.append(node)
+            needed |= _node_reads(node)
+    if len(alive) < len(graph.node):
+        alive.reverse()
+        del graph.node[:]
+        graph.node.extend(alive)
+
+
+def _fold_output_identities(graph: onnx.GraphProto) -> None:
+    """Case 2 of lean_model: ``out = Identity(t)`` where ``t`` is made by a node of this
+    graph, is no graph output, and no subgraph reads it: the producer writes ``out``."""
+    outputs = {o.name for o in graph.output}
+    producer = {name: node for node in graph.node for name in node.output if name}
+    in_subgraphs = {
+        name
+        for node in graph.node
+        if any(a.HasField("g") or a.graphs for a in node.attribute)
+        for name in _node_reads(node)
+    }
+    renames: dict[str, str] = {}
+    dropped: set[int] = set()  # indices of the Identity nodes that go
+    for index, node in enumerate(graph.node):
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx") or node.output[0] not in outputs:
+            continue
+        source = node.input[0]
+        if source not in producer or source in outputs or source in renames or source in in_subgraphs:
+            continue
+        renames[source] = node.output[0]
+        dropped.add(index)
+    if not renames:
+        return
+    kept = [node for index, node in enumerate(graph.node) if index not in dropped]
+    for node in kept:
+        for i, name in enumerate(node.output):
+            if name in renames:
+                node.output[i] = renames[name]
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+    del graph.node[:]
+    graph.node.extend(kept)
+    value_info = [v for v in graph.value_info if v.name not in renames]
+    del graph.value_info[:]
+    graph.value_info.extend(value_info)
