@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import _train_helpers as th
+import numpy as np
 import pytest
 
 import graphforge.train
@@ -92,3 +93,23 @@ def test_readme_python_block_runs(workspace, monkeypatch):
     assert (workspace / namespace["report"].path) == workspace / "out/digits-api/model.onnx"
     assert (workspace / "out/digits-api/model.onnx").is_file()
     assert isinstance(result, graphforge.train.TrainResult)
+
+
+def test_readme_training_api_block_runs_and_learns(workspace, monkeypatch, capsys):
+    (block,) = [b for b in _readme_blocks("python") if "Module(" in b and "Optimizer(" in b]
+    monkeypatch.chdir(workspace)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
+    printed = capsys.readouterr().out
+    loss = float(re.search(r"loss (\S+) after 100 steps", printed).group(1))
+    assert loss < 0.5  # from ln(10) ≈ 2.3 at the start
+    state, module = namespace["state"], namespace["module"]
+    assert state.step == 100
+    # the exported model computes what the module computes in eval mode
+    images = np.load(workspace / "data/digits/test.npz")["images"][:64]
+    exported = graphforge.create_session(str(workspace / "out/model.onnx"), providers=["CPUExecutionProvider"])
+    logits = exported.run(["logits"], {"images": images})[0]
+    module.eval()
+    _, expected = module(images, np.zeros(64, np.int64), outputs=["logits"])
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+    assert (workspace / "out/step100.safetensors").is_file()
