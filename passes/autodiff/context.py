@@ -18,10 +18,38 @@ class GradContext:
     correct for every batch size and sequence length.
     """
 
-    def __init__(self, node: gs.Node, builder: Builder, opset: int):
+    def __init__(
+        self,
+        node: gs.Node,
+        builder: Builder,
+        opset: int,
+        *,
+        totals: dict[int, gs.Tensor] | None = None,
+        forward_ids: set[int] | None = None,
+    ):
         self.node = node
         self.b = builder
         self.opset = opset
+        self._totals = totals if totals is not None else {}
+        self._forward_ids = forward_ids
+
+    def for_node(self, node: gs.Node) -> GradContext:
+        """A context for another forward node (to read its attributes), sharing this builder."""
+        return GradContext(node, self.b, self.opset, totals=self._totals, forward_ids=self._forward_ids)
+
+    # -------------------------------------------------------------- the backward pass so far
+
+    def readers(self, t: gs.Tensor) -> list[gs.Node]:
+        """The forward nodes reading ``t`` (backward nodes already emitted are left out)."""
+        if self._forward_ids is None:
+            return list(t.outputs)
+        return [n for n in t.outputs if id(n) in self._forward_ids]
+
+    def output_grad(self, t: gs.Tensor) -> gs.Tensor | None:
+        """The total gradient of a tensor whose producer was already visited (reverse
+        topological order: any output of a reader of this node's outputs), None if none flowed.
+        Lets a rule fuse its gradient with its readers' (see rules/loss.py, cross entropy)."""
+        return self._totals.get(id(t))
 
     # -------------------------------------------------------------- the forward node
 

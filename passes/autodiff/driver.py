@@ -67,12 +67,16 @@ def _build(graph: gs.Graph, loss: gs.Tensor, wrt: Sequence[gs.Tensor], registry:
     grads: dict[int, list[gs.Tensor]] = {id(loss): [_seed(builder, loss)]}
     reached_from: dict[int, gs.Node] = {}  # tensor id -> the node whose rule sent it a gradient
     wrt_ids = {id(t) for t in wrt}
+    totals: dict[int, gs.Tensor] = {}  # tensor id -> its total gradient, once its producer was visited
+    forward_ids = {id(n) for n in order}
 
     for node in reversed(order):
         if id(node) not in relevant:
             continue
         dys = [_total(builder, grads.pop(id(y), None)) for y in node.outputs]
         for y, dy in zip(node.outputs, dys, strict=True):
+            if dy is not None:
+                totals[id(y)] = dy
             if dy is not None and id(y) in wrt_ids:  # a computed tensor asked for: keep its total
                 grads[id(y)] = [dy]
         if all(dy is None for dy in dys):
@@ -83,7 +87,7 @@ def _build(graph: gs.Graph, loss: gs.Tensor, wrt: Sequence[gs.Tensor], registry:
         if not rule.differentiable:
             continue
         with builder.scope(node.name or node.op):
-            ctx = GradContext(node, builder, opset)
+            ctx = GradContext(node, builder, opset, totals=totals, forward_ids=forward_ids)
             dxs = list(rule.fn(ctx, dys))
             # rules may list every optional input; trailing ones the node omits must get None
             while len(dxs) > len(node.inputs) and dxs[-1] is None:

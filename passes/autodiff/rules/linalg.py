@@ -15,10 +15,16 @@ def _swap_last_two(ctx, t):
 @gradient("MatMul")
 def matmul(ctx, dys):
     # numpy semantics: a 1-D left operand is a row vector, a 1-D right operand a column,
-    # batch dims broadcast. Promote 1-D operands (and dy with them), take the 2-D
-    # gradients, un-broadcast the batch dims, and drop the promoted axis again.
+    # batch dims broadcast. A batched operand times a matrix: fold the batch into the
+    # rows (or columns) so the matrix's gradient is one 2-D product, with no [batch, K, N]
+    # intermediate to sum. Otherwise promote 1-D operands (and dy with them), take the
+    # 2-D gradients, un-broadcast the batch dims, and drop the promoted axis again.
     b, a, w, dy = ctx.b, ctx.x(0), ctx.x(1), dys[0]
     ra, rw = ctx.rank(a), ctx.rank(w)
+    if ra > 2 and rw == 2:  # activations [..., S, K] @ weight [K, N]: dW sums over the batch
+        return [b.matmul(dy, _swap_last_two(ctx, w)), _gemm(ctx, _rows(ctx, a, ra), _rows(ctx, dy, ra), trans_a=1)]
+    if ra == 2 and rw > 2:  # weight [M, K] @ activations [..., K, N]: dA sums over the batch
+        return [_gemm(ctx, _cols(ctx, dy, rw), _cols(ctx, w, rw), trans_b=1), b.matmul(_swap_last_two(ctx, a), dy)]
     y_shape = list(ctx.y().shape)
     a2, w2 = a, w
     if ra == 1:
@@ -38,6 +44,29 @@ def matmul(ctx, dys):
     if rw == 1:
         dw = b.reshape(dw, b.shape(w))
     return [da, dw]
+
+
+def _rows(ctx, t, r: int):
+    """``t`` [..., K] (rank ``r``) as the matrix [prod(...), K]: the batch folded into the rows."""
+    return ctx.b.op("Flatten", t, axis=r - 1)
+
+
+def _cols(ctx, t, r: int):
+    """``t`` [..., M, N] (rank ``r``) as the matrix [M, prod(...) * N]: the batch folded into the columns."""
+    moved = ctx.b.transpose(t, [r - 2, *range(r - 2), r - 1])
+    return ctx.b.reshape(moved, [0, -1])
+
+
+def _gemm(ctx, a, w, *, trans_a: int = 0, trans_b: int = 0):
+    """The 2-D product op(a) @ op(w), never a batched intermediate: Gemm once its C is
+    optional (opset 11), MatMul of transposes before."""
+    b = ctx.b
+    if ctx.opset >= 11:
+        attrs = {k: 1 for k, v in (("transA", trans_a), ("transB", trans_b)) if v}
+        return b.op("Gemm", a, w, **attrs)
+    a = b.transpose(a, [1, 0]) if trans_a else a
+    w = b.transpose(w, [1, 0]) if trans_b else w
+    return b.matmul(a, w)
 
 
 def _promoted(ctx, t, axis: int):

@@ -1,4 +1,5 @@
-"""Loss ops: NegativeLogLikelihoodLoss and SoftmaxCrossEntropyLoss (opset 12+)."""
+"""Loss ops: NegativeLogLikelihoodLoss and SoftmaxCrossEntropyLoss (opset 12+), and the
+fused cross-entropy gradient the LogSoftmax rule uses when NLL reads its output."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ from graphforge.passes.autodiff.registry import RULES
 gradient = RULES.gradient
 
 
-def _nll_input_grad(ctx, dy, shape_of, labels, weight):
-    """d loss / d input for NLL over an input shaped like ``shape_of`` ([N, C, d...]).
+def _nll_positions(ctx, dy, like, labels, weight):
+    """(indices, updates), both shaped [N, 1, d...]: d loss / d input of NLL is ``updates``
+    at ``indices`` along the class axis and zero elsewhere.
 
     Each position i contributes -w_i * input[i, label_i] (w_i = weight[label_i], 0 where
     the label is ignore_index), divided by sum(w_i) for mean reduction."""
     b = ctx.b
     ignore = ctx.attr("ignore_index")
     reduction = ctx.attr("reduction", "mean")
-    like = shape_of
     if ignore is not None:
         keep = b.op("Not", b.op("Equal", labels, b.constant(np.array(ignore, dtype=np.int64))))
         safe = b.op("Where", keep, labels, b.constant(np.array(0, dtype=np.int64)))
@@ -26,14 +27,100 @@ def _nll_input_grad(ctx, dy, shape_of, labels, weight):
     if keep is not None:
         w = b.mul(w, b.cast_like(keep, like))
     if reduction == "mean":
-        coeff = b.div(b.neg(dy), b.axes_op("ReduceSum", w, None, keepdims=0))
-        per_position = b.mul(w, coeff)
-    elif reduction == "sum":
+        per_position = b.mul(w, b.div(b.neg(dy), b.axes_op("ReduceSum", w, None, keepdims=0)))
+    else:  # sum (dy a scalar) or none (dy shaped like the labels)
         per_position = b.mul(w, b.neg(dy))
-    else:  # none: dy has the labels' shape
-        per_position = b.mul(w, b.neg(dy))
-    zeros = b.zeros_like(shape_of)
-    return b.op("ScatterElements", zeros, b.unsqueeze(safe, [1]), b.unsqueeze(per_position, [1]), axis=1)
+    return b.unsqueeze(safe, [1]), b.unsqueeze(per_position, [1])
+
+
+def _nll_input_grad(ctx, dy, like, labels, weight):
+    indices, updates = _nll_positions(ctx, dy, like, labels, weight)
+    return ctx.b.op("ScatterElements", ctx.b.zeros_like(like), indices, updates, axis=1)
+
+
+def _scatter_add(ctx, data, indices, updates):
+    """data with ``updates`` added at ``indices`` (axis 1, one index per row, so no duplicates).
+
+    Gather, add, scatter rather than ScatterElements(reduction="add"): the same one pass over
+    ``data`` (the gathered slice is [N, 1, d...]), from opset 11 on, and onnxruntime's CPU
+    provider has no float16 scatter-add."""
+    b = ctx.b
+    at = b.add(b.op("GatherElements", data, indices, axis=1), updates)
+    return b.op("ScatterElements", data, indices, at, axis=1)
+
+
+def _fused_grad(ctx, logp, positions, spread=None, spread_total=None):
+    """d loss / d logits for logp = LogSoftmax(logits, axis=1) when d loss / d logp is the
+    sparse ``positions`` (NLL's (indices, updates) pairs) plus ``spread`` ([N, 1, d...],
+    the same for every class; ``spread_total`` its sum over the classes).
+
+    LogSoftmax's rule dX = dY - exp(Y) * sum_c(dY) becomes, with S = sum_c(dY) computed
+    from the small tensors, exp(Y) * -S + spread, then one scatter-add per NLL: three or
+    four passes over the logits instead of six."""
+    b = ctx.b
+    total = b.sum([u for _, u in positions] + ([spread_total] if spread_total is not None else []))
+    grad = b.mul(b.op("Exp", logp), b.neg(total))
+    if spread is not None:
+        grad = b.add(grad, spread)
+    for indices, updates in positions:
+        grad = _scatter_add(ctx, grad, indices, updates)
+    return grad
+
+
+def _class_axis_reduction(ctx, node, y) -> bool:
+    """Whether ``node`` is a ReduceMean/ReduceSum of ``y`` over axis 1 alone."""
+    if node.op not in ("ReduceMean", "ReduceSum") or node.inputs[0] is not y:
+        return False
+    other = ctx.for_node(node)
+    axes = other.attr("axes")
+    if axes is None:
+        axes = other.const_value(1)
+        if axes is None:
+            return False
+    r = len(y.shape)
+    return [int(a) % r for a in np.asarray(axes).reshape(-1).tolist()] == [1]
+
+
+def fused_log_softmax_grad(ctx):
+    """The LogSoftmax rule's gradient when every reader of its output is an NLL on it, a
+    ReduceMean/ReduceSum over the class axis (label smoothing), or a node no gradient left
+    (an ArgMax); None when that does not hold (then the plain rule applies).
+
+    It reads the readers' output gradients (ctx.output_grad) instead of the dense dY they
+    built, which the graph cleanup then drops."""
+    b, y, x = ctx.b, ctx.y(), ctx.x(0)
+    if y is None or y.shape is None or x.shape is None or len(y.shape) < 2:
+        return None
+    r = len(y.shape)
+    axis = ctx.attr("axis", -1 if ctx.opset >= 13 else 1) % r
+    if axis != 1 or (ctx.opset < 13 and r != 2):
+        return None
+    positions, spreads, totals = [], [], []
+    for reader in ctx.readers(y):
+        dys = [ctx.output_grad(t) for t in reader.outputs]
+        if all(dy is None for dy in dys):
+            continue
+        if sum(t is y for t in reader.inputs) != 1:
+            return None
+        if reader.op == "NegativeLogLikelihoodLoss" and reader.inputs[0] is y:
+            nll = ctx.for_node(reader)
+            positions.append(_nll_positions(nll, dys[0], y, nll.x(1), nll.x(2)))
+        elif _class_axis_reduction(ctx, reader, y):
+            g = dys[0] if ctx.for_node(reader).attr("keepdims", 1) else b.unsqueeze(dys[0], [1])
+            c = y.shape[1]
+            classes = b.scalar_like(float(c), y) if isinstance(c, int) else b.cast_like(b.shape(y, 1, 2), y)
+            if reader.op == "ReduceMean":
+                spreads.append(b.div(g, classes))
+                totals.append(g)
+            else:
+                spreads.append(g)
+                totals.append(b.mul(g, classes))
+        else:
+            return None
+    if not positions:
+        return None
+    spread = b.sum(spreads) if spreads else None
+    return _fused_grad(ctx, y, positions, spread, b.sum(totals) if totals else None)
 
 
 @gradient("NegativeLogLikelihoodLoss", since=12)
@@ -47,11 +134,12 @@ def softmax_cross_entropy_loss(ctx, dys):
     # loss = NLL(LogSoftmax(scores, axis=1)); the optional second output is that log-prob
     b, scores = ctx.b, ctx.x(0)
     logp = ctx.y(1) if ctx.y(1) is not None else b.op("LogSoftmax", scores, axis=1)
-    dlogp = None
+    dlogp = dys[1] if len(dys) > 1 else None
+    if dlogp is None:  # only the loss is differentiated: the fused form
+        positions = [_nll_positions(ctx, dys[0], scores, ctx.x(1), ctx.x(2))]
+        return [_fused_grad(ctx, logp, positions), None, None][: len(ctx.node.inputs)]
     if dys[0] is not None:
-        dlogp = _nll_input_grad(ctx, dys[0], scores, ctx.x(1), ctx.x(2))
-    if len(dys) > 1 and dys[1] is not None:
-        dlogp = dys[1] if dlogp is None else b.add(dlogp, dys[1])
+        dlogp = b.add(_nll_input_grad(ctx, dys[0], scores, ctx.x(1), ctx.x(2)), dlogp)
     total = b.reduce_sum(dlogp, [1], keepdims=True)
     dscores = b.sub(dlogp, b.mul(b.op("Exp", logp), total))
     return [dscores, None, None][: len(ctx.node.inputs)]

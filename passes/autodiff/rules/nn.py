@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from graphforge.passes.autodiff.registry import RULES
+from graphforge.passes.autodiff.rules.loss import fused_log_softmax_grad
 
 gradient = RULES.gradient
 
@@ -29,7 +30,10 @@ def softmax(ctx, dys):
 
 @gradient("LogSoftmax")
 def log_softmax(ctx, dys):
-    # dx = dy - softmax * sum(dy, axis)
+    # dx = dy - softmax * sum(dy, axis); under an NLL loss, a fused form (rules/loss.py)
+    fused = fused_log_softmax_grad(ctx)
+    if fused is not None:
+        return [fused]
     b, y, dy = ctx.b, ctx.y(), dys[0]
     axis = _softmax_axis(ctx)
     total = b.reduce_sum(dy, [axis], keepdims=True)
