@@ -30,11 +30,9 @@ from graphforge.diff.result import (
     WiringChange,
 )
 from graphforge.diff.source import Side, bytes_equal, open_side, tensor_array
+from graphforge.diff.stats import value_stats
 from graphforge.diff.view import GraphView, Init, NodeRec, Value, function_view, graph_view
 from graphforge.graph import ModelSource
-
-#: elements compared at a time when two initializers differ (bounds the float64 temporaries)
-_STATS_CHUNK = 1 << 20
 
 
 def diff_models(
@@ -317,38 +315,9 @@ def initializer_stats(a: Init, b: Init) -> ValueStats | None:
     try:
         x = tensor_array(a.side, None if a.sparse else a.position, a.tensor)
         y = tensor_array(b.side, None if b.sparse else b.position, b.tensor)
-    except Exception:  # types NumPy cannot hold (float8, int4): equality is all we know
+    except Exception:  # types NumPy cannot hold: equality is all we know
         return None
     return value_stats(x, y)
-
-
-def value_stats(x: np.ndarray, y: np.ndarray) -> ValueStats:
-    """max |x - y|, max |x - y| / max(|x|, |y|) (0 where both are 0) and the count of
-    differing elements; NaN equals NaN, a NaN against a number makes both maxima NaN."""
-    x, y = x.reshape(-1), y.reshape(-1)
-    if x.dtype.kind not in "biufc" or y.dtype.kind not in "biufc":
-        differing = int(np.count_nonzero(x != y))
-        return ValueStats(float("nan") if differing else 0.0, float("nan") if differing else 0.0, differing, x.size)
-    max_abs = max_rel = 0.0
-    differing = 0
-    for start in range(0, x.size, _STATS_CHUNK):
-        xs = x[start : start + _STATS_CHUNK].astype(np.complex128 if x.dtype.kind == "c" else np.float64)
-        ys = y[start : start + _STATS_CHUNK].astype(xs.dtype)
-        equal = (xs == ys) | (np.isnan(xs) & np.isnan(ys))
-        differing += int(xs.size - np.count_nonzero(equal))
-        if equal.all():
-            continue
-        delta = np.abs(xs - ys)
-        delta[equal] = 0.0
-        scale = np.maximum(np.abs(xs), np.abs(ys))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rel = np.where(scale > 0, delta / np.where(scale > 0, scale, 1.0), 0.0)
-        if np.isnan(delta).any():
-            max_abs = max_rel = float("nan")
-            break
-        max_abs = max(max_abs, float(delta.max()))
-        max_rel = max(max_rel, float(rel.max()))
-    return ValueStats(max_abs, max_rel, differing, int(x.size))
 
 
 def _renames(

@@ -9,6 +9,7 @@ order, so the first pair beyond tolerance is the place where the two models part
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphforge.diff.engine import value_stats
 from graphforge.diff.result import GraphDiff, NodeRef, NumericReport, TensorNumeric
 from graphforge.diff.source import Side
+from graphforge.diff.stats import value_stats
 from graphforge.diff.view import GraphView, Value
 from graphforge.errors import GraphforgeError
 from graphforge.graph import one_line
@@ -87,17 +88,23 @@ def load_inputs(inputs: Mapping[str, np.ndarray] | str | os.PathLike | None) -> 
     if isinstance(inputs, Mapping):
         return {name: np.asarray(value) for name, value in inputs.items()}
     path = Path(inputs)
+    expected = "expected an .npz of input name -> array, as numpy.savez writes"
     if not path.is_file():
-        raise GraphforgeError(f"{path}: no such inputs file (expected an .npz of input name -> array)")
+        raise GraphforgeError(f"{path}: no such inputs file ({expected})")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+    except OSError as exc:
+        raise GraphforgeError(f"{path}: cannot read inputs ({exc.strerror or exc})") from None
+    if magic == b"\x93NUMPY":
+        raise GraphforgeError(f"{path}: a single .npy array has no input name; {expected}")
+    if not magic.startswith(b"PK"):
+        raise GraphforgeError(f"{path}: not an .npz file (no zip header); {expected}")
     try:
         with np.load(path, allow_pickle=False) as data:
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise ValueError("not an .npz archive")
             return {name: data[name] for name in data.files}
-    except (OSError, ValueError) as exc:
-        raise GraphforgeError(
-            f"{path}: cannot read inputs ({one_line(exc)}); expected an .npz of input name -> array"
-        ) from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise GraphforgeError(f"{path}: cannot read inputs ({one_line(exc)}); {expected}") from None
 
 
 def generate_input(value: Value, view: GraphView, rng: np.random.Generator) -> np.ndarray:

@@ -101,10 +101,10 @@ class ValueChange:
 @dataclass
 class ValueStats:
     """How two tensors of one shape differ: max |a - b|, max |a - b| / max(|a|, |b|), and
-    how many elements differ."""
+    how many elements differ (the maxima are None for non-numeric types: strings)."""
 
-    max_abs: float
-    max_rel: float
+    max_abs: float | None
+    max_rel: float | None
     differing: int
     elements: int
 

@@ -225,7 +225,19 @@ def tensor_bytes(side: Side | None, position: int | None, tensor: onnx.TensorPro
 
 
 def tensor_array(side: Side | None, position: int | None, tensor: onnx.TensorProto) -> np.ndarray:
-    """A tensor's values as a NumPy array (weights kept in the file are read from there)."""
+    """A tensor's values as a NumPy array. Raw bytes are viewed, not copied: a weight kept in
+    the file is read straight off the memory map (read-only), one in ``raw_data`` from the one
+    copy protobuf gives of it. Other layouts (typed fields, 4-bit types) go through onnx."""
+    dtype = raw_dtype(tensor.data_type)
+    if dtype is not None and not tensor.external_data:
+        shape = tuple(tensor.dims)
+        count = int(np.prod(shape, dtype=np.int64))
+        kept = side.payload(position) if side is not None and position is not None else None
+        raw = kept if kept is not None else (tensor.raw_data if tensor.HasField("raw_data") else None)
+        if raw is not None and len(raw) == count * dtype.itemsize:
+            return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+        if kept is not None:
+            raise ValueError(f"{tensor.name!r}: {len(raw)} bytes of raw_data for {count} {dtype} values")
     if side is not None and position is not None:
         kept = side.payload(position)
         if kept is not None:
@@ -234,6 +246,27 @@ def tensor_array(side: Side | None, position: int | None, tensor: onnx.TensorPro
             copy.raw_data = kept.tobytes()
             return numpy_helper.to_array(copy)
     return numpy_helper.to_array(tensor)
+
+
+def raw_dtype(data_type: int) -> np.dtype | None:
+    """The little-endian NumPy type whose bytes are ``data_type``'s raw_data, one element per
+    item; None for strings and the packed 4-bit types."""
+    if data_type in _PACKED or data_type == onnx.TensorProto.STRING:
+        return None
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
+    except (KeyError, ValueError, TypeError):
+        return None
+    if dtype.kind == "O":
+        return None
+    return dtype.newbyteorder("<") if dtype.itemsize > 1 and dtype.kind in "iufc" else dtype
+
+
+_PACKED = {
+    getattr(onnx.TensorProto, name)
+    for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, name)
+}
 
 
 def bytes_equal(a: bytes | np.ndarray, b: bytes | np.ndarray, chunk: int = 1 << 22) -> bool:

@@ -239,6 +239,8 @@ def _initializer_line(status: str, a, b, fields, values: ValueStats | None) -> L
     if "values" in fields:
         if values is None:
             parts.append("values differ")
+        elif values.max_abs is None or values.max_rel is None:  # strings: no distance
+            parts.append(f"values differ in {values.differing} of {values.elements} elements")
         else:
             parts.append(
                 f"values differ in {values.differing} of {values.elements} elements: "
@@ -284,10 +286,10 @@ def _numeric_detail(t: TensorNumeric) -> str:
     if t.status in ("dtype", "missing"):
         return t.status
     assert t.stats is not None
-    return (
-        f"max abs {_num(t.stats.max_abs)}, max rel {_num(t.stats.max_rel)}, "
-        f"{t.stats.differing} of {t.stats.elements} elements differ"
-    )
+    counted = f"{t.stats.differing} of {t.stats.elements} elements differ"
+    if t.stats.max_abs is None or t.stats.max_rel is None:
+        return counted
+    return f"max abs {_num(t.stats.max_abs)}, max rel {_num(t.stats.max_rel)}, {counted}"
 
 
 def numeric_lines(report: NumericReport) -> list[Line]:

@@ -382,3 +382,88 @@ def test_histogram_counts_subgraph_nodes_like_the_pass_manager():
     counted = op_histogram(graphforge.Model.from_proto(after))
     counted.subtract(op_histogram(graphforge.Model.from_proto(before)))
     assert histogram_delta(diff) == {op: n for op, n in counted.items() if n}
+
+
+# --------------------------------------------------------------------------- value statistics
+
+
+def _reference_stats(x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
+    """The definition, in float64 over whole tensors."""
+    xs, ys = x.astype(np.float64).reshape(-1), y.astype(np.float64).reshape(-1)
+    equal = (xs == ys) | (np.isnan(xs) & np.isnan(ys))
+    if equal.all():
+        return 0.0, 0.0, 0
+    with np.errstate(all="ignore"):
+        delta = np.where(equal, 0.0, np.abs(xs - ys))
+        scale = np.maximum(np.abs(xs), np.abs(ys))
+        rel = np.where(scale > 0, delta / np.where(scale > 0, scale, 1.0), 0.0)
+    if np.isnan(delta).any():
+        return float("nan"), float("nan"), int((~equal).sum())
+    return float(delta.max()), float(rel.max()), int((~equal).sum())
+
+
+@pytest.mark.parametrize(
+    "dtype, size, edit",
+    [
+        (np.float32, 5_000_000, "scale"),  # threaded, every element differs
+        (np.float32, 100_000, "nan"),  # a NaN against a number; NaN against NaN is equal
+        (np.float32, 1000, "overflow"),  # the float32 difference overflows: redone in float64
+        (np.float16, 70_000, "some"),
+        (np.float64, 70_000, "some"),
+        (np.int64, 70_000, "some"),
+    ],
+)
+def test_value_stats_agree_with_the_float64_definition(dtype, size, edit):
+    from graphforge.diff.stats import value_stats
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(size) * 100).astype(dtype)
+    y = x.copy()
+    if edit == "scale":
+        y = (x * 1.001).astype(dtype)
+    elif edit == "nan":
+        x[[10, 50_000]] = np.nan
+        y[[50_000, 99_999]] = np.nan
+    elif edit == "overflow":
+        x[3], y[3] = 3e38, -3e38
+    else:
+        picked = rng.integers(0, size, 500)
+        y[picked] = (rng.standard_normal(500) * 100).astype(dtype)
+    got = value_stats(x, y)
+    want = _reference_stats(x, y)
+    assert got.differing == want[2] and got.elements == size
+    np.testing.assert_allclose([got.max_abs, got.max_rel], want[:2], rtol=1e-6, equal_nan=True)
+
+
+def test_float8_and_string_initializers_get_counts_not_nan():
+    """float8 values are numbers (compared through float32); strings have no distance."""
+    a = parse("""
+    <ir_version: 10, opset_import: ["" : 21]>
+    g (float[4] x) => (float[4] y) { y = Identity(x) }
+    """)
+    a.graph.initializer.append(onnx.helper.make_tensor("f8", onnx.TensorProto.FLOAT8E4M3FN, [4], [1.0, 2.0, 3.0, 4.0]))
+    a.graph.initializer.append(onnx.helper.make_tensor("s", onnx.TensorProto.STRING, [2], [b"a", b"b"]))
+    b = copy(a)
+    b.graph.initializer[0].CopyFrom(
+        onnx.helper.make_tensor("f8", onnx.TensorProto.FLOAT8E4M3FN, [4], [1.0, 2.0, 3.0, 4.5])
+    )
+    b.graph.initializer[1].CopyFrom(onnx.helper.make_tensor("s", onnx.TensorProto.STRING, [2], [b"a", b"c"]))
+    diff = diff_models(a, b)
+    f8, s = diff.graph.initializers
+    assert (f8.values.max_abs, f8.values.differing) == (0.5, 1)
+    assert s.values.max_abs is None and s.values.max_rel is None and s.values.differing == 1
+    text = diff.to_text()
+    assert "initializer 's': values differ in 1 of 2 elements\n" in text and "nan" not in text
+    assert s.to_json()["values"] == {"max_abs": None, "max_rel": None, "differing": 1, "elements": 2}
+
+
+def test_weights_kept_in_the_file_are_read_without_a_copy(tmp_path):
+    from graphforge.diff.source import tensor_array
+
+    model = models.linear_model(64, 64)
+    side = open_side(graphforge.save(model, tmp_path / "m.onnx"))
+    assert side.stripped
+    (position,) = [k for k, t in enumerate(side.proto.graph.initializer) if t.name == "W"]
+    values = tensor_array(side, position, side.proto.graph.initializer[position])
+    assert not values.flags.owndata and not values.flags.writeable  # a view of the read-only map
+    np.testing.assert_array_equal(values, onnx.numpy_helper.to_array(model.graph.initializer[position]))

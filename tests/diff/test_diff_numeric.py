@@ -59,3 +59,15 @@ def test_inputs_that_name_nothing_are_refused(mlp_path):
 def test_a_missing_inputs_file_is_refused(mlp_path, tmp_path):
     with pytest.raises(GraphforgeError, match="no such inputs file"):
         diff_models(mlp_path, mlp_path, inputs=tmp_path / "missing.npz")
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [(b"x = 1\n", "not an .npz file"), (b"\x93NUMPY\x01\x00", "a single .npy array has no input name")],
+)
+def test_an_inputs_file_that_is_not_an_npz_is_one_clear_line(mlp_path, tmp_path, content, fragment):
+    path = tmp_path / "inputs.npz"
+    path.write_bytes(content)
+    with pytest.raises(GraphforgeError, match=fragment) as info:
+        diff_models(mlp_path, mlp_path, inputs=path)
+    assert "\n" not in str(info.value) and "pickle" not in str(info.value)
