@@ -31,7 +31,7 @@ from graphforge.diff.result import (
 )
 from graphforge.diff.source import Side, bytes_equal, open_side, tensor_array
 from graphforge.diff.stats import value_stats
-from graphforge.diff.view import GraphView, Init, NodeRec, Value, function_view, graph_view
+from graphforge.diff.view import GraphView, Init, NodeRec, Value, function_view, graph_view, opset_map
 from graphforge.graph import ModelSource
 
 
@@ -63,7 +63,11 @@ def diff_models(
 
 def diff_sides(side_a: Side, side_b: Side) -> ModelDiff:
     pa, pb = side_a.proto, side_b.proto
-    graph = diff_graph(graph_view(pa.graph, side_a), graph_view(pb.graph, side_b), path="main")
+    graph = diff_graph(
+        graph_view(pa.graph, side_a, opsets=opset_map(pa.opset_import)),
+        graph_view(pb.graph, side_b, opsets=opset_map(pb.opset_import)),
+        path="main",
+    )
     return ModelDiff(
         side_a.label,
         side_b.label,
@@ -114,7 +118,11 @@ def diff_graph(
             for k, (ga, gb) in enumerate(zip(graphs_a, graphs_b, strict=True)):
                 where = f"{path}/{_node_label(va.nodes[a])}.{attr}" + (f"[{k}]" if len(graphs_a) > 1 else "")
                 sub = diff_graph(
-                    graph_view(ga), graph_view(gb), path=where, outer=scope, owner=(change.a, change.b, attr)
+                    graph_view(ga, opsets=va.opsets, nested=True),
+                    graph_view(gb, opsets=vb.opsets, nested=True),
+                    path=where,
+                    outer=scope,
+                    owner=(change.a, change.b, attr),
                 )
                 diff.subgraphs.append(sub)
                 if not sub.structurally_identical:
@@ -209,6 +217,8 @@ class _SameSource:
     def describe(self, view: GraphView, tensor: str) -> dict[str, Any]:
         source = view.source(tensor)
         kind = {"init": "initializer"}.get(source[0], source[0])
+        if kind == "outer" and not view.nested:
+            kind = "undefined"  # a main graph or a function body has no enclosing scope
         shown: dict[str, Any] = {"tensor": tensor, "from": kind}
         if source[0] == "node":
             shown["node"] = _ref(view.nodes[source[1]]).to_json()

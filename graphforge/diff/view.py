@@ -3,13 +3,19 @@
 Nodes keep their file order (``index``); ``order`` is a topological order that equals the
 file order when the file is sorted, computed without recursion and tolerant of cycles (a
 broken model is still diffed: nodes on a cycle come last, in file order).
+
+Attributes a node leaves out take their default from the op's schema at the opset the model
+imports (``transA`` absent is ``transA = 0``), so writing a default out is no change; ops
+without a known schema (custom domains) are compared as written.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +96,10 @@ class GraphView:
     order: list[int] = field(default_factory=list)
     input_position: dict[str, int] = field(default_factory=dict)
     output_names: dict[str, list[int]] = field(default_factory=dict)
+    #: domain ("" for ai.onnx) -> the opset version this level's nodes are read at
+    opsets: dict[str, int] = field(default_factory=dict)
+    #: a subgraph: names it does not define come from the enclosing graph
+    nested: bool = False
 
     def __post_init__(self) -> None:
         for node in self.nodes:
@@ -109,7 +119,9 @@ class GraphView:
 
     def source(self, tensor: str) -> tuple:
         """Where a tensor comes from: ("node", index, slot), ("input", position), ("init", name),
-        ("outer", name) for a name this level does not define, or ("none",) for an omitted input."""
+        ("outer", name) for a name this level does not define (in a subgraph: the enclosing
+        graph's; in a main graph or a function body: defined nowhere), or ("none",) for an
+        omitted input."""
         if not tensor:
             return ("none",)
         produced = self.producer.get(tensor)
@@ -153,8 +165,21 @@ def topological_order(view: GraphView) -> list[int]:
 # --------------------------------------------------------------------------- building views
 
 
-def graph_view(graph: onnx.GraphProto, side: Side | None = None) -> GraphView:
-    """The view of a graph; ``side`` (main graph only) is where large weights stay."""
+def opset_map(imports: Iterable[onnx.OperatorSetIdProto]) -> dict[str, int]:
+    """Domain ("" for the default one) -> imported version."""
+    return {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in imports}
+
+
+def graph_view(
+    graph: onnx.GraphProto,
+    side: Side | None = None,
+    *,
+    opsets: Mapping[str, int] | None = None,
+    nested: bool = False,
+) -> GraphView:
+    """The view of a graph; ``side`` (main graph only) is where large weights stay; ``opsets``
+    the model's imports (for attribute defaults); ``nested`` for a subgraph."""
+    opsets = dict(opsets or {})
     inits: dict[str, Init] = {}
     for position, t in enumerate(graph.initializer):
         inits.setdefault(t.name, Init(t.name, position, _dtype_name(t.data_type), tuple(t.dims), t, side))
@@ -176,36 +201,47 @@ def graph_view(graph: onnx.GraphProto, side: Side | None = None) -> GraphView:
     return GraphView(
         "graph",
         graph.name,
-        [_node(i, n) for i, n in enumerate(graph.node)],
+        [_node(i, n, opsets) for i, n in enumerate(graph.node)],
         [_value(v, k) for k, v in enumerate(inputs)],
         [_value(v, k) for k, v in enumerate(graph.output)],
         inits,
+        opsets=opsets,
+        nested=nested,
     )
 
 
 def function_view(function: onnx.FunctionProto) -> GraphView:
+    opsets = opset_map(function.opset_import)
     return GraphView(
         "function",
         function.name,
-        [_node(i, n) for i, n in enumerate(function.node)],
+        [_node(i, n, opsets) for i, n in enumerate(function.node)],
         [Value(name, k, "", None) for k, name in enumerate(function.input)],
         [Value(name, k, "", None) for k, name in enumerate(function.output)],
         {},
+        opsets=opsets,
     )
 
 
-def _node(index: int, node: onnx.NodeProto) -> NodeRec:
+def _node(index: int, node: onnx.NodeProto, opsets: Mapping[str, int]) -> NodeRec:
     attrs: dict[str, Any] = {}
-    keys = []
+    keys: dict[str, tuple] = {}
     graphs: dict[str, list[onnx.GraphProto]] = {}
-    for attr in sorted(node.attribute, key=lambda a: a.name):
+    for attr in node.attribute:
         key, shown = attribute_value(attr)
         attrs[attr.name] = shown
-        keys.append((attr.name, key))
+        keys[attr.name] = key
         if attr.type == onnx.AttributeProto.GRAPH:
             graphs[attr.name] = [attr.g]
         elif attr.type == onnx.AttributeProto.GRAPHS:
             graphs[attr.name] = list(attr.graphs)
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    version = opsets.get(domain)
+    if version is not None:
+        for name, key, shown in schema_defaults(node.op_type, domain, version):
+            if name not in keys:
+                keys[name] = key
+                attrs[name] = shown
     implicit = _implicit_inputs([g for gs_ in graphs.values() for g in gs_]) if graphs else ()
     return NodeRec(
         index,
@@ -215,10 +251,28 @@ def _node(index: int, node: onnx.NodeProto) -> NodeRec:
         tuple(node.input),
         tuple(node.output),
         implicit,
-        attrs,
-        tuple(keys),
+        dict(sorted(attrs.items())),
+        tuple(sorted(keys.items())),
         graphs,
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def schema_defaults(op: str, domain: str, version: int) -> tuple[tuple[str, tuple, Any], ...]:
+    """(name, key, shown) of each attribute with a default in ``op``'s schema at ``version``;
+    nothing for an op without a known schema."""
+    try:
+        schema = onnx.defs.get_schema(op, version, domain)
+    except onnx.defs.SchemaError:
+        return ()
+    found = []
+    for name, attr in sorted(schema.attributes.items()):
+        default = attr.default_value
+        if default is None or default.type == onnx.AttributeProto.UNDEFINED:
+            continue
+        key, shown = attribute_value(default)
+        found.append((name, key, shown))
+    return tuple(found)
 
 
 def _implicit_inputs(graphs: list[onnx.GraphProto]) -> tuple[str, ...]:

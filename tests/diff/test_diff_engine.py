@@ -467,3 +467,34 @@ def test_weights_kept_in_the_file_are_read_without_a_copy(tmp_path):
     values = tensor_array(side, position, side.proto.graph.initializer[position])
     assert not values.flags.owndata and not values.flags.writeable  # a view of the read-only map
     np.testing.assert_array_equal(values, onnx.numpy_helper.to_array(model.graph.initializer[position]))
+
+
+# --------------------------------------------------------------------------- attribute defaults
+
+_DEFAULTS = """
+<ir_version: 8, opset_import: ["" : 18, "custom" : 1]>
+g (float[N, 4] x, float[4, 4] w) => (float[N, 4] y, float[N, 4] z) {
+    [gemm] h = Gemm ATTRS_GEMM (x, w)
+    [norm] y = LayerNormalization ATTRS_NORM (h, w)
+    [mine] z = custom.Thing ATTRS_CUSTOM (h)
+}
+"""
+
+
+def _defaults_model(gemm: str = "", norm: str = "", custom: str = "") -> onnx.ModelProto:
+    text = _DEFAULTS.replace("ATTRS_GEMM", gemm).replace("ATTRS_NORM", norm).replace("ATTRS_CUSTOM", custom)
+    return onnx.parser.parse_model(text.replace(" ()", "()").replace("  (", " ("))
+
+
+def test_attributes_written_at_their_schema_default_are_no_change():
+    """TorchScript leaves transA and stash_type out, the dynamo exporter writes them out: same node."""
+    plain = _defaults_model()
+    spelled = _defaults_model(gemm="<transA = 0, alpha = 1.0>", norm="<stash_type = 1, axis = -1>")
+    diff = diff_models(plain, spelled)
+    assert diff.identical, diff.to_text()
+
+
+def test_a_value_other_than_the_default_shows_the_default_on_the_other_side():
+    diff = diff_models(_defaults_model(), _defaults_model(gemm="<transB = 1>", custom="<k = 0>"))
+    changes = {c.a.name: [(a.name, a.a, a.b) for a in c.attributes] for c in diff.graph.changed}
+    assert changes == {"gemm": [("transB", 0, 1)], "mine": [("k", None, 0)]}  # custom ops: as written
