@@ -8,7 +8,6 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-import networkx as nx
 import numpy as np
 import onnx
 
@@ -226,24 +225,30 @@ class _SameSource:
         return shown
 
 
-def _replacements(groups: list[NodeGroup]) -> tuple[dict[int, int], dict[int, int]]:
-    """Node index -> group number, per side, for the groups that replace nodes by others."""
-    in_a: dict[int, int] = {}
-    in_b: dict[int, int] = {}
+def _replacements(groups: list[NodeGroup]) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+    """Node index -> the groups it belongs to (members and anchors), per side, for the groups
+    that replace nodes by others (something on each side)."""
+    in_a: dict[int, set[int]] = defaultdict(set)
+    in_b: dict[int, set[int]] = defaultdict(set)
     for k, group in enumerate(groups):
-        if group.a and group.b:
-            in_a.update((n.index, k) for n in group.a)
-            in_b.update((n.index, k) for n in group.b)
+        side_a = [*group.a, *([group.anchor_a] if group.anchor_a is not None else [])]
+        side_b = [*group.b, *([group.anchor_b] if group.anchor_b is not None else [])]
+        if side_a and side_b:
+            for n in side_a:
+                in_a[n.index].add(k)
+            for n in side_b:
+                in_b[n.index].add(k)
     return in_a, in_b
 
 
 def _explained(source_a: dict[str, Any] | None, source_b: dict[str, Any] | None, replaced) -> bool:
-    """A node now reads the replacement of what it read before (the output of an n:m group):
-    the group says so, the reader itself did not change."""
+    """A node now reads the replacement of what it read before (an output of an n:m group,
+    or of the node a group copies): the group says so, the reader itself did not change."""
     if source_a is None or source_b is None or source_a["from"] != "node" or source_b["from"] != "node":
         return False
-    group = replaced[0].get(source_a["node"]["index"])
-    return group is not None and group == replaced[1].get(source_b["node"]["index"])
+    groups_a = replaced[0].get(source_a["node"]["index"], ())
+    groups_b = replaced[1].get(source_b["node"]["index"], ())
+    return bool(set(groups_a) & set(groups_b))
 
 
 def _node_change(na: NodeRec, nb: NodeRec, same: _SameSource, replaced) -> NodeChange:
@@ -371,47 +376,130 @@ def origin_of(name: str) -> tuple[str, str | None] | None:
 
 
 def node_groups(va: GraphView, vb: GraphView, pairs: Mapping[int, int]) -> list[NodeGroup]:
-    """Unmatched nodes that belong together: those generated for one origin node (with that
-    node), then connected regions replaced by others at the same place."""
+    """Unmatched nodes that belong together (n:m matches), as the sets of one union-find:
+
+    1. the nodes a pass generated for one origin node (named ``<role>::<origin>/...``), with
+       that node itself where it is unmatched (fused away);
+    2. unmatched nodes joined to their unmatched neighbours, and to the unmatched nodes of the
+       other side that touch the same matched node at the same slot (a region replaced by
+       another at the same place).
+
+    A set holds at most one origin: the nodes of two origins that touch (the gradients of
+    neighbouring nodes) stay apart, while an unmatched node without an origin joins the
+    origin's set it touches. So a MatMul + Add fused into a Gemm named ``fuse::<MatMul>/...``
+    is one group (-2 +1), and a node recomputed as ``recompute::<node>/...`` groups the copies
+    with the node they copy (anchors matched on both sides: 1 -> n).
+    """
     b2a = {b: a for a, b in pairs.items()}
     removed = [i for i in va.order if i not in pairs]
     added = [i for i in vb.order if i not in b2a]
-    by_origin: dict[tuple[str, str | None], tuple[list[int], list[int]]] = {}
-    for side, members, view in ((0, removed, va), (1, added, vb)):
+    sets = _LabelledSets()
+    first: dict[tuple[str, str | None], tuple[str, int]] = {}  # origin -> its first node, in order
+    for side, members, view in (("a", removed, va), ("b", added, vb)):
         for i in members:
             origin = origin_of(view.nodes[i].name)
+            sets.add((side, i), origin)
             if origin is not None:
-                by_origin.setdefault(origin, ([], []))[side].append(i)
-    names_a = _first_by_name(va)
-    names_b = _first_by_name(vb)
-    groups = []
-    grouped_a: set[int] = set()
-    grouped_b: set[int] = set()
-    for (role, origin), (members_a, members_b) in by_origin.items():
+                sets.union(first.setdefault(origin, (side, i)), (side, i))
+    keys = list(first)
+    names_a, names_b = _first_by_name(va), _first_by_name(vb)
+    anchors: dict[tuple[str, str | None], tuple[int | None, int | None]] = {}
+    for key in keys:
+        origin = key[1]
         anchor_a = names_a.get(origin) if origin else None
         anchor_b = names_b.get(origin) if origin else None
+        anchors[key] = (anchor_a, anchor_b)
         # an origin node that is gone (fused away) is part of the n:m group itself
-        if anchor_a is not None and anchor_a not in pairs and anchor_a not in members_a:
-            members_a = [anchor_a, *members_a]
-        if anchor_b is not None and anchor_b not in b2a and anchor_b not in members_b:
-            members_b = [anchor_b, *members_b]
-        grouped_a.update(members_a)
-        grouped_b.update(members_b)
+        if anchor_a is not None and anchor_a not in pairs:
+            sets.label(("a", anchor_a), key)
+            sets.union(first[key], ("a", anchor_a))
+        if anchor_b is not None and anchor_b not in b2a:
+            sets.label(("b", anchor_b), key)
+            sets.union(first[key], ("b", anchor_b))
+    for u, v in _region_links(va, vb, pairs, removed, added):
+        sets.union(u, v)
+
+    order_a = {i: k for k, i in enumerate(va.order)}
+    order_b = {i: k for k, i in enumerate(vb.order)}
+    members: dict[tuple, tuple[list[int], list[int]]] = {}
+    for item in [*(("a", i) for i in removed), *(("b", i) for i in added)]:
+        entry = members.setdefault(sets.find(item), ([], []))
+        entry[0 if item[0] == "a" else 1].append(item[1])
+    by_key: dict[tuple[str, str | None], tuple[list[int], list[int]]] = {}
+    regions = []
+    for root, (members_a, members_b) in members.items():
+        members_a.sort(key=order_a.__getitem__)
+        members_b.sort(key=order_b.__getitem__)
+        key = sets.labels.get(root)
+        if key is not None:
+            by_key[key] = (members_a, members_b)
+        elif len(members_a) + len(members_b) >= 2:
+            regions.append((members_a, members_b))
+    groups = []
+    for key in keys:
+        if key not in by_key:
+            continue  # its only node was an anchor found in another origin's set
+        members_a, members_b = by_key[key]
+        anchor_a, anchor_b = anchors[key]
         groups.append(
             NodeGroup(
                 "origin",
-                role,
-                origin,
+                key[0],
+                key[1],
                 [_ref(va.nodes[i]) for i in members_a],
                 [_ref(vb.nodes[i]) for i in members_b],
                 None if anchor_a is None else _ref(va.nodes[anchor_a]),
                 None if anchor_b is None else _ref(vb.nodes[anchor_b]),
             )
         )
-    groups += _regions(
-        va, vb, pairs, b2a, [i for i in removed if i not in grouped_a], [i for i in added if i not in grouped_b]
-    )
+    regions.sort(key=lambda c: (order_a[c[0][0]] if c[0] else len(order_a), order_b[c[1][0]] if c[1] else 0))
+    groups += [
+        NodeGroup("region", None, None, [_ref(va.nodes[i]) for i in a], [_ref(vb.nodes[i]) for i in b])
+        for a, b in regions
+    ]
     return groups
+
+
+class _LabelledSets:
+    """Union-find whose sets carry at most one label: a union that would put two different
+    labels in one set is refused."""
+
+    def __init__(self) -> None:
+        self.parent: dict[tuple, tuple] = {}
+        self.labels: dict[tuple, object] = {}  # root -> label
+
+    def add(self, item: tuple, label: object = None) -> None:
+        if item not in self.parent:
+            self.parent[item] = item
+        if label is not None:
+            self.label(item, label)
+
+    def label(self, item: tuple, label: object) -> None:
+        self.add(item)
+        root = self.find(item)
+        self.labels.setdefault(root, label)
+
+    def find(self, item: tuple) -> tuple:
+        self.add(item)
+        root = item
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[item] != root:  # path compression
+            self.parent[item], item = root, self.parent[item]
+        return root
+
+    def union(self, u: tuple, v: tuple) -> bool:
+        ru, rv = self.find(u), self.find(v)
+        if ru == rv:
+            return True
+        lu, lv = self.labels.get(ru), self.labels.get(rv)
+        if lu is not None and lv is not None and lu != lv:
+            return False
+        self.parent[rv] = ru
+        if lu is None and lv is not None:
+            self.labels[ru] = lv
+        self.labels.pop(rv, None)
+        return True
 
 
 def _first_by_name(view: GraphView) -> dict[str, int]:
@@ -422,12 +510,11 @@ def _first_by_name(view: GraphView) -> dict[str, int]:
     return found
 
 
-def _regions(va, vb, pairs, b2a, removed: list[int], added: list[int]) -> list[NodeGroup]:
-    """Connected components of unmatched nodes, joined across the sides where they touch the
-    same matched node at the same slot (a region replaced by another)."""
-    links = nx.Graph()
-    links.add_nodes_from(("a", i) for i in removed)
-    links.add_nodes_from(("b", i) for i in added)
+def _region_links(va, vb, pairs, removed: list[int], added: list[int]):
+    """(item, item) links between unmatched nodes (("a", i), ("b", j)) and the places they
+    touch: ("feeds", B node, output slot) for what they read from a matched node, ("reads",
+    B node, input slot) for a matched node reading them; the same place on both sides joins
+    the two sides' regions. In file order, so the union-find is deterministic."""
     for side, members, view, to_b in (("a", removed, va, pairs), ("b", added, vb, None)):
         member_set = set(members)
         for i in members:
@@ -438,34 +525,17 @@ def _regions(va, vb, pairs, b2a, removed: list[int], added: list[int]) -> list[N
                     continue
                 p, out_slot = produced
                 if p in member_set:
-                    links.add_edge((side, i), (side, p))
+                    yield (side, i), (side, p)
                 else:
                     q = to_b.get(p) if to_b is not None else p
                     if q is not None:
-                        links.add_edge((side, i), ("feeds", q, out_slot))
+                        yield (side, i), ("feeds", q, out_slot)
             for t in node.outputs:
                 for c, c_slot in view.consumers.get(t, ()) if t else ():
                     if c not in member_set:
                         d = to_b.get(c) if to_b is not None else c
                         if d is not None:
-                            links.add_edge((side, i), ("reads", d, c_slot))
-    groups = []
-    order_a = {i: k for k, i in enumerate(va.order)}
-    order_b = {i: k for k, i in enumerate(vb.order)}
-    components = []
-    for component in nx.connected_components(links):
-        members_a = sorted((m[1] for m in component if m[0] == "a"), key=order_a.__getitem__)
-        members_b = sorted((m[1] for m in component if m[0] == "b"), key=order_b.__getitem__)
-        if len(members_a) + len(members_b) >= 2 and (members_a or members_b):
-            components.append((members_a, members_b))
-    components.sort(key=lambda c: (order_a[c[0][0]] if c[0] else len(order_a), order_b[c[1][0]] if c[1] else 0))
-    for members_a, members_b in components:
-        groups.append(
-            NodeGroup(
-                "region", None, None, [_ref(va.nodes[i]) for i in members_a], [_ref(vb.nodes[i]) for i in members_b]
-            )
-        )
-    return groups
+                            yield (side, i), ("reads", d, c_slot)
 
 
 # --------------------------------------------------------------------------- model level

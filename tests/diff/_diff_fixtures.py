@@ -152,3 +152,58 @@ def scale_constant(model: onnx.ModelProto, node_name: str, factor: float) -> onn
     values = numpy_helper.to_array(attr.t) * np.float32(factor)
     attr.t.CopyFrom(numpy_helper.from_array(values.astype(np.float32), attr.t.name))
     return out
+
+
+#: MatMul + Add in A; in B one Gemm that a fusion pass named after the MatMul it replaced
+FUSE_A = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4] x) => (float[N, 3] y) {
+    [w] w = Constant<value = float[4, 3] {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}>()
+    [bias] bias = Constant<value = float[3] {1, 2, 3}>()
+    [mm] h = MatMul(x, w)
+    [add] z = Add(h, bias)
+    [act] y = Relu(z)
+}
+"""
+FUSE_B = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4] x) => (float[N, 3] y) {
+    [w] w = Constant<value = float[4, 3] {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}>()
+    [bias] bias = Constant<value = float[3] {1, 2, 3}>()
+    [GEMM] z = Gemm(x, w, bias)
+    [act] y = Relu(z)
+}
+"""
+
+#: A computes h once for two readers; B recomputes it for the second reader (as a
+#: recompute pass does for the backward graph), the copy named after the node it copies
+RECOMPUTE_A = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4] x) => (float[N, 4] y1, float[N, 4] y2) {
+    [pre] p = Sigmoid(x)
+    [r] h = Tanh(p)
+    [use1] y1 = Neg(h)
+    [use2] y2 = Abs(h)
+}
+"""
+RECOMPUTE_B = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4] x) => (float[N, 4] y1, float[N, 4] y2) {
+    [pre] p = Sigmoid(x)
+    [r] h = Tanh(p)
+    [use1] y1 = Neg(h)
+    [COPY_PRE] p2 = Sigmoid(x)
+    [COPY_R] h2 = Tanh(p2)
+    [use2] y2 = Abs(h2)
+}
+"""
+
+
+def named(text: str, **names: str) -> onnx.ModelProto:
+    """``text`` parsed, with the nodes named by placeholder (``GEMM``) renamed: the ONNX text
+    syntax has no ``::`` in names."""
+    model = onnx.parser.parse_model(text)
+    for node in model.graph.node:
+        node.name = names.get(node.name, node.name)
+    onnx.checker.check_model(model, full_check=True)
+    return model

@@ -498,3 +498,36 @@ def test_a_value_other_than_the_default_shows_the_default_on_the_other_side():
     diff = diff_models(_defaults_model(), _defaults_model(gemm="<transB = 1>", custom="<k = 0>"))
     changes = {c.a.name: [(a.name, a.a, a.b) for a in c.attributes] for c in diff.graph.changed}
     assert changes == {"gemm": [("transB", 0, 1)], "mine": [("k", None, 0)]}  # custom ops: as written
+
+
+# --------------------------------------------------------------------------- n:m groups with origins
+
+
+def test_a_fusion_named_after_its_origin_is_one_group_of_two_to_one():
+    from _diff_fixtures import FUSE_A, FUSE_B, named
+
+    a = parse(FUSE_A)
+    for name in ("fuse::mm/Gemm_1", "fuse::add/Gemm_1"):  # named after either fused node
+        diff = diff_models(a, named(FUSE_B, GEMM=name))
+        check_counts(diff)
+        (group,) = diff.graph.groups
+        assert (group.kind, group.role, group.origin) == ("origin", "fuse", name.split("::")[1].split("/")[0])
+        assert names(group.a) == ["mm", "add"] and names(group.b) == [name]
+        assert not diff.graph.changed  # Relu reads the fused output: the group says so
+        assert "⇄ fuse:: nodes for" in diff.to_text() and "- Add" not in diff.to_text()
+
+
+def test_a_recomputed_node_groups_its_copies_with_the_node_one_to_n():
+    from _diff_fixtures import RECOMPUTE_A, RECOMPUTE_B, named
+
+    diff = diff_models(
+        parse(RECOMPUTE_A), named(RECOMPUTE_B, COPY_PRE="recompute::pre/Sigmoid_1", COPY_R="recompute::r/Tanh_1")
+    )
+    check_counts(diff)
+    assert not diff.graph.removed and not diff.graph.changed  # use2 reads the copy of r: explained
+    by_origin = {g.origin: g for g in diff.graph.groups}
+    assert set(by_origin) == {"pre", "r"} and all(g.kind == "origin" for g in by_origin.values())
+    for origin, copy_name in (("pre", "recompute::pre/Sigmoid_1"), ("r", "recompute::r/Tanh_1")):
+        group = by_origin[origin]
+        assert group.anchor_a.name == group.anchor_b.name == origin  # matched on both sides
+        assert not group.a and names(group.b) == [copy_name]
