@@ -52,5 +52,9 @@ class CheckpointError(GraphforgeError):
     """A checkpoint is missing, corrupt, or does not match the program; names the file and tensor."""
 
 
+class DeviceError(GraphforgeError):
+    """A device was asked for that is unknown or not usable here (CUDA without a working GPU)."""
+
+
 class ConfigError(GraphforgeError):
     """A training config is unreadable, names an unknown key, a value of the wrong type, or a missing file."""

@@ -44,10 +44,19 @@ import onnxruntime as ort
 from onnx import helper
 
 from graphforge import roles
-from graphforge.errors import GraphforgeError
+from graphforge.errors import DeviceError, GraphforgeError
 from graphforge.graph import Model, ModelSource, one_line
 from graphforge.runtime.checkpoint import CheckpointState, carried_specs, program_proto
-from graphforge.runtime.sessions import CPU, CUDA, available_providers, create_session, lean_model, session_options
+from graphforge.runtime.sessions import (
+    CPU,
+    CUDA,
+    _node_reads,
+    _provider_works,
+    available_providers,
+    create_session,
+    lean_model,
+    session_options,
+)
 
 _NEXT = "_next"
 #: host outputs of a fixed shape up to this many elements get a preallocated buffer
@@ -94,6 +103,17 @@ class _Binding:
     binding: ort.IOBinding
     preallocated: dict[str, ort.OrtValue]
     allocated: list[str]
+
+
+@dataclass
+class _Undo:
+    """What the last run changed: the carried tensors it wrote (their other buffer still
+    holds the value before it), and the step count, reset flag and gradients before it."""
+
+    written: list[_Carried]
+    step: int
+    grad_reset_pending: bool
+    received: dict[str, ort.OrtValue] | None
 
 
 @dataclass
@@ -166,8 +186,10 @@ class Module:
         self._extra_runners: dict[tuple, _Runner] = {}  # the other sessions, by what they compute
         self._segments: _Segments | None = None
         self._eval: _Runner | None = None
+        self._eval_model: onnx.ModelProto | None = None
         self._optimizer: Optimizer | None = None
         self.last_grad_norm: float | None = None
+        self._undo: _Undo | None = None  # what undo_last_run() restores
 
     # ------------------------------------------------------------------ modes
 
@@ -200,12 +222,18 @@ class Module:
 
         Batch inputs go by position (``module.input_names`` order, labels included) or by
         name. Returns the loss, or ``(loss, *outputs)`` when forward outputs are requested.
+        In eval mode the labels may be left out when outputs are requested: only what
+        they need runs, and the loss is None.
         """
         feeds = self._batch(batch, feeds)
         outputs = list(outputs)
         if not self.training:
             runner = self._eval_runner()
             self._check_outputs(outputs, runner.outputs, "in eval mode")
+            if outputs and any(n not in feeds and n not in runner.defaults for n in self.input_names):
+                runner = self._eval_runner(tuple(outputs))  # no loss: labels (and what else it reads) not needed
+                host, _ = self._run(runner, feeds, outputs, [])
+                return (None, *(host[n] for n in outputs))
             host, _ = self._run(runner, feeds, [self.loss_name, *outputs], [])
             return _result(host, self.loss_name, outputs)
         segments = self._segment_models()
@@ -239,6 +267,22 @@ class Module:
     def lazy_reset_grad(self) -> None:
         """Make the next ``module(...)`` call overwrite the accumulated gradients instead of adding to them."""
         self.state.grad_reset_pending = True
+
+    def undo_last_run(self) -> None:
+        """Put the state back as it was before the last run (``train_step``, ``module(...)`` or
+        ``optimizer.step()``): carried tensors, step count and the reset-grad flag. The
+        ping-pong buffers still hold the values the run read, so nothing is copied; only the
+        last run can be undone. ``graphforge train`` uses it to keep the last finite state
+        when a step's loss is not finite."""
+        undo = self._undo
+        if undo is None:
+            raise GraphforgeError("nothing to undo: no run since the module was made or the last undo")
+        for c in undo.written:
+            c.current = 1 - c.current
+        self.state.step = undo.step
+        self.state.grad_reset_pending = undo.grad_reset_pending
+        self._received = undo.received
+        self._undo = None
 
     def _optimizer_step(self) -> None:
         if not self.training:
@@ -285,9 +329,18 @@ class Module:
 
     # ------------------------------------------------------------------ sessions
 
-    def _runner(self, model: onnx.ModelProto, where: str, keep: Sequence[str] | None = None) -> _Runner:
-        """A session for ``model`` computing only the outputs in ``keep`` (None: all of them)."""
+    def _runner(
+        self, model: onnx.ModelProto, where: str, keep: Sequence[str] | None = None, *, only_read_inputs: bool = False
+    ) -> _Runner:
+        """A session for ``model`` computing only the outputs in ``keep`` (None: all of them);
+        ``only_read_inputs``: without the graph inputs no node reads then (the labels when
+        only forward outputs are kept)."""
         model = lean_model(model, keep, bound=self._carried)
+        if only_read_inputs:
+            read = {n for node in model.graph.node for n in _node_reads(node)} | {o.name for o in model.graph.output}
+            kept = [i for i in model.graph.input if i.name in read]
+            del model.graph.input[:]
+            model.graph.input.extend(kept)
         options = session_options(**self._threads)
         # onnxruntime plans a memory pattern after the first run and then allocates it as one
         # more block beside the arena that the first run filled: for a training step that
@@ -377,12 +430,21 @@ class Module:
             runner = self._extra_runners[key] = self._runner(model, where, keep)
         return runner
 
-    def _eval_runner(self) -> _Runner:
-        if self._eval is None:
+    def _eval_runner(self, outputs: tuple[str, ...] = ()) -> _Runner:
+        """The eval model's session (loss and forward outputs), or one computing only ``outputs``."""
+        if self._eval_model is None:
             from graphforge.inference import eval_model
 
-            model = eval_model(self._program, [self.loss_name, *self.output_names])
-            self._eval = self._runner(model, "the eval model")
+            self._eval_model = eval_model(self._program, [self.loss_name, *self.output_names])
+        if outputs:
+            key = ("eval", outputs)
+            if key not in self._extra_runners:
+                self._extra_runners[key] = self._runner(
+                    self._eval_model, "the eval model", list(outputs), only_read_inputs=True
+                )
+            return self._extra_runners[key]
+        if self._eval is None:
+            self._eval = self._runner(self._eval_model, "the eval model")
         return self._eval
 
     # ------------------------------------------------------------------ binding
@@ -435,11 +497,18 @@ class Module:
             runner.carried_out = [self._by_output[o] for o in runner.outputs if o in self._by_output]
             runner.free_inputs = [n for n in runner.inputs if n not in self._carried]
         carried_in, carried_out = runner.carried_in, runner.carried_out
+        undo = _Undo(carried_out, self.state.step, self.state.grad_reset_pending, self._received)
         for c in carried_out:
             if len(c.slots) == 1:
                 c.slots.append(
                     ort.OrtValue.ortvalue_from_shape_and_type(c.shape, c.dtype, self._device_type, self._device_id)
                 )
+        # an output wanted on the host that also goes on to the next segment (a gradient the
+        # caller asked for) is bound once, on the device, and copied to the host from there:
+        # onnxruntime keeps only the last binding of a name
+        both = [n for n in fetch_host if n in fetch_device]
+        if both:
+            fetch_host = [n for n in fetch_host if n not in both]
         key = (
             tuple(c.current for c in carried_in),
             tuple(c.current for c in carried_out),
@@ -476,8 +545,10 @@ class Module:
             host.update({n: values[offset + i].numpy() for i, n in enumerate(bound.allocated)})
             offset += len(bound.allocated)
             device = {n: values[offset + i] for i, n in enumerate(fetch_device)}
+            host.update({n: _to_numpy(device[n]) for n in both})
         for c in carried_out:
             c.current = 1 - c.current
+        self._undo = undo
         return host, device
 
     def _binding(
@@ -509,7 +580,12 @@ class Module:
         array = np.ascontiguousarray(np.asarray(value))
         expected = runner.input_dtypes.get(name)
         if expected is not None and array.dtype != expected:
-            raise GraphforgeError(f"batch input {name!r} must be {np.dtype(expected).name}, got {array.dtype.name}")
+            if not np.can_cast(array.dtype, expected, casting="safe"):  # int32 labels → int64: no value changes
+                raise GraphforgeError(
+                    f"batch input {name!r} must be {np.dtype(expected).name} (or a type that converts to it "
+                    f"without loss), got {array.dtype.name}"
+                )
+            array = array.astype(expected)
         binding.bind_cpu_input(name, array)
 
 
@@ -569,5 +645,12 @@ def _resolve_device(device: str | None) -> tuple[str, int, list]:
         return "cpu", 0, [CPU]
     if kind in ("cuda", "gpu") and (not index or index.isdigit()):
         device_id = int(index or 0)
+        if not _provider_works(CUDA):
+            why = (
+                "this onnxruntime build has no CUDA provider (install onnxruntime-gpu)"
+                if CUDA not in ort.get_available_providers()
+                else "no CUDA device is usable on this machine"
+            )
+            raise DeviceError(f"device {device!r} asks for CUDA, but {why}; use device 'cpu'")
         return "cuda", device_id, [(CUDA, {"device_id": str(device_id)}), CPU]
-    raise GraphforgeError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+    raise DeviceError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from graphforge import CheckpointState, GraphforgeError, Module, Optimizer
+from graphforge.errors import DeviceError
 from graphforge.runtime import CosineSchedule
+from graphforge.runtime.sessions import CUDA, _provider_works
 
 pytest.importorskip("torch")
 
@@ -86,7 +88,10 @@ def test_batch_size_may_change_between_steps(program):
         (lambda m, x, t: m(x, t, t), "3 batch inputs given, the program takes 2: x, labels"),
         (lambda m, x, t: m(x, t, z=x), "unknown batch input 'z'"),
         (lambda m, x, t: m(x, t, x=x), "'x' given twice"),
-        (lambda m, x, t: m(x.astype(np.float64), t), "batch input 'x' must be float32, got float64"),
+        (
+            lambda m, x, t: m(x.astype(np.float64), t),
+            r"batch input 'x' must be float32 \(or a type that converts to it without loss\), got float64",
+        ),
         (lambda m, x, t: m(x, t, outputs=["nope"]), "output 'nope' is not available"),
         (lambda m, x, t: m(x, t, outputs=["0.weight_next"]), "output '0.weight_next' is not available"),
         (lambda m, x, t: m(x[:, :3], t), "onnxruntime failed to run the program"),
@@ -135,3 +140,62 @@ def test_learning_rate_defaults_to_the_programs_and_is_settable(program):
     # lr 0: adamw's decay (1 - lr * wd) and the update both vanish
     for name, value in module.parameters.items():
         assert np.array_equal(value, before[name]), name
+
+
+def test_a_gradient_requested_from_module_call_also_reaches_the_optimizer(program):
+    """The gradient output is also sent on to the optimizer segment: bound once, read twice."""
+    split, fused = Module(program, device="cpu"), Module(program, device="cpu")
+    split_optimizer = Optimizer(split)
+    Optimizer(fused)
+    for x, target in tm.batches(3):
+        loss, grad = split(x, target, outputs=["0.weight_grad"])
+        split_optimizer.step()
+        fused_loss, fused_grad = fused.train_step(x, target, outputs=["0.weight_grad"])
+        assert np.array_equal(loss, fused_loss) and np.array_equal(grad, fused_grad)
+        assert grad.shape == (tm.N_HIDDEN, tm.N_IN)
+    for name, value in split.parameters.items():
+        assert np.array_equal(value, fused.parameters[name]), name
+
+
+def test_inputs_are_widened_without_loss_and_narrowing_is_refused(program):
+    module, reference = Module(program, device="cpu"), Module(program, device="cpu")
+    x, target = tm.batches(1)[0]
+    x16 = x.astype(np.float16)
+    assert np.array_equal(module(x16, target), reference(x16.astype(np.float32), target))
+    with pytest.raises(GraphforgeError, match="must be float32"):
+        module(x.astype(np.float64), target)
+
+
+def test_eval_mode_needs_no_labels_for_outputs_only(program):
+    module = Module(program, device="cpu").eval()
+    x, target = tm.batches(1)[0]
+    loss, y = module(x, target, outputs=["y"])
+    no_loss, y_only = module(x, outputs=["y"])
+    assert no_loss is None and np.array_equal(y, y_only)
+    with pytest.raises(GraphforgeError, match="missing batch input 'labels'"):
+        module(x)  # the loss needs them
+
+
+def test_undo_last_run_restores_the_state_before_it(program):
+    module = Module(program, device="cpu")
+    Optimizer(module)
+    x, target = tm.batches(1)[0]
+    module.train_step(x, target)
+    before, step = module.state.tensors, module.state.step
+    module.train_step(x, target)
+    module.undo_last_run()
+    assert module.state.step == step
+    for name, value in module.state.tensors.items():
+        assert np.array_equal(value, before[name]), name
+    with pytest.raises(GraphforgeError, match="nothing to undo"):
+        module.undo_last_run()
+    module.train_step(x, target)  # and training goes on from there
+    assert module.state.step == step + 1
+
+
+@pytest.mark.skipif(_provider_works(CUDA), reason="a CUDA device works here")
+def test_cuda_without_a_usable_gpu_is_one_clear_error(program):
+    with pytest.raises(DeviceError, match="device 'cuda' asks for CUDA, but .*use device 'cpu'"):
+        Module(program, device="cuda")
+    with pytest.raises(DeviceError, match="device 'cuda:1'"):
+        Module(program, state=CheckpointState.from_program(program), device="cuda:1")
