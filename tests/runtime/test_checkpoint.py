@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 
 import _training_models as tm
@@ -14,6 +15,7 @@ import pytest
 import graphforge.runtime.checkpoint as checkpoint_module
 from graphforge import CheckpointError, CheckpointManager, CheckpointState, Module, Optimizer
 from graphforge.runtime import CosineSchedule, schedule_from_state_dict
+from graphforge.runtime.checkpoint import checksum
 
 pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -143,12 +145,12 @@ def _rewrite(path, *, drop=None, add=None, replace=None, document=None):
         doc["tensors"].append(
             {"name": name, "role": "optimizer", "dtype": value.dtype.name, "shape": list(value.shape)}
         )
-    if replace:
+    if replace:  # a manifest kept consistent, checksum included
         name, value = replace
         tensors[name] = value
         for t in doc["tensors"]:
             if t["name"] == name:
-                t["dtype"], t["shape"] = value.dtype.name, list(value.shape)
+                t["dtype"], t["shape"], t["crc32"] = value.dtype.name, list(value.shape), checksum(value)
     text = document(doc) if document else json.dumps(doc)
     safetensors_numpy.save_file(tensors, str(path), metadata={"graphforge.checkpoint": text})
 
@@ -160,6 +162,30 @@ def _truncate(path):
 
 def _garbage(path):
     path.write_bytes(b"definitely not a checkpoint")
+
+
+def _data_ranges(path):
+    """(name, first byte, end) of each tensor's data in the file, in file order."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    ranges = [(n, *v["data_offsets"]) for n, v in header.items() if n != "__metadata__"]
+    return [(n, 8 + length + a, 8 + length + b) for n, a, b in sorted(ranges, key=lambda r: r[1])]
+
+
+def _flip_a_byte(path):
+    """One bit of the second tensor's data flipped: the file still parses, the values differ."""
+    name, start, end = _data_ranges(path)[1]
+    data = bytearray(path.read_bytes())
+    data[(start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return name
+
+
+def _cut_in_second_tensor(path):
+    name, start, _ = _data_ranges(path)[1]
+    path.write_bytes(path.read_bytes()[: start + 2])
+    return name
 
 
 CORRUPTIONS = {
@@ -176,8 +202,12 @@ CORRUPTIONS = {
         lambda p: _rewrite(p, replace=("2.bias", np.zeros(3, np.float64))),
         r"tensor '2.bias' is float64 \[3\], the program expects float32 \[3\]",
     ),
-    "truncated": (_truncate, "not a readable checkpoint"),
+    "truncated": (_truncate, r"truncated: tensor '.+' needs data bytes \d+\.\.\d+ but the file holds only \d+"),
+    "truncated in the header": (lambda p: p.write_bytes(p.read_bytes()[:40]), "truncated inside its header"),
+    "bytes appended": (lambda p: p.write_bytes(p.read_bytes() + b"xx"), "2 unexpected byte"),
+    "empty": (lambda p: p.write_bytes(b""), "0 bytes: empty"),
     "not a checkpoint": (_garbage, "not a readable checkpoint"),
+    "flipped bit": (_flip_a_byte, "is damaged: its bytes do not match the checksum saved with it"),
     "invalid JSON": (lambda p: _rewrite(p, document=lambda d: json.dumps(d)[:-5]), "not valid JSON"),
     "manifest disagrees": (
         lambda p: _rewrite(p, document=lambda d: json.dumps({**d, "tensors": d["tensors"][1:]})),
@@ -207,6 +237,41 @@ def test_corrupt_or_mismatched_checkpoint_is_refused(program, tmp_path, case):
     if case in ("missing tensor", "extra tensor", "wrong shape", "wrong dtype"):
         with pytest.raises(CheckpointError, match=message):
             CheckpointState.load(bad, program)
+
+
+def test_a_damaged_or_cut_tensor_is_named(program, tmp_path):
+    path = CheckpointState.from_program(program).save(tmp_path / "ck.safetensors")
+    original = path.read_bytes()
+    name = _flip_a_byte(path)
+    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' is damaged"):
+        CheckpointState.load(path)
+    path.write_bytes(original)
+    name = _cut_in_second_tensor(path)
+    with pytest.raises(
+        CheckpointError, match=rf"truncated: tensor '{re.escape(name)}' needs data bytes .* more tensor"
+    ):
+        CheckpointState.load(path)
+
+
+def test_a_checkpoint_without_checksums_still_loads(program, tmp_path):
+    """Checkpoints written before checksums were saved: nothing to verify, nothing refused."""
+    path = CheckpointState.from_program(program).save(tmp_path / "ck.safetensors")
+    _rewrite(path, document=lambda d: json.dumps({**d, "tensors": [
+        {k: v for k, v in t.items() if k != "crc32"} for t in d["tensors"]]}))  # fmt: skip
+    state = CheckpointState.load(path, program)
+    assert all(spec.crc32 is None for spec in state.specs)
+
+
+def test_a_long_list_of_mismatches_is_capped(mlp_bytes, program, tmp_path):
+    """An adamw checkpoint offered to an sgd program: every moment is extra; five are listed."""
+    path = CheckpointState.from_program(program).save(tmp_path / "adamw.safetensors")
+    sgd = tm.compile_program(mlp_bytes, "sgd(lr=0.1)")
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointState.load(path, sgd)
+    message = str(caught.value)
+    assert message.count("is not carried by the program") == 5
+    assert re.search(r"; \.\.\. and \d+ more$", message)
+    assert "\n" not in message
 
 
 def test_missing_file_is_refused(tmp_path):
