@@ -374,19 +374,46 @@ def train_command(
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="Output folder (default: the config's out, else runs/<config name>).")
     ] = None,
+    allow_config_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-config-change",
+            help="Resume even though the data order or LR-schedule settings (data.batch_size, shuffle, seed, "
+            "drop_last, train.accumulate, train.lr, schedule.*) differ from the checkpoint's; the run goes on "
+            "with the new ones.",
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors; no progress bar.")] = False,
 ) -> None:
     """Train as CONFIG says, writing the program, checkpoints, a JSONL log and TensorBoard scalars.
 
-    Ctrl-C saves a checkpoint and exits with status 130; the same command then resumes.
+    Ctrl-C saves a checkpoint and exits with status 130; the same command then resumes. A
+    loss that is not finite stops the run with status 3, after saving the last finite state.
     """
-    from graphforge.train import Interrupted, run
-
+    try:
+        from graphforge.train import Interrupted, NonFiniteLoss, run
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted; no checkpoint written[/]", highlight=False)
+        raise typer.Exit(130) from None
     _quiet_onnxruntime()
     try:
-        run(config, steps=steps, resume=resume, out=out_dir, quiet=quiet, console=out)
+        run(
+            config,
+            steps=steps,
+            resume=resume,
+            out=out_dir,
+            allow_config_change=allow_config_change or None,
+            quiet=quiet,
+            console=out,
+        )
+    except NonFiniteLoss as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(NonFiniteLoss.EXIT_STATUS) from None
     except Interrupted as exc:
         err.print(f"[yellow]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
+    except KeyboardInterrupt:  # while starting (compiling, loading), or a second Ctrl-C while saving
+        err.print("[yellow]interrupted; no checkpoint written[/]", highlight=False)
         raise typer.Exit(130) from None
 
 

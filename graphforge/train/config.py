@@ -216,12 +216,20 @@ class EvalConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """[checkpoint]: save every N steps (and at the end), keep the last few; resume from the
-    latest one in the output folder, or from ``resume_from``."""
+    latest one in the output folder, or from ``resume_from``.
+
+    A checkpoint records the settings that fix the data order and the learning-rate schedule
+    (data.batch_size, shuffle, seed, drop_last, train.accumulate, train.lr and the schedule);
+    resuming with any of them changed is refused, naming the key and both values, unless
+    ``allow_config_change`` (``graphforge train --allow-config-change``) is set: the run then
+    goes on with the new settings (the schedule rebuilt at the checkpoint's step, the data
+    position carried over by samples consumed)."""
 
     every: int | None = field(default=None, metadata=accepts("int", minimum=1))
     keep_last: int = field(default=3, metadata=accepts("int", minimum=1))
     resume: bool = field(default=True, metadata=accepts("bool"))
     resume_from: Path | None = field(default=None, metadata=accepts("path"))
+    allow_config_change: bool = field(default=False, metadata=accepts("bool"))
 
 
 @dataclass(frozen=True)
@@ -367,7 +375,8 @@ def _check(config: Config) -> None:
         )
     if model.program is not None and model.pipeline is not None:
         raise ConfigError(f"{where}: model.pipeline compiles model.path; a compiled model.program takes none")
-    if (config.train.steps is None) == (config.train.epochs is None):
+    # neither is checked when the run is prepared: the command line's --steps may stand in
+    if config.train.steps is not None and config.train.epochs is not None:
         raise ConfigError(f"{where}: give train.steps or train.epochs (how long to train), exactly one")
     if isinstance(config.data.train, PythonSource):
         batching = sorted(k for k in ("batch_size", "shuffle", "seed", "drop_last") if f"data.{k}" in given)

@@ -75,7 +75,8 @@ def _state_specs(meta: dict[str, str]) -> list[dict]:
 
 class Conformer:
     """Checks batches against the program's inputs and casts integer data to a float input
-    (uint8 images → float32), saying so once through ``note``; any other mismatch is an error.
+    (uint8 images → float32) and any data to a type that holds all its values (int32 labels →
+    int64), saying so once through ``note``; any other mismatch is an error.
     ``where`` starts every message (the config file and key: ``train.toml: data.train``)."""
 
     def __init__(self, inputs: list[InputSpec], where: str, note: Callable[[str], None]):
@@ -100,14 +101,16 @@ class Conformer:
                 )
         if array.dtype == spec.dtype:
             return None
-        if np.issubdtype(array.dtype, np.integer) and np.issubdtype(spec.dtype, np.floating):
+        integer_to_float = np.issubdtype(array.dtype, np.integer) and np.issubdtype(spec.dtype, np.floating)
+        if integer_to_float or np.can_cast(array.dtype, spec.dtype, casting="safe"):
             if name not in self._noted:
                 self._noted.add(name)
                 self.note(f"casting {name} {array.dtype.name} → {spec.dtype.name} (the program's input type)")
             return spec.dtype
         raise ConfigError(
             f"{self.where}: {what} {name!r} is {array.dtype.name}, the program input {name!r} takes "
-            f"{spec.dtype.name} (only integer data is cast, to a float input; convert it beforehand)"
+            f"{spec.dtype.name} (data is cast only where no value changes, or integers to a float input; "
+            "convert it beforehand)"
         )
 
     def required(self) -> list[str]:

@@ -4,7 +4,8 @@ Every logged step is one JSON object on one line of ``log.jsonl`` (step, epoch, 
 loss averaged since the previous line, lr, grad_norm, samples_per_s, elapsed_s, and
 eval_loss / eval_accuracy at an evaluation) and the same numbers as TensorBoard scalars
 (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/samples_per_s``, ``eval/loss``,
-``eval/accuracy``) in ``tensorboard/``. A resumed run first drops what the log holds past
+``eval/accuracy``) in ``tensorboard/``; a number that is not finite (a loss gone nan) is
+``null`` in the log and left out of TensorBoard. A resumed run first drops what the log holds past
 the checkpoint's step (TensorBoard's purge_step does the same for the event files), so the
 log reads as one run.
 """
@@ -107,13 +108,15 @@ class RunLog:
             record["samples_per_s"] = self._samples / self._seconds if self._seconds > 0 else None
         record.update(values)
         record["elapsed_s"] = round(time.perf_counter() - self._started, 3)
+        # a non-finite number (a loss that became nan) is null in the JSONL log and left out
+        # of TensorBoard, which would only print a warning for it
         record = {k: _plain(v) for k, v in record.items() if v is not None}
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
         if self._writer is not None:
             for key, tag in TAGS.items():
-                if key in record:
+                if record.get(key) is not None:
                     self._writer.add_scalar(tag, record[key], step)
         self._reset_interval()
         return record

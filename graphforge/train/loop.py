@@ -29,12 +29,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 from rich.console import Console
 from rich.markup import escape
 
 from graphforge import roles
-from graphforge.errors import ConfigError, GraphforgeError
+from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
 from graphforge.graph import load, save
 from graphforge.inference import forward_outputs
 from graphforge.pass_manager import PassManager
@@ -84,6 +85,31 @@ class Interrupted(KeyboardInterrupt):
         return f"interrupted at step {self.step}; saved {self.checkpoint} (run the same command again to resume)"
 
 
+class NonFiniteLoss(GraphforgeError):
+    """Training stopped because a step's loss (or gradient norm) was not finite.
+
+    The update of that step is undone, so the state is the last finite one, after step
+    ``step``; it was saved to ``checkpoint`` when its tensors are all finite (None when
+    they are not: then the newest checkpoint written before is the one to resume from,
+    and none is overwritten). ``graphforge train`` exits with status 3."""
+
+    EXIT_STATUS = 3
+
+    def __init__(self, message: str, step: int, checkpoint: Path | None):
+        super().__init__(message)
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+class _NotFinite(Exception):
+    """Raised inside the loop by a step whose loss or gradient norm is not finite (already undone)."""
+
+    def __init__(self, what: str, value: float):
+        super().__init__(what, value)
+        self.what = what
+        self.value = value
+
+
 # --------------------------------------------------------------------------- checking everything first
 
 
@@ -105,6 +131,10 @@ class Plan:
     module: Module
     schedule_options: dict
     notes: list[str]
+    #: the settings that fix the data order and the schedule, saved in every checkpoint
+    settings: dict = dataclasses.field(default_factory=dict)
+    #: settings that differ from the checkpoint resumed from (allowed by allow_config_change): key -> (old, new)
+    changed: dict = dataclasses.field(default_factory=dict)
 
 
 def run(
@@ -113,27 +143,35 @@ def run(
     steps: int | None = None,
     out: str | Path | None = None,
     resume: bool | None = None,
+    allow_config_change: bool | None = None,
     quiet: bool = False,
     console: Console | None = None,
 ) -> TrainResult:
     """Train as ``config`` (a Config or a TOML file path) says.
 
-    ``steps``, ``out`` and ``resume`` override ``train.steps`` (instead of steps or
-    epochs), ``out`` (relative to the current folder here) and ``checkpoint.resume``.
+    ``steps``, ``out``, ``resume`` and ``allow_config_change`` override ``train.steps``
+    (instead of steps or epochs), ``out`` (relative to the current folder here),
+    ``checkpoint.resume`` and ``checkpoint.allow_config_change``.
     Prints progress on ``console`` (default: stdout), nothing with ``quiet``. Raises a
     ConfigError for a bad config before writing anything, and :class:`Interrupted` on Ctrl-C.
     """
     config = config if isinstance(config, Config) else load_config(config)
-    config = with_overrides(config, steps=steps, out=out, resume=resume)
+    config = with_overrides(config, steps=steps, out=out, resume=resume, allow_config_change=allow_config_change)
     console = Console(quiet=True) if quiet else (console or Console())
     plan = prepare(config)
     return Run(plan, console).train()
 
 
 def with_overrides(
-    config: Config, *, steps: int | None = None, out: str | Path | None = None, resume: bool | None = None
+    config: Config,
+    *,
+    steps: int | None = None,
+    out: str | Path | None = None,
+    resume: bool | None = None,
+    allow_config_change: bool | None = None,
 ) -> Config:
-    """``config`` with the command line's --steps, --out and --resume/--no-resume applied."""
+    """``config`` with the command line's --steps, --out, --resume/--no-resume and
+    --allow-config-change applied."""
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigError(f"steps must be a whole number ≥ 1, got {steps!r}")
@@ -142,6 +180,9 @@ def with_overrides(
         config = dataclasses.replace(config, out=Path(out))
     if resume is not None:
         config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=bool(resume)))
+    if allow_config_change is not None:
+        checkpoint = dataclasses.replace(config.checkpoint, allow_config_change=bool(allow_config_change))
+        config = dataclasses.replace(config, checkpoint=checkpoint)
     return config
 
 
@@ -201,14 +242,17 @@ def prepare(config: Config) -> Plan:
 
     state, resumed_from = _starting_state(config, out, program)
     schedule_options = _schedule_options(config, meta, total_steps)
+    settings = run_settings(config, train, schedule_options)
+    changed = {}
+    if resumed_from is not None:
+        _check_resumable(state, resumed_from)
+        changed = _changed_settings(config, state, settings, resumed_from)
+        for key, (old, new) in changed.items():
+            note(f"resuming with {key} = {new!r} instead of the checkpoint's {old!r} (checkpoint.allow_config_change)")
     try:
         module = Module(program, state, device=config.train.device)
-    except ConfigError:
-        raise
-    except GraphforgeError as exc:
-        if config.train.device is not None and "device" in str(exc):
-            raise ConfigError(f"{where}: train.device: {exc}") from None
-        raise
+    except DeviceError as exc:
+        raise ConfigError(f"{where}: train.device: {exc}") from None
     return Plan(
         config=config,
         out=out,
@@ -224,6 +268,8 @@ def prepare(config: Config) -> Plan:
         module=module,
         schedule_options=schedule_options,
         notes=notes,
+        settings=settings,
+        changed=changed,
     )
 
 
@@ -241,7 +287,10 @@ def _program(config: Config) -> tuple[onnx.ModelProto, str]:
             raise ConfigError(f"{where}: model.pipeline: {exc}") from None
         forward = _load(model.path, where, "model.path")
         started = time.perf_counter()
-        program = PassManager(passes).run(forward).model
+        try:
+            program = PassManager(passes).run(forward).model
+        except GraphforgeError as exc:  # a pass refused the model: say which config key compiled it
+            raise ConfigError(f"{where}: model.pipeline: {exc}") from None
         source = f'{shown(model.path)}, compiled with "{model.pipeline}" in {time.perf_counter() - started:.2f} s'
         key = "model.pipeline"
     try:
@@ -267,6 +316,8 @@ def _total_steps(config: Config, train: Source) -> int:
     where, accumulate = config.where, config.train.accumulate
     if config.train.steps is not None:
         return config.train.steps
+    if config.train.epochs is None:
+        raise ConfigError(f"{where}: give train.steps or train.epochs (how long to train), or --steps")
     per_epoch = train.batches_per_epoch
     if per_epoch is None:
         per_epoch = train.count_batches()
@@ -332,6 +383,90 @@ def _schedule_options(config: Config, meta: dict[str, str], total_steps: int) ->
     return options
 
 
+#: the key of CheckpointState.properties under which a run saves its settings
+SETTINGS = "settings"
+
+
+def run_settings(config: Config, train: Source, schedule_options: dict) -> dict:
+    """The config values that fix the data order and the learning-rate schedule, by key."""
+    settings: dict = {}
+    if isinstance(train, ArraySource):  # a Python source batches and orders itself
+        data = config.data
+        settings.update(
+            {
+                "data.batch_size": data.batch_size,
+                "data.shuffle": data.shuffle,
+                "data.seed": data.seed,
+                "data.drop_last": data.drop_last,
+            }
+        )
+    schedule = config.schedule
+    settings["train.accumulate"] = config.train.accumulate
+    settings["train.lr"] = schedule_options["base_lr"]
+    settings["schedule.kind"] = schedule.kind
+    settings["schedule.warmup_steps"] = schedule.warmup_steps
+    if schedule.warmup_steps:
+        settings["schedule.warmup_start_factor"] = schedule.warmup_start_factor
+    if schedule.kind != "constant":  # a decay: where it ends, and at what lr
+        settings["schedule.total_steps"] = schedule_options["total_steps"]
+        settings["schedule.end_lr"] = schedule.end_lr
+    if schedule.kind == "polynomial":
+        settings["schedule.power"] = schedule.power
+    return settings
+
+
+def _changed_settings(config: Config, state: CheckpointState, settings: dict, path: Path) -> dict:
+    """Settings that differ from those the checkpoint was written with: refused (ConfigError
+    naming the key and both values) unless checkpoint.allow_config_change. Checkpoints from
+    before settings were saved are not compared."""
+    saved = state.properties.get(SETTINGS)
+    if not isinstance(saved, dict):
+        return {}
+    missing = object()
+    changed = {
+        key: (saved.get(key, missing), settings.get(key, missing))
+        for key in dict.fromkeys([*saved, *settings])
+        if saved.get(key, missing) != settings.get(key, missing)
+    }
+    changed = {k: tuple(None if v is missing else v for v in pair) for k, pair in changed.items()}
+    if changed and not config.checkpoint.allow_config_change:
+        key, (old, new) = next(iter(changed.items()))
+        more = f" (and {len(changed) - 1} more: {', '.join(list(changed)[1:])})" if len(changed) > 1 else ""
+        shown_new = "unset" if new is None else repr(new)
+        raise ConfigError(
+            f"{config.where}: {key} is {shown_new} but {shown(path)} was written with {key} = {old!r}{more}; "
+            "resuming with it changed alters the data order or the learning-rate schedule. Put it back, or "
+            "pass --allow-config-change (checkpoint.allow_config_change = true) to go on with the new value"
+        )
+    return changed
+
+
+def _check_resumable(state: CheckpointState, path: Path) -> None:
+    """Refuse (CheckpointError, one line) what a checkpoint holds that the loop cannot go on
+    from: a data position that is not {"epoch": E, "batch": B}, a schedule state that does
+    not rebuild, a tensor with nan or inf values."""
+    where = shown(path)
+    position = state.data_position
+    ok = position is None or (isinstance(position, dict) and set(position) <= {"epoch", "batch"})
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (position or {}).values())
+    if not ok:
+        raise CheckpointError(
+            f"{where}: its data_position is {json.dumps(position)[:80]}, expected "
+            '{"epoch": E, "batch": B} with whole numbers ≥ 0'
+        )
+    if state.scheduler:
+        try:
+            schedule_from_state_dict(state.scheduler)
+        except GraphforgeError as exc:
+            raise CheckpointError(f"{where}: its schedule state is unusable: {exc}") from None
+    bad = [name for name, value in state.tensors.items() if not _all_finite(value)]
+    if bad:
+        raise CheckpointError(
+            f"{where}: tensor(s) {_listed(bad)} hold nan or inf values; resume from an earlier checkpoint "
+            "(checkpoint.resume_from)"
+        )
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -361,14 +496,15 @@ class Run:
         self._describe(program_path)
         optimizer = Optimizer(self.module)
         schedule = self._schedule(optimizer)
-        if isinstance(plan.train, ArraySource) and plan.resumed_from is not None:
+        self._say(f"[bold]schedule[/] {escape(_describe_schedule(schedule))}")
+        if isinstance(plan.train, ArraySource) and plan.resumed_from is not None and "data.seed" not in plan.changed:
             seed = int(state.seeds.get("data", config.data.seed))
-            if seed != config.data.seed:
+            if seed != config.data.seed:  # a checkpoint from before the settings were saved
                 self._say(
                     f"         resuming with the checkpoint's data seed {seed} (the config says {config.data.seed})"
                 )
             plan.train.seed = seed
-        stream = Stream(plan.train, state.data_position if plan.resumed_from is not None else None)
+        stream = Stream(plan.train, self._resumed_position())
         profile = config.profile
         profiler = (
             StepProfiler(plan.program, plan.out / PROFILE_DIR, profile.start, profile.steps)
@@ -425,6 +561,8 @@ class Run:
                 self._after_step(loss, samples, seconds, lr, schedule, stream, profiler, log)
             except KeyboardInterrupt:
                 raise self._interrupt(schedule, stream, (before, position), log, profiler) from None
+            except _NotFinite as exc:
+                raise self._stop_not_finite(exc, schedule, stream, position, log, profiler) from None
 
     def _step(self, optimizer: Optimizer, schedule: LRSchedule, stream: Stream, profiler) -> tuple[float, int, float]:
         """One optimizer step: its mean loss, samples and seconds (profiling not counted)."""
@@ -441,9 +579,12 @@ class Run:
                 profiled += time.perf_counter() - mark
             # one micro-batch per step: the fused step, one session.run; else accumulate, then update
             losses.append(float(module.train_step(**batch) if accumulate == 1 else module(**batch)))
+            _check_finite(module, "loss", losses[-1])
         if accumulate > 1:
             optimizer.step()
             module.lazy_reset_grad()
+        if module.last_grad_norm is not None:
+            _check_finite(module, "gradient norm", module.last_grad_norm)
         schedule.step()
         return sum(losses) / len(losses), samples, time.perf_counter() - started - profiled
 
@@ -479,9 +620,23 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints and Ctrl-C
 
+    def _resumed_position(self) -> dict | None:
+        """Where the data stream of a resumed run starts: the checkpoint's position, or with
+        a changed data.batch_size, the batch of the new size holding the first sample not
+        consumed yet in that epoch (a few samples may be seen twice in that epoch)."""
+        plan, position = self.plan, self.state.data_position
+        if plan.resumed_from is None or position is None:
+            return None
+        if "data.batch_size" in plan.changed:
+            old, new = plan.changed["data.batch_size"]
+            consumed = int(position.get("batch", 0)) * int(old)
+            position = {"epoch": int(position.get("epoch", 0)), "batch": consumed // int(new)}
+        return position
+
     def _schedule(self, optimizer: Optimizer) -> LRSchedule:
         state = self.state
-        if self.plan.resumed_from is not None and state.scheduler:
+        schedule_changed = any(k.startswith("schedule.") or k == "train.lr" for k in self.plan.changed)
+        if self.plan.resumed_from is not None and state.scheduler and not schedule_changed:
             try:
                 return schedule_from_state_dict(state.scheduler, optimizer)
             except GraphforgeError as exc:
@@ -492,6 +647,7 @@ class Run:
         state = self.state
         state.scheduler = schedule.state_dict()
         state.seeds = {**state.seeds, "data": int(getattr(stream.source, "seed", self.config.data.seed))}
+        state.properties[SETTINGS] = self.plan.settings
         state.data_position = position if position is not None else stream.position
         path = self.checkpoints.save(state)
         self.saved_step = state.step
@@ -513,6 +669,37 @@ class Run:
             profiler.finish()
         self.last_saved = self._save(schedule, stream, position)
         return Interrupted(state.step, self.last_saved)
+
+    def _stop_not_finite(self, exc: _NotFinite, schedule, stream: Stream, position, log: RunLog, profiler):
+        """The NonFiniteLoss to raise: the failed step is undone (by _step), logged, and the
+        state after the step before it is saved, unless it is not finite itself (a
+        checkpoint never holds nan parameters) or was saved already."""
+        state = self.state
+        failed = state.step + 1
+        log.step(failed, exc.value if exc.what == "loss" else math.nan, 0, 0.0)
+        log.record(failed, {"lr": self.module.learning_rate, "stopped": f"{exc.what} is {exc.value}"})
+        log.close()
+        if profiler is not None:
+            profiler.finish()
+        state.grad_reset_pending = True  # the failed step's partial accumulation is dropped
+        bad = [name for name, value in state.tensors.items() if not _all_finite(value)]
+        saved = None
+        if bad:
+            kept = f"; the newest checkpoint is {self.last_saved}" if self.last_saved is not None else ""
+            what = f"the state after step {state.step} is not finite either ({_listed(bad)}), so no checkpoint was written{kept}"
+        elif self.saved_step == state.step and self.last_saved is not None:
+            saved = self.last_saved
+            what = f"the last finite state (step {state.step}) is {saved}"
+        else:
+            saved = self.last_saved = self._save(schedule, stream, position)
+            what = f"saved the last finite state (step {state.step}) to {saved}"
+        return NonFiniteLoss(
+            f"step {failed}: the {exc.what} is {exc.value} (not finite); training stopped and the step was undone; "
+            f"{what}. Resume from it with a lower learning rate (train.lr, and --allow-config-change), "
+            "or look for bad values in the data",
+            state.step,
+            saved,
+        )
 
     @contextlib.contextmanager
     def _stop_on_ctrl_c(self) -> Iterator[None]:
@@ -551,16 +738,12 @@ class Run:
         self._say(f"[bold]data[/]     {text}")
         for note in plan.notes:
             self._say(f"         {escape(note)}")
-        schedule = config.schedule
-        lr = plan.schedule_options["base_lr"]
         what = f"{plan.total_steps} steps"
         if config.train.epochs is not None:
             what += f" ({config.train.epochs} epochs)"
         if config.train.accumulate > 1:
             what += f" of {config.train.accumulate} micro-batches"
-        what += f" on {self.module.device}, {optimizer}, {schedule.kind} schedule from lr {lr:g}"
-        if schedule.warmup_steps:
-            what += f", warmup {schedule.warmup_steps}"
+        what += f" on {self.module.device}, {optimizer}"
         self._say(f"[bold]run[/]      {what} → {escape(str(plan.out))}")
         if plan.resumed_from is not None:
             self._say(f"[bold]resume[/]   from {escape(str(plan.resumed_from))} at step {self.state.step}")
@@ -577,6 +760,34 @@ class Run:
         self._say(f"[bold]saved[/]    {escape(str(self.last_saved))}")
         if profile is not None:
             self._say(f"[bold]profile[/]  {escape(str(profile))}")
+
+
+def _describe_schedule(schedule: LRSchedule) -> str:
+    """The schedule a run uses, as built (from the config, or the checkpoint resumed from)."""
+    text = f"{schedule.kind} from lr {schedule.base_lr:g}"
+    if schedule.needs_total:
+        text += f" to {schedule.end_lr:g} at step {schedule.total_steps}"
+    if schedule.warmup_steps:
+        text += f", warmup {schedule.warmup_steps} steps from {schedule.base_lr * schedule.warmup_start_factor:g}"
+    if schedule.last_step:
+        text += f"; at step {schedule.last_step}: lr {schedule.get_last_lr():.4g}"
+    return text
+
+
+def _check_finite(module: Module, what: str, value: float) -> None:
+    """Undo the run that gave a non-finite ``value`` and stop the loop."""
+    if not math.isfinite(value):
+        module.undo_last_run()
+        raise _NotFinite(what, value)
+
+
+def _all_finite(value) -> bool:
+    return not np.issubdtype(value.dtype, np.floating) or bool(np.isfinite(value).all())
+
+
+def _listed(names: list[str], limit: int = 3) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def _line(record: dict, total: int) -> str:
