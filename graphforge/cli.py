@@ -329,6 +329,21 @@ def diff_command(
     inputs: Annotated[
         Path | None, typer.Option("--inputs", help="Inputs for --numeric: an .npz of input name -> array.")
     ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the inputs --numeric generates.")] = 0,
+    dim: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--dim",
+            help="Size of a symbolic dimension in the inputs --numeric generates, NAME=N (repeatable; default 8).",
+        ),
+    ] = None,
+    allow_invalid: Annotated[
+        bool,
+        typer.Option(
+            "--allow-invalid",
+            help="Diff a model the ONNX checker rejects (reported as a warning); dump folders always allow it.",
+        ),
+    ] = False,
     context: Annotated[int, typer.Option(help="In the page of a large graph, hops drawn around each change.")] = 2,
 ) -> None:
     """Compare two models by structure: what was added, removed or changed (exit 0 same, 1 different).
@@ -347,6 +362,9 @@ def diff_command(
         html_out=html_out,
         numeric=numeric,
         inputs=inputs,
+        seed=seed,
+        dims=dim or [],
+        allow_invalid=allow_invalid,
         context=context,
         console=out,
     )

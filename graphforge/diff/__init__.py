@@ -14,10 +14,13 @@ from graphforge.diff.result import SCHEMA, SCHEMA_VERSION, GraphDiff, ModelDiff
 from graphforge.graph import ModelSource
 
 
-def assert_models_equal(a: ModelSource, b: ModelSource, *, structural: bool = False) -> ModelDiff:
+def assert_models_equal(
+    a: ModelSource, b: ModelSource, *, structural: bool = False, allow_invalid: bool = False
+) -> ModelDiff:
     """Raise AssertionError with the text report unless the models are identical (or, with
-    ``structural=True``, identical up to names, initializer values and model-level fields)."""
-    diff = diff_models(a, b)
+    ``structural=True``, identical up to names, initializer values and model-level fields).
+    An invalid model raises InvalidModelError unless ``allow_invalid``."""
+    diff = diff_models(a, b, allow_invalid=allow_invalid)
     ok = diff.structurally_identical if structural else diff.identical
     if not ok:
         what = "structurally identical" if structural else "identical"

@@ -39,13 +39,23 @@ def run_diff(
     inputs: Path | None,
     context: int,
     console: Console,
+    seed: int = 0,
+    dims: list[str] | None = None,
+    allow_invalid: bool = False,
 ) -> int:
     """Run the command; returns the exit status (0 identical, 1 different)."""
     if a is None:
         raise DiffUsageError("diff needs two models (A B), two dump folders, one dump folder, or --pipeline SPEC MODEL")
     if context < 0:
         raise DiffUsageError(f"--context must be 0 or more, got {context}")
-    options = {"numeric": numeric or inputs is not None, "inputs": inputs}
+    sizes = parse_dims(dims or [])
+    options = {
+        "numeric": numeric or inputs is not None or bool(sizes),
+        "inputs": inputs,
+        "seed": seed,
+        "dims": sizes,
+        "allow_invalid": allow_invalid,
+    }
     if pipeline is not None:
         if b is not None:
             raise DiffUsageError("--pipeline SPEC takes one model: graphforge diff --pipeline SPEC MODEL")
@@ -61,6 +71,8 @@ def run_diff(
             raise DiffUsageError(
                 f"cannot diff the folder {folder} against the file {other}: give two models or two dump folders"
             )
+        # a dump folder holds what failed passes left behind: diff it, report it invalid
+        options["allow_invalid"] = True
         for step in steps:
             if step.a is not None and step.b is not None:
                 step.diff = diff_models(step.a.path, step.b.path, **options)
@@ -69,6 +81,22 @@ def run_diff(
         raise DiffUsageError(f"diff needs a second model to compare {a} with (or --pipeline SPEC, or a dump folder)")
     diff = diff_models(a, b, **options)
     return _report_one(diff, brief, json_out, html_out, context, console)
+
+
+def parse_dims(specs: list[str]) -> dict[str, int]:
+    """``["batch=8", "seq=16"]`` as {"batch": 8, "seq": 16}."""
+    sizes: dict[str, int] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        name = name.strip()
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if not sep or not name or size < 1:
+            raise DiffUsageError(f"--dim {spec}: expected NAME=N with N a whole number of at least 1 (--dim batch=8)")
+        sizes[name] = size
+    return sizes
 
 
 def pipeline_diff(model: Path, pipeline: str, **options) -> ModelDiff:
@@ -153,6 +181,9 @@ def _report_steps(
             table.add_row(str(k), a_name, b_name, Text("only in " + ("A" if step.b is None else "B"), "red"), "", "")
             continue
         text, style = verdict(step.diff)
+        invalid = [side.upper() for side, problem in step.diff.problems.items() if problem is not None]
+        if invalid:
+            text += f" ({' and '.join(invalid)} invalid)"
         s = step.diff.summary()
         nodes = f"+{s['nodes_added']} -{s['nodes_removed']} ~{s['nodes_changed']}"
         delta = ", ".join(f"{c.op} {c.b - c.a:+d}" for c in step.diff.histogram)

@@ -28,9 +28,10 @@ from graphforge.diff.result import (
     ValueStats,
     WiringChange,
 )
-from graphforge.diff.source import Side, bytes_equal, open_side, tensor_array
+from graphforge.diff.source import Side, bytes_equal, model_problem, open_side, tensor_array
 from graphforge.diff.stats import value_stats
 from graphforge.diff.view import GraphView, Init, NodeRec, Value, function_view, graph_view, opset_map
+from graphforge.errors import InvalidModelError
 from graphforge.graph import ModelSource
 
 
@@ -38,25 +39,41 @@ def diff_models(
     a: ModelSource | Side,
     b: ModelSource | Side,
     *,
+    allow_invalid: bool = False,
     numeric: bool = False,
     inputs: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
     seed: int = 0,
+    dims: Mapping[str, int] | None = None,
     rtol: float = 1e-4,
     atol: float = 1e-5,
 ) -> ModelDiff:
     """Compare two models (paths, bytes or ModelProtos; see docs/diff-json.md for the result).
 
+    Each side must pass the ONNX checker (full check) unless ``allow_invalid``: then an
+    invalid side is diffed all the same and its problem reported (``problems``, ``valid``).
+
     numeric: also run both in onnxruntime on the same inputs (``inputs``: a mapping or an
-    .npz file; missing ones are generated from the declared shapes with a seeded RNG) with
-    every matched intermediate tensor exposed, and report how each pair differs, and the
-    first one, in topological order, that differs beyond ``rtol``/``atol``.
+    .npz file; missing ones are generated from the declared shapes with a RNG seeded by
+    ``seed``, symbolic dims sized by ``dims`` or numeric.DEFAULT_DIM) with every matched
+    intermediate tensor exposed, and report how each pair differs, and the first one, in
+    topological order, that differs beyond ``rtol``/``atol``.
     """
     side_a, side_b = open_side(a), open_side(b)
+    problems = {"a": model_problem(side_a), "b": model_problem(side_b)}
+    if not allow_invalid:
+        for side, problem in ((side_a, problems["a"]), (side_b, problems["b"])):
+            if problem is not None:
+                raise InvalidModelError(
+                    f"{side.label}: not a valid ONNX model: {problem} (--allow-invalid diffs it anyway)"
+                )
     result = diff_sides(side_a, side_b)
-    if numeric or inputs is not None:
+    result.problems = problems
+    if numeric or inputs is not None or dims:
         from graphforge.diff.numeric import numeric_report
 
-        result.numeric = numeric_report(side_a, side_b, result.graph, inputs=inputs, seed=seed, rtol=rtol, atol=atol)
+        result.numeric = numeric_report(
+            side_a, side_b, result, inputs=inputs, seed=seed, dims=dims, rtol=rtol, atol=atol
+        )
     return result
 
 

@@ -4,6 +4,11 @@ Each model gets every node output the match pairs as an extra graph output; onnx
 runs them with graph optimizations off (a fused kernel would hide the tensors, and the
 values must be the ones the graph describes). The pairs are compared in A's topological
 order, so the first pair beyond tolerance is the place where the two models part ways.
+Only main-graph tensors are exposed: what a subgraph (If branch, Loop or Scan body) or a
+function body computes inside shows only through the node that holds it.
+
+Agreement holds only at the inputs used: when initializers differ and no compared tensor
+does, the report says so (``warnings``) rather than let "all tensors agree" stand alone.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphforge.diff.result import GraphDiff, NodeRef, NumericReport, TensorNumeric
+from graphforge.diff.result import GraphDiff, ModelDiff, NodeRef, NumericReport, TensorNumeric
 from graphforge.diff.source import Side
 from graphforge.diff.stats import value_stats
 from graphforge.diff.view import GraphView, Value
@@ -27,8 +32,10 @@ from graphforge.graph import one_line
 from graphforge.runtime import create_session
 from graphforge.runtime.sessions import session_options
 
-#: the size given to a symbolic or unknown dimension of a generated input
-DEFAULT_DIM = 2
+#: the size given to a symbolic or unknown dimension of a generated input (``--dim NAME=N``
+#: sets one): large enough that a batch or a sequence is not one or two elements a ReLU may
+#: zero out, small enough for GPT-2's attention at every layer
+DEFAULT_DIM = 8
 #: integer inputs are drawn from [0, this) unless they index an initializer (then its size)
 DEFAULT_INT_HIGH = 2
 #: ops whose input at the given slot indexes the data at slot 0 along ``axis``
@@ -38,13 +45,15 @@ _INDEX_INPUTS = {"Gather": 1, "GatherElements": 1}
 def numeric_report(
     side_a: Side,
     side_b: Side,
-    graph: GraphDiff,
+    diff: ModelDiff,
     *,
     inputs: Mapping[str, np.ndarray] | str | os.PathLike | None,
     seed: int,
     rtol: float,
     atol: float,
+    dims: Mapping[str, int] | None = None,
 ) -> NumericReport:
+    graph = diff.graph
     assert graph.views is not None
     va, vb = graph.views
     given = load_inputs(inputs)
@@ -54,11 +63,12 @@ def numeric_report(
         raise GraphforgeError(
             f"numeric inputs name {', '.join(map(repr, unknown))}, which neither model reads (A's inputs: {names})"
         )
+    sizes = dim_sizes(va, vb, dims or {})
     rng = np.random.default_rng(seed)
     feeds_a: dict[str, np.ndarray] = {}
     described: dict[str, dict[str, Any]] = {}
     for v in va.inputs:
-        feeds_a[v.name] = given[v.name] if v.name in given else generate_input(v, va, rng)
+        feeds_a[v.name] = given[v.name] if v.name in given else generate_input(v, va, rng, sizes)
         described[v.name] = {
             "dtype": str(feeds_a[v.name].dtype),
             "shape": list(feeds_a[v.name].shape),
@@ -72,14 +82,50 @@ def numeric_report(
         elif v.name in paired:
             feeds_b[v.name] = feeds_a[paired[v.name]]
         else:
-            feeds_b[v.name] = generate_input(v, vb, rng)
+            feeds_b[v.name] = generate_input(v, vb, rng, sizes)
     pairs = _tensor_pairs(graph, va, vb)
     values_a = _run(side_a, [a for a, _, _ in pairs], feeds_a, "A")
     values_b = _run(side_b, [b for _, b, _ in pairs], feeds_b, "B")
     tensors = [
         compare_tensor(ta, tb, node, values_a.get(ta), values_b.get(tb), rtol=rtol, atol=atol) for ta, tb, node in pairs
     ]
-    return NumericReport(described, seed, rtol, atol, tensors)
+    report = NumericReport(described, seed, rtol, atol, tensors, dims=sizes)
+    report.warnings = unseen_changes(diff, report)
+    return report
+
+
+def dim_sizes(va: GraphView, vb: GraphView, dims: Mapping[str, int]) -> dict[str, int]:
+    """Symbolic dim name -> the size generated inputs give it: ``dims`` where named, else
+    DEFAULT_DIM. A name no input of either model uses is refused (a typo would go unnoticed)."""
+    symbolic: dict[str, None] = {}
+    for v in (*va.inputs, *vb.inputs):
+        for d in v.shape or ():
+            if isinstance(d, str):
+                symbolic.setdefault(d, None)
+    unknown = [name for name in dims if name not in symbolic]
+    if unknown:
+        known = ", ".join(symbolic) or "none"
+        raise GraphforgeError(
+            f"--dim {unknown[0]}: no input of either model has a dimension named {unknown[0]!r} "
+            f"(symbolic dimensions: {known})"
+        )
+    bad = [f"{name}={size}" for name, size in dims.items() if not isinstance(size, int) or size < 1]
+    if bad:
+        raise GraphforgeError(f"--dim {bad[0]}: a dimension's size must be a whole number of at least 1")
+    return {name: int(dims.get(name, DEFAULT_DIM)) for name in symbolic}
+
+
+def unseen_changes(diff: ModelDiff, report: NumericReport) -> list[str]:
+    """Changes the inputs never showed: initializers whose values differ while no compared
+    tensor does (a weight masked by a ReLU at these inputs, or read by a branch not taken)."""
+    if report.first_divergence is not None:
+        return []
+    return [
+        f"initializer {c.a['name']!r} differs but no compared tensor does at these inputs; try other --seed/--inputs"
+        for g in diff.all_graphs()
+        for c in g.initializers
+        if c.status == "changed" and c.a is not None
+    ]
 
 
 def load_inputs(inputs: Mapping[str, np.ndarray] | str | os.PathLike | None) -> dict[str, np.ndarray]:
@@ -107,15 +153,19 @@ def load_inputs(inputs: Mapping[str, np.ndarray] | str | os.PathLike | None) -> 
         raise GraphforgeError(f"{path}: cannot read inputs ({one_line(exc)}); {expected}") from None
 
 
-def generate_input(value: Value, view: GraphView, rng: np.random.Generator) -> np.ndarray:
-    """Random data for a declared input: symbolic dims become DEFAULT_DIM, floats are standard
-    normal, integers stay below the size of what they index (Gather), booleans are fair coins."""
+def generate_input(
+    value: Value, view: GraphView, rng: np.random.Generator, sizes: Mapping[str, int] | None = None
+) -> np.ndarray:
+    """Random data for a declared input: a symbolic dim gets its size from ``sizes`` (else
+    DEFAULT_DIM), an unknown one DEFAULT_DIM; floats are standard normal, integers stay below
+    the size of what they index (Gather), booleans are fair coins."""
     if value.shape is None or not value.dtype or value.dtype.startswith(("sequence", "map", "optional", "sparse")):
         raise GraphforgeError(
             f"numeric: cannot generate input {value.name!r} (type {value.dtype or 'unknown'}, shape "
             f"{'unknown' if value.shape is None else list(value.shape)}); pass it with --inputs FILE.npz"
         )
-    shape = [d if isinstance(d, int) else DEFAULT_DIM for d in value.shape]
+    sizes = sizes or {}
+    shape = [d if isinstance(d, int) else sizes.get(d, DEFAULT_DIM) if d else DEFAULT_DIM for d in value.shape]
     dtype = onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.DataType.Value(value.dtype.upper()))
     if dtype == np.bool_:
         return rng.integers(0, 2, shape).astype(bool)

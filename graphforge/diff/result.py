@@ -333,6 +333,10 @@ class NumericReport:
     rtol: float
     atol: float
     tensors: list[TensorNumeric]  # in A's topological order
+    #: symbolic dim name -> the size generated inputs gave it
+    dims: dict[str, int] = field(default_factory=dict)
+    #: changes these inputs did not show (an initializer differs, no compared tensor does)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def first_divergence(self) -> TensorNumeric | None:
@@ -343,11 +347,13 @@ class NumericReport:
         return {
             "inputs": self.inputs,
             "seed": self.seed,
+            "dims": dict(self.dims),
             "rtol": self.rtol,
             "atol": self.atol,
             "compared": len(self.tensors),
             "diverging": sum(t.diverges for t in self.tensors),
             "first_divergence": None if first is None else first.to_json(),
+            "warnings": list(self.warnings),
             "tensors": [t.to_json() for t in self.tensors],
         }
 
@@ -363,6 +369,13 @@ class ModelDiff:
     functions: list[FunctionDiff]
     histogram: list[OpCount]
     numeric: NumericReport | None = None
+    #: "a"/"b" -> the ONNX checker's first problem with that model, None where it passes
+    problems: dict[str, str | None] = field(default_factory=lambda: {"a": None, "b": None})
+
+    @property
+    def valid(self) -> bool:
+        """Both models pass the ONNX checker (an invalid one is diffed only when allowed)."""
+        return all(p is None for p in self.problems.values())
 
     @property
     def structurally_identical(self) -> bool:
@@ -428,6 +441,8 @@ class ModelDiff:
             "b": self.b_label,
             "identical": self.identical,
             "structurally_identical": self.structurally_identical,
+            "valid": self.valid,
+            "problems": dict(self.problems),
             "summary": self.summary(),
             "model": [f.to_json() for f in self.model],
             "histogram": [c.to_json() for c in self.histogram],

@@ -12,6 +12,7 @@ the error message a bad file deserves.
 from __future__ import annotations
 
 import mmap
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,15 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
-from graphforge.graph import ModelSource, load
+from graphforge.graph import (
+    LEFT_OUT,
+    ModelSource,
+    copy_leaving_values_out,
+    exceeds_protobuf_limit,
+    is_stand_in,
+    load,
+    one_line,
+)
 
 #: raw_data payloads at least this large stay in the file
 LAZY_PAYLOAD_BYTES = 4096
@@ -278,3 +287,58 @@ def bytes_equal(a: bytes | np.ndarray, b: bytes | np.ndarray, chunk: int = 1 << 
     if len(x) != len(y):
         return False
     return all(np.array_equal(x[i : i + chunk], y[i : i + chunk]) for i in range(0, len(x), chunk))
+
+
+# --------------------------------------------------------------------------- validity
+
+_CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
+
+
+def model_problem(side: Side) -> str | None:
+    """What the ONNX checker (full check: topological order, types, strict shape inference)
+    first finds wrong with the model, as one line; None when it passes.
+
+    The checker reads large weights only to check their length, so it is given the model
+    with those weights as stand-ins (external data at ``LEFT_OUT``, a file that exists and is
+    never read), their lengths checked here: for GPT-2 small it takes 30 ms, not seconds."""
+    light = _light_copy(side)
+    try:
+        if light is None or exceeds_protobuf_limit(light):
+            return _problem_of_file(side) if side.path is not None else None
+        if not any(is_stand_in(t) for t in light.graph.initializer):
+            onnx.checker.check_model(light, full_check=True)
+            return None
+        with tempfile.TemporaryDirectory(prefix="graphforge-diff-check-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            path.write_bytes(light.SerializeToString())
+            (Path(tmp) / LEFT_OUT).touch()
+            onnx.checker.check_model(str(path), full_check=True)
+    except _CHECK_ERRORS as exc:
+        return one_line(exc)
+    return None
+
+
+def _light_copy(side: Side) -> onnx.ModelProto | None:
+    """The model with its large weights as stand-ins; None where one cannot stand in (a
+    payload whose length does not fit its shape: the checker must see it)."""
+    if not side.stripped:
+        return copy_leaving_values_out(side.proto) or side.proto
+    light = onnx.ModelProto()
+    light.CopyFrom(side.proto)
+    for position, (_, length) in side._payloads.items():
+        tensor = light.graph.initializer[position]
+        dtype = raw_dtype(tensor.data_type)
+        if dtype is None or length != int(np.prod(tuple(tensor.dims), dtype=np.int64)) * dtype.itemsize:
+            return None
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        tensor.external_data.add(key="location", value=LEFT_OUT)
+    return light
+
+
+def _problem_of_file(side: Side) -> str | None:
+    assert side.path is not None
+    try:
+        onnx.checker.check_model(str(side.path), full_check=True)
+    except _CHECK_ERRORS as exc:
+        return one_line(exc)
+    return None

@@ -67,6 +67,12 @@ def summary_lines(diff: ModelDiff) -> list[Line]:
         [("b: ", "dim"), (diff.b_label, "bold")],
         [("verdict: ", "dim"), (text, style)],
     ]
+    for side, label in (("a", diff.a_label), ("b", diff.b_label)):
+        problem = diff.problems.get(side)
+        if problem is not None:
+            lines.append(
+                [("warning: ", "changed"), (f"{side} ({label}) is not a valid ONNX model: ", "changed"), (problem, "")]
+            )
     nodes: Line = [("nodes: ", "dim")]
     nodes += [(f"+{s['nodes_added']} added", "added" if s["nodes_added"] else "dim"), (", ", "")]
     nodes += [(f"-{s['nodes_removed']} removed", "removed" if s["nodes_removed"] else "dim"), (", ", "")]
@@ -95,6 +101,12 @@ def summary_lines(diff: ModelDiff) -> list[Line]:
 def _numeric_headline(report: NumericReport) -> Line:
     first = report.first_divergence
     diverging = sum(t.diverges for t in report.tensors)
+    if first is None and report.warnings:
+        return [
+            ("numeric: ", "dim"),
+            (f"all {len(report.tensors)} matched tensors agree at these inputs, ", "changed"),
+            (f"but {len(report.warnings)} changed initializer(s) never showed (see warnings)", "changed"),
+        ]
     if first is None:
         return [("numeric: ", "dim"), (f"all {len(report.tensors)} matched tensors agree", "same")]
     return [
@@ -298,7 +310,10 @@ def numeric_lines(report: NumericReport) -> list[Line]:
         [("numeric", "title"), (f"  rtol {report.rtol:g}, atol {report.atol:g}; seed {report.seed}", "dim")],
     ]
     if generated:
-        lines.append([(f"  generated inputs: {', '.join(generated)}", "dim")])
+        sizes = ", ".join(f"{name}={size}" for name, size in report.dims.items())
+        lines.append([(f"  generated inputs: {', '.join(generated)}" + (f" ({sizes})" if sizes else ""), "dim")])
+    for warning in report.warnings:
+        lines.append([("  warning: ", "changed"), (warning, "")])
     shown = [t for t in report.tensors if t.diverges][:NUMERIC_SHOWN]
     for t in shown:
         name = t.a if t.a == t.b else f"{t.a} / {t.b}"

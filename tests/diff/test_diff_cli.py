@@ -82,6 +82,8 @@ def test_json_prints_the_documented_report(tmp_path, pair):
         "no arguments",
         "pipeline with two",
         "bad pipeline",
+        "invalid model",
+        "bad --dim",
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, pair, case):
@@ -92,6 +94,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, pair, case):
     empty.write_bytes(b"")
     folder = tmp_path / "dumps"
     folder.mkdir()
+    invalid = graphforge.save(_invalid(), tmp_path / "invalid.onnx")
     args, fragment = {
         "missing": ((a, tmp_path / "nope.onnx"), "nope.onnx: no such file"),
         "not onnx": ((junk, a), "junk.onnx: not an ONNX model"),
@@ -101,8 +104,40 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, pair, case):
         "no arguments": ((), "diff needs two models"),
         "pipeline with two": ((a, a, "--pipeline", "dce"), "takes one model"),
         "bad pipeline": ((a, "--pipeline", "no_such_pass"), "no_such_pass"),
+        "invalid model": ((a, invalid), "invalid.onnx: not a valid ONNX model: Nodes in a graph must be"),
+        "bad --dim": ((a, a, "--numeric", "--dim", "N"), "--dim N: expected NAME=N"),
     }[case]
     one_line_error(cli(*args, cwd=tmp_path), fragment)
+
+
+def _invalid():
+    """STATUS_A with a node reading a name nothing defines: the checker refuses it."""
+    model = parse(STATUS_A)
+    model.graph.node[1].input[0] = "nowhere"
+    return model
+
+
+def test_allow_invalid_diffs_it_and_warns(tmp_path, pair):
+    a, _ = pair
+    invalid = graphforge.save(_invalid(), tmp_path / "invalid.onnx")
+    text = exits(cli(a, invalid, "--allow-invalid", cwd=tmp_path), 1).stdout
+    assert f"warning: b ({invalid}) is not a valid ONNX model: Nodes in a graph must be" in text
+    assert "'nowhere' (undefined)" in text
+    report = json.loads(exits(cli(a, invalid, "--allow-invalid", "--json", cwd=tmp_path), 1).stdout)
+    assert report["valid"] is False and report["problems"]["a"] is None and "nowhere" in report["problems"]["b"]
+
+
+def test_dump_folders_allow_a_failed_pass_input_and_say_it_is_invalid(tmp_path, pair):
+    """What a failed pass leaves behind may be invalid: the folder diff still runs, and says so."""
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    graphforge.save(parse(STATUS_A), folder / "000_input.onnx")
+    graphforge.save(_invalid(), folder / "001_cse.failed-input.onnx")
+    proc = exits(cli(folder, cwd=tmp_path), 1)
+    assert "different (B invalid)" in proc.stdout
+    assert "is not a valid ONNX model" in proc.stdout
+    report = json.loads(exits(cli(folder, "--json", cwd=tmp_path), 1).stdout)
+    assert report["steps"][0]["diff"]["valid"] is False
 
 
 def test_a_folder_without_dumps_is_refused(tmp_path):
@@ -157,6 +192,14 @@ def test_numeric_with_an_inputs_file(tmp_path, mlp_path):
     text = exits(cli(mlp_path, changed, "--numeric", cwd=tmp_path), 1).stdout
     assert "numeric: 1 of 5 matched tensors differ; first: 'y' (Gemm '/4/Gemm')" in text
     one_line_error(cli(mlp_path, changed, "--inputs", tmp_path / "none.npz", cwd=tmp_path), "no such inputs file")
+
+
+def test_seed_and_dim_set_the_generated_inputs(tmp_path, mlp_path):
+    batch = graphforge.load(mlp_path).graph.input[0].type.tensor_type.shape.dim[0].dim_param
+    proc = exits(cli(mlp_path, mlp_path, "--numeric", "--seed", "5", "--dim", f"{batch}=3", "--json", cwd=tmp_path), 0)
+    numeric = json.loads(proc.stdout)["numeric"]
+    assert numeric["seed"] == 5 and numeric["dims"] == {batch: 3} and numeric["inputs"]["x"]["shape"] == [3, 16]
+    one_line_error(cli(mlp_path, mlp_path, "--dim", "seq=3", cwd=tmp_path), "no input of either model has a dimension")
 
 
 def test_html_page_is_written_and_self_contained(tmp_path, pair):

@@ -31,6 +31,7 @@ import graphforge
 from graphforge.diff import SCHEMA_VERSION, assert_models_equal, diff_models, origin_of
 from graphforge.diff.rename import rename_all
 from graphforge.diff.source import open_side
+from graphforge.errors import InvalidModelError
 from graphforge.pass_manager import op_histogram
 
 HERE = Path(__file__).resolve().parent
@@ -74,7 +75,7 @@ def test_cse_shows_one_relu_gone_and_the_add_reading_the_other():
     result = graphforge.compile(before, "cse")
     diff = diff_models(before, result.model)
     check_counts(diff)
-    assert ops(diff.graph.removed) == {"Relu": 1, "Neg": 1}  # cse cleans up what became dead
+    assert ops(diff.graph.removed) == {"Relu": 1}  # the Neg that was dead already is left for dce
     assert histogram_delta(diff) == result.records[0].delta
     (change,) = diff.graph.changed
     assert change.a.op_type == "Add" and change.fields == ["inputs"]
@@ -283,7 +284,7 @@ def test_input_shape_and_dtype_changes():
     after = copy(before)
     after.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 8
     after.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
-    diff = diff_models(before, after)
+    diff = diff_models(before, after, allow_invalid=True)  # a double output of a float Add: invalid
     (inp,) = diff.graph.inputs
     assert inp.fields == ["shape"] and inp.a["shape"] == ["N", 4] and inp.b["shape"] == ["N", 8]
     (out,) = diff.graph.outputs
@@ -304,11 +305,31 @@ def test_model_fields_and_metadata():
     ]
 
 
-def test_a_broken_model_is_still_diffed():
-    """Dump folders hold invalid outputs (a cycle here): the diff must still say what changed."""
+def test_an_invalid_model_is_refused_unless_allowed_then_reported():
+    """A cycle fails the checker: refused in one line naming it, or (allowed, as dump folders
+    are, where a failed pass leaves its invalid input) diffed and reported invalid."""
     cyclic = models.cyclic_model()
-    diff = diff_models(cyclic, copy(cyclic))
-    assert diff.identical
+    with pytest.raises(InvalidModelError, match=r"^<ModelProto>: not a valid ONNX model: .*topologically") as info:
+        diff_models(cyclic, copy(cyclic))
+    assert "\n" not in str(info.value)
+    diff = diff_models(cyclic, copy(cyclic), allow_invalid=True)
+    assert diff.identical and not diff.valid
+    assert "topologically sorted" in diff.problems["a"] and "topologically sorted" in diff.problems["b"]
+    report = diff.to_json()
+    assert report["valid"] is False and report["problems"]["a"] == diff.problems["a"]
+    assert "warning: a (<ModelProto>) is not a valid ONNX model: Nodes in a graph" in diff.to_text(brief=True)
+    assert diff_models(parse(STATUS_A), parse(STATUS_A)).to_json()["valid"] is True
+
+
+def test_a_name_nothing_defines_is_undefined_not_outer():
+    before = parse(STATUS_A)
+    broken = copy(before)
+    broken.graph.node[1].input[0] = "nowhere"
+    diff = diff_models(before, broken, allow_invalid=True)
+    (change,) = diff.graph.changed
+    (wiring,) = change.inputs
+    assert wiring.b == {"tensor": "nowhere", "from": "undefined"}
+    assert "'nowhere' (undefined)" in diff.to_text()
 
 
 # --------------------------------------------------------------------------- JSON and determinism

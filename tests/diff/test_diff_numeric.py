@@ -8,6 +8,7 @@ from _diff_fixtures import constants_mid_graph, perturb_initializer, scale_const
 
 import graphforge
 from graphforge.diff import diff_models
+from graphforge.diff.numeric import DEFAULT_DIM
 from graphforge.errors import GraphforgeError
 
 
@@ -24,7 +25,7 @@ def test_a_perturbed_constant_mid_graph_is_the_first_divergence(transformer_path
     position = report.tensors.index(first)
     assert position > 0 and all(t.status == "same" for t in report.tensors[:position])
     assert first.stats.max_rel == pytest.approx(1 / 3, rel=1e-5)  # |x - 1.5x| / |1.5x|
-    assert report.inputs["input_ids"]["generated"] and report.inputs["input_ids"]["shape"] == [2, 2]
+    assert report.inputs["input_ids"]["generated"] and report.inputs["input_ids"]["shape"] == [DEFAULT_DIM] * 2
     assert "numeric: " in diff.to_text(brief=True) and repr(first.a) in diff.to_text(brief=True)
 
 
@@ -33,7 +34,7 @@ def test_a_perturbed_initializer_diverges_first_at_its_reader(mlp_path):
     after = perturb_initializer(before, "2.bias", (3,), 0.5)
     diff = diff_models(before, after, numeric=True)
     first = diff.numeric.first_divergence
-    assert first.node.name == "/2/Gemm" and first.stats.differing == 2  # one column, batch of 2
+    assert first.node.name == "/2/Gemm" and first.stats.differing == DEFAULT_DIM  # one column, whole batch
     assert first.stats.max_abs == pytest.approx(0.5, rel=1e-5)
     statuses = [t.status for t in diff.numeric.tensors]
     assert statuses[0] == "same"  # /0/Gemm and /1/Relu do not read it
@@ -71,3 +72,51 @@ def test_an_inputs_file_that_is_not_an_npz_is_one_clear_line(mlp_path, tmp_path,
     with pytest.raises(GraphforgeError, match=fragment) as info:
         diff_models(mlp_path, mlp_path, inputs=path)
     assert "\n" not in str(info.value) and "pickle" not in str(info.value)
+
+
+#: y = Relu(x) * w with a one-element x: at a negative x, w never shows
+MASKED = """
+<ir_version: 8, opset_import: ["" : 17]>
+masked (float[1] x) => (float[4] y) <float[4] w = {1.0, 2.0, 3.0, 4.0}> {
+    r = Relu(x)
+    y = Mul(r, w)
+}
+"""
+
+
+def _masked_pair():
+    from _diff_fixtures import parse
+
+    a = parse(MASKED)
+    return a, perturb_initializer(a, "w", (2,), 1.0)
+
+
+def test_a_weight_the_inputs_never_reach_is_a_warning_not_all_agree():
+    a, b = _masked_pair()
+    by_seed = {seed: diff_models(a, b, numeric=True, seed=seed).numeric for seed in range(8)}
+    masked = [seed for seed, report in by_seed.items() if report.first_divergence is None]
+    shown = [seed for seed, report in by_seed.items() if report.first_divergence is not None]
+    assert masked and shown  # the seed decides: negative x masks w
+    report = by_seed[masked[0]]
+    assert report.seed == masked[0] and report.to_json()["seed"] == masked[0]
+    assert report.warnings == [
+        "initializer 'w' differs but no compared tensor does at these inputs; try other --seed/--inputs"
+    ]
+    text = diff_models(a, b, numeric=True, seed=masked[0]).to_text()
+    assert "all 2 matched tensors agree at these inputs, but 1 changed initializer(s) never showed" in text
+    assert "warning: initializer 'w' differs but no compared tensor does" in text
+    assert by_seed[shown[0]].warnings == []
+
+
+def test_dim_sizes_the_symbolic_dimensions_of_generated_inputs(mlp_path):
+    diff = diff_models(mlp_path, mlp_path, numeric=True)
+    (name,) = diff.numeric.dims  # the exporter's batch dimension
+    assert diff.numeric.dims == {name: DEFAULT_DIM} and diff.numeric.inputs["x"]["shape"] == [DEFAULT_DIM, 16]
+    report = diff_models(mlp_path, mlp_path, dims={name: 3}).numeric
+    assert report.inputs["x"]["shape"] == [3, 16] and report.to_json()["dims"] == {name: 3}
+    with pytest.raises(
+        GraphforgeError,
+        match=f"--dim nope: no input of either model has a dimension named 'nope' "
+        rf"\(symbolic dimensions: {name}\)",
+    ):
+        diff_models(mlp_path, mlp_path, dims={"nope": 3})
