@@ -94,6 +94,41 @@ def replace_uses(old: gs.Tensor, new: gs.Tensor) -> None:
                 consumer.inputs[i] = new
 
 
+def live_nodes(graph: gs.Graph) -> set[int]:
+    """The ids of the nodes, in the graph, its subgraphs and its local functions, whose
+    results reach their own graph's outputs: the nodes ``dce`` (``graph.cleanup``) keeps,
+    found the same way."""
+    live: set[int] = set()
+    for g in every_graph(graph):
+        with g.node_ids():
+            used, _ = g._get_used_node_ids()
+            live.update(id(node) for node in g.nodes if node.id in used)
+    return live
+
+
+def remove_nodes_left_dead(graph: gs.Graph, live_before: set[int]) -> int:
+    """Remove, in every graph, the nodes a pass detached (no outputs left) and the nodes it
+    left dead (in ``live_before``, ``live_nodes`` taken before the pass, and dead now).
+
+    A full ``graph.cleanup()`` would also remove the code that was dead already, and the
+    per-pass report would blame the wrong pass: that is left for ``dce``. Returns how many
+    nodes went."""
+    live_now = live_nodes(graph)
+    removed = 0
+    for g in every_graph(graph):
+        kept = []
+        for node in g.nodes:
+            if node.outputs and (id(node) in live_now or id(node) not in live_before):
+                kept.append(node)
+            else:
+                node.inputs.clear()
+                node.outputs.clear()
+        if len(kept) != len(g.nodes):
+            removed += len(g.nodes) - len(kept)
+            g.nodes = kept
+    return removed
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector around work that builds or walks a whole graph.

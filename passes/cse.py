@@ -9,7 +9,14 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from graphforge.graph import Model
-from graphforge.ir import NONDETERMINISTIC_OPS, every_graph, onnx_dtype, replace_uses
+from graphforge.ir import (
+    NONDETERMINISTIC_OPS,
+    every_graph,
+    live_nodes,
+    onnx_dtype,
+    remove_nodes_left_dead,
+    replace_uses,
+)
 from graphforge.pipeline import Pass, PassResult
 
 
@@ -28,16 +35,18 @@ class CommonSubexpressionElimination(Pass):
        stay; nodes holding subgraphs are left alone.
     5. Initializers are never merged, even with equal values: they are parameters, and
        tying two of them would change what training does.
+    Only the merged duplicates go: code that was dead already is left for ``dce``.
     """
 
     name = "cse"
 
     def run(self, model: Model) -> PassResult:
+        live = live_nodes(model.graph)
         merged = 0
         for graph in every_graph(model.graph):
             merged += _eliminate(graph)
-        if merged:
-            model.graph.cleanup()
+        if merged:  # the duplicates merged away; code that was dead already is dce's
+            remove_nodes_left_dead(model.graph, live)
         return PassResult(model, merged > 0)
 
 

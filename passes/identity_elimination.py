@@ -8,7 +8,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge.graph import Model
-from graphforge.ir import every_graph, onnx_dtype, replace_uses
+from graphforge.ir import every_graph, live_nodes, onnx_dtype, remove_nodes_left_dead, replace_uses
 from graphforge.pipeline import Pass, PassResult
 
 
@@ -26,16 +26,19 @@ class IdentityElimination(Pass):
        graph that feeds nothing else: that producer writes the graph output directly.
     3. The output is a graph output and the input is a graph input, an initializer, or a
        tensor with other consumers: the node stays, since the output name must stay.
+    Only the nodes removed, and producers that only they read, go: code that was dead
+    already is left for ``dce``.
     """
 
     name = "identity_elimination"
 
     def run(self, model: Model) -> PassResult:
+        live = live_nodes(model.graph)
         removed = 0
         for graph in every_graph(model.graph):
             removed += _eliminate(graph)
-        if removed:
-            model.graph.cleanup()
+        if removed:  # the nodes bypassed, and producers only they read; other dead code is dce's
+            remove_nodes_left_dead(model.graph, live)
         return PassResult(model, removed > 0)
 
 

@@ -288,3 +288,32 @@ def test_run_directly_returns_changed():
 def test_on_exported_cnn(tmp_path_factory):
     result = check_on_cnn(tmp_path_factory, "cse")
     assert result.records[0].delta == {"Constant": -1}  # the exporter's two equal Constant nodes
+
+
+def test_dead_code_it_did_not_make_is_left_for_dce():
+    # regression: the pass ran a full cleanup, so the report blamed it for dce's work
+    model = parse("""
+        <ir_version: 10, opset_import: ["" : 18, "local" : 1]>
+        g (bool c, float[2] x) => (float[2] y, float[2] z) {
+          [dead] d = Neg(x)
+          [relu_a] a = Relu(x)
+          [relu_b] b = Relu(x)
+          [sum] s = Add(a, b)
+          [call] y = local.f(s)
+          [if] z = If(c) <then_branch = t () => (float[2] o) { dt = Neg(x)  s1 = Sqrt(x)  s2 = Sqrt(x)  o = Add(s1, s2) },
+                          else_branch = e () => (float[2] o2) { o2 = Sigmoid(x) }>
+        }
+        <domain: "local", opset_import: ["" : 18]>
+        f (p) => (q) {
+          df = Neg(p)
+          t1 = Tanh(p)
+          t2 = Tanh(p)
+          q = Mul(t1, t2)
+        }
+    """)
+    result = apply(model, "cse, dce")
+    merged, dce = result.records
+    assert merged.delta == {"Relu": -1, "Sqrt": -1, "Tanh": -1}
+    assert dce.delta == {"Neg": -3}
+    for cond in (True, False):
+        assert_same_outputs(model, result.model, feeds_for(model, seed=7) | {"c": np.array(cond)})

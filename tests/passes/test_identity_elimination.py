@@ -307,3 +307,37 @@ def test_inside_a_local_function():
 def test_on_exported_cnn(tmp_path_factory):
     result = check_on_cnn(tmp_path_factory, "identity_elimination")
     assert ops(result.model)["Identity"] == 0
+
+
+#: dead code (``Neg``) beside the no-ops, in the main graph, a branch and a local function
+WITH_DEAD_CODE = """
+<ir_version: 10, opset_import: ["" : 18, "local" : 1]>
+g (bool c, float[2] x) => (float[2] y, float[2] z) {
+  [dead] d = Neg(x)
+  [id] a = Identity(x)
+  [ratio] ratio = Constant<value_float = 0.5>()
+  [mode] mode = Constant<value = bool {0}>()
+  [drop] r = Dropout(a, ratio, mode)
+  [call] y = local.f(r)
+  [if] z = If(c) <then_branch = t () => (float[2] o) { dt = Neg(x)  i = Identity(x)  o = Relu(i) },
+                  else_branch = e () => (float[2] o2) { o2 = Sigmoid(x) }>
+}
+<domain: "local", opset_import: ["" : 18]>
+f (p) => (q) {
+  df = Neg(p)
+  t = Identity(p)
+  q = Relu(t)
+}
+"""
+
+
+def test_dead_code_it_did_not_make_is_left_for_dce():
+    # regression: the pass ran a full cleanup, so the report blamed it for dce's work
+    model = parse(WITH_DEAD_CODE)
+    result = apply(model, "identity_elimination, dce")
+    eliminated, dce = result.records
+    # the Dropout's ratio and mode Constants go with it: only the Dropout read them
+    assert eliminated.delta == {"Identity": -3, "Dropout": -1, "Constant": -2}
+    assert dce.delta == {"Neg": -3}
+    for cond in (True, False):
+        assert_same_outputs(model, result.model, feeds_for(model, seed=6) | {"c": np.array(cond)})
