@@ -15,6 +15,9 @@ import ast
 import dataclasses
 import inspect
 import keyword
+import math
+import numbers
+import operator
 import types
 import typing
 from collections.abc import Iterable, Iterator
@@ -147,6 +150,52 @@ def _reads_back_as_bare_word(text: str) -> bool:
     )
 
 
+# --------------------------------------------------------------------------- parameter ranges
+
+
+class ParameterValueError(ValueError):
+    """A pass parameter outside its valid range; the message names the pass, the parameter,
+    the value and what is expected, as the parser's type errors do."""
+
+
+def check_number(
+    pass_: Pass,
+    parameter: str,
+    *,
+    at_least: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    at_most: float | None = None,
+) -> None:
+    """Refuse a numeric parameter that is not a finite number within the bounds given
+    (``at_least``/``at_most`` inclusive, ``above``/``below`` exclusive); None passes (an
+    optional parameter left unset). Call it from the pass's ``__post_init__``."""
+    value = getattr(pass_, parameter)
+    if value is None:
+        return
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    bounds = ((at_least, operator.ge), (above, operator.gt), (below, operator.lt), (at_most, operator.le))
+    ok = ok and all(bound is None or holds(value, bound) for bound, holds in bounds)
+    if not ok:
+        raise ParameterValueError(
+            f"pass {pass_.name!r} parameter {parameter!r}: expected {_range_text(at_least, above, below, at_most)}, "
+            f"got {_format_value(value)}"
+        )
+
+
+def _range_text(at_least, above, below, at_most) -> str:
+    """'a finite number ≥ 0', 'a number in [0, 1)', ..."""
+    low = f"[{at_least:g}" if at_least is not None else f"({above:g}" if above is not None else None
+    high = f"{at_most:g}]" if at_most is not None else f"{below:g})" if below is not None else None
+    if low and high:
+        return f"a number in {low}, {high}"
+    if low:
+        return f"a finite number {'≥' if at_least is not None else '>'} {low[1:]}"
+    if high:
+        return f"a finite number {'≤' if at_most is not None else '<'} {high[:-1]}"
+    return "a finite number"
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -231,6 +280,8 @@ def _build_pass(item: ast.expr, registry: PassRegistry, text: str) -> Pass:
         if kw.arg not in params:
             valid = ", ".join(p.describe() for p in params.values()) or "none"
             raise PipelineSpecError(f"pass {name!r} has no parameter {kw.arg!r}; its parameters: {valid}")
+        if kw.arg in kwargs:  # ast accepts f(a=1, a=2); only compiling it would refuse
+            raise PipelineSpecError(f"pass {name!r}: parameter {kw.arg!r} given twice")
         raw = _literal(kw.value, name, kw.arg)
         kwargs[kw.arg] = convert_value(raw, params[kw.arg].type, where=f"pass {name!r} parameter {kw.arg!r}")
     missing = [p.name for p in params.values() if p.required and p.name not in kwargs]
@@ -238,6 +289,8 @@ def _build_pass(item: ast.expr, registry: PassRegistry, text: str) -> Pass:
         raise PipelineSpecError(f"pass {name!r} needs parameter(s) {', '.join(missing)}")
     try:
         return cls(**kwargs)
+    except ParameterValueError as exc:  # already names the pass
+        raise PipelineSpecError(str(exc)) from None
     except (ValueError, TypeError) as exc:
         raise PipelineSpecError(f"pass {name!r}: {exc}") from None
 

@@ -13,7 +13,7 @@ from onnx import helper
 
 from graphforge.graph import Model, runtime_limits
 from graphforge.ir import FLOAT_TYPES, NONDETERMINISTIC_OPS, every_graph, fingerprint, is_parameter, onnx_dtype
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pipeline import Pass, PassResult, check_number
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class FoldConstants(Pass):
     name = "fold_constants"
     fold_parameters: bool = False
     size_limit_mb: float = 16.0
+
+    def __post_init__(self):
+        check_number(self, "size_limit_mb", at_least=0)
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph

@@ -24,7 +24,7 @@ from graphforge import roles
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pipeline import Pass, PassResult, check_number
 
 NEXT = "_next"
 
@@ -57,6 +57,11 @@ class _Optimizer(Pass):
     accumulate: bool = False
 
     state_names = ()  # per-parameter state tensors, named "<param>.<state>"
+
+    def __post_init__(self):
+        check_number(self, "lr", at_least=0)
+        check_number(self, "weight_decay", at_least=0)
+        check_number(self, "clip_grad_norm", above=0)  # none: no clipping
 
     def update(self, s: _Step, states: dict[str, gs.Tensor]) -> tuple[gs.Tensor, dict[str, gs.Tensor]]:
         raise NotImplementedError
@@ -191,6 +196,9 @@ class SGD(_Optimizer):
     nesterov: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
+        check_number(self, "momentum", at_least=0)
+        check_number(self, "dampening", at_least=0, at_most=1)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0 (as torch.optim.SGD)")
 
@@ -223,6 +231,10 @@ class Adam(_Optimizer):
     eps: float = 1e-8
     state_names = ("exp_avg", "exp_avg_sq")
 
+    def __post_init__(self):
+        super().__post_init__()
+        _check_moments(self)
+
     def update(self, s, states):
         grad = _decayed(s, s.grad, self.weight_decay)
         return _adam_update(self, s, s.param, grad, states)
@@ -240,11 +252,22 @@ class AdamW(_Optimizer):
     eps: float = 1e-8
     state_names = ("exp_avg", "exp_avg_sq")
 
+    def __post_init__(self):
+        super().__post_init__()
+        _check_moments(self)
+
     def update(self, s, states):
         b = s.b
         decay = b.sub(b.constant(np.array(1.0)), b.mul(s.lr, b.constant(np.array(self.weight_decay))))
         param = b.mul(s.param, s.scalar(decay)) if self.weight_decay else s.param
         return _adam_update(self, s, param, s.grad, states)
+
+
+def _check_moments(opt) -> None:
+    """The ranges torch.optim.Adam checks: 0 ≤ beta < 1, eps > 0 (eps = 0 can divide by zero)."""
+    check_number(opt, "beta1", at_least=0, below=1)
+    check_number(opt, "beta2", at_least=0, below=1)
+    check_number(opt, "eps", above=0)
 
 
 def _moments(opt, s: _Step, grad, states):
@@ -286,6 +309,10 @@ class Lamb(_Optimizer):
     eps: float = 1e-6
 
     state_names = ("exp_avg", "exp_avg_sq")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_moments(self)
 
     def update(self, s, states):
         b = s.b

@@ -263,6 +263,21 @@ ERROR_CASES = {
         lambda d, m: ["compile", m, "-p", "dce(remove_unused_inputs=3)", "-o", d / "out.onnx"],
         "pass 'dce' parameter 'remove_unused_inputs': expected bool, got '3'",
     ),
+    "a parameter given twice": (
+        lambda d, m: [
+            "compile",
+            m,
+            "-p",
+            "dce(remove_unused_inputs=true, remove_unused_inputs=false)",
+            "-o",
+            d / "out.onnx",
+        ],
+        "pass 'dce': parameter 'remove_unused_inputs' given twice",
+    ),
+    "a value out of range": (
+        lambda d, m: ["compile", m, "-p", "fold_constants(size_limit_mb=-5)", "-o", d / "out.onnx"],
+        "pass 'fold_constants' parameter 'size_limit_mb': expected a finite number ≥ 0, got -5.0",
+    ),
     "a pipeline syntax error": (
         lambda d, m: ["compile", m, "-p", "dce(", "-o", d / "out.onnx"],
         "pipeline syntax error at column",

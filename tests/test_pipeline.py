@@ -290,6 +290,55 @@ def test_missing_required_parameter(registry):
     assert parse_one("needs_target(target=logits)", registry) == NeedsTarget(target="logits")
 
 
+def test_a_parameter_given_twice(full_registry):
+    # regression: ast.parse accepts f(a=1, a=2), and the last value silently won
+    message = spec_error("dce(remove_unused_inputs=true, remove_unused_inputs=false)")
+    assert message == "pass 'dce': parameter 'remove_unused_inputs' given twice"
+    assert spec_error("knobs(count=1, rate=2, count=1)", full_registry) == "pass 'knobs': parameter 'count' given twice"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "fold_constants(size_limit_mb=1e400)",  # was an internal OverflowError
+            "pass 'fold_constants' parameter 'size_limit_mb': expected a finite number ≥ 0, got inf",
+        ),
+        (
+            "fold_constants(size_limit_mb=-5)",
+            "pass 'fold_constants' parameter 'size_limit_mb': expected a finite number ≥ 0, got -5.0",
+        ),
+        ("adamw(lr=-1)", "pass 'adamw' parameter 'lr': expected a finite number ≥ 0, got -1.0"),
+        ("sgd(lr=1e999)", "pass 'sgd' parameter 'lr': expected a finite number ≥ 0, got inf"),
+        ("adam(weight_decay=-0.1)", "pass 'adam' parameter 'weight_decay': expected a finite number ≥ 0, got -0.1"),
+        ("lamb(clip_grad_norm=0)", "pass 'lamb' parameter 'clip_grad_norm': expected a finite number > 0, got 0.0"),
+        ("adamw(beta1=-0.9)", "pass 'adamw' parameter 'beta1': expected a number in [0, 1), got -0.9"),
+        ("adam(beta2=1)", "pass 'adam' parameter 'beta2': expected a number in [0, 1), got 1.0"),
+        ("lamb(beta1=1.5)", "pass 'lamb' parameter 'beta1': expected a number in [0, 1), got 1.5"),
+        ("adamw(eps=0)", "pass 'adamw' parameter 'eps': expected a finite number > 0, got 0.0"),
+        ("adam(eps=-1e-8)", "pass 'adam' parameter 'eps': expected a finite number > 0, got -1e-08"),
+        ("sgd(momentum=-0.9)", "pass 'sgd' parameter 'momentum': expected a finite number ≥ 0, got -0.9"),
+        ("sgd(dampening=2)", "pass 'sgd' parameter 'dampening': expected a number in [0, 1], got 2.0"),
+    ],
+)
+def test_value_out_of_range(text, message):
+    assert spec_error(text) == message
+
+
+def test_range_checks_apply_to_pass_objects_too():
+    """The check is the pass's own (``__post_init__``): the Python API gets the same message."""
+    from graphforge.passes import AdamW, FoldConstants
+
+    with pytest.raises(ValueError, match=r"^pass 'adamw' parameter 'lr': expected a finite number ≥ 0, got nan$"):
+        AdamW(lr=float("nan"))
+    with pytest.raises(ValueError, match=r"^pass 'fold_constants' parameter 'size_limit_mb': expected a finite"):
+        FoldConstants(size_limit_mb=float("inf"))
+    # the edges of each range are valid
+    for text in ("adamw(lr=0, beta1=0, beta2=0, weight_decay=0, eps=1e-30)", "sgd(momentum=0, dampening=1)",
+                 "fold_constants(size_limit_mb=0)", "lamb(clip_grad_norm=1e-9)"):  # fmt: skip
+        parse_pipeline(text)
+
+
 def test_a_pass_rejecting_its_values_becomes_a_spec_error(registry):
     message = spec_error("needs_target(target=y, ratio=2)", registry)
     assert message == "pass 'needs_target': ratio must be within [0, 1], got 2.0"
