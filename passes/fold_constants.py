@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from graphforge.graph import Model, runtime_limits
+from graphforge.graph import Model, is_runtime_compatible, make_runtime_compatible, one_line
 from graphforge.ir import FLOAT_TYPES, NONDETERMINISTIC_OPS, every_graph, fingerprint, is_parameter, onnx_dtype
 from graphforge.pipeline import Pass, PassResult, check_number
 
@@ -38,6 +39,9 @@ class FoldConstants(Pass):
     5. Random ops are never folded.
     6. Like ``dce``, it then removes every node no graph output needs (the producers
        folding left dead, and any that were dead already).
+    7. Each graph is evaluated as a model onnxruntime reads (converted as ``save`` does:
+       an opset newer than onnxruntime's is lowered); a graph whose constants cannot be
+       evaluated is left as it is, and the result's note says which and why.
 
     onnx-graphsurgeon's own shape folding is not used: it ignores ``Shape``'s
     ``start``/``end`` and rewrites ``Cast(int→float) → op → Cast(→int)`` chains in integer
@@ -66,10 +70,13 @@ class FoldConstants(Pass):
         ]
         level = gs.logger.G_LOGGER.severity
         gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
+        failures = []
         try:
             for g, owner in _graphs_outer_first(graph):
                 written_by = [(node, list(node.outputs)) for node in g.nodes]
-                _fold_graph(g, owner, limit)
+                failure = _fold_graph(g, owner, limit)
+                if failure:
+                    failures.append(failure)
                 _replace_folded_nodes(g, written_by, constant_nodes, float_results_as_nodes=not self.fold_parameters)
                 # gs lowers every Constant node a graph reads, an outer one a subgraph reads
                 # included; each is given its output back, and the producers folding left
@@ -85,7 +92,7 @@ class FoldConstants(Pass):
                 tensor.to_constant(values, export_dtype=export_dtype)
                 tensor.data_location = location
         graph.cleanup()
-        return PassResult(model, fingerprint(graph) != before)
+        return PassResult(model, fingerprint(graph) != before, "; ".join(failures))
 
 
 def _graphs_outer_first(graph: gs.Graph) -> Iterator[tuple[gs.Graph, gs.Function | None]]:
@@ -105,16 +112,21 @@ EVALUATION_LOG_SEVERITY = 3
 
 
 @contextlib.contextmanager
-def _quiet_evaluation_sessions() -> Iterator[None]:
-    """Give the onnxruntime sessions that gs creates to evaluate constants a log level.
+def _evaluation_sessions() -> Iterator[None]:
+    """Make the onnxruntime sessions that gs creates to evaluate constants load, and quiet.
 
-    gs creates them without session options, so they log at the default logger's level, and
-    onnxruntime's graph optimizer prints warnings ("UnsqueezeElimination cannot remove node
-    ...") about the small graphs it is handed: noise on the user's stderr. gs takes no options,
-    so for the duration of the folding, a session created without any gets ones at
-    EVALUATION_LOG_SEVERITY (errors still print). Sessions created with options, and every
-    session once folding is done, are left alone; the process-wide default level is never
-    touched (onnxruntime has no way to read it back, so it could not be restored)."""
+    gs creates them from the serialized model, without session options (sessions created
+    with options, such as graphforge's own probes of what onnxruntime reads, are left alone):
+    1. gs exports the graph it evaluates with the graph's IR version and opsets (a subgraph
+       has no IR version of its own, and gets onnx's newest), which onnxruntime may not read:
+       each model is made runtime compatible first, exactly as ``save`` makes a file
+       (``make_runtime_compatible``); a model that cannot be converted fails to evaluate.
+    2. Without options they log at the default logger's level, and onnxruntime's graph
+       optimizer prints warnings ("UnsqueezeElimination cannot remove node ...") about the
+       small graphs it is handed: noise on the user's stderr. They get options at
+       EVALUATION_LOG_SEVERITY instead (errors still print); the process-wide default level is
+       never touched (onnxruntime has no way to read it back, so it could not be restored).
+    Only for the duration of the folding: sessions created afterwards are left alone."""
     import onnxruntime
 
     original = onnxruntime.InferenceSession
@@ -122,6 +134,8 @@ def _quiet_evaluation_sessions() -> Iterator[None]:
     class EvaluationSession(original):
         def __init__(self, path_or_bytes, sess_options=None, *args, **kwargs):
             if sess_options is None:
+                if isinstance(path_or_bytes, bytes):
+                    path_or_bytes = _runtime_compatible(path_or_bytes)
                 sess_options = onnxruntime.SessionOptions()
                 sess_options.log_severity_level = EVALUATION_LOG_SEVERITY
             super().__init__(path_or_bytes, sess_options, *args, **kwargs)
@@ -133,14 +147,18 @@ def _quiet_evaluation_sessions() -> Iterator[None]:
         onnxruntime.InferenceSession = original
 
 
-def _fold_graph(graph: gs.Graph, owner: gs.Function | None, limit: int) -> None:
-    """Fold one graph level (gs is told not to recurse: the caller walks the subgraphs)."""
+def _runtime_compatible(serialized: bytes) -> bytes:
+    """A serialized model, converted to what onnxruntime reads if it needs to be."""
+    proto = onnx.ModelProto.FromString(serialized)
+    if is_runtime_compatible(proto):
+        return serialized
+    return make_runtime_compatible(proto).SerializeToString()
+
+
+def _fold_graph(graph: gs.Graph, owner: gs.Function | None, limit: int) -> str | None:
+    """Fold one graph level (gs is told not to recurse: the caller walks the subgraphs).
+    Returns why its constants could not be evaluated, or None."""
     _fold_shapes(graph)
-    saved_ir = graph.ir_version
-    max_ir = runtime_limits()[0]
-    # gs evaluates with onnxruntime, which refuses files stamped with a newer IR version;
-    # a subgraph has none of its own, and gs would stamp onnx's newest.
-    graph.ir_version = max_ir if saved_ir is None else min(saved_ir, max_ir)
     # gs evaluates a graph with the model's functions beside it; the function being folded
     # is mid-rewrite (its Constant nodes lowered), and onnxruntime would refuse it. gs
     # shares one function list between all graphs and merges them back on copy, so the
@@ -150,7 +168,7 @@ def _fold_graph(graph: gs.Graph, owner: gs.Function | None, limit: int) -> None:
     if slot is not None:
         del functions[slot]
     try:
-        with _quiet_evaluation_sessions():
+        with _evaluation_sessions():
             graph.fold_constants(
                 fold_shapes=False,
                 recurse_subgraphs=False,
@@ -158,12 +176,16 @@ def _fold_graph(graph: gs.Graph, owner: gs.Function | None, limit: int) -> None:
                 flatten_subgraphs=False,
                 size_threshold=limit,
                 should_exclude_node=lambda node: node.op in NONDETERMINISTIC_OPS or _too_big(node, limit),
-                error_ok=True,
+                # with error_ok, gs would only log a failed evaluation: it is reported instead
+                error_ok=False,
             )
+    except Exception as exc:  # onnxruntime's own errors have no common base class
+        what = f"function {owner.name!r}" if graph is owner else f"graph {graph.name!r}"
+        return f"the constants of {what} were left unevaluated ({one_line(exc)})"
     finally:
-        graph.ir_version = saved_ir
         if slot is not None:
             functions.insert(slot, owner)
+    return None
 
 
 def _float32_constant_values(graph: gs.Graph) -> list[tuple[gs.Node, dict]]:

@@ -233,6 +233,84 @@ def test_opset_that_cannot_be_converted_gives_a_clear_save_error(tmp_path):
     assert listing(tmp_path) == ["keep.txt"]
 
 
+def ml_model(node: str) -> onnx.ModelProto:
+    """A model importing ai.onnx.ml at opset 6, newer than onnxruntime reads (5)."""
+    return onnx.parser.parse_model(
+        f'<ir_version: 10, opset_import: ["" : 17, "ai.onnx.ml" : 6]> g (float[2] x) => (float[2] y) {{ {node} }}'
+    )
+
+
+def test_unused_import_of_a_domain_onnxruntime_does_not_read_is_dropped(tmp_path):
+    # regression: only ai.onnx was checked, and onnxruntime refused the file written
+    assert gio.runtime_reads_opset("ai.onnx.ml", 5) and not gio.runtime_reads_opset("ai.onnx.ml", 6)
+    model = ml_model("y = Relu(x)")
+    assert not gio.is_runtime_compatible(model)
+    path = save(model, tmp_path / "ml.onnx")
+    assert [(o.domain, o.version) for o in onnx.load(path).opset_import] == [("", 17)]
+    assert ort_loads(onnx.load(path))
+    x = inputs(shape=(2,))
+    np.testing.assert_array_equal(graphforge.create_session(model).run(None, {"x": x})[0], np.maximum(x, 0))
+
+
+def test_used_domain_onnxruntime_does_not_read_is_a_clear_save_error(tmp_path):
+    model = ml_model('y = ai.onnx.ml.Normalizer<norm = "L2">(x)')
+    path = tmp_path / "ml.onnx"
+    with pytest.raises(ModelSaveError) as info:
+        save(model, path)
+    assert str(info.value) == (
+        f"{path}: the model uses ai.onnx.ml opset 6, onnxruntime reads at most 5, and onnx converts only the "
+        "ai.onnx domain; rewrite its ai.onnx.ml nodes for opset 5"
+    )
+    assert listing(tmp_path) == []
+
+
+LOCAL_FUNCTION_28 = """
+<ir_version: 11, opset_import: ["" : 28, "local" : 1]>
+g (float[3] x) => (float[3] y) {{ y = local.f<alpha = 0.5>(x) }}
+<domain: "local", opset_import: ["" : 28]>
+f <alpha> (a) => (b) {{
+  r = Relu(a)
+  {extra}
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "b = Mul(r, r)",  # no op changed between the opsets: the import is relabelled
+        "i = Cast<to = 7>(r)  b = Cast<to = 1>(i)",  # Cast changed at 28: the body is converted
+    ],
+)
+def test_local_functions_survive_an_opset_conversion(tmp_path, extra):
+    # regression: onnx's version converter drops local functions, and the file written called a missing one
+    if runtime_limits()[1] >= 28:
+        pytest.skip("onnxruntime reads opset 28: nothing to convert")
+    model = onnx.parser.parse_model(LOCAL_FUNCTION_28.format(extra=extra))
+    path = save(model, tmp_path / "f.onnx")
+    (function,) = onnx.load(path).functions
+    assert [(o.domain, o.version) for o in function.opset_import] == [("", runtime_limits()[1])]
+    assert [n.op_type for n in function.node] == [n.op_type for n in model.functions[0].node]
+    x = np.array([1.5, -2.0, 3.0], np.float32)
+    expected = np.maximum(x, 0) ** 2 if "Mul" in extra else np.trunc(np.maximum(x, 0))
+    np.testing.assert_array_equal(ort_run(path, {"x": x})[0], expected)
+
+
+def test_local_function_that_cannot_be_converted_is_a_clear_save_error(tmp_path):
+    if runtime_limits()[1] >= 28:
+        pytest.skip("onnxruntime reads opset 28: nothing to convert")
+    model = onnx.parser.parse_model(LOCAL_FUNCTION_28.format(extra="b = Celu<alpha: float = @alpha>(r)"))
+    path = tmp_path / "f.onnx"
+    with pytest.raises(ModelSaveError) as info:
+        save(model, path)
+    assert str(info.value) == (
+        f"{path}: local function local:f uses ai.onnx opset 28 (Celu), onnxruntime reads at most opset "
+        f"{runtime_limits()[1]}, and onnx's version converter cannot convert a function whose nodes read its "
+        "attributes"
+    )
+    assert listing(tmp_path) == []
+
+
 # --------------------------------------------------------------------------- external data
 
 

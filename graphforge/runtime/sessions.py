@@ -27,11 +27,11 @@ from graphforge.errors import GraphforgeError, InvalidModelError, ModelSaveError
 from graphforge.graph import (
     ModelSource,
     exceeds_protobuf_limit,
+    is_runtime_compatible,
     load,
     make_runtime_compatible,
     one_line,
     refuse_unresolved_external_data,
-    runtime_limits,
     save,
 )
 
@@ -208,7 +208,7 @@ def create_session(
         # A file on disk may carry external data next to it: onnxruntime reads it there,
         # but only after the same checks load() applies, and with a readable IR version.
         proto = load(model, load_external_data=False)
-        if _runtime_reads_as_is(proto):
+        if is_runtime_compatible(proto):
             return _session(str(model), options, providers, where)
         _make_compatible(proto, where)
         if any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(proto)):
@@ -225,7 +225,7 @@ def create_session(
         with tempfile.TemporaryDirectory(prefix="graphforge-session-") as tmp:
             path = save(proto, Path(tmp) / "model.onnx", external_data=True)
             return _session(str(path), options, providers, where)
-    if not _runtime_reads_as_is(proto):
+    if not is_runtime_compatible(proto):
         if proto is model:
             proto = onnx.ModelProto()
             proto.CopyFrom(model)
@@ -246,12 +246,6 @@ def _session(source: str | bytes, options: ort.SessionOptions, providers: list[A
         return ort.InferenceSession(source, options, providers=providers, enable_fallback=0)
     except Exception as exc:
         raise InvalidModelError(f"onnxruntime cannot load {where}: {one_line(exc)}") from None
-
-
-def _runtime_reads_as_is(proto: onnx.ModelProto) -> bool:
-    max_ir, max_opset = runtime_limits()
-    opsets_ok = all(o.version <= max_opset for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    return proto.ir_version <= max_ir and opsets_ok
 
 
 def lean_model(

@@ -20,7 +20,11 @@ from _util import (
     op_list,
     ops,
     parse,
+    run_pass,
 )
+from graphforge.passes import FoldConstants
+
+from graphforge.graph import runtime_limits
 
 CHAIN = """
 <ir_version: 10, opset_import: ["" : 18]>
@@ -403,3 +407,70 @@ def test_evaluation_sessions_print_no_optimizer_warnings(capfd):
     assert "onnxruntime" not in out + err, err  # e.g. "[W:onnxruntime:, unsqueeze_elimination.cc:24 ..."
     assert onnxruntime.InferenceSession is session_class, "sessions created after folding are left alone"
     assert_same_outputs(model, result.model, feeds_for(model))
+
+
+def test_folds_a_model_of_an_opset_newer_than_onnxruntime_reads():
+    # regression: gs evaluated opset 28 (onnx 1.23's default) as it was, onnxruntime 1.31 reads
+    # at most 26, and the refusal was swallowed: nothing folded, and the pass reported success
+    model = parse("""
+        <ir_version: 11, opset_import: ["" : 28, "local" : 1]>
+        g (bool c, float[2] x) => (float[2] y, float[2] z) {
+          k = Constant<value = float[2] {4.0, 9.0}>()
+          s = Sqrt(k)
+          m = Mul(x, s)
+          y = local.f(m)
+          z = If(c) <then_branch = t () => (float[2] o) { k2 = Constant<value = float[2] {1.0, 4.0}>()  r = Sqrt(k2)  o = Add(x, r) },
+                     else_branch = e () => (float[2] o2) { o2 = Neg(x) }>
+        }
+        <domain: "local", opset_import: ["" : 28]>
+        f (a) => (b) {
+          two = Constant<value_float = 2.0>()
+          r = Sqrt(two)
+          b = Mul(a, r)
+        }
+    """)
+    result = apply(model, "fold_constants")
+    (record,) = result.records
+    assert record.delta == {"Sqrt": -3} and record.note == ""
+    assert [(o.domain, o.version) for o in result.model.opset_import] == [
+        ("", 28),
+        ("local", 1),
+    ]  # only evaluated lower
+    for cond in (True, False):
+        assert_same_outputs(model, result.model, feeds_for(model) | {"c": np.array(cond)})
+
+
+UNEVALUABLE = {
+    "an op onnxruntime lacks": (
+        '["" : 18, "com.example" : 1]',
+        "s = com.example.Foo(k)",
+        "com.example:Foo(-1) is not a registered function/op",
+    ),
+    "an opset onnxruntime cannot be given": (
+        '["" : 28]',
+        "s = SwiGLU(k, k)",
+        "the model uses ai.onnx opset 28, onnxruntime reads at most",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", UNEVALUABLE)
+def test_constants_that_cannot_be_evaluated_are_reported_in_the_note(case):
+    opsets, node, reason = UNEVALUABLE[case]
+    if "28" in opsets and runtime_limits()[1] >= 28:
+        pytest.skip("onnxruntime reads opset 28: SwiGLU needs no conversion")
+    model = parse(
+        f"""
+        <ir_version: 10, opset_import: {opsets}>
+        g (float[2, 4] x) => (float[2, 4] y) {{
+          k = Constant<value = float[2, 4] {{1, 2, 3, 4, 5, 6, 7, 8}}>()
+          {node}
+          y = Mul(x, s)
+        }}
+        """,
+        check=False,
+    )
+    result, proto = run_pass(model, FoldConstants())
+    assert not result.changed and op_list(proto.graph) == op_list(model.graph)
+    assert result.note.startswith("the constants of graph 'g' were left unevaluated (")
+    assert reason in result.note and "\n" not in result.note
