@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from graphforge.diff.engine import diff_models
-from graphforge.diff.folders import Step, consecutive, folders_json, pair_folders
+from graphforge.diff.folders import Step, consecutive, folders_json, only_in, pair_folders
 from graphforge.diff.result import ModelDiff
 from graphforge.diff.source import Side, open_side
 from graphforge.diff.text import RICH_STYLES, Line, detail_lines, summary_lines, verdict
@@ -156,7 +156,7 @@ def _report_steps(
 
         diffs = [(s.title, s.diff) for s in steps if s.diff is not None]
         if not diffs:
-            raise DiffUsageError(f"no pair of dump files to draw: the folders {a} and {b} share no pass number")
+            raise DiffUsageError(f"no pair of dump files to draw: the folders {a} and {b} share no pass")
         write_html(
             html_out, diffs, title=f"graphforge diff: {a}" + (f" vs {b}" if b else " pass by pass"), context=context
         )
@@ -189,6 +189,12 @@ def _report_steps(
         delta = ", ".join(f"{c.op} {c.b - c.a:+d}" for c in step.diff.histogram)
         table.add_row(str(k), a_name, b_name, Text(text, RICH_STYLES[style]), nodes, delta)
     console.print(table)
+    for side, folder in (("a", a), ("b", b)):
+        alone = only_in(steps, side)
+        if alone and mode == "pairs":
+            console.print(
+                Text.assemble((f"only in {folder}: ", "red"), (", ".join(alone), "")), highlight=False, soft_wrap=True
+            )
     if not brief:
         for k, step in enumerate(steps, start=1):
             if step.diff is None or step.diff.identical:

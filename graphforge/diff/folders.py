@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import re
 from dataclasses import dataclass
@@ -73,29 +74,44 @@ def dump_files(folder: Path) -> list[DumpFile]:
 
 
 def pair_folders(a: Path, b: Path) -> list[Step]:
-    """Files of two dump folders paired by number and name, then by number alone."""
+    """Files of two dump folders paired by pass: the two sequences of pass names aligned
+    (difflib, as diff(1) aligns lines), so a pass only one pipeline runs is a step of its own
+    and the passes after it still meet their counterparts; where the names disagree (a pass
+    replaced by another), files pair by number, and what is left is only in one folder."""
     files_a, files_b = dump_files(a), dump_files(b)
-    by_key = {(f.number, f.name): f for f in files_b}
-    pairs: dict[int, DumpFile] = {}
+    matcher = difflib.SequenceMatcher(None, [f.name for f in files_a], [f.name for f in files_b], autojunk=False)
+    steps: list[Step] = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            steps += [Step(fa, fb) for fa, fb in zip(files_a[i1:i2], files_b[j1:j2], strict=True)]
+        else:
+            steps += _pair_by_number(files_a[i1:i2], files_b[j1:j2])
+    return steps
+
+
+def _pair_by_number(files_a: list[DumpFile], files_b: list[DumpFile]) -> list[Step]:
+    """Two runs of files whose pass names disagree: equal numbers pair, the rest stand alone,
+    in number order (A's before B's at one number)."""
+    by_number = {f.number: f for f in files_b}
+    steps = []
     taken: set[int] = set()
-    for k, f in enumerate(files_a):
-        other = by_key.get((f.number, f.name))
-        if other is not None:
-            pairs[k] = other
-            taken.add(id(other))
-    by_number: dict[int, list[DumpFile]] = {}
-    for f in files_b:
-        if id(f) not in taken:
-            by_number.setdefault(f.number, []).append(f)
-    for k, f in enumerate(files_a):
-        if k not in pairs and by_number.get(f.number):
-            other = by_number[f.number].pop(0)
-            pairs[k] = other
-            taken.add(id(other))
-    steps = [Step(f, pairs.get(k)) for k, f in enumerate(files_a)]
-    steps += [Step(None, f) for f in files_b if id(f) not in taken]
+    for f in files_a:
+        other = by_number.get(f.number)
+        if other is not None and f.number not in taken:
+            taken.add(f.number)
+            steps.append(Step(f, other))
+        else:
+            steps.append(Step(f, None))
+    steps += [Step(None, f) for f in files_b if f.number not in taken]
     steps.sort(key=lambda s: ((s.a or s.b).number, 0 if s.a is not None else 1))  # type: ignore[union-attr]
     return steps
+
+
+def only_in(steps: list[Step], side: str) -> list[str]:
+    """File names of the steps with a file on ``side`` ("a" or "b") alone."""
+    if side == "a":
+        return [s.a.path.name for s in steps if s.a is not None and s.b is None]
+    return [s.b.path.name for s in steps if s.b is not None and s.a is None]
 
 
 def consecutive(folder: Path) -> list[Step]:
@@ -114,5 +130,7 @@ def folders_json(mode: str, a: Path, b: Path | None, steps: list[Step]) -> dict[
         "a": str(a),
         "b": None if b is None else str(b),
         "identical": all(s.identical for s in steps),
+        "only_a": only_in(steps, "a"),
+        "only_b": only_in(steps, "b"),
         "steps": [s.to_json() for s in steps],
     }

@@ -178,6 +178,30 @@ def test_dump_folders_pass_by_pass(tmp_path, mlp_path):
     exits(cli(tmp_path / "one", tmp_path / "one", "--brief", cwd=tmp_path), 0)
 
 
+def test_dump_folders_of_pipelines_one_pass_apart_pair_by_pass(tmp_path):
+    """B runs one pass more, in the middle: the passes after it still meet their counterparts
+    (by number they would not: A's 002_cse would face B's 002_fold_constants)."""
+    model = models.dead_and_duplicate()
+    graphforge.compile(model, "identity_elimination, cse, dce", dump_dir=tmp_path / "one")
+    graphforge.compile(model, "identity_elimination, fold_constants, cse, dce", dump_dir=tmp_path / "two")
+    report = json.loads(exits(cli(tmp_path / "one", tmp_path / "two", "--json", cwd=tmp_path), 1).stdout)
+    pairs = [
+        (s["a"] and s["a"]["path"].rsplit("/", 1)[1], s["b"] and s["b"]["path"].rsplit("/", 1)[1])
+        for s in report["steps"]
+    ]
+    assert pairs == [
+        ("000_input.onnx", "000_input.onnx"),
+        ("001_identity_elimination.onnx", "001_identity_elimination.onnx"),
+        (None, "002_fold_constants.onnx"),
+        ("002_cse.onnx", "003_cse.onnx"),
+        ("003_dce.onnx", "004_dce.onnx"),
+    ]
+    assert report["only_a"] == [] and report["only_b"] == ["002_fold_constants.onnx"]
+    assert [s["identical"] for s in report["steps"]][:3] == [True, True, None]  # no diff without a pair
+    text = exits(cli(tmp_path / "one", tmp_path / "two", cwd=tmp_path), 1).stdout
+    assert f"only in {tmp_path / 'two'}: 002_fold_constants.onnx" in text
+
+
 def test_numeric_with_an_inputs_file(tmp_path, mlp_path):
     model = graphforge.load(mlp_path)
     changed = tmp_path / "changed.onnx"
