@@ -77,7 +77,7 @@ def compile_command(
         typer.Option(help="Write the model after every pass here, numbered (000_input.onnx, 001_dce.onnx, ...)."),
     ] = None,
     dump_on_change: Annotated[
-        bool, typer.Option(help="With --dump-dir, dump only passes that changed the model.")
+        bool, typer.Option(help="With --dump-dir, dump only the input and the passes that changed the model.")
     ] = False,
     bisect_limit: Annotated[
         int | None, typer.Option(help="Run only the first N pass applications (to bisect a miscompile).")

@@ -70,7 +70,8 @@ class PassManager:
     verify: run the ONNX checker with strict shape inference on the input and after each pass.
     verify_with_ort: also build an onnxruntime session from each result.
     dump_dir: write ``000_input.onnx`` and ``NNN_<pass>.onnx`` after each application.
-    dump_on_change: with dump_dir, write only the applications that changed the model.
+    dump_on_change: with dump_dir, write only the applications that changed the model
+        (and ``000_input.onnx``, the model the first change is compared with).
     bisect_limit: run only the first N pass applications; the rest are reported as skipped.
 
     Each change is exported and verified; the weights are copied into an export only for the
@@ -102,6 +103,8 @@ class PassManager:
 
     def run(self, source: ModelSource | Model) -> CompileResult:
         proto = source.to_proto() if isinstance(source, Model) else load(source)
+        if self.verify:  # before the dump folder exists: a refused input leaves nothing behind
+            verify_model(proto, with_ort=self.verify_with_ort, where="the input model")
         if self.dump_dir is not None:
             try:
                 self.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -109,9 +112,7 @@ class PassManager:
                 raise ModelSaveError(
                     f"{self.dump_dir}: cannot create the dump folder ({exc.strerror or exc})"
                 ) from None
-        if self.verify:
-            verify_model(proto, with_ort=self.verify_with_ort, where="the input model")
-        if self.dump_dir is not None and not self.dump_on_change:
+            # with dump_on_change too: the first change needs its "before" to compare with
             save(proto, self.dump_dir / "000_input.onnx")
         with gc_paused():
             model = Model.from_proto(proto)

@@ -182,7 +182,8 @@ def test_compile_dump_on_change(tmp_path, small_model):
             cwd=tmp_path,
         )
     )
-    assert sorted(p.name for p in dump.iterdir()) == ["002_dce.onnx", "003_cse.onnx"]
+    assert sorted(p.name for p in dump.iterdir()) == ["000_input.onnx", "002_dce.onnx", "003_cse.onnx"]
+    assert graphforge.load(dump / "000_input.onnx") == graphforge.load(small_model)
 
 
 def test_compile_bisect_limit(tmp_path, small_model):
@@ -248,6 +249,19 @@ ERROR_CASES = {
             "dce",
             "-o",
             d / "out.onnx",
+        ],
+        "the input model is not a valid ONNX model: ",
+    ),
+    "an invalid graph with --dump-dir": (  # the dump folder is not even created
+        lambda d, m: [
+            "compile",
+            _write(d / "invalid.onnx", models.invalid_model().SerializeToString()),
+            "-p",
+            "dce",
+            "-o",
+            d / "out.onnx",
+            "--dump-dir",
+            d / "dumps",
         ],
         "the input model is not a valid ONNX model: ",
     ),
@@ -534,6 +548,15 @@ def test_readme_tour_runs_as_written(readme_workspace):
     assert [line.split()[:2] for line in printed] == [["1", "fold_constants"], ["2", "cse"], ["3", "dce"]]
     assert (out / "demo.onnx").is_file()
     models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", out / "demo.onnx")
+
+
+def test_readme_api_block_runs_in_a_fresh_folder(readme_workspace):
+    """Without the CLI block before it: nothing has made out/ yet."""
+    api_block = next(b for b in _readme_blocks("python") if "graphforge.compile(" in b)
+    assert not (readme_workspace / "out").exists()
+    ok(subprocess.run([sys.executable, "-c", api_block], cwd=readme_workspace, env=_env(), capture_output=True,
+                      text=True, timeout=300))  # fmt: skip
+    models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", readme_workspace / "out" / "demo.onnx")
 
 
 def test_readme_pass_example_registers_and_runs():

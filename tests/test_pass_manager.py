@@ -259,8 +259,17 @@ def test_dump_on_change_writes_only_the_applications_that_changed(tmp_path):
         passes("topo_sort, dce, identity_elimination, cse, dce"), dump_dir=dump, dump_on_change=True
     ).run(source)
     assert [r.changed for r in result.records] == [False, True, False, True, False]
-    assert sorted(p.name for p in dump.iterdir()) == ["002_dce.onnx", "004_cse.onnx"]
+    # the input too: the first change is compared with it
+    assert sorted(p.name for p in dump.iterdir()) == ["000_input.onnx", "002_dce.onnx", "004_cse.onnx"]
+    assert same_model(graphforge.load(dump / "000_input.onnx"), source)
     assert [r.dumped_to is not None for r in result.records] == [False, True, False, True, False]
+
+
+def test_an_invalid_input_creates_no_dump_folder(tmp_path):
+    dump = tmp_path / "dumps"
+    with pytest.raises(InvalidModelError, match="the input model"):
+        PassManager(passes("dce"), dump_dir=dump).run(models.invalid_model())
+    assert not dump.exists()
 
 
 def test_dump_dir_that_cannot_be_created_is_a_graphforge_error(tmp_path):
