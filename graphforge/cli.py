@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
-from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -25,7 +24,7 @@ import graphforge
 from graphforge import roles
 from graphforge.errors import GraphforgeError
 from graphforge.ir import FLOAT_TYPES
-from graphforge.pass_manager import CompileResult, PassManager
+from graphforge.pass_manager import CompileResult, PassManager, op_histogram
 from graphforge.pipeline import default_registry, parse_pipeline
 
 app = typer.Typer(
@@ -145,7 +144,7 @@ def print_report(result: CompileResult, console: Console) -> None:
 @app.command()
 def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to describe.")]) -> None:
     """Describe MODEL: inputs, outputs, parameters and their size, op histogram, opsets."""
-    proto = graphforge.load(model)
+    proto = graphforge.load(model, load_external_data=False)  # dims and types are all it shows
     graph = proto.graph
     out.print(
         f"[bold]{escape(str(model))}[/]  IR {proto.ir_version}, "
@@ -188,8 +187,9 @@ def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to descr
             highlight=False,
         )
 
-    histogram = Counter(n.op_type if not n.domain else f"{n.domain}::{n.op_type}" for n in graph.node)
-    ops = Table(title=f"ops ({len(graph.node)} nodes)", title_justify="left")
+    # the compile report's count: subgraphs and local functions included
+    histogram = op_histogram(graphforge.Model.from_proto(proto), domains=True)
+    ops = Table(title=f"ops ({histogram.total()} nodes)", title_justify="left")
     ops.add_column("op")
     ops.add_column("count", justify="right")
     for op, count in histogram.most_common():
@@ -204,12 +204,12 @@ def _brief(value: str, limit: int = 60) -> str:
 
 
 def tied_initializer_warnings(proto: onnx.ModelProto) -> list[str]:
-    """Initializers reached through Identity nodes under another name.
+    """Floating-point initializers reached through Identity nodes under another name.
 
     The TorchScript exporter merges initializers with equal values (fresh LayerNorm weights
     are all ones) and re-exposes them through Identity: training would silently tie them.
     """
-    init_names = {t.name for t in proto.graph.initializer}
+    init_names = {t.name for t in proto.graph.initializer if t.data_type in FLOAT_TYPES}  # parameters only
     aliases: dict[str, list[str]] = {}
     for node in proto.graph.node:
         if node.op_type == "Identity" and node.input and node.input[0] in init_names:

@@ -17,7 +17,7 @@ import onnx
 
 from graphforge.errors import GraphforgeError, ModelSaveError, PipelineError
 from graphforge.graph import Model, ModelSource, load, save
-from graphforge.ir import gc_paused
+from graphforge.ir import every_graph, gc_paused
 from graphforge.pipeline import Pass, PassRegistry, PassResult, parse_pipeline
 from graphforge.verify import verify_model
 
@@ -25,12 +25,15 @@ from graphforge.verify import verify_model
 MAX_FIXED_POINT_ITERATIONS = 16
 
 
-def op_histogram(model: Model) -> Counter[str]:
-    """Node count per op type, subgraphs (If/Loop/Scan bodies) and local functions included."""
-    graph = model.graph
+def op_histogram(model: Model, *, domains: bool = False) -> Counter[str]:
+    """Node count per op type, subgraphs (If/Loop/Scan bodies) and local functions (and
+    theirs) included; with ``domains``, an op outside ai.onnx is counted as ``domain::op``."""
     counts: Counter[str] = Counter()
-    for g in [graph, *graph.subgraphs(recursive=True), *graph.functions]:
-        counts.update(node.op for node in g.nodes)
+    for g in every_graph(model.graph):
+        counts.update(
+            f"{node.domain}::{node.op}" if domains and node.domain not in (None, "", "ai.onnx") else node.op
+            for node in g.nodes
+        )
     return counts
 
 

@@ -429,6 +429,47 @@ def test_inspect_an_external_data_model(tmp_path, external_data_path):
     assert "544 parameters, 0.00 MiB" in proc.stdout
 
 
+def test_inspect_reads_no_external_data(tmp_path):
+    """It shows dims and types only: the weights file is not read (nor needed)."""
+    source = models.external_data_model(tmp_path / "model")
+    (tmp_path / "model" / "model.onnx.data").unlink()
+    proc = ok(graphforge_cli("inspect", source, cwd=tmp_path))
+    assert ["W", "float32", "[16, 32]", "512"] in table_rows(proc.stdout)
+
+
+def test_inspect_counts_ops_in_subgraphs_and_functions_as_compile_does(tmp_path):
+    model = models.parse("""
+        <ir_version: 10, opset_import: ["" : 18, "local" : 1]>
+        g (bool c, float[2] x) => (float[2] y, float[2] z) {
+          y = local.f(x)
+          z = If(c) <then_branch = t () => (float[2] o) { o = Relu(x) },
+                     else_branch = e () => (float[2] o2) { n = Neg(x)  o2 = Relu(n) }>
+        }
+        <domain: "local", opset_import: ["" : 18]>
+        f (a) => (b) { r = Relu(a)  b = Neg(r) }
+    """)
+    path = graphforge.save(model, tmp_path / "nested.onnx")
+    proc = ok(graphforge_cli("inspect", path, cwd=tmp_path))
+    rows = table_rows(proc.stdout)
+    assert "ops (7 nodes)" in proc.stdout
+    for row in (["Relu", "3"], ["Neg", "2"], ["If", "1"], ["local::f", "1"]):
+        assert row in rows, proc.stdout
+
+
+def test_inspect_warns_about_tied_floating_point_initializers_only(tmp_path):
+    """An integer initializer read under another name (a shape, say) is no parameter."""
+    model = models.parse("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N, 4] x) => (float[N, 2, 2] y) <int64[3] shape = {-1, 2, 2}> {
+          alias = Identity(shape)
+          y = Reshape(x, alias)
+        }
+    """)
+    path = graphforge.save(model, tmp_path / "shape.onnx")
+    proc = ok(graphforge_cli("inspect", path, cwd=tmp_path))
+    assert proc.stderr.strip() == ""
+
+
 def test_inspect_counts_every_floating_point_initializer(tmp_path):
     """bfloat16 and float16 weights are parameters (NumPy calls bfloat16 no float); int64 is not."""
     graph = helper.make_graph(
