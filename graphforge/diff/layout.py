@@ -1,5 +1,6 @@
-"""Layered graph layout: Graphviz ``dot`` through the ``graphviz`` package, else a pure-Python
-fallback (networkx topological generations), both giving boxes and edge paths in pixels."""
+"""Layered graph layout: Graphviz ``dot`` through the ``graphviz`` package, else networkx's
+``multipartite_layout`` over the topological generations (where ``dot`` is missing, fails, or
+the drawing is too large for it); both give boxes and edge paths in pixels."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def layout(boxes: list[Box], edges: list[tuple[str, str]]) -> Layout:
         except Exception as exc:  # a dot crash or timeout must not lose the page
             why = f"Graphviz dot failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     found = layered_layout(boxes, edges)
-    found.note = f"laid out by a pure-Python layered layout (networkx): {why}"
+    found.note = f"laid out by networkx (multipartite layout of the topological generations): {why}"
     return found
 
 
@@ -115,36 +116,47 @@ def dot_layout(boxes: list[Box], edges: list[tuple[str, str]]) -> Layout:
 
 
 def layered_layout(boxes: list[Box], edges: list[tuple[str, str]]) -> Layout:
-    """Rows by topological generation (cycles collapsed first), boxes side by side in each row."""
+    """networkx's multipartite layout, one row per topological generation (cycles collapsed
+    first), boxes in their given order within a row; its grid scaled so no two boxes overlap."""
     g = nx.DiGraph()
     g.add_nodes_from(b.id for b in boxes)
     g.add_edges_from(edges)
     condensed = nx.condensation(g)
-    rows: dict[str, int] = {}
-    for level, generation in enumerate(nx.topological_generations(condensed)):
-        for component in generation:
-            for member in condensed.nodes[component]["members"]:
-                rows[member] = level
     order = {b.id: k for k, b in enumerate(boxes)}
-    by_row: dict[int, list[Box]] = {}
-    for box in boxes:
-        by_row.setdefault(rows[box.id], []).append(box)
-    widths = {r: sum(b.width for b in row) + _COLUMN_GAP * (len(row) - 1) for r, row in by_row.items()}
-    total_width = max(widths.values()) + 2 * _COLUMN_GAP
-    placed: dict[str, Box] = {}
-    y = _ROW_GAP / 2
-    for r in sorted(by_row):
-        row = sorted(by_row[r], key=lambda b: order[b.id])
-        tallest = max(b.height for b in row)
-        x = (total_width - widths[r]) / 2
-        for box in row:
-            placed[box.id] = Box(box.id, box.width, box.height, x + box.width / 2, y + tallest / 2)
-            x += box.width + _COLUMN_GAP
-        y += tallest + _ROW_GAP
+    rows: dict[int, list[str]] = {}
+    for level, generation in enumerate(nx.topological_generations(condensed)):
+        members = [m for component in generation for m in condensed.nodes[component]["members"]]
+        rows[level] = sorted(members, key=order.__getitem__)
+    pos = nx.multipartite_layout(g, subset_key=rows, align="horizontal")
+    unit = _grid_unit(pos, rows)
+    by_id = {b.id: b for b in boxes}
+    widest = max(b.width for b in boxes)
+    tallest = max(b.height for b in boxes)
+    sx = (widest + _COLUMN_GAP) / unit  # neighbours in a row are one grid unit apart
+    sy = (tallest + _ROW_GAP) / unit
+    left = min(float(pos[i][0]) for i in by_id) * sx - widest / 2 - _COLUMN_GAP
+    top = min(float(pos[i][1]) for i in by_id) * sy - tallest / 2 - _ROW_GAP / 2
+    placed = {
+        i: Box(i, b.width, b.height, float(pos[i][0]) * sx - left, float(pos[i][1]) * sy - top)
+        for i, b in by_id.items()
+    }
+    width = max(b.x + widest / 2 for b in placed.values()) + _COLUMN_GAP
+    height = max(b.y + tallest / 2 for b in placed.values()) + _ROW_GAP / 2
     paths = []
     for s, t in edges:
         a, b = placed[s], placed[t]
         y1 = a.y + a.height / 2 if b.y > a.y else a.y - a.height / 2
         y2 = b.y - b.height / 2 if b.y > a.y else b.y + b.height / 2
         paths.append((s, t, f"M{a.x:.1f},{y1:.1f} L{b.x:.1f},{y2:.1f}"))
-    return Layout(placed, paths, total_width, y, "networkx")
+    return Layout(placed, paths, width, height, "networkx")
+
+
+def _grid_unit(pos: dict, rows: dict[int, list[str]]) -> float:
+    """The distance multipartite_layout puts between neighbouring rows (and neighbours in a
+    row): its grid is rescaled to fit a unit box, so it is measured, not assumed."""
+    if len(rows) >= 2:
+        return abs(float(pos[rows[1][0]][1]) - float(pos[rows[0][0]][1])) or 1.0
+    row = rows.get(0, [])
+    if len(row) >= 2:
+        return abs(float(pos[row[1]][0]) - float(pos[row[0]][0])) or 1.0
+    return 1.0
