@@ -4,6 +4,9 @@ and changed nodes in their own colours, details on click. No network: CSS, JS an
 Large graphs stay usable: when a side has more than FULL_GRAPH_NODES nodes, only the
 changed nodes and their neighbourhood (``context`` hops) are drawn; every other connected
 run of nodes becomes one dashed box ("⋯ 1,234 nodes") that says what it holds.
+
+Only the main graph is drawn; the "Changes" list also names the changes inside subgraphs
+and function bodies, with where they are, and shows their details on click.
 """
 
 from __future__ import annotations
@@ -84,7 +87,35 @@ def diff_data(name: str, diff: ModelDiff, *, context: int = 2) -> dict[str, Any]
         "text": diff.to_text(),
         "sides": sides,
         "details": details,
+        "elsewhere": elsewhere(diff),
     }
+
+
+def elsewhere(diff: ModelDiff) -> list[dict[str, Any]]:
+    """The changes the drawing of the main graph cannot show: nodes added, removed or changed
+    inside subgraphs (If branches, Loop and Scan bodies) and function bodies, and functions
+    added, removed or changed, each with where it is and what the panel shows on click."""
+    found: list[dict[str, Any]] = []
+    for g in diff.all_graphs():
+        if g is diff.graph:
+            continue
+        for n in g.removed:
+            found.append({"where": g.path, "status": "removed", "label": n.label, "detail": n.to_json()})
+        for n in g.added:
+            found.append({"where": g.path, "status": "added", "label": n.label, "detail": n.to_json()})
+        for c in g.changed:
+            label = c.a.label if c.a.label == c.b.label else f"{c.a.label} → {c.b.label}"
+            found.append({"where": g.path, "status": "changed", "label": label, "detail": c.to_json()})
+        for kind, changes in (("input", g.inputs), ("output", g.outputs), ("initializer", g.initializers)):
+            for v in changes:
+                name = (v.a or v.b or {}).get("name", "")
+                found.append({"where": g.path, "status": v.status, "label": f"{kind} {name!r}", "detail": v.to_json()})
+    for f in diff.functions:
+        if f.status != "changed" or [x for x in f.fields if x != "body"]:
+            detail = {k: v for k, v in f.to_json().items() if k != "graph"}
+            where = f"function {f.domain}::{f.name}" if f.domain else f"function {f.name}"
+            found.append({"where": where, "status": f.status, "label": "signature", "detail": detail})
+    return found
 
 
 def node_statuses(g: GraphDiff) -> tuple[dict[int, str], dict[int, str]]:
@@ -287,6 +318,9 @@ aside pre { white-space:pre-wrap; word-break:break-all; font-size:11px; backgrou
 aside ul { padding-left:16px; margin:4px 0; }
 aside li { cursor:pointer; }
 aside li.added { color:var(--added); } aside li.removed { color:var(--removed); } aside li.changed { color:#b35c00; }
+aside li.elsewhere { font-style:italic; }
+aside .note { font-size:11px; color:#495057; margin:2px 0 6px; }
+aside a.back { font-size:11px; }
 select { max-width:420px; }
 """
 
@@ -353,6 +387,12 @@ _JS = r"""
     svg.nodesById = Object.fromEntries(side.nodes.map((n) => [n.id, n]));
     return svg;
   }
+  function back(panel) {
+    const link = text('a', '← all changes', 'back');
+    link.href = '#';
+    link.addEventListener('click', (ev) => { ev.preventDefault(); showList(); });
+    panel.appendChild(link);
+  }
   function select(id, center) {
     document.querySelectorAll('.node.selected').forEach((e) => e.classList.remove('selected'));
     const info = current.details[id];
@@ -360,6 +400,7 @@ _JS = r"""
     if (box) box.classList.add('selected');
     const panel = document.getElementById('panel');
     panel.innerHTML = '';
+    back(panel);
     const side = id[0];
     let shown = info;
     if (!info) {
@@ -378,12 +419,21 @@ _JS = r"""
       const svg = document.querySelector('svg[data-side="' + side + '"]');
       if (svg && svg.nodesById[id]) svg.centerOn(svg.nodesById[id]);
     }
+    panel.setAttribute('data-showing', id);
   }
-  function render(k) {
-    current = data.diffs[k];
-    document.getElementById('verdict').textContent = current.verdict;
-    drawSide(current.sides[0], current.labels[0], current, document.getElementById('pane-a'));
-    drawSide(current.sides[1], current.labels[1], current, document.getElementById('pane-b'));
+  function showElsewhere(k) {
+    document.querySelectorAll('.node.selected').forEach((e) => e.classList.remove('selected'));
+    const entry = current.elsewhere[k];
+    const panel = document.getElementById('panel');
+    panel.innerHTML = '';
+    back(panel);
+    panel.appendChild(text('h3', entry.status + ' in ' + entry.where + ': ' + entry.label));
+    panel.appendChild(text('div', 'not drawn: the drawing shows the main graph only', 'note'));
+    panel.appendChild(text('pre', JSON.stringify(entry.detail, null, 1)));
+    panel.setAttribute('data-showing', 'elsewhere-' + k);
+  }
+  function showList() {
+    document.querySelectorAll('.node.selected').forEach((e) => e.classList.remove('selected'));
     const panel = document.getElementById('panel');
     panel.innerHTML = '';
     panel.appendChild(text('h3', 'Changes (click one)'));
@@ -396,9 +446,23 @@ _JS = r"""
         list.appendChild(li);
       }
     }
+    current.elsewhere.forEach((entry, k) => {
+      const li = text('li', entry.status + ' in ' + entry.where + ': ' + entry.label, entry.status + ' elsewhere');
+      li.addEventListener('click', () => showElsewhere(k));
+      list.appendChild(li);
+    });
+    if (!list.children.length) list.appendChild(text('li', 'none', 'none'));
     panel.appendChild(list);
     panel.appendChild(text('h3', 'Report'));
     panel.appendChild(text('pre', current.text));
+    panel.setAttribute('data-showing', 'list');
+  }
+  function render(k) {
+    current = data.diffs[k];
+    document.getElementById('verdict').textContent = current.verdict;
+    drawSide(current.sides[0], current.labels[0], current, document.getElementById('pane-a'));
+    drawSide(current.sides[1], current.labels[1], current, document.getElementById('pane-b'));
+    showList();
     document.body.setAttribute('data-rendered', String(k));
   }
   if (data.diffs.length > 1) {

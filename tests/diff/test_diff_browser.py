@@ -72,3 +72,42 @@ def test_the_screenshot_shows_the_changes_in_their_colours(page, tmp_path):
         count = int(np.all(pixels == color, axis=-1).sum())
         # a box is about 150x40 pixels; the legend alone is far fewer than 1,000
         assert count > 1000, f"{status} boxes are not visible: {count} pixels of {color}"
+
+
+def _with_clicks(page, tmp_path, script: str):
+    """The page with a script appended that clicks as a reader would, then the DOM chromium dumps."""
+    clicked = tmp_path / "clicked.html"
+    clicked.write_text(page.read_text().replace("</body>", f"<script>{script}</script></body>"))
+    proc = chromium("--dump-dom", clicked.as_uri(), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r'data-rendered="\d', proc.stdout), "the page's script did not finish drawing"
+    return proc.stdout
+
+
+def _panel(dom: str) -> str:
+    return dom.split('<aside id="panel"', 1)[1].split("</aside>", 1)[0]
+
+
+def test_clicking_a_changed_node_shows_its_details(page, tmp_path):
+    # STATUS_A's third node (index 2) is the LeakyRelu whose alpha changed
+    dom = _with_clicks(page, tmp_path, "document.getElementById('a2').dispatchEvent(new MouseEvent('click'));")
+    panel = _panel(dom)
+    assert 'data-showing="a2"' in dom and "A: LeakyRelu leaky" in panel
+    assert "alpha" in panel and "0.2" in panel and "← all changes" in panel
+    assert re.search(r'<g class="node changed selected" id="a2"', dom)
+
+
+def test_a_change_only_inside_a_branch_is_listed_and_shows_on_click(tmp_path):
+    from _diff_fixtures import IF_MODEL
+
+    before = parse(IF_MODEL)
+    after = parse(IF_MODEL.replace("t = Neg(z)", "t = Sigmoid(z)"))
+    page = tmp_path / "branch.html"
+    write_html(page, [("branch", diff_models(before, after))])
+    dom = _with_clicks(page, tmp_path, "")
+    items = re.findall(r'<li class="([^"]+)">([^<]*)</li>', _panel(dom))
+    assert any("elsewhere" in cls and "then_branch" in label and "Neg" in label for cls, label in items), items
+    k = next(k for k, (cls, _) in enumerate(c for c in items if "elsewhere" in c[0]))
+    dom = _with_clicks(page, tmp_path, f"document.querySelectorAll('#panel li.elsewhere')[{k}].click();")
+    panel = _panel(dom)
+    assert "then_branch" in panel and "Sigmoid" in panel and "not drawn" in panel

@@ -61,3 +61,17 @@ def test_the_page_is_drawn_with_networkx_when_dot_is_missing(no_dot):
 def test_with_dot_the_layout_is_graphviz():
     found = layout([Box("a", 80, 34), Box("b", 80, 34)], [("a", "b")])
     assert found.engine == "dot" and found.boxes["a"].y < found.boxes["b"].y
+
+
+def test_the_changes_list_names_changes_the_drawing_cannot_show():
+    """A change only inside a function body (or a subgraph) leaves the drawn main graph
+    unchanged: the page's list names it, with where it is."""
+    from _diff_fixtures import FUNCTION_MODEL
+
+    before = parse(FUNCTION_MODEL)
+    after = parse(FUNCTION_MODEL.replace("b = Relu(c)", "b = LeakyRelu<alpha = 0.2>(c)"))
+    data = diff_data("f", diff_models(before, after))
+    assert {n["status"] for side in data["sides"] for n in side["nodes"]} == {"same"}
+    (entry,) = data["elsewhere"]
+    assert entry["where"] == "function local::twice" and entry["status"] == "changed"
+    assert entry["label"] == "Relu #1 → LeakyRelu #1" and entry["detail"]["fields"] == ["op_type", "attributes"]
