@@ -119,7 +119,9 @@ class CheckpointState:
     ``data_position`` (any JSON value: where the data loader stands), ``properties``
     (any JSON values the user keeps), ``grad_reset_pending`` (an accumulating program's
     next ``module(...)`` overwrites the accumulated gradients instead of adding to them;
-    saved so a run resumed mid-accumulation continues it). ``tensors`` are numpy arrays by program input name;
+    saved so a run resumed mid-accumulation continues it), ``micro_batch`` (forward passes
+    of the current step so far: with ``seeds["dropout"]`` and the step, it picks the dropout
+    masks). ``tensors`` are numpy arrays by program input name;
     while a :class:`~graphforge.runtime.Module` trains on this state, they live inside
     onnxruntime and ``tensors`` reads the current values back (a copy).
     """
@@ -136,6 +138,7 @@ class CheckpointState:
         data_position: Any = None,
         properties: dict[str, Any] | None = None,
         grad_reset_pending: bool = True,
+        micro_batch: int = 0,
         source: str | None = None,
     ):
         self._tensors = dict(tensors)
@@ -147,6 +150,7 @@ class CheckpointState:
         self.data_position = data_position
         self.properties = dict(properties or {})
         self.grad_reset_pending = bool(grad_reset_pending)
+        self.micro_batch = micro_batch
         #: where the state came from, for messages ("checkpoint runs/ck.safetensors")
         self.source = source
         self._module: Module | None = None
@@ -185,6 +189,7 @@ class CheckpointState:
             data_position=copy.deepcopy(self.data_position),
             properties=copy.deepcopy(self.properties),
             grad_reset_pending=self.grad_reset_pending,
+            micro_batch=self.micro_batch,
             source=self.source,
         )
 
@@ -246,6 +251,7 @@ class CheckpointState:
             "data_position": self.data_position,
             "properties": self.properties,
             "grad_reset_pending": bool(self.grad_reset_pending),
+            "micro_batch": self.micro_batch,
             "tensors": [
                 TensorSpec(n, roles_by_name.get(n, "unknown"), t.dtype.name, tuple(t.shape), checksum(t)).to_json()
                 for n, t in tensors.items()
@@ -254,6 +260,13 @@ class CheckpointState:
         if isinstance(self.step, bool) or not isinstance(self.step, int | np.integer) or self.step < 0:
             raise CheckpointError(f"state.step must be a whole number ≥ 0, got {self.step!r}")
         document["step"] = int(self.step)
+        if (
+            isinstance(self.micro_batch, bool)
+            or not isinstance(self.micro_batch, int | np.integer)
+            or self.micro_batch < 0
+        ):
+            raise CheckpointError(f"state.micro_batch must be a whole number ≥ 0, got {self.micro_batch!r}")
+        document["micro_batch"] = int(self.micro_batch)
         if self.learning_rate is not None:
             document["learning_rate"] = float(self.learning_rate)
         for key in ("scheduler", "seeds", "data_position", "properties"):
@@ -341,6 +354,7 @@ class CheckpointState:
             data_position=document.get("data_position"),
             properties=document.get("properties"),
             grad_reset_pending=document.get("grad_reset_pending", True),
+            micro_batch=document.get("micro_batch", 0),
             source=f"checkpoint {path}",
         )
         if program is not None:
@@ -385,6 +399,9 @@ def _parse_document(path: Path, text: str) -> dict:
     lr = document.get("learning_rate")
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr)):
         raise CheckpointError(f"{path}: its learning_rate is {lr!r}, expected a number")
+    micro = document.get("micro_batch", 0)
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
+        raise CheckpointError(f"{path}: its micro_batch is {micro!r}, expected a whole number ≥ 0")
     if not isinstance(document.get("grad_reset_pending", True), bool):
         raise CheckpointError(
             f"{path}: its grad_reset_pending is {document['grad_reset_pending']!r}, expected true/false"

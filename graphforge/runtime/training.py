@@ -47,6 +47,7 @@ from graphforge import roles
 from graphforge.errors import DeviceError, GraphforgeError
 from graphforge.graph import Model, ModelSource, one_line
 from graphforge.runtime.checkpoint import CheckpointState, carried_specs, program_proto
+from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
 from graphforge.runtime.sessions import (
     CPU,
     CUDA,
@@ -59,6 +60,8 @@ from graphforge.runtime.sessions import (
 )
 
 _NEXT = "_next"
+#: Module(dropout=...): counter-based masks, or onnxruntime's own Dropout
+DROPOUT_MODES = ("seeded", "onnxruntime")
 #: host outputs of a fixed shape up to this many elements get a preallocated buffer
 _PREALLOCATED_MAX = 4096
 
@@ -112,6 +115,7 @@ class _Undo:
 
     written: list[_Carried]
     step: int
+    micro_batch: int
     grad_reset_pending: bool
     received: dict[str, ort.OrtValue] | None
 
@@ -134,6 +138,10 @@ class Module:
     ``state``: a CheckpointState (default: the program's initial state); the Module
     trains on it in place, so ``state.save(path)`` saves the current values.
     ``device``: "cpu", "cuda", "cuda:N", or None for the best working one.
+    ``dropout``: "seeded" (default) gives training-mode Dropout masks that are a pure
+    function of (``state.seeds["dropout"]``, step, micro-batch, node, element), so runs
+    repeat and resume bit-identically (graphforge/runtime/dropout.py); "onnxruntime" keeps
+    onnxruntime's own Dropout, whose generator is unseeded and cannot be checkpointed.
     """
 
     def __init__(
@@ -144,7 +152,10 @@ class Module:
         *,
         intra_op_threads: int | None = None,
         inter_op_threads: int | None = None,
+        dropout: str = "seeded",
     ):
+        if dropout not in DROPOUT_MODES:
+            raise GraphforgeError(f"dropout={dropout!r}: use one of {', '.join(map(repr, DROPOUT_MODES))}")
         self._program = program_proto(program)
         specs = carried_specs(self._program)
         meta = {p.key: p.value for p in self._program.metadata_props}
@@ -159,6 +170,13 @@ class Module:
         state._check_free()  # a state trains in one Module at a time
         state.check(specs)
         self._device_type, self._device_id, self._providers = _resolve_device(device)
+        # what training runs: the program with reproducible dropout masks (eval and export use the program)
+        self._train_program, seeded = (
+            seeded_dropout(self._program, "div" if self._device_type == "cuda" else "bitshift")
+            if dropout == "seeded"
+            else (self._program, 0)
+        )
+        self._key_input = KEY_INPUT if seeded else None
         self._threads = {"intra_op_threads": intra_op_threads, "inter_op_threads": inter_op_threads}
 
         values = state.tensors  # not yet attached: the state's own arrays
@@ -241,6 +259,7 @@ class Module:
         grad = self._segment_runner(0, outputs)
         host, device = self._run(grad, feeds, [self.loss_name, *outputs], segments.sends)
         self.state.grad_reset_pending = False
+        self.state.micro_batch += 1  # the next forward of this step draws other dropout masks
         self._received = device
         return _result(host, self.loss_name, outputs)
 
@@ -280,6 +299,7 @@ class Module:
         for c in undo.written:
             c.current = 1 - c.current
         self.state.step = undo.step
+        self.state.micro_batch = undo.micro_batch
         self.state.grad_reset_pending = undo.grad_reset_pending
         self._received = undo.received
         self._undo = None
@@ -296,6 +316,7 @@ class Module:
 
     def _after_update(self, host: dict[str, np.ndarray]) -> None:
         self.state.step = int(self.state.step) + 1
+        self.state.micro_batch = 0
         if "grad_norm" in host:
             self.last_grad_norm = float(host["grad_norm"])
 
@@ -377,10 +398,10 @@ class Module:
         extra = tuple(sorted({o for o in outputs if o not in (self.loss_name, "grad_norm")}))
         runner = self._fused if not extra else self._extra_runners.get(("fused", extra))
         if runner is None:
-            produced = {o.name for o in self._program.graph.output}
+            produced = {o.name for o in self._train_program.graph.output}
             keep = [self.loss_name, *(["grad_norm"] if "grad_norm" in produced else []), *extra]
             keep += [c.output for c in self._carried.values() if c.output in produced]
-            runner = self._runner(self._program, "the training program", keep)
+            runner = self._runner(self._train_program, "the training program", keep)
             if extra:
                 self._extra_runners[("fused", extra)] = runner
             else:
@@ -394,8 +415,8 @@ class Module:
 
             update = {c.output for c in self._carried.values() if c.role in ("parameter", "optimizer")}
             update |= {"grad_norm", self._step_input + _NEXT}
-            boundary = [o.name for o in self._program.graph.output if o.name not in update]
-            grad, optim = cut(self._program, [boundary])
+            boundary = [o.name for o in self._train_program.graph.output if o.name not in update]
+            grad, optim = cut(self._train_program, [boundary])
             for name in optim.inputs:
                 c = self._carried.get(name)
                 if c is not None and c.output in grad.outputs:
@@ -485,6 +506,9 @@ class Module:
         }
         if self._reset_input is not None:
             scalars[self._reset_input] = np.array(self.state.grad_reset_pending, np.bool_)
+        if self._key_input is not None:
+            state = self.state
+            scalars[self._key_input] = run_key(int(state.seeds.get("dropout", 0)), state.step, state.micro_batch)
         return scalars
 
     def _run(
@@ -497,7 +521,9 @@ class Module:
             runner.carried_out = [self._by_output[o] for o in runner.outputs if o in self._by_output]
             runner.free_inputs = [n for n in runner.inputs if n not in self._carried]
         carried_in, carried_out = runner.carried_in, runner.carried_out
-        undo = _Undo(carried_out, self.state.step, self.state.grad_reset_pending, self._received)
+        undo = _Undo(
+            carried_out, self.state.step, self.state.micro_batch, self.state.grad_reset_pending, self._received
+        )
         for c in carried_out:
             if len(c.slots) == 1:
                 c.slots.append(

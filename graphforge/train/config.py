@@ -180,13 +180,16 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """[train]: how long (``steps`` or ``epochs``), micro-batches per step, learning rate, device."""
+    """[train]: how long (``steps`` or ``epochs``), micro-batches per step, learning rate, device,
+    and the dropout masks: "seeded" (a pure function of data.seed, step, micro-batch, node and
+    element: runs repeat and resume bit-identically) or "onnxruntime" (its own unseeded Dropout)."""
 
     steps: int | None = field(default=None, metadata=accepts("int", minimum=1))
     epochs: int | None = field(default=None, metadata=accepts("int", minimum=1))
     accumulate: int = field(default=1, metadata=accepts("int", minimum=1))
     lr: float | None = field(default=None, metadata=accepts("float", minimum=0))
     device: str | None = field(default=None, metadata=accepts("str"))
+    dropout: str = field(default="seeded", metadata=accepts("str", choices=("seeded", "onnxruntime")))
 
 
 @dataclass(frozen=True)

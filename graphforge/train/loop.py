@@ -250,7 +250,7 @@ def prepare(config: Config) -> Plan:
         for key, (old, new) in changed.items():
             note(f"resuming with {key} = {new!r} instead of the checkpoint's {old!r} (checkpoint.allow_config_change)")
     try:
-        module = Module(program, state, device=config.train.device)
+        module = Module(program, state, device=config.train.device, dropout=config.train.dropout)
     except DeviceError as exc:
         raise ConfigError(f"{where}: train.device: {exc}") from None
     return Plan(
@@ -357,7 +357,9 @@ def _starting_state(config: Config, out: Path, program: onnx.ModelProto) -> tupl
             "resume it (--resume), or choose another output folder (--out)"
         )
     if path is None:
-        return CheckpointState.from_program(program), None
+        state = CheckpointState.from_program(program)
+        state.seeds["dropout"] = config.data.seed  # the dropout masks' seed (graphforge/runtime/dropout.py)
+        return state, None
     return CheckpointState.load(path, program), path
 
 
@@ -662,6 +664,7 @@ class Run:
             if state.step == before:  # the update did not happen: redo the step's batches on resume
                 position = position_then
                 state.grad_reset_pending = True
+                state.micro_batch = 0
             elif schedule.last_step < state.step:  # updated, but the schedule had not moved on yet
                 schedule.step()
         log.close()
@@ -682,6 +685,7 @@ class Run:
         if profiler is not None:
             profiler.finish()
         state.grad_reset_pending = True  # the failed step's partial accumulation is dropped
+        state.micro_batch = 0
         bad = [name for name, value in state.tensors.items() if not _all_finite(value)]
         saved = None
         if bad:

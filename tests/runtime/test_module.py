@@ -169,7 +169,7 @@ def test_inputs_are_widened_without_loss_and_narrowing_is_refused(program):
 def test_eval_mode_needs_no_labels_for_outputs_only(program):
     module = Module(program, device="cpu").eval()
     x, target = tm.batches(1)[0]
-    loss, y = module(x, target, outputs=["y"])
+    _, y = module(x, target, outputs=["y"])
     no_loss, y_only = module(x, outputs=["y"])
     assert no_loss is None and np.array_equal(y, y_only)
     with pytest.raises(GraphforgeError, match="missing batch input 'labels'"):
@@ -195,7 +195,7 @@ def test_undo_last_run_restores_the_state_before_it(program):
 
 @pytest.mark.skipif(_provider_works(CUDA), reason="a CUDA device works here")
 def test_cuda_without_a_usable_gpu_is_one_clear_error(program):
-    with pytest.raises(DeviceError, match="device 'cuda' asks for CUDA, but .*use device 'cpu'"):
+    with pytest.raises(DeviceError, match=r"device 'cuda' asks for CUDA, but .*use device 'cpu'"):
         Module(program, device="cuda")
     with pytest.raises(DeviceError, match="device 'cuda:1'"):
         Module(program, state=CheckpointState.from_program(program), device="cuda:1")

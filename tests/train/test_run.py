@@ -41,7 +41,7 @@ def test_run_writes_program_checkpoints_and_logs(finished):
     assert state.step == 12
     assert state.scheduler["kind"] == "linear" and state.scheduler["last_step"] == 12
     assert state.data_position == {"epoch": 2, "batch": 0}  # 48 samples = 6 batches per epoch
-    assert state.seeds == {"data": 3}
+    assert state.seeds == {"data": 3, "dropout": 3}  # dropout masks follow data.seed
     assert state.properties["samples"] == 12 * 8
     assert result.loss is not None and np.isfinite(result.loss)
     assert set(result.eval) == {"eval_loss", "eval_accuracy"}
