@@ -121,6 +121,14 @@ class _Undo:
 
 
 @dataclass
+class _Profiling:
+    """start_profiling(): where traces go, and the profiled twin sessions by what they compute."""
+
+    prefix: str
+    runners: dict[tuple, _Runner]
+
+
+@dataclass
 class _Segments:
     """The program cut for the split path: the two segment models, what segment 0 can
     output, and what it sends to segment 1."""
@@ -208,6 +216,7 @@ class Module:
         self._optimizer: Optimizer | None = None
         self.last_grad_norm: float | None = None
         self._undo: _Undo | None = None  # what undo_last_run() restores
+        self._profiling: _Profiling | None = None  # the profiled sessions, while start_profiling() is in effect
 
     # ------------------------------------------------------------------ modes
 
@@ -287,6 +296,29 @@ class Module:
         """Make the next ``module(...)`` call overwrite the accumulated gradients instead of adding to them."""
         self.state.grad_reset_pending = True
 
+    def start_profiling(self, prefix: str | os.PathLike) -> None:
+        """Profile the training runs from now on (``train_step``, ``module(...)``,
+        ``optimizer.step()``): they run in twin sessions of the same lean models, made with
+        onnxruntime's profiling on, bound to the same buffers, so the trace shows the very
+        runs that train (every micro-batch and the update, with accumulation). The twins
+        hold their own memory arena until ``end_profiling()``. ``prefix``: where
+        onnxruntime writes the traces (``<prefix>_<time>.json``)."""
+        if self._profiling is not None:
+            raise GraphforgeError("profiling is already on: call end_profiling() first")
+        self._profiling = _Profiling(str(prefix), {})
+
+    def end_profiling(self) -> list[tuple[Path, int]]:
+        """Stop profiling: (trace file, profiling start in ns since the epoch) of each
+        session that ran meanwhile, in the order first run; the sessions go."""
+        profiling, self._profiling = self._profiling, None
+        if profiling is None:
+            return []
+        traces = []
+        for runner in profiling.runners.values():
+            start = runner.session.get_profiling_start_time_ns()
+            traces.append((Path(runner.session.end_profiling()), start))
+        return traces
+
     def undo_last_run(self) -> None:
         """Put the state back as it was before the last run (``train_step``, ``module(...)`` or
         ``optimizer.step()``): carried tensors, step count and the reset-grad flag. The
@@ -351,11 +383,18 @@ class Module:
     # ------------------------------------------------------------------ sessions
 
     def _runner(
-        self, model: onnx.ModelProto, where: str, keep: Sequence[str] | None = None, *, only_read_inputs: bool = False
+        self,
+        model: onnx.ModelProto,
+        where: str,
+        keep: Sequence[str] | None = None,
+        *,
+        only_read_inputs: bool = False,
+        profile: bool = False,
     ) -> _Runner:
         """A session for ``model`` computing only the outputs in ``keep`` (None: all of them);
         ``only_read_inputs``: without the graph inputs no node reads then (the labels when
-        only forward outputs are kept)."""
+        only forward outputs are kept); ``profile``: with onnxruntime's profiling on while
+        ``start_profiling`` is in effect."""
         model = lean_model(model, keep, bound=self._carried)
         if only_read_inputs:
             read = {n for node in model.graph.node for n in _node_reads(node)} | {o.name for o in model.graph.output}
@@ -367,6 +406,9 @@ class Module:
         # more block beside the arena that the first run filled: for a training step that
         # nearly doubles the peak memory (GPT-2 2x256: 1.8 GiB instead of 1.2), for no speed
         options.enable_mem_pattern = False
+        if profile and self._profiling is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = self._profiling.prefix
         session = create_session(model, providers=self._providers, options=options, where=where)
         initializers = {t.name for t in model.graph.initializer}
         dtypes = {
@@ -396,13 +438,18 @@ class Module:
         """The whole program, computing what train_step hands back: the loss, grad_norm, the
         carried tensors' updates and ``outputs`` (one session per set of requested outputs)."""
         extra = tuple(sorted({o for o in outputs if o not in (self.loss_name, "grad_norm")}))
-        runner = self._fused if not extra else self._extra_runners.get(("fused", extra))
+        if self._profiling is not None:
+            runner = self._profiling.runners.get(("fused", extra))
+        else:
+            runner = self._fused if not extra else self._extra_runners.get(("fused", extra))
         if runner is None:
             produced = {o.name for o in self._train_program.graph.output}
             keep = [self.loss_name, *(["grad_norm"] if "grad_norm" in produced else []), *extra]
             keep += [c.output for c in self._carried.values() if c.output in produced]
-            runner = self._runner(self._train_program, "the training program", keep)
-            if extra:
+            runner = self._runner(self._train_program, "the training program", keep, profile=True)
+            if self._profiling is not None:
+                self._profiling.runners[("fused", extra)] = runner
+            elif extra:
                 self._extra_runners[("fused", extra)] = runner
             else:
                 self._fused = runner
@@ -439,7 +486,8 @@ class Module:
         tensors' updates."""
         extra = tuple(sorted({o for o in outputs if o != self.loss_name})) if index == 0 else ()
         key = ("segment", index, extra)
-        runner = self._extra_runners.get(key)
+        cache = self._profiling.runners if self._profiling is not None else self._extra_runners
+        runner = cache.get(key)
         if runner is None:
             segments = self._segment_models()
             model = segments.grad if index == 0 else segments.optim
@@ -448,7 +496,7 @@ class Module:
             keep = [o for o in keep if o in produced]
             keep += [c.output for c in self._carried.values() if c.output in produced]
             where = "the forward/backward segment" if index == 0 else "the optimizer segment"
-            runner = self._extra_runners[key] = self._runner(model, where, keep)
+            runner = cache[key] = self._runner(model, where, keep, profile=True)
         return runner
 
     def _eval_runner(self, outputs: tuple[str, ...] = ()) -> _Runner:

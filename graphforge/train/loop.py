@@ -508,11 +508,7 @@ class Run:
             plan.train.seed = seed
         stream = Stream(plan.train, self._resumed_position())
         profile = config.profile
-        profiler = (
-            StepProfiler(plan.program, plan.out / PROFILE_DIR, profile.start, profile.steps)
-            if profile is not None
-            else None
-        )
+        profiler = StepProfiler(plan.out / PROFILE_DIR, profile.start, profile.steps) if profile is not None else None
         log = RunLog(
             plan.out,
             config.log,
@@ -567,18 +563,16 @@ class Run:
                 raise self._stop_not_finite(exc, schedule, stream, position, log, profiler) from None
 
     def _step(self, optimizer: Optimizer, schedule: LRSchedule, stream: Stream, profiler) -> tuple[float, int, float]:
-        """One optimizer step: its mean loss, samples and seconds (profiling not counted)."""
+        """One optimizer step: its mean loss, samples and seconds (a profiled step's include
+        the profiling, and its sessions' first runs)."""
         module, accumulate = self.module, self.config.train.accumulate
-        number = self.state.step + 1
+        if profiler is not None and profiler.wants(self.state.step + 1):
+            profiler.start(module)  # this step's runs go through profiled twin sessions
         started = time.perf_counter()
-        losses, samples, profiled = [], 0, 0.0
+        losses, samples = [], 0
         for _ in range(accumulate):
             batch = stream.next()
             samples += len(next(iter(batch.values())))
-            if profiler is not None and profiler.wants(number):
-                mark = time.perf_counter()
-                profiler.run(module, batch)
-                profiled += time.perf_counter() - mark
             # one micro-batch per step: the fused step, one session.run; else accumulate, then update
             losses.append(float(module.train_step(**batch) if accumulate == 1 else module(**batch)))
             _check_finite(module, "loss", losses[-1])
@@ -588,7 +582,7 @@ class Run:
         if module.last_grad_norm is not None:
             _check_finite(module, "gradient norm", module.last_grad_norm)
         schedule.step()
-        return sum(losses) / len(losses), samples, time.perf_counter() - started - profiled
+        return sum(losses) / len(losses), samples, time.perf_counter() - started
 
     def _after_step(self, loss, samples, seconds, lr, schedule, stream: Stream, profiler, log: RunLog) -> None:
         """Log, evaluate, print and save as the config asks at this step."""

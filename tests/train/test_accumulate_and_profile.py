@@ -65,3 +65,21 @@ def test_profile_traces_exactly_the_chosen_steps_and_leaves_training_alone(tmp_p
     assert any("Gemm" in kernel for kernel in kernels)  # the forward (onnxruntime may fuse Gemm + Tanh)
     for name, value in _parameters(a).items():
         assert np.array_equal(value, _parameters(b)[name]), name
+
+
+def test_profile_with_accumulation_traces_the_runs_that_train(tmp_path):
+    """Two micro-batches and the update per step: three runs a step, one clock, training untouched."""
+    folder = th.workspace(tmp_path)
+    pipeline = th.PIPELINE.replace("adamw(lr=0.05)", "adamw(lr=0.05, accumulate=true)")
+    plain = th.base_config(model={"pipeline": pipeline}, train={"steps": 5, "accumulate": 2}, data={"eval": None})
+    profiled = {**plain, "profile": {"start": 2, "steps": 2}}
+    a = graphforge.train.run(th.write_config(folder, plain, "plain.toml"), out=folder / "plain", quiet=True)
+    b = graphforge.train.run(th.write_config(folder, profiled, "profiled.toml"), out=folder / "profiled", quiet=True)
+    assert sorted(p.name for p in b.profile.parent.iterdir()) == ["steps-2-3.json"]
+    trace = json.loads(b.profile.read_text())
+    runs = sorted((e["ts"], e["dur"]) for e in trace if e.get("cat") == "Session" and e["name"] == "model_run")
+    assert len(runs) == 2 * (2 + 1)
+    for (start, duration), (next_start, _) in zip(runs, runs[1:], strict=False):
+        assert start + duration <= next_start + 1  # one after another on the merged clock
+    for name, value in _parameters(a).items():
+        assert np.array_equal(value, _parameters(b)[name]), name
