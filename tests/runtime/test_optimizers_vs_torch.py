@@ -17,39 +17,51 @@ F = torch.nn.functional
 STEPS = 200
 
 
-class ReferenceLamb(torch.optim.Optimizer):
-    """LAMB as graphforge's lamb pass states it (torch.optim has none): Adam's bias-corrected
-    direction plus decoupled weight decay, scaled by the trust ratio ||p|| / ||direction||
-    (1 where either norm is 0)."""
+class TimmLamb(torch.optim.Optimizer):
+    """LAMB (You et al., 2019, arXiv:1904.00962) written from timm's ``timm.optim.Lamb``
+    (the NVIDIA FusedLAMB behaviour), which cannot be installed here (it needs torchvision);
+    independent of graphforge's pass. Per parameter, with t the step:
 
-    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        m = beta1 m + (1 - beta1) g,  v = beta2 v + (1 - beta2) g²
+        update = (m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps) + weight_decay * p
+        p -= lr * trust * update,  trust = ||p|| / ||update|| (1 when either norm is 0)
+
+    timm applies the trust ratio only to parameters with weight decay unless
+    ``always_adapt``; its global gradient-norm clip (``max_grad_norm``, default 1.0) is
+    left off here, as graphforge clips only when asked (``clip_grad_norm=``)."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, always_adapt=False):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "always_adapt": always_adapt}
+        super().__init__(params, defaults)
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            group["step"] = group.get("step", 0) + 1
+            correction1, correction2 = 1 - beta1 ** group["step"], 1 - beta2 ** group["step"]
             for p in group["params"]:
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                m.lerp_(p.grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                m_hat = m / (1 - beta1**t)
-                v_hat = v / (1 - beta2**t)
-                direction = m_hat / (v_hat.sqrt() + group["eps"])
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                update = (m / correction1) / (v.sqrt() / math.sqrt(correction2) + group["eps"])
                 if group["weight_decay"]:
-                    direction = direction + group["weight_decay"] * p
-                w_norm, d_norm = p.norm(), direction.norm()
-                trust = (w_norm / d_norm).item() if w_norm > 0 and d_norm > 0 else 1.0
-                p.sub_(direction * (trust * group["lr"]))
+                    update = update + group["weight_decay"] * p
+                if group["weight_decay"] or group["always_adapt"]:
+                    w_norm, u_norm = p.norm(), update.norm()
+                    update = update * (w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0)
+                p.sub_(update, alpha=group["lr"])
 
 
 CASES = {
+    "sgd": ("sgd(lr=0.05)", lambda p: torch.optim.SGD(p, lr=0.05)),
+    "sgd_momentum_weight_decay": (
+        "sgd(lr=0.05, momentum=0.9, weight_decay=0.01)",
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
+    ),
     "sgd_nesterov": (
         "sgd(lr=0.05, momentum=0.9, nesterov=true, weight_decay=0.01)",
         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
@@ -59,8 +71,16 @@ CASES = {
         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, dampening=0.1),
     ),
     "adam": ("adam(lr=0.01, weight_decay=0.01)", lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01)),
+    "adam_betas_eps": (
+        "adam(lr=0.01, beta1=0.8, beta2=0.99, eps=1e-6)",
+        lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), eps=1e-6),
+    ),
     "adamw": ("adamw(lr=0.01, weight_decay=0.1)", lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
-    "lamb": ("lamb(lr=0.01, weight_decay=0.01)", lambda p: ReferenceLamb(p, lr=0.01, weight_decay=0.01)),
+    "lamb": ("lamb(lr=0.01, weight_decay=0.01)", lambda p: TimmLamb(p, lr=0.01, weight_decay=0.01)),
+    "lamb_betas_no_decay": (  # graphforge adapts every parameter: timm's always_adapt
+        "lamb(lr=0.01, weight_decay=0, beta1=0.8, beta2=0.99)",
+        lambda p: TimmLamb(p, lr=0.01, betas=(0.8, 0.99), weight_decay=0.0, always_adapt=True),
+    ),
 }
 
 
@@ -93,6 +113,26 @@ def test_200_steps_equal_torch(mlp_bytes, case):
         torch_optimizer.step()
     assert module.state.step == STEPS
     np.testing.assert_allclose(loss, torch_loss.item(), rtol=1e-5)
+    assert_parameters_match(module, reference)
+
+
+@pytest.mark.parametrize("case", ["sgd_momentum_weight_decay", "adamw", "lamb"])
+def test_a_learning_rate_changing_every_step_equals_torch(mlp_bytes, case):
+    """The learning rate is a graph input: a new one each step, as a schedule sets it."""
+    spec, make_torch = CASES[case]
+    module = Module(tm.compile_program(mlp_bytes, spec), device="cpu")
+    optimizer = Optimizer(module)
+    reference = tm.mlp()
+    torch_optimizer = make_torch(reference.parameters())
+    for step, (x, target) in enumerate(tm.batches(60, seed=4)):
+        lr = 0.02 * (1.0 + math.sin(step)) + 1e-3 * (step % 7)
+        optimizer.set_learning_rate(lr)
+        for group in torch_optimizer.param_groups:
+            group["lr"] = lr
+        module.train_step(x, target)
+        torch_optimizer.zero_grad()
+        F.mse_loss(reference(torch.from_numpy(x)), torch.from_numpy(target)).backward()
+        torch_optimizer.step()
     assert_parameters_match(module, reference)
 
 

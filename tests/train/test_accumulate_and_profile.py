@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import _train_helpers as th
@@ -79,7 +80,7 @@ def test_profile_with_accumulation_traces_the_runs_that_train(tmp_path):
     trace = json.loads(b.profile.read_text())
     runs = sorted((e["ts"], e["dur"]) for e in trace if e.get("cat") == "Session" and e["name"] == "model_run")
     assert len(runs) == 2 * (2 + 1)
-    for (start, duration), (next_start, _) in zip(runs, runs[1:], strict=False):
+    for (start, duration), (next_start, _) in itertools.pairwise(runs):
         assert start + duration <= next_start + 1  # one after another on the merged clock
     for name, value in _parameters(a).items():
         assert np.array_equal(value, _parameters(b)[name]), name
