@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import os
 import shutil
@@ -26,7 +27,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onn
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from graphforge.errors import ModelLoadError, ModelSaveError
-from graphforge.ir import FLOAT_TYPES
+from graphforge.ir import FLOAT_TYPES, TORCH_KINDS, torch_input_kinds
 
 #: protobuf refuses to serialize a message of 2 GiB or more
 PROTOBUF_LIMIT = 2**31 - 1
@@ -65,9 +66,13 @@ class Model:
         export, after shape inference say) take back the values of ``values_from``'s
         constants of the same names, shared, not copied."""
         init_names = {t.name for t in proto.graph.initializer}
+        metadata = {p.key: p.value for p in proto.metadata_props}
+        kinds = torch_input_kinds(proto)  # value metadata, which graphsurgeon drops: kept as model metadata
+        if kinds and TORCH_KINDS not in metadata:
+            metadata[TORCH_KINDS] = json.dumps(kinds, sort_keys=True)
         model = cls(
             graph=gs.import_onnx(proto),
-            metadata={p.key: p.value for p in proto.metadata_props},
+            metadata=metadata,
             doc_string=proto.doc_string,
             domain=proto.domain,
             model_version=proto.model_version,

@@ -7,6 +7,7 @@ import gc
 from collections.abc import Iterator
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
@@ -61,9 +62,34 @@ def onnx_dtype(dtype) -> int | None:
 
 
 def is_parameter(tensor: gs.Tensor) -> bool:
-    """A floating-point initializer (bfloat16 and float8 included): what training treats as a
-    parameter by default. Reads only the element type, never the values."""
+    """A floating-point initializer (bfloat16 and float8 included): what training may treat
+    as a parameter (the autodiff pass narrows it down). Reads only the element type, never
+    the values."""
     return isinstance(tensor, gs.Constant) and onnx_dtype(tensor.dtype) in FLOAT_TYPES
+
+
+#: metadata key: torch.export's kind of each initializer of a model torch.onnx's dynamo
+#: exporter wrote (JSON object name -> "PARAMETER", "BUFFER", "CONSTANT_TENSOR", ...).
+#: Recorded when a model is imported (graph.py), because onnx-graphsurgeon drops value
+#: metadata; the autodiff pass reads it to tell parameters from buffers and lifted constants.
+TORCH_KINDS = "graphforge.torch_input_kinds"
+#: where the dynamo exporter writes that kind: a metadata_props entry of the value
+_TORCH_KIND_PROP = "pkg.torch.export.graph_signature.InputSpec.kind"
+
+
+def torch_input_kinds(proto: onnx.ModelProto) -> dict[str, str]:
+    """torch.export's kind of each initializer, from the dynamo exporter's value metadata
+    (graph inputs, value_info, the initializers themselves); empty for other models."""
+    graph = proto.graph
+    initializers = {t.name for t in graph.initializer}
+    kinds: dict[str, str] = {}
+    for value in (*graph.initializer, *graph.input, *graph.value_info):
+        if value.name not in initializers or value.name in kinds:
+            continue
+        for prop in getattr(value, "metadata_props", ()):
+            if prop.key == _TORCH_KIND_PROP:
+                kinds[value.name] = prop.value
+    return kinds
 
 
 def fingerprint(graph: gs.Graph) -> tuple:

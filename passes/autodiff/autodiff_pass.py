@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import json
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -13,7 +15,7 @@ from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients
 from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import gc_paused, is_parameter
+from graphforge.ir import TORCH_KINDS, gc_paused, is_parameter
 from graphforge.pipeline import Pass, PassResult
 from graphforge.shapes import infer_shapes
 
@@ -25,13 +27,23 @@ class Autodiff(Pass):
     1. The loss is the graph output named by ``loss`` (default ``loss``, as the loss pass
        writes it); it must hold one element, or the pass refuses.
     2. Parameters are the floating-point initializers whose names match a ``trainable``
-       glob and no ``frozen`` glob (default: all of them), except the constants
-       graphforge's own passes created (the loss pass's smoothing factor, say). ``inputs`` names graph inputs
-       to differentiate as well (their gradients are ``<input>_grad`` too).
+       glob and no ``frozen`` glob (default: all of them), except
+       a. the constants graphforge's own passes created (the loss pass's smoothing factor);
+       b. in a model torch.onnx's dynamo exporter wrote, the initializers torch.export calls
+          buffers or constants (``TORCH_KINDS``, from the exporter's value metadata), and the
+          unmarked ones named as that exporter names the constants it lifts (``val_<n>``:
+          the 16.0 of ``x / 16.0``). Unmarked initializers with other names stay parameters:
+          the exporter's rewrites (a Conv folded with a BatchNorm) keep the name, drop the mark;
+       c. initializers through which no gradient flows to the loss: read only at inputs
+          whose gradient rule gives none (BatchNormalization's running mean and variance,
+          Dropout's ratio, a Clip bound) or through integer values. The rules decide, so no
+          op list is kept here. They are left out silently, unless named in ``trainable``
+          without a wildcard.
+       ``inputs`` names graph inputs to differentiate as well (their gradients are ``<input>_grad`` too).
     3. The gradient of parameter ``P`` becomes the graph output ``P_grad``; the original
        outputs stay (``keep_outputs=false`` keeps only the loss and the gradients).
-    4. Parameters the loss does not depend on get no output and are listed in a warning;
-       a loss that depends on none of them is an error.
+    4. Parameters the loss does not depend on at all get no output and are listed in a
+       warning; a loss that depends on none of them is an error.
     5. Roles (loss, parameters, gradients) are recorded in the model's metadata.
     Only standard ai.onnx operators are emitted.
     """
@@ -51,7 +63,7 @@ class Autodiff(Pass):
         model = infer_shapes(model)
         graph = model.graph
         loss = self._loss_tensor(graph)
-        params = self._parameters(graph)
+        params = self._parameters(graph, _torch_kinds(model))
         extra_inputs = self._inputs(graph)
         wrt = params + extra_inputs
         if not wrt:
@@ -61,13 +73,25 @@ class Autodiff(Pass):
         grads = build_gradients(graph, loss, wrt)
         if not grads:
             raise PassError(f"the loss {loss.name!r} depends on none of the {len(wrt)} trainable tensors")
-        missing = [t.name for t in wrt if id(t) not in grads]
-        if missing:
-            warnings.warn(
-                f"autodiff: the loss does not depend on {len(missing)} parameter(s), which get no gradient: "
-                + ", ".join(missing),
-                stacklevel=3,  # the caller of run()
-            )
+        without = [t for t in wrt if id(t) not in grads]
+        if without:
+            feeding = _feeding(loss)
+            unused = [t.name for t in without if id(t) not in feeding]  # case 4
+            named = {p for p in self.trainable if not any(c in p for c in "*?[")}
+            blocked = [t.name for t in without if id(t) in feeding and t.name in named]  # case 2c, asked for
+            params = [t for t in params if id(t) in grads or id(t) not in feeding]
+            if unused:
+                warnings.warn(
+                    f"autodiff: the loss does not depend on {len(unused)} parameter(s), which get no gradient: "
+                    + ", ".join(unused),
+                    stacklevel=3,  # the caller of run()
+                )
+            if blocked:
+                warnings.warn(
+                    f"autodiff: no gradient reaches {', '.join(blocked)} (named in trainable): the loss reads "
+                    "it only where no gradient flows (e.g. BatchNormalization's running statistics, Dropout's ratio)",
+                    stacklevel=3,
+                )
 
         outputs = list(graph.outputs) if self.keep_outputs else [loss]
         if loss not in outputs:
@@ -105,12 +129,14 @@ class Autodiff(Pass):
             raise PassError(f"the loss {loss.name!r} must be a scalar (one element), but its shape is {shape}")
         return loss
 
-    def _parameters(self, graph: gs.Graph) -> list[gs.Tensor]:
+    def _parameters(self, graph: gs.Graph, torch_kinds: dict[str, str]) -> list[gs.Tensor]:
         seen: dict[str, gs.Tensor] = {}
         for node in graph.nodes:
             for t in node.inputs:
-                generated = t.name.startswith(roles.GENERATED_PREFIXES)  # constants graphforge's passes made
-                if is_parameter(t) and not generated and t.name not in seen and self._is_trainable(t.name):
+                if t.name in seen or not is_parameter(t) or not self._is_trainable(t.name):
+                    continue
+                generated = t.name.startswith(roles.GENERATED_PREFIXES)  # case 2a
+                if not generated and _torch_parameter(t.name, torch_kinds):
                     seen[t.name] = t
         return list(seen.values())
 
@@ -125,6 +151,51 @@ class Autodiff(Pass):
         if unknown:
             raise PassError(f"inputs={unknown} are not graph inputs; the graph inputs are: {', '.join(by_name)}")
         return [by_name[n] for n in self.inputs]
+
+
+#: how torch.onnx's dynamo exporter (onnxscript) names the values it creates: lifted and folded constants
+_EXPORTER_CONSTANT = re.compile(r"_?val_\d+")
+
+
+def _torch_kinds(model: Model) -> dict[str, str]:
+    text = model.metadata.get(TORCH_KINDS)
+    try:
+        kinds = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+    return kinds if isinstance(kinds, dict) else {}
+
+
+def _torch_parameter(name: str, kinds: dict[str, str]) -> bool:
+    """Case 2b: whether torch.export's signature (when the model has one) lets ``name`` be a parameter."""
+    if not kinds:
+        return True
+    kind = kinds.get(name)
+    if kind is not None:
+        return kind == "PARAMETER"
+    return _EXPORTER_CONSTANT.fullmatch(name) is None
+
+
+def _feeding(loss: gs.Tensor) -> set[int]:
+    """Ids of the tensors the loss is computed from (through any op and type), walking
+    producers back from the loss; what a node's subgraphs read counts as its inputs."""
+    seen: set[int] = {id(loss)}
+    stack = [loss]
+    visited_nodes: set[int] = set()
+    while stack:
+        tensor = stack.pop()
+        for node in tensor.inputs:  # the producer (none for graph inputs and initializers)
+            if id(node) in visited_nodes:
+                continue
+            visited_nodes.add(id(node))
+            reads = list(node.inputs)
+            for subgraph in node.subgraphs(recursive=True):
+                reads += [t for inner in subgraph.nodes for t in inner.inputs]
+            for t in reads:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    stack.append(t)
+    return seen
 
 
 def _named_output(graph: gs.Graph, grad: gs.Tensor, name: str, like: gs.Tensor, outputs: list[gs.Tensor]) -> gs.Tensor:

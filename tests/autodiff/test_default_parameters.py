@@ -1,0 +1,144 @@
+"""Which initializers the autodiff pass trains by default: floating-point initializers a
+gradient reaches, minus what torch.export calls buffers and the constants its dynamo
+exporter lifts; trainable=/frozen= still choose among them."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+
+import graphforge
+from graphforge import roles
+from graphforge.ir import TORCH_KINDS
+
+
+def _compile(model, pipeline="loss(kind=mse, output=y), autodiff, sgd(lr=0.1)"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = graphforge.compile(model, pipeline)
+    meta = {p.key: p.value for p in result.model.metadata_props}
+    messages = [str(w.message) for w in caught if "autodiff" in str(w.message)]
+    return result.model, json.loads(meta[roles.PARAMETERS]), messages
+
+
+def _parsed(text: str) -> onnx.ModelProto:
+    model = onnx.parser.parse_model(text)
+    model.ir_version = 8
+    return model
+
+
+#: y = Dropout(BatchNorm(x) * scale + unused-free path), with a float ratio initializer and a
+#: scalar parameter; 'head' feeds nothing the loss reads
+BN_DROPOUT = """
+<ir_version: 8, opset_import: ["" : 17]>
+net (float[N, 2, 3] x) => (float[N, 2, 3] y, float[N, 2, 3] other)
+<float[2] gamma = {1.0, 1.5}, float[2] beta = {0.1, -0.2}, float[2] mean = {0.0, 0.5}, float[2] var = {1.0, 2.0},
+ float ratio = {0.25}, bool train = {1}, float scale = {2.0}, float[1] head = {3.0}>
+{
+  n, rm, rv = BatchNormalization <training_mode = 1, momentum = 0.9> (x, gamma, beta, mean, var)
+  s = Mul (n, scale)
+  y, mask = Dropout (s, ratio, train)
+  other = Mul (x, head)
+}
+"""
+
+
+def test_running_statistics_and_dropout_ratio_are_no_parameters_and_get_no_warning():
+    model, parameters, messages = _compile(_parsed(BN_DROPOUT))
+    assert parameters == ["gamma", "beta", "scale", "head"]  # the rank-0 'scale' is a parameter
+    # 'head' is a real parameter the loss does not use: still warned about, alone
+    assert messages == ["autodiff: the loss does not depend on 1 parameter(s), which get no gradient: head"]
+    outputs = {o.name for o in model.graph.output}
+    assert {"gamma_grad", "beta_grad", "scale_grad"} <= outputs
+    assert not {"mean_grad", "var_grad", "ratio_grad"} & outputs
+
+
+def test_a_statistic_named_in_trainable_is_warned_about():
+    _, parameters, messages = _compile(
+        _parsed(BN_DROPOUT), "loss(kind=mse, output=y), autodiff(trainable=[gamma, mean]), sgd(lr=0.1)"
+    )
+    assert parameters == ["gamma"]
+    assert any("no gradient reaches mean (named in trainable)" in m for m in messages)
+
+
+def test_frozen_still_removes_parameters():
+    _, parameters, _ = _compile(
+        _parsed(BN_DROPOUT), "loss(kind=mse, output=y), autodiff(frozen=['s*', head]), sgd(lr=0.1)"
+    )
+    assert parameters == ["gamma", "beta"]
+
+
+def test_batchnorm_model_from_torch_trains_no_running_statistics():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "runtime"))
+    import _training_models as tm
+
+    model, parameters, messages = _compile(tm.cnn_onnx())
+    assert not [p for p in parameters if "running" in p]
+    assert messages == []  # no "does not depend" warning on every BatchNorm model
+    state = json.loads({p.key: p.value for p in model.metadata_props}[roles.STATE])
+    carried = {spec["input"]: spec["role"] for spec in state}
+    assert carried["1.running_mean"] == carried["1.running_var"] == "buffer"  # still carried, as buffers
+
+
+# --------------------------------------------------------------------------- torch.onnx's dynamo exporter
+
+
+def _dynamo_export(tmp_path, optimize: bool):
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+            self.logit_scale = torch.nn.Parameter(torch.tensor(2.0))  # a scalar parameter, as CLIP's
+            self.register_buffer("offset", torch.full((3,), 0.5))
+
+        def forward(self, x):
+            return self.fc(x / 16.0) * self.logit_scale + self.offset
+
+    path = tmp_path / f"net_{optimize}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Net(),
+            (torch.zeros(2, 4),),
+            str(path),
+            dynamo=True,
+            optimize=optimize,
+            external_data=False,
+            input_names=["x"],
+            output_names=["y"],
+            verbose=False,
+        )
+    return path
+
+
+@pytest.mark.parametrize("optimize", [True, False])
+def test_dynamo_buffers_and_lifted_constants_are_no_parameters(tmp_path, optimize):
+    path = _dynamo_export(tmp_path, optimize)
+    model, parameters, messages = _compile(path)
+    assert sorted(parameters) == ["fc.bias", "fc.weight", "logit_scale"]
+    assert messages == []
+    kinds = json.loads({p.key: p.value for p in model.metadata_props}[TORCH_KINDS])
+    assert kinds["offset"] == "BUFFER" and kinds["logit_scale"] == "PARAMETER"
+
+    module = graphforge.Module(model, device="cpu")
+    graphforge.Optimizer(module)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x, target = rng.standard_normal((2, 4)), rng.standard_normal((2, 3))
+        module.train_step(x.astype(np.float32), target.astype(np.float32))
+    assert sorted(module.parameters) == ["fc.bias", "fc.weight", "logit_scale"]  # 16.0 and offset: not carried
+    assert module.parameters["logit_scale"] != 2.0
+    if optimize:  # the exporter's optimizer lifted 16.0 into an initializer (else it stays a Constant node)
+        lifted = [t for t in onnx.load(path).graph.initializer if t.name.startswith("val_")]
+        floats = [float(onnx.numpy_helper.to_array(t)) for t in lifted if t.data_type == onnx.TensorProto.FLOAT]
+        assert floats == [16.0]
