@@ -81,6 +81,7 @@ class Model:
         )
         if values_from is not None:
             _take_values(model.graph, values_from.graph)
+        _type_empty_constant_lists(model.graph)
         return model
 
     def to_proto(self, *, values: bool = True) -> onnx.ModelProto:
@@ -93,6 +94,7 @@ class Model:
         to ``Model.from_proto(..., values_from=self)`` to have the values again."""
         with _values_left_out(self.graph, values=values) as left_out:
             proto = gs.export_onnx(self.graph, do_type_check=False)
+        _hoist_subgraph_initializers(proto.graph)
         if values:
             _put_values_back(proto.graph, left_out)
         self._restore_initializer_inputs(proto)
@@ -132,6 +134,18 @@ class Model:
             list(self.initializer_inputs),
             list(self.input_order),
         )
+
+
+def _type_empty_constant_lists(graph: gs.Graph) -> None:
+    """A Constant node's empty ``value_ints``/``value_floats`` (the dynamo exporter writes
+    them) becomes the equal empty ``value`` tensor: onnx-graphsurgeon keeps an empty list,
+    whose type its export cannot tell."""
+    for g in [graph, *graph.subgraphs(recursive=True)]:
+        for node in g.nodes:
+            for key, dtype in (("value_ints", np.int64), ("value_floats", np.float32)):
+                if node.op == "Constant" and isinstance(node.attrs.get(key), list) and not node.attrs[key]:
+                    del node.attrs[key]
+                    node.attrs["value"] = gs.Constant(node.name or key, np.zeros(0, dtype))
 
 
 # --------------------------------------------------------------------------- values left out
@@ -215,14 +229,46 @@ def _lazy_tensor(constant: gs.Constant) -> onnx.TensorProto | None:
 
 
 def _constants(graph: gs.Graph) -> Iterator[gs.Constant]:
-    """The main graph's constants (what its export writes as initializers), each object once;
-    cheaper than ``graph.tensors()``, which also maps every variable."""
+    """The constants an export writes as initializers (the main graph's, then those its
+    subgraphs read, which ``_hoist_subgraph_initializers`` moves to the main graph), each object
+    once, and each name once; cheaper than ``graph.tensors()``, which also maps every variable."""
     seen: set[int] = set()
-    for tensors in (graph.inputs, *(node.inputs for node in graph.nodes), graph.outputs):
-        for tensor in tensors:
-            if isinstance(tensor, gs.Constant) and id(tensor) not in seen:
-                seen.add(id(tensor))
-                yield tensor
+    names: set[str] = set()
+    graphs = [graph, *graph.subgraphs(recursive=True)]
+    for g in graphs:
+        for tensors in (g.inputs, *(node.inputs for node in g.nodes), g.outputs):
+            for tensor in tensors:
+                if isinstance(tensor, gs.Constant) and id(tensor) not in seen and tensor.name not in names:
+                    seen.add(id(tensor))
+                    names.add(tensor.name)
+                    yield tensor
+
+
+def _hoist_subgraph_initializers(graph: onnx.GraphProto) -> None:
+    """onnx-graphsurgeon writes an outer initializer that If/Loop/Scan bodies read into each
+    of those bodies (a copy each, and a stand-in of it when values are left out): move them to
+    the main graph, once, where the bodies read them from the enclosing scope. A body's own
+    initializer whose name the main graph holds with other contents stays in the body."""
+    main = {t.name: t for t in graph.initializer}
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for node in g.node:
+            for attr in node.attribute:
+                stack.extend([attr.g] if attr.HasField("g") else attr.graphs)
+        if g is graph or not len(g.initializer):
+            continue
+        kept = []
+        for tensor in g.initializer:
+            have = main.get(tensor.name)
+            if have is None:
+                main[tensor.name] = graph.initializer.add()
+                main[tensor.name].CopyFrom(tensor)
+            elif have != tensor:
+                kept.append(tensor)
+        if len(kept) != len(g.initializer):
+            del g.initializer[:]
+            g.initializer.extend(kept)
 
 
 def _stand_in_for(constant: gs.Constant, values: bool) -> onnx.TensorProto | None:

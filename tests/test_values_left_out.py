@@ -218,3 +218,62 @@ def test_only_the_final_result_is_exported_with_its_weights(monkeypatch):
     monkeypatch.setattr(Model, "to_proto", to_proto)
     eager = graphforge.compile(source, pipeline, verify_with_ort=True)  # exports every result whole
     assert result.model.SerializeToString() == eager.model.SerializeToString()
+
+
+# --------------------------------------------------------------------------- subgraphs
+
+#: If branches read main-graph initializers from the enclosing scope: W (large: left out of
+#: exports without values), w only inside the branches, and the small s; the else branch also
+#: holds an initializer of its own
+IF_BODIES = """
+<ir_version: 8, opset_import: ["" : 17]>
+branchy (float[N, 64] x, bool c) => (float[N, 32] y)
+<float[32] w = {WS}, float s = {2.0}>
+{
+    t = MatMul(x, W)
+    y = If (c) <then_branch = then () => (float[N, 32] a) { a = Mul(t, w) },
+                else_branch = other () => (float[N, 32] e) <float k = {3.0}> { p = Mul(t, s)  e = Mul(p, k) }>
+}
+"""
+
+
+def if_model() -> onnx.ModelProto:
+    model = onnx.parser.parse_model(IF_BODIES.replace("WS", ", ".join(str(i / 32) for i in range(32))))
+    weight = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(weight, "W"))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in graph.initializer}
+
+
+@pytest.mark.parametrize("values", [True, False])
+def test_round_trip_keeps_outer_initializers_read_by_subgraphs_in_the_main_graph(values):
+    source = if_model()
+    proto = Model.from_proto(source).to_proto(values=values)
+    main = _initializers(proto.graph)
+    assert {"W", "w", "s"} <= set(main)  # one copy each, where the file had them
+    branches = {a.name: a.g for a in next(n for n in proto.graph.node if n.op_type == "If").attribute}
+    assert all(name not in _initializers(branches[b]) for b in branches for name in ("W", "w", "s"))
+    assert is_stand_in(main["W"]) == (not values)  # values left out only when asked
+    if values:
+        onnx.checker.check_model(proto, full_check=True)
+        for name in ("W", "w", "s"):
+            np.testing.assert_array_equal(numpy_helper.to_array(main[name]), numpy_helper.to_array(_initializers(source.graph)[name]))
+        x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+        for c in (True, False):
+            feeds = {"x": x, "c": np.array(c)}
+            want = graphforge.create_session(source, providers=["CPUExecutionProvider"]).run(None, feeds)
+            got = graphforge.create_session(proto, providers=["CPUExecutionProvider"]).run(None, feeds)
+            np.testing.assert_array_equal(got[0], want[0])
+    else:
+        verify_model(proto, values_from=Model.from_proto(source))
+
+
+@pytest.mark.parametrize("pipeline", ["dce", "identity_elimination", "loss(kind=mse, output=y), autodiff(trainable=[W, w])"])
+def test_a_pass_over_a_model_whose_branches_read_initializers(pipeline):
+    result = graphforge.compile(if_model(), pipeline)
+    onnx.checker.check_model(result.model, full_check=True)
+    assert {"W", "w", "s"} <= set(_initializers(result.model.graph))
