@@ -8,8 +8,9 @@ import onnx_graphsurgeon as gs
 from graphforge.errors import PassError
 
 
-def outer_inputs(node: gs.Node) -> list[gs.Tensor]:
-    """Tensors a node's subgraphs read from the enclosing scope (implicit inputs).
+def outer_inputs(node: gs.Node, *, constants: bool = False) -> list[gs.Tensor]:
+    """Tensors a node's subgraphs read from the enclosing scope (implicit inputs); outer
+    initializers too with ``constants`` (the autodiff driver differentiates them).
 
     Walked with an explicit stack: deeply nested control flow must not hit Python's
     recursion limit.
@@ -22,7 +23,7 @@ def outer_inputs(node: gs.Node) -> list[gs.Tensor]:
         local |= {id(t) for n in graph.nodes for t in n.outputs}
         for n in graph.nodes:
             for t in n.inputs:
-                if id(t) not in local and not isinstance(t, gs.Constant) and not t.is_empty():
+                if id(t) not in local and (constants or not isinstance(t, gs.Constant)) and not t.is_empty():
                     found.setdefault(id(t), t)
             stack.extend((g, frozenset(local)) for g in n.subgraphs())
     return list(found.values())

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients
+from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients, node_inputs
 
 from graphforge import roles
 from graphforge.errors import PassError
@@ -132,7 +132,7 @@ class Autodiff(Pass):
     def _parameters(self, graph: gs.Graph, torch_kinds: dict[str, str]) -> list[gs.Tensor]:
         seen: dict[str, gs.Tensor] = {}
         for node in graph.nodes:
-            for t in node.inputs:
+            for t in node_inputs(node):  # what If/Loop/Scan bodies read counts too
                 if t.name in seen or not is_parameter(t) or not self._is_trainable(t.name):
                     continue
                 generated = t.name.startswith(roles.GENERATED_PREFIXES)  # case 2a

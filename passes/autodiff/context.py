@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge.builder import Builder, rank, static_shape
@@ -26,16 +27,27 @@ class GradContext:
         *,
         totals: dict[int, gs.Tensor] | None = None,
         forward_ids: set[int] | None = None,
+        wanted: set[int] | None = None,
+        inputs: list[gs.Tensor] | None = None,
     ):
         self.node = node
         self.b = builder
         self.opset = opset
         self._totals = totals if totals is not None else {}
         self._forward_ids = forward_ids
+        self._wanted = wanted
+        #: the node's inputs, then the outer tensors its subgraphs read (driver.node_inputs);
+        #: a rule returns one gradient per entry
+        self.inputs = list(inputs) if inputs is not None else list(node.inputs)
 
     def for_node(self, node: gs.Node) -> GradContext:
         """A context for another forward node (to read its attributes), sharing this builder."""
         return GradContext(node, self.b, self.opset, totals=self._totals, forward_ids=self._forward_ids)
+
+    def wants(self, t: gs.Tensor) -> bool:
+        """Whether the driver uses a gradient for input ``t`` (it lies on a path from a tensor
+        differentiated to the loss); rules may skip work for the others."""
+        return not t.is_empty() and (self._wanted is None or id(t) in self._wanted)
 
     # -------------------------------------------------------------- the backward pass so far
 
@@ -65,21 +77,10 @@ class GradContext:
         return self.node.attrs.get(name, default)
 
     def const_value(self, i: int) -> np.ndarray | None:
-        """The value of input i when it is a constant (an initializer or a Constant node)."""
+        """The value of input i when it is a constant: an initializer, a Constant node, or a
+        small graph of constants only (``constant_value``)."""
         t = self.x(i)
-        if t is None:
-            return None
-        if isinstance(t, gs.Constant):
-            return np.asarray(t.values)
-        producer = t.inputs[0] if t.inputs else None
-        if producer is not None and producer.op == "Constant":
-            value = producer.attrs.get("value")
-            if isinstance(value, gs.Constant):
-                return np.asarray(value.values)
-            for key in ("value_int", "value_ints", "value_float", "value_floats"):
-                if key in producer.attrs:
-                    return np.asarray(producer.attrs[key])
-        return None
+        return None if t is None else constant_value(t, self.opset)
 
     def axes(self, i: int, attr: str = "axes") -> list[int] | None:
         """Axes given as an attribute (old opsets) or as constant input i (new ones), normalised
@@ -115,6 +116,12 @@ class GradContext:
     def scalar(self, value: float, like: gs.Tensor) -> gs.Constant:
         return self.b.scalar_like(value, like)
 
+    def equal(self, a, b) -> gs.Tensor:
+        """a == b as a bool tensor, for float operands too (Equal takes floats from opset 11)."""
+        if self.opset >= 11:
+            return self.b.op("Equal", a, b)
+        return self.b.op("Not", self.b.op("Or", self.b.op("Less", a, b), self.b.op("Greater", a, b)))
+
     def dy_or_zeros(self, dys, i: int) -> gs.Tensor:
         """Output i's gradient, or zeros of its shape when no gradient reaches that output
         (multi-output ops like Split whose outputs are not all used)."""
@@ -137,6 +144,116 @@ class GradContext:
         (or no axis) at a position, x's dim *is* the result's, even when shape inference
         named the two symbolic dims differently."""
         return _unbroadcast(self, grad, grad_shape, x, peers)
+
+
+#: bounds on what ``constant_value`` evaluates: nodes walked, and elements of any tensor read
+CONSTANT_NODES, CONSTANT_ELEMENTS = 64, 4096
+
+
+def constant_value(t: gs.Tensor, opset: int) -> np.ndarray | None:
+    """``t``'s value when it depends on constants only (initializers, Constant nodes) through at
+    most CONSTANT_NODES deterministic ai.onnx nodes over small tensors (exporters compute axes
+    and shapes that way: Reshape(Constant, Constant)); evaluated with onnx's reference
+    evaluator. None when it is not such a constant."""
+    if isinstance(t, gs.Constant):
+        return np.asarray(t.values)
+    producer = t.inputs[0] if t.inputs else None
+    if producer is not None and producer.op == "Constant" and not producer.domain:
+        value = producer.attrs.get("value")
+        if isinstance(value, gs.Constant):
+            return np.asarray(value.values)
+        for key in ("value_int", "value_ints", "value_float", "value_floats"):
+            if key in producer.attrs:
+                return np.asarray(producer.attrs[key])
+    nodes, leaves = _constant_subgraph(t)
+    if nodes is None:
+        return None
+    return _evaluate(nodes, leaves, t, opset)
+
+
+def _constant_subgraph(t: gs.Tensor) -> tuple[list[gs.Node] | None, dict[str, np.ndarray]]:
+    """The nodes ``t`` is computed by from constants, and those constants by name (Shape and
+    Size of tensors whose shape is known count as constants); None when it is not such a tensor."""
+    from graphforge.ir import NONDETERMINISTIC_OPS
+
+    nodes: dict[int, gs.Node] = {}
+    leaves: dict[str, np.ndarray] = {}
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, gs.Constant) and (x.shape is None or _too_big(x.shape)):
+            return None, {}  # a weight, say: not read
+        known = _known_value(x)
+        if known is not None:
+            leaves[x.name] = known
+            continue
+        node = x.inputs[0] if x.inputs else None
+        if node is None or (x.shape is not None and _too_big(x.shape)):
+            return None, {}  # a graph input, or a large tensor: not the small constants meant
+        if id(node) in nodes:
+            continue
+        subgraphs = any(isinstance(v, gs.Graph) for v in node.attrs.values())
+        if node.domain or node.op in NONDETERMINISTIC_OPS or subgraphs or len(nodes) >= CONSTANT_NODES:
+            return None, {}
+        nodes[id(node)] = node
+        stack.extend(i for i in node.inputs if not i.is_empty())
+    return list(nodes.values()), leaves
+
+
+def _known_value(x: gs.Tensor) -> np.ndarray | None:
+    """x's value when it needs no evaluation: an initializer, or the Shape or Size of a tensor
+    whose shape (the dims asked for) is static."""
+    if isinstance(x, gs.Constant):
+        return np.asarray(x.values)
+    node = x.inputs[0] if x.inputs else None
+    if node is None or node.domain or node.op not in ("Shape", "Size"):
+        return None
+    shape = node.inputs[0].shape
+    if shape is None:
+        return None
+    if node.op == "Shape":
+        shape = shape[node.attrs.get("start", 0) : node.attrs.get("end", len(shape))]
+    if not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
+        return None
+    return np.array([int(d) for d in shape], np.int64) if node.op == "Shape" else np.array(np.prod(shape), np.int64)
+
+
+def _too_big(shape) -> bool:
+    return (
+        all(isinstance(d, int | np.integer) for d in shape) and int(np.prod(shape, dtype=np.int64)) > CONSTANT_ELEMENTS
+    )
+
+
+def _evaluate(nodes: list[gs.Node], leaves: dict[str, np.ndarray], t: gs.Tensor, opset: int) -> np.ndarray | None:
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+    if t.name in leaves:
+        return leaves[t.name]
+    order, done = [], set()
+    while len(order) < len(nodes):  # at most CONSTANT_NODES nodes: a quadratic sort is fine
+        ready = [n for n in nodes if id(n) not in done and all(_ready(i, done, leaves) for i in n.inputs)]
+        if not ready:
+            return None
+        order += ready
+        done.update(id(n) for n in ready)
+    graph = helper.make_graph(
+        [OnnxExporter.export_node(n) for n in order],
+        "constant",
+        [],
+        [helper.make_value_info(t.name, onnx.TypeProto())],
+        [numpy_helper.from_array(value, name) for name, value in leaves.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    try:
+        return np.asarray(ReferenceEvaluator(model).run(None, {})[0])
+    except Exception:  # an op the evaluator lacks: not a constant we can use
+        return None
+
+
+def _ready(t: gs.Tensor, done: set[int], leaves: dict[str, np.ndarray]) -> bool:
+    return t.name in leaves or t.is_empty() or id(t.inputs[0]) in done
 
 
 def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor, peers=()) -> gs.Tensor:

@@ -9,6 +9,9 @@
 5. Un-broadcasting for rules flagged ``broadcast`` (GradContext.unbroadcast: static
    ReduceSum when shapes are known, axes computed at run time when dims are symbolic).
 6. Errors: an op without a rule names op type, domain, opset, node and the path from the loss.
+7. Control flow: the outer tensors an If/Loop/Scan body reads count as inputs of its node
+   (``node_inputs``) in every walk (relevance, order, summing); a rule returns one gradient
+   per such input too. ``build_subgraph_gradients`` runs this same driver inside a body.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from graphforge.passes.autodiff.context import GradContext
 from graphforge.passes.autodiff.registry import RULES, RuleRegistry
 
 from graphforge.analysis import topological_order
+from graphforge.analysis.dag import outer_inputs
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.ir import gc_paused
@@ -56,15 +60,50 @@ def build_gradients(
     on (tensors it does not depend on are absent).
     """
     with gc_paused():
-        return _build(graph, loss, wrt, registry)
+        builder = Builder(graph, prefix=GRAD_PREFIX)
+        seeds = [(loss, _seed(builder, loss))]
+        return _build(graph, builder, seeds, wrt, registry, graph.opset or 1, f"loss {loss.name!r}")
 
 
-def _build(graph: gs.Graph, loss: gs.Tensor, wrt: Sequence[gs.Tensor], registry: RuleRegistry) -> dict[int, gs.Tensor]:
-    opset = graph.opset or 1
+def build_subgraph_gradients(
+    graph: gs.Graph,
+    seeds: Sequence[tuple[gs.Tensor, gs.Tensor]],
+    wrt: Sequence[gs.Tensor],
+    *,
+    opset: int,
+    prefix: str,
+    registry: RuleRegistry = RULES,
+) -> dict[int, gs.Tensor]:
+    """The backward graph of a (sub)graph whose tensors ``seeds[i][0]`` receive the gradients
+    ``seeds[i][1]`` (tensors of an enclosing scope, say), appended to ``graph``; names start with ``prefix``."""
+    builder = Builder(graph, prefix=prefix)
+    builder.opset = opset
+    return _build(graph, builder, seeds, wrt, registry, opset, "the body's outputs")
+
+
+def node_inputs(node: gs.Node) -> list[gs.Tensor]:
+    """A node's inputs, then the outer tensors its subgraphs read (initializers included)."""
+    if not any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+        return node.inputs
+    own = {id(t) for t in node.inputs}
+    return [*node.inputs, *(t for t in outer_inputs(node, constants=True) if id(t) not in own)]
+
+
+def _build(
+    graph: gs.Graph,
+    builder: Builder,
+    seeds: Sequence[tuple[gs.Tensor, gs.Tensor]],
+    wrt: Sequence[gs.Tensor],
+    registry: RuleRegistry,
+    opset: int,
+    target: str,
+) -> dict[int, gs.Tensor]:
     order = [graph.nodes[i] for i in topological_order(graph)]
-    relevant, relevant_tensors = _relevant(order, loss, wrt)
-    builder = Builder(graph, prefix=GRAD_PREFIX)
-    grads: dict[int, list[gs.Tensor]] = {id(loss): [_seed(builder, loss)]}
+    inputs = {id(n): node_inputs(n) for n in order}
+    relevant, relevant_tensors = _relevant(order, inputs, [t for t, _ in seeds], wrt, registry)
+    grads: dict[int, list[gs.Tensor]] = {}
+    for t, seed in seeds:
+        grads.setdefault(id(t), []).append(seed)
     reached_from: dict[int, gs.Node] = {}  # tensor id -> the node whose rule sent it a gradient
     wrt_ids = {id(t) for t in wrt}
     totals: dict[int, gs.Tensor] = {}  # tensor id -> its total gradient, once its producer was visited
@@ -83,23 +122,26 @@ def _build(graph: gs.Graph, loss: gs.Tensor, wrt: Sequence[gs.Tensor], registry:
             continue
         rule = registry.get(node.op, node.domain)
         if rule is None or not rule.covers(opset):
-            raise _missing_rule(node, opset, registry, reached_from, loss)
+            raise _missing_rule(node, opset, registry, reached_from, target, inputs)
         if not rule.differentiable:
             continue
+        xs = inputs[id(node)]
         with builder.scope(node.name or node.op):
-            ctx = GradContext(node, builder, opset, totals=totals, forward_ids=forward_ids)
+            ctx = GradContext(
+                node, builder, opset, totals=totals, forward_ids=forward_ids, wanted=relevant_tensors, inputs=xs
+            )
             dxs = list(rule.fn(ctx, dys))
             # rules may list every optional input; trailing ones the node omits must get None
-            while len(dxs) > len(node.inputs) and dxs[-1] is None:
+            while len(dxs) > len(xs) and dxs[-1] is None:
                 dxs.pop()
-            if len(dxs) != len(node.inputs):
+            if len(dxs) != len(xs):
                 raise PassError(
-                    f"gradient rule for {node.op} returned {len(dxs)} gradients for {len(node.inputs)} inputs",
+                    f"gradient rule for {node.op} returned {len(dxs)} gradients for {len(xs)} inputs",
                     node=node.name,
                     op_type=node.op,
                 )
-            for x, dx in zip(node.inputs, dxs, strict=True):
-                if dx is None or x.is_empty() or id(x) not in relevant_tensors or not is_differentiable_type(x):
+            for x, dx in zip(xs, dxs, strict=True):
+                if dx is None or x.is_empty() or id(x) not in relevant_tensors:
                     continue
                 if rule.broadcast:
                     peers = [t for t in node.inputs if t is not x and not t.is_empty()]
@@ -115,21 +157,27 @@ def _build(graph: gs.Graph, loss: gs.Tensor, wrt: Sequence[gs.Tensor], registry:
     return result
 
 
-def _relevant(order: list[gs.Node], loss: gs.Tensor, wrt: Sequence[gs.Tensor]) -> tuple[set[int], set[int]]:
-    """(ids of nodes, ids of tensors) on a path from ``wrt`` to ``loss`` through float tensors."""
-    needs_grad = {id(t) for t in wrt}
+def _relevant(
+    order: list[gs.Node], inputs: dict[int, list[gs.Tensor]], targets, wrt: Sequence[gs.Tensor], registry: RuleRegistry
+) -> tuple[set[int], set[int]]:
+    """(ids of nodes, ids of tensors) on a path from ``wrt`` to a target through tensors
+    that carry gradients: floating-point ones, and the integer results of straight-through
+    ops (QuantizeLinear, see Rule.straight_through)."""
+    needs_grad = {id(t) for t in wrt if is_differentiable_type(t)}
     downstream = set()  # nodes reading a tensor that needs a gradient (a wrt tensor's own producer may not)
     for node in order:  # forward: what depends on a wrt tensor through float tensors
-        if any(id(t) in needs_grad for t in node.inputs):
+        if any(id(t) in needs_grad for t in inputs[id(node)]):
             downstream.add(id(node))
-            needs_grad.update(id(t) for t in node.outputs if is_differentiable_type(t))
-    feeds_loss = {id(loss)}
+            rule = registry.get(node.op, node.domain)
+            through = rule is not None and rule.straight_through
+            needs_grad.update(id(t) for t in node.outputs if through or is_differentiable_type(t))
+    feeds_loss = {id(t) for t in targets}
     nodes = set()
-    for node in reversed(order):  # backward: what the loss depends on
+    for node in reversed(order):  # backward: what the targets depend on
         if any(id(t) in feeds_loss for t in node.outputs):
             if id(node) in downstream:
                 nodes.add(id(node))
-            feeds_loss.update(id(t) for t in node.inputs)
+            feeds_loss.update(id(t) for t in inputs[id(node)])
     return nodes, needs_grad & feeds_loss
 
 
@@ -145,7 +193,33 @@ def _total(builder: Builder, contributions: list[gs.Tensor] | None) -> gs.Tensor
     return builder.sum(contributions)
 
 
-def _missing_rule(node: gs.Node, opset: int, registry: RuleRegistry, reached_from: dict, loss: gs.Tensor) -> PassError:
+#: ONNX ops without a rule, by the rules family (rules/<family>.py) where their kin live,
+#: with what to do about them where there is something better to say than "no rule"
+_UNSUPPORTED = {
+    "LSTM": ("recurrent", "recurrent ops have no gradient rule yet (their backward is a reverse scan over "
+             "time steps); export the cell unrolled (e.g. a Python loop over nn.LSTMCell/GRUCell)"),
+    "Loop": ("control_flow", "gradients through Loop and Scan bodies are not supported yet (If is); "
+             "export with the loop unrolled (static trip count) or keep parameters out of its body"),
+    "DeformConv": ("conv", None), "ConvInteger": ("conv", None), "QLinearConv": ("conv", None),
+    "Col2Im": ("conv", None), "MaxRoiPool": ("pool", None), "RoiAlign": ("pool", None),
+    "MatMulInteger": ("linalg", None), "QLinearMatMul": ("linalg", None),
+    "DynamicQuantizeLinear": ("quantize", None),
+}  # fmt: skip
+_UNSUPPORTED["GRU"] = _UNSUPPORTED["RNN"] = _UNSUPPORTED["LSTM"]
+_UNSUPPORTED["Scan"] = _UNSUPPORTED["Loop"]
+
+
+#: families whose rules live in more than one module
+_KIN = {"pool": ("pool", "pooling_extra")}
+
+
+def _family(rule) -> str:
+    return rule.module.rsplit(".", 1)[-1]
+
+
+def _missing_rule(
+    node: gs.Node, opset: int, registry: RuleRegistry, reached_from: dict, target: str, inputs: dict
+) -> PassError:
     path = [f"{node.op} {node.name!r}"]
     current = node
     seen = {id(current)}
@@ -156,16 +230,37 @@ def _missing_rule(node: gs.Node, opset: int, registry: RuleRegistry, reached_fro
         seen.add(id(nxt))
         path.append(f"{nxt.op} {nxt.name!r}")
         current = nxt
-    path.append(f"loss {loss.name!r}")
+    path.append(target)
     rule = registry.get(node.op, node.domain)
     if rule is not None:
         covered = f"{rule.since}+" if rule.until is None else f"{rule.since}-{rule.until}"
         reason = f"the rule for {node.op} covers opsets {covered}, the model uses opset {opset}"
     else:
-        near = difflib.get_close_matches(node.op, registry.op_types(), n=5, cutoff=0.5)
-        reason = "no gradient rule is registered" + (f"; supported ops near it: {', '.join(near)}" if near else "")
+        reason = "no gradient rule is registered" + _what_is_supported(node, registry, inputs)
     domain = node.domain or "ai.onnx"
     return MissingGradientRule(
         f"cannot differentiate op {node.op} (domain {domain}, opset {opset}) in node {node.name!r}: {reason}. "
-        f"Path from the loss: {' <- '.join(reversed(path))}"
+        f"Path from the {target.split(' ')[0]}: {' <- '.join(reversed(path))}"
     )
+
+
+def _what_is_supported(node: gs.Node, registry: RuleRegistry, inputs: dict) -> str:
+    """What helps with a node that has no rule: a hint for its kind of op, the supported
+    ops of its family, and those of its neighbours in the graph (what a rewrite could use)."""
+    if node.domain not in (None, "", "ai.onnx"):  # a runtime's fusion of standard ops, usually named after them
+        similar = difflib.get_close_matches(node.op, registry.op_types(), n=3, cutoff=0.5)
+        return (f"; ops of domain {node.domain!r} are a runtime's fusions: export without them (no onnxruntime "
+                f"transformer optimizations before training)" + (f"; ai.onnx ops named like it: {', '.join(similar)}"
+                if similar else ""))  # fmt: skip
+    family, hint = _UNSUPPORTED.get(node.op, (None, None))
+    parts = [hint] if hint else []
+    if family is not None:
+        modules = _KIN.get(family, (family,))
+        kin = sorted(r.op_type for r in registry if _family(r) in modules and r.differentiable)
+        parts.append(f"supported {family} ops: {', '.join(kin)}" if kin else f"no {family} op has a rule")
+    producers = [t.inputs[0].op for t in inputs.get(id(node), node.inputs) if t.inputs]
+    consumers = [n.op for t in node.outputs for n in t.outputs]
+    near = sorted({op for op in producers + consumers if registry.get(op) is not None})
+    if near:
+        parts.append(f"its neighbours' ops, which have rules: {', '.join(near)}")
+    return "".join(f"; {p}" for p in parts)

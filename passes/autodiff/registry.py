@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ class Rule:
     broadcast: bool = False  # inputs broadcast numpy-style: the driver un-broadcasts each gradient
     domain: str = ""
     module: str = ""  # the rules module that registered it (its op family, listed in docs/ops.md)
+    #: integer outputs carry a gradient too (a straight-through estimator: QuantizeLinear)
+    straight_through: bool = False
 
     @property
     def differentiable(self) -> bool:
@@ -40,6 +42,11 @@ class Rule:
 
     def covers(self, opset: int) -> bool:
         return self.since <= opset and (self.until is None or opset <= self.until)
+
+
+#: the oldest opset any rule handles: the driver's own ops (ConstantOfShape for zeros,
+#: Expand for a reduction's gradient) are opset 9 ops; models that old are not trained today
+OLDEST_OPSET = 9
 
 
 class RuleRegistry:
@@ -52,6 +59,8 @@ class RuleRegistry:
         key = (rule.domain, rule.op_type)
         if key in self._rules:
             raise ValueError(f"a gradient rule for {rule.op_type!r} is already registered")
+        if rule.since < OLDEST_OPSET:
+            rule = replace(rule, since=OLDEST_OPSET)
         self._rules[key] = rule
         return rule
 
@@ -69,11 +78,21 @@ class RuleRegistry:
 
     # -------------------------------------------------------------- decorators and helpers
 
-    def gradient(self, op_type: str, *, since: int = 1, until: int | None = None, broadcast: bool = False):
+    def gradient(
+        self,
+        op_type: str,
+        *,
+        since: int = 1,
+        until: int | None = None,
+        broadcast: bool = False,
+        straight_through: bool = False,
+    ):
         """Register the decorated function as ``op_type``'s rule."""
 
         def register(fn: RuleFn) -> RuleFn:
-            self.add(Rule(op_type, fn, since, until, broadcast, module=fn.__module__))
+            self.add(
+                Rule(op_type, fn, since, until, broadcast, module=fn.__module__, straight_through=straight_through)
+            )
             return fn
 
         return register

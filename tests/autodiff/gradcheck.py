@@ -8,6 +8,7 @@ case marks; central differences on the forward model, run by onnxruntime, are th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,14 @@ class Case:
       to the case dtype) or None for an omitted optional input.
     grad: indices of the inputs to differentiate (default: every floating-point input).
     const: indices of inputs fed as initializers instead of graph inputs (axes, shapes, ...).
+    outer: graph inputs ``outer0``, ``outer1``, ... that the node's subgraphs (If branches)
+      read from the enclosing scope; the float ones are differentiated too.
+    after: nodes ``(op, inputs, attrs)`` applied to the outputs before the loss (Dequantize
+      after Quantize); the last one's output replaces them.
+    reference: an oracle replacing central differences where those cannot see the gradient
+      (a straight-through estimator, a random mask): ``reference(feeds, outputs, weights)``
+      gets the feeds, the float outputs of the same run that computed the gradients and the
+      loss weights R_k, and returns the expected gradient of each differentiated input.
     """
 
     op: str
@@ -44,6 +53,9 @@ class Case:
     eps: float | None = None
     id: str = ""
     symbolic: bool = True  # also check with every input dim symbolic
+    outer: list = field(default_factory=list)
+    after: tuple = ()
+    reference: Callable | None = None
 
     def label(self) -> str:
         return self.id or self.op
@@ -76,8 +88,20 @@ def build_model(case: Case, dtype, *, symbolic: bool = False) -> tuple[onnx.Mode
         feeds[name] = arr
         if i in grad:
             wrt.append(name)
+    for k, value in enumerate(case.outer):
+        arr = np.asarray(value)
+        arr = arr.astype(dtype) if _is_float(arr) else arr
+        name = f"outer{k}"
+        shape = [f"{name}_d{j}" for j in range(arr.ndim)] if symbolic else list(arr.shape)
+        graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), shape))
+        feeds[name] = arr
+        if _is_float(arr):
+            wrt.append(name)
     outs = [f"out{k}" for k in range(case.outputs)]
     nodes = [helper.make_node(case.op, names, outs, **case.attrs)]
+    for k, (op, ins, attrs) in enumerate(case.after):
+        outs = [f"after{k}"]
+        nodes.append(helper.make_node(op, ins, outs, **attrs))
     # loss = sum_k sum(out_k * R_k): needs the outputs' shapes, found by running the node once
     probe = _run(_model(nodes, graph_inputs, initializers, [_vi(o) for o in outs], case.opset), feeds)
     float_outs = [(o, v) for o, v in zip(outs, probe, strict=True) if _is_float(v)]
@@ -90,9 +114,13 @@ def build_model(case: Case, dtype, *, symbolic: bool = False) -> tuple[onnx.Mode
         terms.append(f"s_{o}")
     nodes.append(helper.make_node("Sum", terms, ["loss"]))
     loss_type = helper.np_dtype_to_tensor_dtype(np.dtype(float_outs[0][1].dtype))
-    model = _model(
-        nodes, graph_inputs, initializers, [helper.make_tensor_value_info("loss", loss_type, [])], case.opset
-    )
+    outputs = [helper.make_tensor_value_info("loss", loss_type, [])]
+    if case.reference is not None:  # the reference reads the outputs of the run it checks
+        outputs += [
+            helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(v.dtype), [None] * v.ndim)
+            for o, v in float_outs
+        ]
+    model = _model(nodes, graph_inputs, initializers, outputs, case.opset)
     return model, feeds, wrt
 
 
@@ -103,7 +131,7 @@ def _vi(name):
 def _model(nodes, inputs, initializers, outputs, opset):
     graph = helper.make_graph(nodes, "case", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
+    model.ir_version = 8 if opset <= 18 else 10  # what onnx expects of the opset; onnxruntime reads both
     return model
 
 
@@ -135,6 +163,17 @@ def numeric_gradients(model, feeds, wrt, eps: float) -> dict[str, np.ndarray]:
     return grads
 
 
+def reference_gradients(case: Case, model, feeds, wrt) -> tuple[dict, dict]:
+    """The gradients, and what ``case.reference`` expects of them given the same run's outputs."""
+    result = graphforge.compile(model, [Autodiff(inputs=tuple(wrt))])
+    outs = [o.name for o in model.graph.output if o.name != "loss"]
+    values = _run(result.model, feeds, [f"{n}_grad" for n in wrt] + outs)
+    analytic = dict(zip(wrt, values[: len(wrt)], strict=True))
+    weights = {t.name[2:]: numpy_helper.to_array(t) for t in model.graph.initializer if t.name.startswith("R_")}
+    expected = case.reference(feeds, dict(zip(outs, values[len(wrt) :], strict=True)), weights)
+    return analytic, {name: expected[name] for name in wrt}
+
+
 def supports_double(case: Case) -> bool:
     """Whether onnxruntime's CPU provider runs this op (and its gradient graph) in float64."""
     try:
@@ -160,9 +199,12 @@ def check(case: Case, *, symbolic: bool = False) -> str:
     dtype = DOUBLE if supports_double(case) else FLOAT
     model, feeds, wrt = build_model(case, dtype, symbolic=symbolic)
     assert wrt, f"{case.label()}: no input to differentiate"
-    analytic = analytic_gradients(model, feeds, wrt)
-    eps = case.eps or (1e-6 if dtype is DOUBLE else 1e-2)
-    numeric = numeric_gradients(model, feeds, wrt, eps)
+    if case.reference is not None:
+        analytic, numeric = reference_gradients(case, model, feeds, wrt)
+    else:
+        analytic = analytic_gradients(model, feeds, wrt)
+        eps = case.eps or (1e-6 if dtype is DOUBLE else 1e-2)
+        numeric = numeric_gradients(model, feeds, wrt, eps)
     rtol, atol = (case.rtol, case.atol) if dtype is DOUBLE else (case.f32_rtol, case.f32_atol)
     for name in wrt:
         np.testing.assert_allclose(

@@ -161,3 +161,6 @@ NONDIFFERENTIABLE_CASES += MISC_NONDIFFERENTIABLE
 from op_cases_cnn import CNN_CASES  # noqa: E402
 
 CASES += CNN_CASES
+from op_cases_composite import COMPOSITE_CASES  # noqa: E402
+
+CASES += COMPOSITE_CASES

@@ -83,7 +83,8 @@ def custom_on_path() -> onnx.ModelProto:
 def test_custom_op_on_the_path_names_op_domain_opset_node_path_and_near_ops():
     message = compile_error(custom_on_path(), "autodiff")
     assert "cannot differentiate op FastGelu (domain com.example, opset 17) in node 'gelu'" in message
-    assert "no gradient rule is registered; supported ops near it: Gelu" in message
+    assert "no gradient rule is registered; ops of domain 'com.example' are a runtime's fusions" in message
+    assert "ai.onnx ops named like it: Gelu" in message
     assert "Path from the loss: loss 'loss' <- ReduceSum 'total' <- Relu 'act' <- FastGelu 'gelu'" in message
 
 
@@ -107,23 +108,16 @@ g (float[2, 3] x) => (float loss)
 }}"""
 
 #: ai.onnx ops that have no gradient rule today, each as node 'gelu' reading h4 (h as
-#: float[1, 2, 2, 2]) or h, with the initializers it needs. The test takes the first that
-#: still has no rule, so it keeps testing as rules are added; should all of them get one, it
-#: fails (it never skips): add another op that has none.
+#: float[1, 2, 2, 2]) or h, with the initializers it needs, and the op family the error lists
+#: (None: none). The test takes those that still have no rule, so it keeps testing as rules
+#: are added; should all of them get one, it fails (it never skips): add another op that has none.
 _NO_RULE_CANDIDATES = {
-    "MaxUnpool": (
-        ", int64[1, 2, 2, 2] where = {0, 2, 8, 10, 16, 18, 24, 26}",
-        "[gelu] f = MaxUnpool <kernel_shape = [2, 2], strides = [2, 2]> (h4, where)",
-    ),
-    "GridSample": (
-        ", float[1, 1, 2, 2] grid = {-0.5, -0.5, 0.5, 0.5}",
-        "[gelu] f = GridSample (h4, grid)",
-    ),
     "RoiAlign": (
         ", float[1, 4] rois = {0.0, 0.0, 1.0, 1.0}, int64[1] image = {0}",
         "[gelu] f = RoiAlign <output_height = 1, output_width = 1> (h4, rois, image)",
+        "pool",
     ),
-    "Unique": ("", "[gelu] f = Unique (h)"),
+    "Unique": ("", "[gelu] f = Unique (h)", None),
 }
 
 
@@ -135,7 +129,7 @@ def onnx_ops_on_the_path() -> list[tuple[str, onnx.ModelProto]]:
 
 
 def candidate_model(op: str) -> onnx.ModelProto:
-    initializers, node = _NO_RULE_CANDIDATES[op]
+    initializers, node, _ = _NO_RULE_CANDIDATES[op]
     return parse(ONNX_OP_ON_PATH.format(w=W12, initializers=initializers, node=node))
 
 
@@ -144,9 +138,10 @@ def test_no_rule_candidates_are_valid_models(op):
     assert [n.op_type for n in candidate_model(op).graph.node if n.name == "gelu"] == [op]
 
 
-def near_ops(message: str) -> list[str]:
-    _, _, rest = message.partition("supported ops near it: ")
-    return rest.split(".")[0].split(", ") if rest else []
+def listed(message: str, label: str) -> list[str]:
+    """The ops the message lists after ``label`` (up to the next ';' or '.')."""
+    _, _, rest = message.partition(label)
+    return rest.split(";")[0].split(". ")[0].split(", ") if rest else []
 
 
 def test_onnx_op_without_a_rule_on_the_path():
@@ -154,11 +149,58 @@ def test_onnx_op_without_a_rule_on_the_path():
         message = compile_error(model, "autodiff")
         assert f"cannot differentiate op {op} (domain ai.onnx, opset 17) in node 'gelu'" in message
         assert "no gradient rule is registered" in message
-        near = near_ops(message)
-        assert near and all(RULES.get(n) is not None for n in near), message
-        if op == "MaxUnpool":
-            assert "MaxPool" in near
+        family = _NO_RULE_CANDIDATES[op][2]
+        kin = listed(message, f"supported {family} ops: ")
+        assert (family is None) == (not kin), message
+        assert all(RULES.get(k) is not None for k in kin)
+        if family == "pool":
+            assert "MaxPool" in kin and "MaxUnpool" in kin
+        # its neighbours: Reshape (or MatMul) before it, Relu after it
+        neighbours = listed(message, "its neighbours' ops, which have rules: ")
+        assert "Relu" in neighbours and ({"Reshape", "MatMul"} & set(neighbours)), message
         assert f"Path from the loss: loss 'loss' <- ReduceSum 'total' <- Relu 'act' <- {op} 'gelu'" in message
+
+
+def test_recurrent_op_error_says_why():
+    # x: [seq 2, batch 1, input 3] -> LSTM (hidden 2) -> loss
+    model = parse(
+        """
+        g (float[2, 1, 3] x) => (float loss)
+        <float[1, 8, 3] w = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 0.1, 0.2, 0.3, 0.4,
+                            0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2},
+         float[1, 8, 2] r = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8}>
+        {
+            [lstm] y = LSTM <hidden_size = 2> (x, w, r)
+            [total] loss = ReduceSum <keepdims = 0> (y)
+        }"""
+    )
+    message = compile_error(model, "autodiff")
+    assert "cannot differentiate op LSTM (domain ai.onnx, opset 17) in node 'lstm'" in message
+    assert "recurrent ops have no gradient rule yet" in message
+    assert "no recurrent op has a rule" in message
+
+
+def test_loop_error_names_the_node_and_says_if_is_supported():
+    # a parameter read inside a Loop body (from the enclosing scope) is on the loss's path
+    model = parse(
+        f"""
+        g (float[2, 3] x) => (float loss)
+        <float[3, 4] w = {W12}, int64 n = {{2}}, bool go = {{1}}>
+        {{
+            [loop] y = Loop (n, go, x) <body = body (int64 i, bool c, float[2, 3] acc) => (bool c_out, float[2, 3] next)
+            {{
+                c_out = Identity (c)
+                h = MatMul (acc, w)
+                s = ReduceSum <keepdims = 1> (h, one)
+                next = Add (acc, s)
+            }}>
+            [total] loss = ReduceSum <keepdims = 0> (y)
+        }}""".replace("(h, one)", "(h)"),
+    )
+    message = compile_error(model, "autodiff")
+    assert "cannot differentiate op Loop (domain ai.onnx, opset 17) in node 'loop'" in message
+    assert "gradients through Loop and Scan bodies are not supported yet (If is)" in message
+    assert "supported control_flow ops: If" in message
 
 
 def test_cli_refuses_an_onnx_op_without_a_rule_on_the_path(tmp_path):
@@ -168,7 +210,7 @@ def test_cli_refuses_an_onnx_op_without_a_rule_on_the_path(tmp_path):
         proc,
         output,
         f"cannot differentiate op {op} (domain ai.onnx, opset 17) in node 'gelu'",
-        "no gradient rule is registered; supported ops near it: ",
+        "no gradient rule is registered; ",
         f"<- Relu 'act' <- {op} 'gelu'",
     )
 

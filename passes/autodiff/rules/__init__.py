@@ -4,6 +4,8 @@ the list below is explicit so which rules exist never depends on import order el
 from graphforge.passes.autodiff.rules import (  # noqa: F401
     algebra,
     cnn_norm,
+    composite,
+    control_flow,
     conv,
     elementwise,
     indexing,
@@ -12,6 +14,7 @@ from graphforge.passes.autodiff.rules import (  # noqa: F401
     nn,
     pool,
     pooling_extra,
+    quantize,
     reduce,
     shape,
     spatial,

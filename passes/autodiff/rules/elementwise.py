@@ -15,6 +15,16 @@ def _where_positive(ctx, dy, otherwise):
     return b.op("Where", b.op("Greater", x, ctx.scalar(0.0, x)), dy, otherwise)
 
 
+def at_least(ctx, a, b):
+    """a >= b as a bool tensor, in ops of the model's opset (GreaterOrEqual is opset 12)."""
+    return ctx.b.op("GreaterOrEqual", a, b) if ctx.opset >= 12 else ctx.b.op("Not", ctx.b.op("Less", a, b))
+
+
+def at_most(ctx, a, b):
+    """a <= b as a bool tensor (LessOrEqual is opset 12)."""
+    return ctx.b.op("LessOrEqual", a, b) if ctx.opset >= 12 else ctx.b.op("Not", ctx.b.op("Greater", a, b))
+
+
 def _sqrt_of(ctx, t):
     return ctx.b.op("Sqrt", t)
 
@@ -164,9 +174,9 @@ def clip(ctx, dys):
         low = None if low is None else ctx.scalar(low, x)
         high = None if high is None else ctx.scalar(high, x)
     keep = None
-    for bound, compare in ((low, "GreaterOrEqual"), (high, "LessOrEqual")):
+    for bound, compare in ((low, at_least), (high, at_most)):
         if bound is not None:
-            inside = b.op(compare, x, bound)
+            inside = compare(ctx, x, bound)
             keep = inside if keep is None else b.op("And", keep, inside)
     dx = dy if keep is None else b.op("Where", keep, dy, ctx.scalar(0.0, dy))
     return [dx, *[None] * (len(ctx.node.inputs) - 1)]
@@ -205,7 +215,7 @@ def pow_(ctx, dys):
     da = b.mul(dy, b.mul(e_float, b.op("Pow", a, b.sub(e_float, ctx.scalar(1.0, a)))))
     # torch: d/de = y * log(a), taken as 0 where a == 0 (and e >= 0) instead of nan
     log_a = b.op("Log", a)
-    de = b.op("Where", b.op("Equal", a, ctx.scalar(0.0, a)), ctx.scalar(0.0, dy), b.mul(dy, b.mul(ctx.y(), log_a)))
+    de = b.op("Where", ctx.equal(a, ctx.scalar(0.0, a)), ctx.scalar(0.0, dy), b.mul(dy, b.mul(ctx.y(), log_a)))
     return [da, de]
 
 
@@ -241,7 +251,7 @@ def _select_extreme(ctx, dys):
     """Max/Min: the gradient goes to the inputs equal to the result, split evenly on ties
     (torch.maximum / torch.minimum do the same)."""
     b, y, dy = ctx.b, ctx.y(), dys[0]
-    masks = [b.cast_like(b.op("Equal", x, y), dy) for x in ctx.node.inputs]
+    masks = [b.cast_like(ctx.equal(x, y), dy) for x in ctx.node.inputs]
     if len(masks) == 1:
         return [dy]
     share = b.div(dy, b.sum(masks))

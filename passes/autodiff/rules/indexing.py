@@ -1,4 +1,4 @@
-"""Indexing and rearranging ops: scatters, TopK, Compress, ReverseSequence, Tile, Trilu, CumSum.
+"""Indexing and rearranging ops: scatters, TopK, Compress, ReverseSequence, Tile, Trilu, CumSum, CumProd.
 
 Each is linear in its float inputs, so each gradient is the matching "transpose" op:
 a scatter's gradient gathers, a selection's gradient scatters back, a reversal reverses
@@ -99,6 +99,22 @@ def cum_sum(ctx, dys):
     reverse = 0 if ctx.attr("reverse", 0) else 1
     dx = ctx.b.op("CumSum", dys[0], ctx.x(1), exclusive=ctx.attr("exclusive", 0), reverse=reverse)
     return [dx, None]
+
+
+@gradient("CumProd", since=26)
+def cum_prod(ctx, dys):
+    # exact with zeros (torch's cumprod too): where no zero precedes x_i, dx_i = sum_{j >= i} dy_j y_j / x_i;
+    # at the first zero, that sum over the running product with the zero taken as 1; after it, 0
+    b, x, axis, dy = ctx.b, ctx.x(0), ctx.x(1), dys[0]
+    forward = {"exclusive": ctx.attr("exclusive", 0), "reverse": ctx.attr("reverse", 0)}
+    back = {"exclusive": forward["exclusive"], "reverse": 1 - forward["reverse"]}
+    zero, one = ctx.scalar(0.0, x), ctx.scalar(1.0, x)
+    is_zero = ctx.equal(x, zero)
+    clear = ctx.equal(b.op("CumSum", b.cast_like(is_zero, x), axis, exclusive=1, reverse=forward["reverse"]), zero)
+    first_zero_as_one = b.op("Where", b.op("And", is_zero, clear), one, x)
+    before = b.div(b.op("CumSum", b.mul(dy, ctx.y()), axis, **back), b.op("Where", is_zero, one, x))
+    at = b.op("CumSum", b.mul(dy, b.op("CumProd", first_zero_as_one, axis, **forward)), axis, **back)
+    return [b.op("Where", clear, b.op("Where", is_zero, at, before), zero), None]
 
 
 # box selection returns integer indices

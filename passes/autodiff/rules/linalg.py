@@ -57,16 +57,17 @@ def _cols(ctx, t, r: int):
     return ctx.b.reshape(moved, [0, -1])
 
 
-def _gemm(ctx, a, w, *, trans_a: int = 0, trans_b: int = 0):
-    """The 2-D product op(a) @ op(w), never a batched intermediate: Gemm once its C is
-    optional (opset 11), MatMul of transposes before."""
+def _gemm(ctx, a, w, *, trans_a: int = 0, trans_b: int = 0, alpha: float = 1.0):
+    """The 2-D product alpha * op(a) @ op(w), never a batched intermediate: Gemm once its C
+    is optional (opset 11), MatMul of transposes before."""
     b = ctx.b
     if ctx.opset >= 11:
         attrs = {k: 1 for k, v in (("transA", trans_a), ("transB", trans_b)) if v}
-        return b.op("Gemm", a, w, **attrs)
+        return b.op("Gemm", a, w, **attrs, **({"alpha": alpha} if alpha != 1.0 else {}))
     a = b.transpose(a, [1, 0]) if trans_a else a
     w = b.transpose(w, [1, 0]) if trans_b else w
-    return b.matmul(a, w)
+    product = b.matmul(a, w)
+    return product if alpha == 1.0 else b.mul(product, ctx.scalar(alpha, product if product.dtype else a))
 
 
 def _promoted(ctx, t, axis: int):
@@ -78,6 +79,13 @@ def _promoted(ctx, t, axis: int):
     return out
 
 
+def _scaled_gemm(ctx, a, w, alpha: float, **gemm_attrs):
+    """Gemm(a, w) without C (optional from opset 11), or ``_gemm``'s products of transposes before."""
+    if ctx.opset >= 11:
+        return ctx.b.op("Gemm", a, w, alpha=alpha, **gemm_attrs)
+    return _gemm(ctx, a, w, trans_a=gemm_attrs.get("transA", 0), trans_b=gemm_attrs.get("transB", 0), alpha=alpha)
+
+
 @gradient("Gemm")
 def gemm(ctx, dys):
     # Y = alpha * A' B' + beta * C with A' = A^T if transA, B' = B^T if transB
@@ -85,13 +93,13 @@ def gemm(ctx, dys):
     alpha, beta = ctx.attr("alpha", 1.0), ctx.attr("beta", 1.0)
     ta, tb = ctx.attr("transA", 0), ctx.attr("transB", 0)
     if ta:
-        da = b.op("Gemm", w, dy, alpha=alpha, transA=tb, transB=1)
+        da = _scaled_gemm(ctx, w, dy, alpha, transA=tb, transB=1)
     else:
-        da = b.op("Gemm", dy, w, alpha=alpha, transB=0 if tb else 1)
+        da = _scaled_gemm(ctx, dy, w, alpha, transB=0 if tb else 1)
     if tb:
-        dw = b.op("Gemm", dy, a, alpha=alpha, transA=1, transB=ta)
+        dw = _scaled_gemm(ctx, dy, a, alpha, transA=1, transB=ta)
     else:
-        dw = b.op("Gemm", a, dy, alpha=alpha, transA=0 if ta else 1)
+        dw = _scaled_gemm(ctx, a, dy, alpha, transA=0 if ta else 1)
     dc = None
     if c is not None:
         scaled = dy if beta == 1.0 else b.mul(dy, ctx.scalar(beta, dy))

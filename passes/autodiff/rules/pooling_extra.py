@@ -1,5 +1,5 @@
-"""Pooling and resampling ops the main pooling module leaves out: LpPool, GlobalLpPool and
-the deprecated Upsample (opsets 7-9, still in older exported detectors).
+"""Pooling and resampling ops the main pooling module leaves out: LpPool, GlobalLpPool,
+MaxUnpool and the deprecated Upsample (opsets 7-9, still in older exported detectors).
 
 LpPool is y = (sum over the window of |x|^p)^(1/p): the chain rule through z = |x|^p
 leaves the transpose of a window *sum*, which is a ConvTranspose with a ones kernel.
@@ -20,7 +20,7 @@ def _scaled_dy(ctx, dy, p: int):
     """dy * y^(1-p), 0 where y = 0."""
     b, y = ctx.b, ctx.y()
     zero = ctx.scalar(0.0, y)
-    is_zero = b.op("Equal", y, zero)
+    is_zero = ctx.equal(y, zero)
     safe = b.op("Where", is_zero, ctx.scalar(1.0, y), y)
     scaled = b.div(dy, safe) if p == 2 else b.mul(dy, b.op("Pow", safe, ctx.scalar(float(1 - p), y)))
     return b.op("Where", is_zero, zero, scaled)
@@ -117,3 +117,10 @@ def _upsample_matrix(ctx, axis: int, scale: float):
 
 def _zero(dtype):
     return numpy_helper.from_array(np.zeros(1, dtype=dtype))
+
+
+@gradient("MaxUnpool", since=9)
+def max_unpool(ctx, dys):
+    # y: zeros with x written at the flat positions I (over the whole output, as MaxPool's
+    # indices are): each x reads its gradient back from there
+    return [ctx.b.op("Gather", ctx.b.reshape(dys[0], [-1]), ctx.x(1), axis=0), None, None]

@@ -78,7 +78,7 @@ def reduce_l2(ctx, dys):
     # x / ||x||, taken as 0 where the norm is 0 (torch's norm does the same)
     b, x = ctx.b, ctx.x(0)
     norm = _kept(ctx, ctx.y())
-    zero = b.op("Equal", norm, ctx.scalar(0.0, x))
+    zero = ctx.equal(norm, ctx.scalar(0.0, x))
     safe = b.op("Where", zero, ctx.scalar(1.0, x), norm)
     unit = b.op("Where", zero, ctx.scalar(0.0, x), b.div(x, safe))
     return [b.mul(_spread(ctx, dys[0]), unit), *_rest(ctx)]
@@ -100,16 +100,27 @@ def reduce_log_sum(ctx, dys):
 
 @gradient("ReduceProd")
 def reduce_prod(ctx, dys):
-    # prod / x_i; inputs containing zeros need torch's two-pass formula, which this omits
+    # dx_i = dy * (product of the others), exact with zeros (torch's prod too): with no zero in
+    # the slice, prod / x_i; with one, the product of the non-zeros at the zero and 0 elsewhere; with more, 0
     b, x = ctx.b, ctx.x(0)
-    return [b.div(_spread(ctx, b.mul(dys[0], ctx.y())), x), *_rest(ctx)]
+    if _noop(ctx):
+        return [dys[0], *_rest(ctx)]
+    zero, one = ctx.scalar(0.0, x), ctx.scalar(1.0, x)
+    is_zero = ctx.equal(x, zero)
+    nonzero = b.op("Where", is_zero, one, x)
+    axes = _axes(ctx) if _axes(ctx) is not None else list(range(ctx.rank(x)))
+    zeros = b.reduce_sum(b.cast_like(is_zero, x), axes, keepdims=True)
+    others = b.axes_op("ReduceProd", nonzero, axes, keepdims=1)
+    at_zero = b.op("Where", ctx.equal(zeros, one), others, zero)
+    elsewhere = b.op("Where", ctx.equal(zeros, zero), b.div(others, nonzero), zero)
+    return [b.mul(_spread(ctx, dys[0]), b.op("Where", is_zero, at_zero, elsewhere)), *_rest(ctx)]
 
 
 def _reduce_extreme(ctx, dys):
     """ReduceMax/ReduceMin: the gradient is shared evenly by the elements equal to the
     result (torch.amax / amin do the same)."""
     b, x = ctx.b, ctx.x(0)
-    hit = b.cast_like(b.op("Equal", x, _kept(ctx, ctx.y())), x)
+    hit = b.cast_like(ctx.equal(x, _kept(ctx, ctx.y())), x)
     axes = _axes(ctx)
     count = b.reduce_sum(hit, axes if axes is not None else list(range(ctx.rank(x))), keepdims=True)
     share = b.div(_kept(ctx, dys[0]), count)

@@ -94,9 +94,36 @@ def _scatter_flat(ctx, x, positions, dy, accumulate: bool):
 def slice_(ctx, dys):
     # Slice the tensor of flat positions the same way: that says where each result element
     # came from, whatever the starts, ends, steps and clamping; no element is picked twice.
+    if ctx.opset < 11:  # no Range or ScatterElements yet: pad the gradient back instead
+        return [_pad_back(ctx, dys[0]), *[None] * (len(ctx.node.inputs) - 1)]
     positions, _ = _flat_positions(ctx, ctx.x(0))
     picked = ctx.b.op("Slice", positions, *ctx.node.inputs[1:])
     return [_scatter_flat(ctx, ctx.x(0), picked, dys[0], accumulate=False), *[None] * (len(ctx.node.inputs) - 1)]
+
+
+def _pad_back(ctx, dy):
+    """A Slice's gradient as zero padding: needs constant starts/ends/axes, unit steps and
+    static dims on the sliced axes (attributes before opset 10, inputs at 10)."""
+    x = ctx.x(0)
+    if ctx.opset < 10:
+        starts, ends, axes, steps = ctx.attr("starts"), ctx.attr("ends"), ctx.attr("axes"), None
+    else:
+        starts, ends, axes, steps = (ctx.const_value(i) for i in (1, 2, 3, 4))
+    if starts is None or ends is None or (steps is not None and np.any(np.asarray(steps) != 1)):
+        ctx.fail(
+            f"Slice at opset {ctx.opset} is differentiable with constant bounds and unit steps only (any from opset 11+)"
+        )
+    r = ctx.rank(x)
+    starts, ends = np.asarray(starts).reshape(-1).tolist(), np.asarray(ends).reshape(-1).tolist()
+    axes = range(len(starts)) if axes is None else np.asarray(axes).reshape(-1).tolist()
+    pads = [0] * (2 * r)
+    for start, end, axis in zip(starts, ends, axes, strict=True):
+        axis, dim = axis % r, x.shape[axis % r]
+        if not isinstance(dim, int | np.integer):
+            ctx.fail(f"Slice at opset {ctx.opset} is differentiable on static dims only (any from opset 11+)")
+        start, end = (min(max(v + dim if v < 0 else v, 0), dim) for v in (start, end))
+        pads[axis], pads[axis + r] = start, dim - max(end, start)
+    return ctx.b.op("Pad", dy, **{"pads" if ctx.opset >= 2 else "paddings": pads})
 
 
 @gradient("Gather")
@@ -147,3 +174,43 @@ def gather_nd(ctx, dys):
     if ctx.opset < 16:
         ctx.fail("GatherND gradients need opset 16+ (ScatterND with reduction=add)")
     return [b.op("ScatterND", b.zeros_like(ctx.x(0)), ctx.x(1), dys[0], reduction="add"), None]
+
+
+# ----------------------------------------------------------------------------- sequences from a split
+#
+# The dynamo exporter writes torch.split as SplitToSequence + SequenceAt. The gradient of the
+# sequence is carried as one tensor shaped like the split input: each SequenceAt puts its
+# part's gradient at that part's place (zeros elsewhere), the driver sums the parts, and
+# SplitToSequence passes the sum on.
+
+
+@gradient("SplitToSequence", since=11)
+def split_to_sequence(ctx, dys):
+    return [dys[0], None]
+
+
+@gradient("SequenceAt", since=11)
+def sequence_at(ctx, dys):
+    b, dy = ctx.b, dys[0]
+    split = ctx.x(0).inputs[0] if ctx.x(0).inputs else None
+    position = ctx.const_value(1)
+    if split is None or split.op != "SplitToSequence" or position is None:
+        ctx.fail("SequenceAt is differentiable on a SplitToSequence's result at a constant position only")
+    split_ctx = ctx.for_node(split)
+    x, sizes, axis = split.inputs[0], split_ctx.const_value(1), split.attrs.get("axis", 0)
+    r = split_ctx.rank(x)
+    axis, p = axis % r, int(position.reshape(-1)[0])
+    if sizes is None and split_ctx.x(1) is not None:
+        ctx.fail("SequenceAt after a SplitToSequence with computed split sizes is not differentiable")
+    if sizes is None or sizes.ndim == 0:  # equal parts of `sizes` (1 when absent), the last one shorter
+        if p < 0:
+            ctx.fail("SequenceAt counting from the end of an equal split is not differentiable")
+        start = p * (1 if sizes is None else int(sizes))
+        if sizes is None and not split.attrs.get("keepdims", 1):
+            dy = b.unsqueeze(dy, [axis])
+    else:
+        start = int(np.sum(sizes.reshape(-1)[: p % sizes.size]))
+    end = b.add(b.ints([start]), b.shape(dy, axis, axis + 1))
+    before = b.zeros_like(b.op("Slice", x, b.ints([0]), b.ints([start]), b.ints([axis])))
+    after = b.zeros_like(b.op("Slice", x, end, b.ints([2**62]), b.ints([axis])))
+    return [b.op("Concat", before, dy, after, axis=axis), None]

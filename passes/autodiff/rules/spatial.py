@@ -1,4 +1,4 @@
-"""Spatial rearrangements: Pad, DepthToSpace, SpaceToDepth.
+"""Spatial rearrangements: Pad, DepthToSpace, SpaceToDepth, GridSample.
 
 Each moves or copies elements without arithmetic, so each gradient moves them back:
 constant padding is undone by cropping, the other pad modes (which copy border cells)
@@ -9,6 +9,7 @@ shuffles by the inverse shuffle.
 from __future__ import annotations
 
 import numpy as np
+from graphforge.passes.autodiff.expand import decomposed
 from graphforge.passes.autodiff.registry import RULES
 
 gradient = RULES.gradient
@@ -49,7 +50,8 @@ def pad(ctx, dys):
 @gradient("SpaceToDepth")
 def space_to_depth(ctx, dys):
     # SpaceToDepth is the exact inverse of DepthToSpace in DCR mode
-    return [ctx.b.op("DepthToSpace", dys[0], blocksize=ctx.attr("blocksize"), mode="DCR")]
+    mode = {"mode": "DCR"} if ctx.opset >= 11 else {}  # DCR was the only mode before opset 11
+    return [ctx.b.op("DepthToSpace", dys[0], blocksize=ctx.attr("blocksize"), **mode)]
 
 
 @gradient("DepthToSpace")
@@ -63,3 +65,72 @@ def depth_to_space(ctx, dys):
     )
     blocks = b.transpose(b.reshape(dy, split), [0, 1, 3, 5, 2, 4])
     return [b.reshape(blocks, ctx.shape(x))]
+
+
+# ----------------------------------------------------------------------------- GridSample, decomposed
+#
+# GridSample (4-D, linear or nearest, zeros or border padding) is rewritten in gathers and
+# arithmetic exactly as the spec defines it; its gradient is that rewrite's (expand.decomposed):
+# the input's through GatherElements, the grid's through the interpolation weights (torch's too).
+
+
+def _grid_sample(ctx, b):
+    x, grid = ctx.x(0), ctx.x(1)
+    mode, padding = ctx.attr("mode", "bilinear"), ctx.attr("padding_mode", "zeros")
+    if ctx.rank(x) != 4 or mode not in ("bilinear", "linear", "nearest") or padding not in ("zeros", "border"):
+        ctx.fail(
+            f"GridSample is differentiable on 4-D inputs, linear/nearest, zeros/border padding (not {mode}, {padding})"
+        )
+    shape = b.shape(x)
+    h, w = (b.cast_like(b.op("Gather", shape, b.constant(np.array(i, np.int64))), grid) for i in (2, 3))
+    ix, iy = (
+        _unnormalize(ctx, b, b.op("Gather", grid, b.constant(np.array(i, np.int64)), axis=3), n)
+        for i, n in ((0, w), (1, h))
+    )
+    if padding == "border":
+        ix, iy = _clip(ctx, b, ix, w), _clip(ctx, b, iy, h)
+    if mode == "nearest":
+        corners = [(b.op("Round", ix), b.op("Round", iy), None)]
+    else:
+        x0, y0 = b.op("Floor", ix), b.op("Floor", iy)
+        one = ctx.scalar(1.0, grid)
+        x1, y1 = b.add(x0, one), b.add(y0, one)
+        wx1, wy1 = b.sub(ix, x0), b.sub(iy, y0)
+        wx0, wy0 = b.sub(one, wx1), b.sub(one, wy1)
+        corners = [
+            (x0, y0, b.mul(wx0, wy0)),
+            (x1, y0, b.mul(wx1, wy0)),
+            (x0, y1, b.mul(wx0, wy1)),
+            (x1, y1, b.mul(wx1, wy1)),
+        ]
+    flat = b.reshape(x, b.op("Concat", b.shape(x, 0, 2), b.ints([-1]), axis=0))
+    out_shape = b.op("Concat", b.shape(x, 0, 2), b.shape(grid, 1, 3), axis=0)
+    return [b.sum([_pick(ctx, b, flat, out_shape, xi, yi, weight, h, w) for xi, yi, weight in corners])]
+
+
+def _unnormalize(ctx, b, coord, size):
+    """Grid coordinates in [-1, 1] to pixel positions (the spec's align_corners rule)."""
+    one = ctx.scalar(1.0, coord)
+    if ctx.attr("align_corners", 0):
+        return b.mul(b.div(b.add(coord, one), ctx.scalar(2.0, coord)), b.sub(size, one))
+    return b.div(b.sub(b.mul(b.add(coord, one), size), one), ctx.scalar(2.0, coord))
+
+
+def _clip(ctx, b, pos, size):
+    return b.op("Clip", pos, ctx.scalar(0.0, pos), b.sub(size, ctx.scalar(1.0, pos)))
+
+
+def _pick(ctx, b, flat, out_shape, xi, yi, weight, h, w):
+    """weight * x[n, c, yi, xi] (0 where the position falls outside the input)."""
+    zero, one = ctx.scalar(0.0, xi), ctx.scalar(1.0, xi)
+    inside = b.op("And", b.op("And", b.op("GreaterOrEqual", xi, zero), b.op("LessOrEqual", xi, b.sub(w, one))),
+                  b.op("And", b.op("GreaterOrEqual", yi, zero), b.op("LessOrEqual", yi, b.sub(h, one))))  # fmt: skip
+    index = b.add(b.mul(_clip(ctx, b, yi, h), w), _clip(ctx, b, xi, w))
+    index = b.reshape(b.cast(index, np.int64), b.op("Concat", b.shape(index, 0, 1), b.ints([1, -1]), axis=0))
+    index = b.expand(index, b.op("Concat", b.ints([1]), b.shape(flat, 1, 2), b.ints([1]), axis=0))
+    picked = b.reshape(b.op("GatherElements", flat, index, axis=2), out_shape)
+    scale = b.cast_like(inside, xi) if weight is None else b.op("Where", inside, weight, zero)
+    return b.mul(picked, b.unsqueeze(scale, [1]))
+
+
+gradient("GridSample", since=16)(decomposed(_grid_sample))

@@ -1,0 +1,140 @@
+"""Whole models exported by torch's dynamo exporter (``torch.onnx.export(..., dynamo=True,
+optimize=False)``), against torch autograd: GPT-2 at opset 18 (torch.split arrives as
+SplitToSequence/SequenceAt, shapes as computed constants) and a small Llama at opset 23
+(scaled_dot_product_attention arrives as the Attention op). One compiled graph, two batch
+sizes and sequence lengths. The parameters are passed as an explicit trainable= list of the
+initializers holding torch's parameters (which exporter constants are trainable by default
+is the autodiff pass's own business, tested elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch_models  # noqa: E402
+from graphforge.passes import Autodiff, Loss  # noqa: E402
+
+import graphforge  # noqa: E402
+from graphforge import roles  # noqa: E402
+
+#: (batch, sequence) sizes, none equal to the export example's (2, 8)
+SIZES = [(1, 5), (3, 12)]
+VOCAB = 128
+
+
+def llama(seed: int = 0) -> torch.nn.Module:
+    """2-layer Llama (SDPA attention, grouped KV heads, RMSNorm, SwiGLU): input_ids [B, T] -> [B, V, T]."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    torch_models.jitter_vectors(model, seed)
+    return torch_models.ClassesFirst(model).eval()
+
+
+def _export_and_compile(module, path, opset: int):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        example = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+        dims = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+        torch.onnx.export(module, (example,), str(path), dynamo=True, optimize=False, opset_version=opset,
+                          input_names=["input_ids"], output_names=["logits"], dynamic_shapes=(dims,),
+                          external_data=False, verbose=False)  # fmt: skip
+    exported = onnx.load(str(path))
+    uses = torch_models.parameter_uses(exported, module)
+    trainable = tuple(u.initializer for held in uses.values() for u in held)
+    program = graphforge.compile(
+        str(path), [Loss(kind="cross_entropy", output="logits"), Autodiff(trainable=trainable)]
+    )
+    return exported, uses, program.model
+
+
+@pytest.fixture(scope="module", params=[("gpt2", 18), ("llama", 23)], ids=["gpt2-opset18", "llama-opset23"])
+def compiled(request, tmp_path_factory):
+    name, opset = request.param
+    module = torch_models.gpt2() if name == "gpt2" else llama()
+    exported, uses, program = _export_and_compile(module, tmp_path_factory.mktemp(name) / f"{name}.onnx", opset)
+    return name, module, exported, uses, program
+
+
+def test_the_exports_hold_what_the_dynamo_exporter_writes(compiled):
+    name, _, exported, _, program = compiled
+    ops = {n.op_type for n in exported.graph.node}
+    assert ("SequenceAt" in ops) if name == "gpt2" else ("Attention" in ops)
+    assert {n.domain for n in program.graph.node} <= {"", "ai.onnx"}
+    dims = next(i for i in program.graph.input if i.name == "input_ids").type.tensor_type.shape.dim
+    assert dims[0].dim_param and dims[1].dim_param  # batch and sequence stay symbolic
+
+
+@pytest.mark.parametrize(("batch", "seq"), SIZES)
+def test_gradients_match_torch(compiled, batch, seq):
+    _, module, _, uses, program = compiled
+    grads = json.loads({p.key: p.value for p in program.metadata_props}[roles.GRADIENTS])
+    rng = np.random.default_rng(batch * 100 + seq)
+    ids, labels = rng.integers(0, VOCAB, (batch, seq)), rng.integers(0, VOCAB, (batch, seq))
+    session = graphforge.create_session(program, providers=["CPUExecutionProvider"])
+    names = ["loss", *grads.values()]
+    got = dict(zip(names, session.run(names, {"input_ids": ids, "labels": labels}), strict=True))
+    module.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(ids)), torch.from_numpy(labels))
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5, atol=1e-6)
+    for name, param in module.named_parameters():
+        parts = [got[grads[u.initializer]].T if u.transposed else got[grads[u.initializer]] for u in uses[name]]
+        assert parts, f"{name}: no gradient"
+        np.testing.assert_allclose(sum(parts), param.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+class NormAttention(torch.nn.Module):
+    """F.rms_norm and scaled_dot_product_attention: RMSNormalization and Attention at opset 23."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.rand(8) + 0.5)
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.nn.functional.rms_norm(x, (8,), weight=self.w)
+        q = self.q(h).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_rms_norm_and_attention_ops_match_torch(tmp_path):
+    module, path = NormAttention(), tmp_path / "norm_attention.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.randn(2, 5, 8),), str(path), dynamo=True, optimize=False, opset_version=23,
+                          input_names=["x"], output_names=["y"], external_data=False, verbose=False,
+                          dynamic_shapes=({0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO},))  # fmt: skip
+    exported = onnx.load(str(path))
+    assert {"RMSNormalization", "Attention"} <= {n.op_type for n in exported.graph.node}
+    uses = torch_models.parameter_uses(exported, module)
+    trainable = tuple(u.initializer for held in uses.values() for u in held)
+    program = graphforge.compile(str(path), [Loss(kind="mse", output="y"), Autodiff(trainable=trainable)]).model
+    session = graphforge.create_session(program, providers=["CPUExecutionProvider"])
+    for batch, seq in SIZES:
+        rng = np.random.default_rng(seq)
+        x = rng.standard_normal((batch, seq, 8)).astype(np.float32)
+        labels = rng.standard_normal((batch, 2, seq, 4)).astype(np.float32)
+        names = ["loss", *(f"{n}_grad" for n in trainable)]
+        got = dict(zip(names, session.run(names, {"x": x, "labels": labels}), strict=True))
+        module.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(module(torch.from_numpy(x)), torch.from_numpy(labels))
+        loss.backward()
+        np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
+        for name, param in module.named_parameters():
+            parts = [
+                got[f"{u.initializer}_grad"].T if u.transposed else got[f"{u.initializer}_grad"] for u in uses[name]
+            ]
+            np.testing.assert_allclose(sum(parts), param.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
