@@ -248,7 +248,7 @@ def prepare(config: Config) -> Plan:
         _check_resumable(state, resumed_from)
         changed = _changed_settings(config, state, settings, resumed_from)
         for key, (old, new) in changed.items():
-            note(f"resuming with {key} = {new!r} instead of the checkpoint's {old!r} (checkpoint.allow_config_change)")
+            note(f"resuming with {key} = {_setting(new)} instead of the checkpoint's {_setting(old)} (allowed)")
     try:
         module = Module(program, state, device=config.train.device, dropout=config.train.dropout)
     except DeviceError as exc:
@@ -434,13 +434,17 @@ def _changed_settings(config: Config, state: CheckpointState, settings: dict, pa
     if changed and not config.checkpoint.allow_config_change:
         key, (old, new) = next(iter(changed.items()))
         more = f" (and {len(changed) - 1} more: {', '.join(list(changed)[1:])})" if len(changed) > 1 else ""
-        shown_new = "unset" if new is None else repr(new)
         raise ConfigError(
-            f"{config.where}: {key} is {shown_new} but {shown(path)} was written with {key} = {old!r}{more}; "
+            f"{config.where}: {key} is {_setting(new)} but {shown(path)} was written with {key} = {_setting(old)}{more}; "
             "resuming with it changed alters the data order or the learning-rate schedule. Put it back, or "
             "pass --allow-config-change (checkpoint.allow_config_change = true) to go on with the new value"
         )
     return changed
+
+
+def _setting(value) -> str:
+    """A setting's value in a message; a key one side does not have is 'unset'."""
+    return "unset" if value is None else repr(value)
 
 
 def _check_resumable(state: CheckpointState, path: Path) -> None:
