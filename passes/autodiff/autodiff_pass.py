@@ -188,10 +188,7 @@ def _feeding(loss: gs.Tensor) -> set[int]:
             if id(node) in visited_nodes:
                 continue
             visited_nodes.add(id(node))
-            reads = list(node.inputs)
-            for subgraph in node.subgraphs(recursive=True):
-                reads += [t for inner in subgraph.nodes for t in inner.inputs]
-            for t in reads:
+            for t in node_inputs(node):
                 if id(t) not in seen:
                     seen.add(id(t))
                     stack.append(t)
