@@ -44,6 +44,7 @@ def cond_program(tmp_path_factory):
     return net, result.model
 
 
+@pytest.mark.slow  # a dynamo export
 @pytest.mark.parametrize("then", [True, False], ids=["then", "else"])
 def test_torch_cond_gradients_match_torch(cond_program, then):
     net, program = cond_program

@@ -16,6 +16,8 @@ import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.slow  # dynamo exports take seconds each
 pytest.importorskip("transformers")
 
 import torch_models  # noqa: E402

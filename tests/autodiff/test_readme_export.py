@@ -9,8 +9,11 @@ import warnings
 from pathlib import Path
 
 import onnx
+import pytest
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+
+pytestmark = pytest.mark.slow  # two exports, one by dynamo
 
 
 def test_readme_export_block_runs(tmp_path, monkeypatch):
