@@ -48,6 +48,17 @@ CONV = [
     Case("Conv", [r(1, 2, 7, 5), r(2, 2, 2, 2)], {"strides": [3, 2], "auto_pad": "VALID"}, id="Conv-valid-leftover"),
     # before opset 13 the table's loss cannot be differentiated over symbolic dims: static only
     Case("Conv", [r(1, 2, 5, 4), r(2, 2, 2, 3), r(2)], {"strides": [2, 1]}, opset=9, symbolic=False, id="Conv-opset9"),
+    # 8+ input channels: the weight gradient as one GEMM per kernel offset; fewer channels with
+    # a kernel over 3x3: the swapped Conv (rows above with 2 channels: one stacked GEMM)
+    Case("Conv", [r(2, 8, 5, 4), r(3, 8, 3, 2), r(3)], {"strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 0, 2]},
+         id="Conv-wide-2d"),
+    Case("Conv", [r(2, 8, 5, 5), r(4, 8, 1, 1)], {"strides": [2, 2]}, id="Conv-wide-1x1-strided"),
+    Case("Conv", [r(1, 8, 5, 6), r(2, 8, 3, 2), r(2)], {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
+         id="Conv-wide-same-upper"),
+    Case("Conv", [r(1, 8, 3, 4, 3), r(2, 8, 2, 2, 2)], {"pads": [0, 1, 0, 1, 0, 1]}, id="Conv-wide-3d"),
+    Case("Conv", [r(1, 2, 6, 6), r(2, 2, 5, 4), r(2)], {"pads": [2, 1, 2, 2]}, id="Conv-narrow-5x4"),
+    Case("ConvTranspose", [r(1, 3, 3, 3), r(3, 8, 3, 3), r(8)],
+         {"strides": [2, 2], "pads": [1, 0, 0, 1], "output_padding": [1, 1]}, id="ConvTranspose-wide-2d"),
     Case("ConvTranspose", [r(1, 2, 3, 3), r(2, 3, 3, 3), r(3)],
          {"strides": [2, 2], "pads": [1, 0, 0, 1], "output_padding": [1, 1]}, id="ConvTranspose-2d"),
     Case("ConvTranspose", [r(1, 4, 3, 3), r(4, 1, 2, 2)], {"group": 2, "dilations": [2, 1], "strides": [1, 2]},

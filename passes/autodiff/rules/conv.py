@@ -10,6 +10,7 @@ they are computed from Shape ops so symbolic dims stay symbolic.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,9 +114,15 @@ def _slice_spatial(ctx, g: _Geometry, t, like):
     return b.op("Slice", t, b.ints([0] * g.n), b.shape(like, 2), b.ints(axes))
 
 
-def _weight_grad(ctx, g: _Geometry, inp, gout, pads: list[int]):
-    """result[m, c, k] = sum over n, o of gout[n, m, o] * inp_padded[n, c, o*stride + k*dilation],
-    per group: one Conv of inp (batch and channel swapped) with gout as its weights."""
+def _weight_grad(ctx, g: _Geometry, inp, gout, pads: list[int], gout_like):
+    """result[m, c, k] = sum over n, o of gout[n, m, o] * inp_padded[n, c, o*stride + k*dilation].
+
+    As GEMMs over strided slices of inp where that applies (``_weight_grad_by_offsets``), else
+    per group one Conv of inp (batch and channel swapped) with gout as its weights.
+    ``gout_like`` is a forward tensor of gout's shape (a gradient's shape is not inferred)."""
+    by_offsets = _weight_grad_by_offsets(ctx, g, inp, gout, pads, gout_like)
+    if by_offsets is not None:
+        return by_offsets
     b, spatial = ctx.b, _spatial_axes(g)
     if g.group == 1:
         data = b.transpose(inp, [1, 0, *spatial])
@@ -127,6 +134,55 @@ def _weight_grad(ctx, g: _Geometry, inp, gout, pads: list[int]):
     out = b.op("Conv", data, weights, strides=g.dilations, dilations=g.strides, group=g.group, pads=pads)
     # the correlation can reach past the kernel (cells no output used): keep the kernel's extent
     return b.transpose(_slice_spatial(ctx, g, out, ctx.x(1)), [1, 0, *spatial])
+
+
+#: below this many input channels one GEMM over all offsets at once beats a GEMM per offset
+#: (a C-wide GEMM output is too narrow to run at speed); measured on 2-core x86 with MLAS
+_NARROW_CHANNELS = 8
+#: the swapped Conv stays faster for kernels bigger than 3x3 over few channels (measured likewise)
+_NARROW_MAX_OFFSETS = 9
+
+
+def _weight_grad_by_offsets(ctx, g: _Geometry, inp, gout, pads: list[int], gout_like):
+    """The weight gradient as GEMMs: for each kernel offset k, the strided slice of the padded
+    inp that offset reads is [C, N*P] (batch moved next to the output positions), and
+    dW[:, :, k] = gout as [M, N*P] times its transpose. The swapped-axes Conv computes the same
+    sum with the batch as its channels and gout as a kernel the size of the image, which
+    onnxruntime runs as narrow GEMMs several times slower than the forward Conv. Needs one
+    group, a static kernel and C, and opset 11+ (Slice steps, Pad amounts as inputs); None
+    where those fail or where the swapped Conv is known to be faster."""
+    b, spatial, w = ctx.b, _spatial_axes(g), ctx.x(1)
+    channels = w.shape[1] if w.shape is not None and len(w.shape) == g.n + 2 else None
+    if g.group != 1 or g.kernel is None or ctx.opset < 11 or not isinstance(channels, int | np.integer):
+        return None
+    offsets = list(itertools.product(*(range(k) for k in g.kernel)))
+    narrow = channels < _NARROW_CHANNELS
+    if narrow and len(offsets) > _NARROW_MAX_OFFSETS:
+        return None
+    data = b.transpose(inp, [1, 0, *spatial])  # [C, N, *S]: each slice flattens to [C, N*P]
+    if any(pads):
+        data = b.op("Pad", data, b.ints([0, 0, *pads[: g.n], 0, 0, *pads[g.n :]]))
+    grad = b.reshape(b.transpose(gout, [1, 0, *spatial]), [0, -1])  # [M, N*P]
+    out = _spatial(gout_like)
+    if out is None:  # each slice spans (O - 1) * stride + 1 cells from its offset
+        span = b.add(b.mul(b.sub(b.shape(gout_like, 2), b.ints([1])), b.ints(g.strides)), b.ints([1]))
+    columns = []
+    for offset in offsets:
+        start = [k * d for k, d in zip(offset, g.dilations, strict=True)]
+        if out is not None:
+            end = b.ints([a + (o - 1) * s + 1 for a, o, s in zip(start, out, g.strides, strict=True)])
+        else:
+            end = b.add(b.ints(start), span)
+        piece = b.op("Slice", data, b.ints(start), end, b.ints(spatial), b.ints(g.strides))
+        columns.append(b.reshape(piece, [0, -1]))
+    if narrow:  # one GEMM against all offsets' columns stacked: [C * K, N*P]
+        stacked = b.reshape(
+            b.op("Concat", *(b.unsqueeze(c, [1]) for c in columns), axis=1), [channels * len(offsets), -1]
+        )
+        flat = b.op("Gemm", grad, stacked, transB=1)
+    else:
+        flat = b.op("Concat", *(b.unsqueeze(b.op("Gemm", grad, c, transB=1), [2]) for c in columns), axis=2)
+    return b.reshape(flat, [0, int(channels), *g.kernel])
 
 
 def _bias_grad(ctx, g: _Geometry, dy):
@@ -164,11 +220,11 @@ def conv(ctx, dys):
     pads = _conv_pads(ctx, g)
     if pads is not None:
         dx = _conv_input_grad(ctx, g, dy, pads)
-        dw = _weight_grad(ctx, g, x, dy, pads)
+        dw = _weight_grad(ctx, g, x, dy, pads, ctx.y())
     else:  # auto_pad SAME over run-time dims: pads computed, X padded explicitly for dW
         begin, end = _same_pads(ctx, g)
         dx = _fit_to_input(ctx, ctx.b.op("ConvTranspose", dy, ctx.x(1), **g.attrs()), begin)
-        dw = _weight_grad(ctx, g, _pad(ctx, x, begin, end), dy, [0] * 2 * g.n)
+        dw = _weight_grad(ctx, g, _pad(ctx, x, begin, end), dy, [0] * 2 * g.n, ctx.y())
     return [dx, dw, _bias_grad(ctx, g, dy)]
 
 
@@ -217,4 +273,4 @@ def conv_transpose(ctx, dys):
     dx = b.op("Conv", dy, ctx.x(1), pads=conv_pads, **g.attrs())
     if any((v + max(0, -v)) >= s for v, s in zip(over, g.strides, strict=True)):
         dx = _slice_spatial(ctx, g, dx, x)  # dY reaches past X's last window
-    return [dx, _weight_grad(ctx, g, dy, x, conv_pads), _bias_grad(ctx, g, dy)]
+    return [dx, _weight_grad(ctx, g, dy, x, conv_pads, x), _bias_grad(ctx, g, dy)]

@@ -9,10 +9,10 @@ from graphforge.passes.autodiff.registry import RULES
 gradient, unary, nondifferentiable = RULES.gradient, RULES.unary, RULES.nondifferentiable
 
 
-def _where_positive(ctx, dy, otherwise):
-    """dy where the input is > 0, ``otherwise`` elsewhere (ReLU-family masks)."""
-    b, x = ctx.b, ctx.x(0)
-    return b.op("Where", b.op("Greater", x, ctx.scalar(0.0, x)), dy, otherwise)
+def _where_positive(ctx, dy, otherwise, tested=None):
+    """dy where the input (or ``tested``) is > 0, ``otherwise`` elsewhere (ReLU-family masks)."""
+    t = ctx.x(0) if tested is None else tested
+    return ctx.b.op("Where", ctx.b.op("Greater", t, ctx.scalar(0.0, t)), dy, otherwise)
 
 
 def at_least(ctx, a, b):
@@ -38,7 +38,9 @@ def _one_minus_sq(ctx, t):
 unary("Identity", lambda ctx, dy: dy)
 unary("Neg", lambda ctx, dy: ctx.b.neg(dy))
 unary("Abs", lambda ctx, dy: ctx.b.mul(dy, ctx.b.op("Sign", ctx.x(0))))
-unary("Relu", lambda ctx, dy: _where_positive(ctx, dy, ctx.scalar(0.0, dy)))
+# Relu's mask from its output (y > 0 exactly where x > 0): then the input is not kept for the
+# backward, and onnxruntime can fuse the producer with the Relu (Conv+Relu, Gemm+Relu)
+unary("Relu", lambda ctx, dy: _where_positive(ctx, dy, ctx.scalar(0.0, dy), ctx.y()))
 unary("LeakyRelu", lambda ctx, dy: _where_positive(ctx, dy, ctx.b.mul(dy, ctx.scalar(ctx.attr("alpha", 0.01), dy))))
 unary(
     "Elu",
