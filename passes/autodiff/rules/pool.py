@@ -89,7 +89,7 @@ def global_average_pool(ctx, dys):
 def global_max_pool(ctx, dys):
     # shared evenly by the elements equal to the maximum, as ReduceMax's rule does
     b, x = ctx.b, ctx.x(0)
-    hit = b.cast_like(b.op("Equal", x, ctx.y()), x)
+    hit = b.cast_like(ctx.equal(x, ctx.y()), x)
     count = b.reduce_sum(hit, _spatial_axes(ctx), keepdims=True)
     return [b.mul(hit, b.div(dys[0], count))]
 
