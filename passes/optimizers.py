@@ -16,6 +16,7 @@ torch's after hundreds of steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -55,6 +56,10 @@ class _Optimizer(Pass):
     weight_decay: float = 0.0
     clip_grad_norm: float | None = None
     accumulate: bool = False
+    #: how a training-mode BatchNormalization's running variance takes the batch's variance:
+    #: "unbiased" (divided by N - 1, as torch's BatchNorm) or "population" (divided by N, as
+    #: the ONNX spec and onnxruntime's kernel)
+    batchnorm_variance: Literal["unbiased", "population"] = "unbiased"
 
     state_names = ()  # per-parameter state tensors, named "<param>.<state>"
 
@@ -157,24 +162,40 @@ class _Optimizer(Pass):
         model.metadata[roles.DEFAULT_LR] = repr(float(self.lr))
         return PassResult(model, True)
 
-    @staticmethod
-    def _buffers(graph: gs.Graph, model: Model, b: Builder, add_output) -> list[dict]:
+    def _buffers(self, graph: gs.Graph, model: Model, b: Builder, add_output) -> list[dict]:
         """Non-trainable state the forward pass updates: BatchNormalization's running mean
         and variance in training mode. The initializers become inputs; the node's running
-        statistics outputs become their ``_next`` outputs."""
+        statistics outputs become their ``_next`` outputs (the variance made unbiased first
+        unless ``batchnorm_variance="population"``)."""
         specs = []
-        for node in graph.nodes:
+        for node in list(graph.nodes):
             if node.op != "BatchNormalization" or len(node.outputs) < 3 or node.outputs[1].is_empty():
                 continue
-            for stat, running in zip(node.inputs[3:5], node.outputs[1:3], strict=True):
+            for i, (stat, running) in enumerate(zip(node.inputs[3:5], node.outputs[1:3], strict=True)):
                 if not isinstance(stat, gs.Constant) or any(spec["input"] == stat.name for spec in specs):
                     continue
+                if i == 1 and self.batchnorm_variance == "unbiased":
+                    with b.scope(stat.name):
+                        running = _unbiased_running_var(b, node, stat, running)
                 add_output(running, stat.name + NEXT, stat)
                 if stat.name not in model.initializer_inputs:
                     model.initializer_inputs.append(stat.name)
                 specs.append({"input": stat.name, "output": stat.name + NEXT, "init": "initializer", "role": "buffer",
                               "dtype": np.dtype(stat.dtype).name, "shape": list(stat.shape), "like": None})  # fmt: skip
         return specs
+
+
+def _unbiased_running_var(b: Builder, node: gs.Node, previous: gs.Tensor, running: gs.Tensor) -> gs.Tensor:
+    """torch's running variance from the ONNX one. ONNX: running = m * previous + (1 - m) * var
+    with var divided by N (the elements per channel); torch divides by N - 1, which adds
+    (1 - m) * var / (N - 1) = (running - m * previous) / (N - 1). N = 1 adds nothing (var is 0)."""
+    x, momentum = node.inputs[0], float(node.attrs.get("momentum", 0.9))
+    dtype = previous.dtype
+    per_channel = b.div(b.op("Size", x), b.op("Gather", b.op("Shape", x), b.constant(np.array(1, np.int64))))
+    one = b.constant(np.array(1, dtype))
+    n_minus_1 = b.op("Max", b.sub(b.cast(per_channel, dtype), one), one)
+    batch_share = b.sub(running, b.mul(previous, b.constant(np.array(momentum, dtype))))
+    return b.add(running, b.div(batch_share, n_minus_1))
 
 
 def _decayed(s: _Step, grad: gs.Tensor, weight_decay: float) -> gs.Tensor:

@@ -200,13 +200,15 @@ def test_accumulated_gradients_of_equal_micro_batches_equal_one_big_batch(mlp_by
 
 
 @pytest.mark.filterwarnings("ignore:autodiff. the loss does not depend")
-def test_batchnorm_running_statistics_follow_torch():
-    """A CNN exported in training mode: parameters and running mean equal torch's after 20
-    steps. ONNX's BatchNormalization updates the running variance with the population
-    variance (its spec); torch uses the sample variance (N-1), so the running variance is
-    checked against torch's running mean formula applied to the population variance."""
+@pytest.mark.parametrize("variance", ["unbiased", "population"])
+def test_batchnorm_running_statistics_follow_torch(variance):
+    """A CNN exported in training mode: parameters and running statistics equal torch's after
+    20 steps. By default the running variance takes the batch's unbiased variance (N - 1), as
+    torch does; batchnorm_variance="population" keeps the ONNX spec's (N), checked against
+    torch's update formula applied to the population variance."""
     onnx_bytes = tm.cnn_onnx()
-    module = Module(tm.compile_program(onnx_bytes, "sgd(lr=0.1, momentum=0.9)"), device="cpu")
+    pipeline = f'sgd(lr=0.1, momentum=0.9, batchnorm_variance="{variance}")'
+    module = Module(tm.compile_program(onnx_bytes, pipeline), device="cpu")
     optimizer = Optimizer(module)
     reference = tm.cnn()
     tm.buffers_from_onnx(reference, onnx_bytes)
@@ -228,5 +230,7 @@ def test_batchnorm_running_statistics_follow_torch():
     buffers = module.buffers
     assert sorted(buffers) == ["1.running_mean", "1.running_var"]
     np.testing.assert_allclose(buffers["1.running_mean"], bn.running_mean.numpy(), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(buffers["1.running_var"], running_var.numpy(), rtol=1e-5, atol=1e-7)
+    expected = bn.running_var if variance == "unbiased" else running_var
+    np.testing.assert_allclose(buffers["1.running_var"], expected.numpy(), rtol=1e-5, atol=1e-7)
+    assert not np.allclose(bn.running_var.numpy(), running_var.numpy(), rtol=1e-3)  # the two really differ
     assert not math.isclose(float(buffers["1.running_mean"][1]), 0.1)  # they really moved
