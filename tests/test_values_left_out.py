@@ -261,7 +261,9 @@ def test_round_trip_keeps_outer_initializers_read_by_subgraphs_in_the_main_graph
     if values:
         onnx.checker.check_model(proto, full_check=True)
         for name in ("W", "w", "s"):
-            np.testing.assert_array_equal(numpy_helper.to_array(main[name]), numpy_helper.to_array(_initializers(source.graph)[name]))
+            np.testing.assert_array_equal(
+                numpy_helper.to_array(main[name]), numpy_helper.to_array(_initializers(source.graph)[name])
+            )
         x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
         for c in (True, False):
             feeds = {"x": x, "c": np.array(c)}
@@ -272,7 +274,9 @@ def test_round_trip_keeps_outer_initializers_read_by_subgraphs_in_the_main_graph
         verify_model(proto, values_from=Model.from_proto(source))
 
 
-@pytest.mark.parametrize("pipeline", ["dce", "identity_elimination", "loss(kind=mse, output=y), autodiff(trainable=[W, w])"])
+@pytest.mark.parametrize(
+    "pipeline", ["dce", "identity_elimination", "loss(kind=mse, output=y), autodiff(trainable=[W, w])"]
+)
 def test_a_pass_over_a_model_whose_branches_read_initializers(pipeline):
     result = graphforge.compile(if_model(), pipeline)
     onnx.checker.check_model(result.model, full_check=True)
