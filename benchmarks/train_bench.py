@@ -97,6 +97,8 @@ QUIET_WAIT_S = 1.0
 STALL_RETRY = 0.1
 #: the timed rounds of a model are run up to this many times while they are disturbed so
 PASSES = 2
+#: graphforge's steps profiled (after the timed ones) for the "where the time goes" table
+PROFILE_STEPS = 3
 SETUP_TIMEOUT_S = 900
 STEP_TIMEOUT_S = 300
 
@@ -367,7 +369,12 @@ def _graphforge_stepper(job: dict):
 
     threads = job["threads"]
     module = Module(job["program"], device="cpu", intra_op_threads=threads, inter_op_threads=1)
-    return lambda x, y: module.train_step(x, y)
+
+    def step(x, y):
+        return module.train_step(x, y)
+
+    step.module = module  # profiled after the timing (see _profile)
+    return step
 
 
 def _torch_stepper(job: dict):
@@ -528,8 +535,24 @@ def worker_main(job: dict) -> int:
             times.append(time.perf_counter() - start)
             done += 1
         _reply({"times": times})
-    _reply({"peak_mib": _peak_mib() - baseline, "baseline_mib": baseline})
+    peak = _peak_mib() - baseline
+    profile = _profile(step, batches, done) if hasattr(step, "module") else None
+    _reply({"peak_mib": peak, "baseline_mib": baseline, "profile": profile})
     return 0
+
+
+def _profile(step, batches, done: int) -> dict:
+    """Where graphforge's step time goes: onnxruntime's profile of PROFILE_STEPS more steps
+    (after the timing, so it costs the timing nothing), kernel time by part and op type."""
+    from graphforge.train.profiling import summarize_traces
+
+    module = step.module
+    with tempfile.TemporaryDirectory(prefix="train-bench-profile-") as tmp:
+        module.start_profiling(Path(tmp) / "step")
+        for i in range(PROFILE_STEPS + 1):  # the profiled session's first run is left out
+            step(*batches[(done + i) % len(batches)])
+        summary = summarize_traces([path for path, _ in module.end_profiling()])
+    return {"runs": summary.runs, "by_part": dict(summary.by_part), "by_op": dict(summary.by_op)}
 
 
 class Worker:
@@ -600,6 +623,7 @@ class Side:
     times: list[float] = field(default_factory=list)
     peak_mib: float = math.nan
     stall: list[float] = field(default_factory=list)  # CPU pressure share during each timed block
+    profile: dict | None = None  # graphforge: kernel time by part and op type (see _profile)
 
     @property
     def median(self) -> float:
@@ -706,8 +730,9 @@ def measure(
         _measure_calmly(spec, workers, results, quiet_wait_s)
         for name, worker in workers.items():
             worker.send({"done": True})
-            answer = worker.receive(STEP_TIMEOUT_S)
+            answer = worker.receive(STEP_TIMEOUT_S * (PROFILE_STEPS + 2))
             results[name].peak_mib = answer.get("peak_mib", math.nan)
+            results[name].profile = answer.get("profile")
     finally:
         for worker in workers.values():
             worker.close()
@@ -976,6 +1001,7 @@ def report(
         else:
             verdict = "met" if eager / gf >= TARGET else "not met"
         verdicts.append(f"{r.spec.label} {_ratio(eager, gf)} ({verdict})")
+    lines += _where_time_goes(results)
     lines += [
         "",
         f"Target (the issue's): graphforge at least {TARGET}× faster than torch eager at the same thread count: "
@@ -995,6 +1021,37 @@ def report(
         "`.bench-venv-ort-training/`."
     )
     return "\n".join(lines) + "\n"
+
+
+def _where_time_goes(results: list[Result], top: int = 6) -> list[str]:
+    """The table of graphforge's kernel time by program part and its largest op types."""
+    rows = []
+    for r in results:
+        profile = r.sides["graphforge"].profile if "graphforge" in r.sides else None
+        if not profile:
+            continue
+        total = sum(profile["by_part"].values()) or 1.0
+        parts = [profile["by_part"].get(p, 0.0) / total for p in ("forward", "loss", "backward", "optimizer")]
+        ops = sorted(profile["by_op"].items(), key=lambda kv: -kv[1])[:top]
+        rows.append(
+            f"| {r.spec.label} | "
+            + " | ".join(f"{share:.0%}" for share in parts)
+            + " | "
+            + ", ".join(f"{op} {value / total:.0%}" for op, value in ops)
+            + " |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        f"Where graphforge's step time goes: onnxruntime's profile of {PROFILE_STEPS} more steps after the timing,",
+        "kernel time by part of the program (node names: `loss::`, `grad::`, `optim::`, the rest",
+        "forward) and the largest op types (onnxruntime's fused kernels under their own names):",
+        "",
+        "| model | forward | loss | backward | optimizer | largest op types |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+        *rows,
+    ]
 
 
 def _cpu_name() -> str:

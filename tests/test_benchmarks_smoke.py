@@ -37,3 +37,9 @@ def test_train_benchmark_reports_every_column(tmp_path):
     assert "eager / graphforge" in report and "MiB: graphforge" in report
     assert "MLP 8-4-3: torch's first 5 losses" in report and "graphforge " in report
     assert "did not run" not in report
+    lines = report.splitlines()
+    table = lines.index("| model | forward | loss | backward | optimizer | largest op types |")
+    where = lines[table + 2]
+    assert where.startswith("| MLP 8-4-3 | ")
+    shares = [int(cell.strip().rstrip("%")) for cell in where.split("|")[2:6]]  # forward, loss, backward, optimizer
+    assert all(share > 0 for share in shares) and 97 <= sum(shares) <= 103  # rounded shares of one total

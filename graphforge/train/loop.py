@@ -490,6 +490,7 @@ class Run:
         self.saved_step: int | None = None
         self.last_eval: dict[str, float] = {}
         self.last_loss: float | None = None
+        self.profile_summary = None  # where the profiled steps' kernel time went
         self._stop_requested = False
 
     # ------------------------------------------------------------------ the run
@@ -529,6 +530,7 @@ class Run:
         finally:
             log.close()
             profile_path = profiler.finish() if profiler is not None else None
+            self.profile_summary = profiler.summary if profiler is not None else None
         if self.saved_step != state.step:
             if plan.resumed_from is not None and self.saved_step is None and state.step == start_step:
                 self.last_saved = plan.resumed_from  # no step ran: the checkpoint resumed from is the latest
@@ -762,6 +764,8 @@ class Run:
         self._say(f"[bold]saved[/]    {escape(str(self.last_saved))}")
         if profile is not None:
             self._say(f"[bold]profile[/]  {escape(str(profile))}")
+            if self.profile_summary is not None and self.profile_summary.total:
+                self._say(f"          kernel time: {escape(self.profile_summary.line())}")
 
 
 def _describe_schedule(schedule: LRSchedule) -> str:

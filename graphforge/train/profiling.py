@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphforge.runtime import Module
@@ -32,6 +34,7 @@ class StepProfiler:
         self.first = first
         self.last = first + count - 1
         self.path: Path | None = None
+        self.summary: TraceSummary | None = None
         self._module: Module | None = None
 
     def wants(self, step: int) -> bool:
@@ -46,14 +49,72 @@ class StepProfiler:
             self._module = module
 
     def finish(self) -> Path | None:
-        """Stop profiling and write the merged trace (if any step was profiled); returns its path."""
+        """Stop profiling and write the merged trace (if any step was profiled); returns its path.
+        ``summary`` then holds where the kernel time went."""
         if self._module is None:
             return self.path
         traces = self._module.end_profiling()
         self._module = None
+        self.summary = summarize_traces([path for path, _ in traces])
         self.path = self.folder / f"steps-{self.first}-{self.last}.json"
         merge_traces(traces, self.path)
         return self.path
+
+
+#: what each part of a program is called, by the prefix graphforge's passes give node names
+PARTS = {"loss::": "loss", "grad::": "backward", "optim::": "optimizer"}
+
+
+@dataclass
+class TraceSummary:
+    """Kernel time (microseconds, summed over threads' critical path as onnxruntime reports
+    it per node) by program part (forward, loss, backward, optimizer) and by op type."""
+
+    runs: int = 0
+    by_part: Counter = field(default_factory=Counter)
+    by_op: Counter = field(default_factory=Counter)
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_part.values())
+
+    def shares(self, counter: Counter, top: int | None = None) -> list[tuple[str, float]]:
+        """(name, share of the total kernel time), largest first."""
+        total = self.total or 1.0
+        return [(name, value / total) for name, value in counter.most_common(top)]
+
+    def line(self, top: int = 5) -> str:
+        """One line: the parts' shares, then the ``top`` op types'."""
+        parts = ", ".join(f"{name} {share:.0%}" for name, share in self.shares(self.by_part))
+        ops = ", ".join(f"{name} {share:.0%}" for name, share in self.shares(self.by_op, top))
+        return f"{parts}; top ops: {ops}"
+
+
+def part_of(node_name: str) -> str:
+    """The program part a node belongs to, from its name (onnxruntime's fusions keep the
+    name of the node they started from, after a ``fused `` prefix)."""
+    name = node_name.removeprefix("fused ")
+    return next((part for prefix, part in PARTS.items() if name.startswith(prefix)), "forward")
+
+
+def summarize_traces(files: list[Path], *, skip_first_run: bool = True) -> TraceSummary:
+    """Where the kernel time of the profiled runs went. ``skip_first_run``: leave out each
+    session's first run, which also pays for its memory arena's first allocations (kept when
+    a session ran only once)."""
+    summary = TraceSummary()
+    for file in files:
+        events = json.loads(Path(file).read_text())
+        runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+        skip_until = runs[0][1] if skip_first_run and len(runs) > 1 else float("-inf")
+        summary.runs += len(runs) - (1 if skip_until > float("-inf") else 0)
+        for event in events:
+            name = event.get("name", "")
+            if event.get("cat") != "Node" or not name.endswith("_kernel_time") or event["ts"] < skip_until:
+                continue
+            node = name.removesuffix("_kernel_time")
+            summary.by_part[part_of(node)] += event["dur"]
+            summary.by_op[event.get("args", {}).get("op_name", "?")] += event["dur"]
+    return summary
 
 
 def merge_traces(traces: list[tuple[Path, int]], path: Path) -> None:

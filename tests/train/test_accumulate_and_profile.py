@@ -84,3 +84,22 @@ def test_profile_with_accumulation_traces_the_runs_that_train(tmp_path):
         assert start + duration <= next_start + 1  # one after another on the merged clock
     for name, value in _parameters(a).items():
         assert np.array_equal(value, _parameters(b)[name]), name
+
+
+def test_profile_summary_splits_kernel_time_by_part_and_op(tmp_path):
+    """The summary of a profiled run: every graphforge part shows, and the parts and the op
+    types account for the same kernel time, the first run of each session left out."""
+    from graphforge.train.profiling import part_of, summarize_traces
+
+    folder = th.workspace(tmp_path)
+    config = {**th.base_config(train={"steps": 5}, data={"eval": None}), "profile": {"start": 2, "steps": 3}}
+    result = graphforge.train.run(th.write_config(folder, config, "profiled.toml"), out=folder / "out", quiet=True)
+    summary = summarize_traces([result.profile])
+    assert set(summary.by_part) == {"forward", "loss", "backward", "optimizer"}
+    assert summary.runs == 2  # three runs in the merged trace, the first one left out
+    assert sum(summary.by_op.values()) == summary.total > 0
+    everything = summarize_traces([result.profile], skip_first_run=False)
+    assert everything.runs == 3 and everything.total > summary.total
+    assert part_of("fused grad::/fc/Gemm") == "backward" and part_of("fused /fc/Gemm") == "forward"
+    assert part_of("optim::w/Mul_3") == "optimizer" and part_of("loss::cross_entropy/LogSoftmax") == "loss"
+    assert summary.line(top=2).startswith(tuple(f"{p} " for p in summary.by_part))
