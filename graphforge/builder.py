@@ -135,6 +135,12 @@ class Builder:
     def reshape(self, x, shape):
         return self.op("Reshape", x, shape if isinstance(shape, gs.Tensor) else self.ints(shape))
 
+    def slice(self, x, axis: int, start: int, end: int = 2**62):
+        """``x[start:end]`` along ``axis`` (static bounds; attributes before opset 10, inputs after)."""
+        if self.opset < 10:
+            return self.op("Slice", x, starts=[start], ends=[end], axes=[axis])
+        return self.op("Slice", x, self.ints([start]), self.ints([end]), self.ints([axis]))
+
     def transpose(self, x, perm: Sequence[int]):
         return self.op("Transpose", x, perm=list(perm))
 
@@ -227,6 +233,7 @@ _SAME_AS_FIRST = frozenset(
         "Gemm",
         "GlobalAveragePool",
         "GlobalMaxPool",
+        "HardSigmoid",
         "Identity",
         "InstanceNormalization",
         "LayerNormalization",
@@ -267,6 +274,7 @@ _SAME_AS_FIRST = frozenset(
         "Slice",
         "Softmax",
         "Softplus",
+        "Softsign",
         "SpaceToDepth",
         "Split",
         "Sqrt",
