@@ -196,8 +196,6 @@ def _total(builder: Builder, contributions: list[gs.Tensor] | None) -> gs.Tensor
 #: ONNX ops without a rule, by the rules family (rules/<family>.py) where their kin live,
 #: with what to do about them where there is something better to say than "no rule"
 _UNSUPPORTED = {
-    "LSTM": ("recurrent", "recurrent ops have no gradient rule yet (their backward is a reverse scan over "
-             "time steps); export the cell unrolled (e.g. a Python loop over nn.LSTMCell/GRUCell)"),
     "Loop": ("control_flow", "gradients through Loop and Scan bodies are not supported yet (If is); "
              "export with the loop unrolled (static trip count) or keep parameters out of its body"),
     "DeformConv": ("conv", None), "ConvInteger": ("conv", None), "QLinearConv": ("conv", None),
@@ -205,7 +203,6 @@ _UNSUPPORTED = {
     "MatMulInteger": ("linalg", None), "QLinearMatMul": ("linalg", None),
     "DynamicQuantizeLinear": ("quantize", None),
 }  # fmt: skip
-_UNSUPPORTED["GRU"] = _UNSUPPORTED["RNN"] = _UNSUPPORTED["LSTM"]
 _UNSUPPORTED["Scan"] = _UNSUPPORTED["Loop"]
 
 

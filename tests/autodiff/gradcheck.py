@@ -186,6 +186,7 @@ def supports_double(case: Case) -> bool:
             "NOT_IMPLEMENTED",
             "Could not find an implementation",
             "Type 'tensor(double)'",
+            "does not support double",
             "different types",
         )
         if any(m in message for m in unsupported):

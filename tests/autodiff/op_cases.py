@@ -164,3 +164,6 @@ CASES += CNN_CASES
 from op_cases_composite import COMPOSITE_CASES  # noqa: E402
 
 CASES += COMPOSITE_CASES
+from op_cases_recurrent import RECURRENT_CASES  # noqa: E402
+
+CASES += RECURRENT_CASES

@@ -161,25 +161,6 @@ def test_onnx_op_without_a_rule_on_the_path():
         assert f"Path from the loss: loss 'loss' <- ReduceSum 'total' <- Relu 'act' <- {op} 'gelu'" in message
 
 
-def test_recurrent_op_error_says_why():
-    # x: [seq 2, batch 1, input 3] -> LSTM (hidden 2) -> loss
-    model = parse(
-        """
-        g (float[2, 1, 3] x) => (float loss)
-        <float[1, 8, 3] w = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 0.1, 0.2, 0.3, 0.4,
-                            0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2},
-         float[1, 8, 2] r = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8}>
-        {
-            [lstm] y = LSTM <hidden_size = 2> (x, w, r)
-            [total] loss = ReduceSum <keepdims = 0> (y)
-        }"""
-    )
-    message = compile_error(model, "autodiff")
-    assert "cannot differentiate op LSTM (domain ai.onnx, opset 17) in node 'lstm'" in message
-    assert "recurrent ops have no gradient rule yet" in message
-    assert "no recurrent op has a rule" in message
-
-
 def test_loop_error_names_the_node_and_says_if_is_supported():
     # a parameter read inside a Loop body (from the enclosing scope) is on the loss's path
     model = parse(

@@ -15,6 +15,7 @@ from graphforge.passes.autodiff.rules import (  # noqa: F401
     pool,
     pooling_extra,
     quantize,
+    recurrent,
     reduce,
     shape,
     spatial,
