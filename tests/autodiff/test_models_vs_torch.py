@@ -83,6 +83,14 @@ def bert(tmp_path_factory) -> Compiled:
     return _language_model(tmp_path_factory, "bert", torch_models.bert(), torch_models.BERT_CONFIG["vocab_size"])
 
 
+@pytest.fixture(scope="module", params=["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def recurrent(tmp_path_factory, request) -> Compiled:
+    module = torch_models.recurrent(request.param)
+    example = torch.randn(2, 8, torch_models.RECURRENT_SIZES["features"], generator=torch.Generator().manual_seed(0))
+    dynamic = {"x": {0: "batch", 1: "seq"}, "logits": {0: "batch"}}
+    return _compile(tmp_path_factory, request.param, module, example, "x", dynamic)
+
+
 def assert_matches_torch(compiled: Compiled, inputs: np.ndarray, labels: np.ndarray) -> None:
     """Loss and every parameter gradient equal torch autograd's. A torch parameter held by
     several initializers (or read in several places) gets the sum of their gradients."""
@@ -136,6 +144,16 @@ def test_gpt2_gradients_match_torch(gpt2, batch, seq):
 @pytest.mark.parametrize(("batch", "seq"), SIZES)
 def test_bert_gradients_match_torch(bert, batch, seq):
     assert_matches_torch(bert, *_tokens(batch, seq, torch_models.BERT_CONFIG["vocab_size"], seed=batch * 100 + seq))
+
+
+@pytest.mark.parametrize(("batch", "seq"), SIZES)
+def test_recurrent_gradients_match_torch(recurrent, batch, seq):
+    # torch.nn.LSTM/GRU/RNN export to the ONNX LSTM/GRU/RNN ops, differentiated by rules/recurrent.py
+    ops = {n.op_type for n in recurrent.exported.graph.node}
+    assert ops & {"LSTM", "GRU", "RNN"}, ops
+    rng = np.random.default_rng(batch * 100 + seq)
+    x = rng.standard_normal((batch, seq, torch_models.RECURRENT_SIZES["features"])).astype(np.float32)
+    assert_matches_torch(recurrent, x, rng.integers(0, torch_models.RECURRENT_SIZES["classes"], batch))
 
 
 # --------------------------------------------------------------------------- structure

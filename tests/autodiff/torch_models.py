@@ -59,6 +59,42 @@ def mlp(seed: int = 0) -> torch.nn.Module:
     return module.eval()
 
 
+#: the recurrent classifiers: x [batch, seq, FEATURES] -> logits [batch, CLASSES]
+RECURRENT_SIZES = {"features": 4, "hidden": 5, "classes": 3}
+
+
+class RecurrentClassifier(torch.nn.Module):
+    """A batch-first torch.nn.LSTM/GRU/RNN and a Linear head reading both kinds of output: the
+    mean over time of every step's output (Y) and the last layer's final state(s) (Y_h, Y_c)."""
+
+    def __init__(self, rnn: torch.nn.Module):
+        super().__init__()
+        self.rnn = rnn
+        states = 2 if isinstance(rnn, torch.nn.LSTM) else 1
+        width = rnn.hidden_size * ((2 if rnn.bidirectional else 1) + states)
+        self.head = torch.nn.Linear(width, RECURRENT_SIZES["classes"])
+
+    def forward(self, x):
+        out, state = self.rnn(x)
+        finals = state if isinstance(state, tuple) else (state,)
+        return self.head(torch.cat([out.mean(dim=1), *(s[-1] for s in finals)], dim=-1))
+
+
+def recurrent(kind: str, seed: int = 0) -> torch.nn.Module:
+    """lstm: 2 layers, bidirectional; gru: bidirectional; rnn_tanh: 2 layers; rnn_relu: bidirectional."""
+    torch.manual_seed(seed)
+    n_in, hidden = RECURRENT_SIZES["features"], RECURRENT_SIZES["hidden"]
+    make = {
+        "lstm": lambda: torch.nn.LSTM(n_in, hidden, num_layers=2, bidirectional=True, batch_first=True),
+        "gru": lambda: torch.nn.GRU(n_in, hidden, bidirectional=True, batch_first=True),
+        "rnn_tanh": lambda: torch.nn.RNN(n_in, hidden, num_layers=2, batch_first=True),
+        "rnn_relu": lambda: torch.nn.RNN(n_in, hidden, nonlinearity="relu", bidirectional=True, batch_first=True),
+    }
+    module = RecurrentClassifier(make[kind]())
+    jitter_vectors(module, seed)
+    return module.eval()
+
+
 class ClassesFirst(torch.nn.Module):
     """A language model returning logits as [batch, vocab, seq], cross_entropy's [N, C, d] layout.
 

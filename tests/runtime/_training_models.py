@@ -71,6 +71,28 @@ def cnn(seed: int = 0):
     return module
 
 
+SEQ = 5  # the LSTM regressor's sequence length
+
+
+def lstm(seed: int = 0):
+    """x [batch, SEQ, 8] -> LSTM (hidden 6, batch first) -> Linear on the last step -> [batch, 3]."""
+    import torch
+
+    class LstmRegressor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(N_IN, 6, batch_first=True)
+            self.head = torch.nn.Linear(6, N_OUT)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0][:, -1])
+
+    torch.manual_seed(seed)
+    module = LstmRegressor()
+    _jitter(module, seed)
+    return module
+
+
 def export(module, example, *, training: bool = False) -> bytes:
     """TorchScript export with input ``x`` (dynamic batch) and output ``y``.
 
@@ -117,6 +139,12 @@ def cnn_onnx(seed: int = 0) -> bytes:
     import torch
 
     return export(cnn(seed), torch.zeros(2, 2, 5, 5), training=True)
+
+
+def lstm_onnx(seed: int = 0) -> bytes:
+    import torch
+
+    return export(lstm(seed), torch.zeros(2, SEQ, N_IN))
 
 
 def buffers_from_onnx(module, onnx_bytes: bytes) -> None:

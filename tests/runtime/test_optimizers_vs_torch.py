@@ -136,6 +136,23 @@ def test_a_learning_rate_changing_every_step_equals_torch(mlp_bytes, case):
     assert_parameters_match(module, reference)
 
 
+def test_lstm_training_equals_torch():
+    """Adam on an LSTM regressor (the recurrent gradient rules) equals torch.optim step for step."""
+    module = Module(tm.compile_program(tm.lstm_onnx(), "adam(lr=0.01)"), device="cpu")
+    optimizer = Optimizer(module)
+    reference = tm.lstm()
+    torch_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for x, target in tm.batches(8, shape=(tm.SEQ, tm.N_IN), seed=5):
+        loss = module(x, target)
+        optimizer.step()
+        torch_optimizer.zero_grad()
+        torch_loss = F.mse_loss(reference(torch.from_numpy(x)), torch.from_numpy(target))
+        torch_loss.backward()
+        torch_optimizer.step()
+    np.testing.assert_allclose(loss, torch_loss.item(), rtol=1e-5)
+    assert_parameters_match(module, reference, rtol=1e-4, atol=1e-5)
+
+
 def test_clip_grad_norm_equals_torch(mlp_bytes):
     module = Module(tm.compile_program(mlp_bytes, "sgd(lr=0.1, momentum=0.9, clip_grad_norm=0.5)"), device="cpu")
     optimizer = Optimizer(module)
