@@ -196,14 +196,13 @@ def _total(builder: Builder, contributions: list[gs.Tensor] | None) -> gs.Tensor
 #: ONNX ops without a rule, by the rules family (rules/<family>.py) where their kin live,
 #: with what to do about them where there is something better to say than "no rule"
 _UNSUPPORTED = {
-    "Loop": ("control_flow", "gradients through Loop and Scan bodies are not supported yet (If is); "
+    "Loop": ("control_flow", "gradients through Loop bodies are not supported yet (If and Scan are); "
              "export with the loop unrolled (static trip count) or keep parameters out of its body"),
     "DeformConv": ("conv", None), "ConvInteger": ("conv", None), "QLinearConv": ("conv", None),
     "Col2Im": ("conv", None), "MaxRoiPool": ("pool", None), "RoiAlign": ("pool", None),
     "MatMulInteger": ("linalg", None), "QLinearMatMul": ("linalg", None),
     "DynamicQuantizeLinear": ("quantize", None),
 }  # fmt: skip
-_UNSUPPORTED["Scan"] = _UNSUPPORTED["Loop"]
 
 
 #: families whose rules live in more than one module

@@ -311,4 +311,85 @@ OLD_OPSET_CASES = [
     ),
 ]
 
-COMPOSITE_CASES = IF_CASES + FUNCTION_CASES + DECOMPOSED_CASES + QUANTIZE_CASES + DROPOUT_CASES + OLD_OPSET_CASES
+# ----------------------------------------------------------------------------- Scan
+# (last, so that the rows above keep the random values they were tuned with)
+
+
+def _vi(name: str, shape, elem=TensorProto.DOUBLE):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _scan(inputs, body_inputs, nodes, body_outputs, attrs=None, **kwargs) -> Case:
+    """A Scan over ``inputs`` (initial states, then scan inputs; ``num_scan_inputs`` from the
+    body's signature minus its outputs' states) whose body reads outer0 from the enclosing scope."""
+    body = helper.make_graph([helper.make_node(op, ins, outs, **a) for op, ins, outs, a in nodes], "body",
+                             body_inputs, body_outputs)  # fmt: skip
+    states = len(inputs) - kwargs.pop("scanned", 1)
+    attrs = {"body": body, "num_scan_inputs": len(inputs) - states, **(attrs or {})}
+    return Case("Scan", inputs, attrs, outputs=len(body_outputs), **kwargs)
+
+
+SCAN_CASES = [
+    # an RNN written as a Scan: h' = tanh(h·W + x_t), y_t = h'·x_t; W read from the enclosing scope
+    _scan(
+        [r(2, 3), r(4, 2, 3, low=-1, high=1)],
+        [_vi("h", [2, 3]), _vi("x", [2, 3])],
+        [("MatMul", ["h", "outer0"], ["hw"], {}), ("Add", ["hw", "x"], ["pre"], {}), ("Tanh", ["pre"], ["h2"], {}),
+         ("Mul", ["h2", "x"], ["y"], {})],
+        [_vi("h2", [2, 3]), _vi("y", [2, 3])],
+        outer=[r(3, 3, low=-0.8, high=0.8)],
+        id="Scan-rnn",
+    ),
+    # two scan inputs, one read backwards along axis 1, an output stacked backwards on axis 1;
+    # s' = s·a_t + sin(b_t·outer0), y_t = s·a_t
+    _scan(
+        [r(3), r(3, 4, low=-1, high=1), r(4, 3)],
+        [_vi("s", [3]), _vi("a", [3]), _vi("b", [3])],
+        [("Mul", ["s", "a"], ["sa"], {}), ("Mul", ["b", "outer0"], ["bw"], {}), ("Sin", ["bw"], ["sb"], {}),
+         ("Add", ["sa", "sb"], ["s2"], {})],
+        [_vi("s2", [3]), _vi("sa", [3])],
+        {"scan_input_axes": [1, 0], "scan_input_directions": [1, 0], "scan_output_axes": [1],
+         "scan_output_directions": [1]},
+        scanned=2,
+        outer=[r(3)],
+        id="Scan-axes-directions",
+    ),
+    # only the final state reaches the loss, and an integer counter rides along as a state
+    _scan(
+        [r(2), np.array(0, np.int64), r(3, 2)],
+        [_vi("s", [2]), _vi("i", [], TensorProto.INT64), _vi("x", [2])],
+        [("Mul", ["s", "x"], ["sx"], {}), ("Add", ["sx", "outer0"], ["s2"], {}),
+         ("Neg", ["i"], ["i2"], {}),
+         ("Cos", ["x"], ["y"], {})],
+        [_vi("s2", [2]), _vi("i2", [], TensorProto.INT64), _vi("y", [2])],
+        outer=[r(2)],
+        after=(("Identity", ["out0"], {}),),
+        id="Scan-final-state-only",
+    ),
+    # the body reads the initial state in0 from the enclosing scope too: s' = s·x_t + in0
+    _scan(
+        [r(2), r(3, 2, low=-1, high=1)],
+        [_vi("s", [2]), _vi("x", [2])],
+        [("Mul", ["s", "x"], ["sx"], {}), ("Add", ["sx", "in0"], ["s2"], {}), ("Sin", ["s2"], ["y"], {})],
+        [_vi("s2", [2]), _vi("y", [2])],
+        id="Scan-input-read-in-body",
+    ),
+    # only the scan output reaches the loss, stacked on axis -1 (opset 11+); before opset 13 the
+    # body's broadcast Mul cannot be un-broadcast over symbolic dims: static only
+    _scan(
+        [r(2), r(3, 2)],
+        [_vi("s", [2]), _vi("x", [2])],
+        [("Mul", ["s", "outer0"], ["s2"], {}), ("Mul", ["s2", "x"], ["y"], {})],
+        [_vi("s2", [2]), _vi("y", [2])],
+        {"scan_output_axes": [-1]},
+        outer=[r(2)],
+        after=(("Identity", ["out1"], {}),),
+        opset=11,
+        symbolic=False,
+        id="Scan-negative-axis-outputs-only",
+    ),
+]  # fmt: skip
+
+COMPOSITE_CASES = (
+    IF_CASES + SCAN_CASES + FUNCTION_CASES + DECOMPOSED_CASES + QUANTIZE_CASES + DROPOUT_CASES + OLD_OPSET_CASES
+)

@@ -180,8 +180,8 @@ def test_loop_error_names_the_node_and_says_if_is_supported():
     )
     message = compile_error(model, "autodiff")
     assert "cannot differentiate op Loop (domain ai.onnx, opset 17) in node 'loop'" in message
-    assert "gradients through Loop and Scan bodies are not supported yet (If is)" in message
-    assert "supported control_flow ops: If" in message
+    assert "gradients through Loop bodies are not supported yet (If and Scan are)" in message
+    assert "supported control_flow ops: If, Scan" in message
 
 
 def test_cli_refuses_an_onnx_op_without_a_rule_on_the_path(tmp_path):
