@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from graphforge.analysis import topological_order
 from graphforge.builder import Builder, rank, static_shape
 from graphforge.errors import PassError
 
@@ -29,6 +30,7 @@ class GradContext:
         forward_ids: set[int] | None = None,
         wanted: set[int] | None = None,
         inputs: list[gs.Tensor] | None = None,
+        constants: dict[int, tuple[gs.Tensor, np.ndarray | None]] | None = None,
     ):
         self.node = node
         self.b = builder
@@ -36,13 +38,18 @@ class GradContext:
         self._totals = totals if totals is not None else {}
         self._forward_ids = forward_ids
         self._wanted = wanted
+        # id(tensor) -> (tensor, its const_value), shared by the driver's whole walk: a constant
+        # read by several nodes is evaluated once (the tensor is held: its id is not reused)
+        self._constants = constants if constants is not None else {}
         #: the node's inputs, then the outer tensors its subgraphs read (driver.node_inputs);
         #: a rule returns one gradient per entry
         self.inputs = list(inputs) if inputs is not None else list(node.inputs)
 
     def for_node(self, node: gs.Node) -> GradContext:
         """A context for another forward node (to read its attributes), sharing this builder."""
-        return GradContext(node, self.b, self.opset, totals=self._totals, forward_ids=self._forward_ids)
+        return GradContext(
+            node, self.b, self.opset, totals=self._totals, forward_ids=self._forward_ids, constants=self._constants
+        )
 
     def wants(self, t: gs.Tensor) -> bool:
         """Whether the driver uses a gradient for input ``t`` (it lies on a path from a tensor
@@ -78,9 +85,13 @@ class GradContext:
 
     def const_value(self, i: int) -> np.ndarray | None:
         """The value of input i when it is a constant: an initializer, a Constant node, or a
-        small graph of constants only (``constant_value``)."""
+        small graph of constants only (``constant_value``, evaluated once per tensor)."""
         t = self.x(i)
-        return None if t is None else constant_value(t, self.opset)
+        if t is None:
+            return None
+        if id(t) not in self._constants:
+            self._constants[id(t)] = (t, constant_value(t, self.opset))
+        return self._constants[id(t)][1]
 
     def axes(self, i: int, attr: str = "axes") -> list[int] | None:
         """Axes given as an attribute (old opsets) or as constant input i (new ones), normalised
@@ -121,6 +132,14 @@ class GradContext:
         if self.opset >= 11:
             return self.b.op("Equal", a, b)
         return self.b.op("Not", self.b.op("Or", self.b.op("Less", a, b), self.b.op("Greater", a, b)))
+
+    def at_least(self, a, b) -> gs.Tensor:
+        """a >= b as a bool tensor (GreaterOrEqual is opset 12)."""
+        return self.b.op("GreaterOrEqual", a, b) if self.opset >= 12 else self.b.op("Not", self.b.op("Less", a, b))
+
+    def at_most(self, a, b) -> gs.Tensor:
+        """a <= b as a bool tensor (LessOrEqual is opset 12)."""
+        return self.b.op("LessOrEqual", a, b) if self.opset >= 12 else self.b.op("Not", self.b.op("Greater", a, b))
 
     def dy_or_zeros(self, dys, i: int) -> gs.Tensor:
         """Output i's gradient, or zeros of its shape when no gradient reaches that output
@@ -231,13 +250,7 @@ def _evaluate(nodes: list[gs.Node], leaves: dict[str, np.ndarray], t: gs.Tensor,
 
     if t.name in leaves:
         return leaves[t.name]
-    order, done = [], set()
-    while len(order) < len(nodes):  # at most CONSTANT_NODES nodes: a quadratic sort is fine
-        ready = [n for n in nodes if id(n) not in done and all(_ready(i, done, leaves) for i in n.inputs)]
-        if not ready:
-            return None
-        order += ready
-        done.update(id(n) for n in ready)
+    order = [nodes[i] for i in topological_order(gs.Graph(nodes=nodes))]
     graph = helper.make_graph(
         [OnnxExporter.export_node(n) for n in order],
         "constant",
@@ -250,10 +263,6 @@ def _evaluate(nodes: list[gs.Node], leaves: dict[str, np.ndarray], t: gs.Tensor,
         return np.asarray(ReferenceEvaluator(model).run(None, {})[0])
     except Exception:  # an op the evaluator lacks: not a constant we can use
         return None
-
-
-def _ready(t: gs.Tensor, done: set[int], leaves: dict[str, np.ndarray]) -> bool:
-    return t.name in leaves or t.is_empty() or id(t.inputs[0]) in done
 
 
 def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor, peers=()) -> gs.Tensor:

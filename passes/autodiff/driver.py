@@ -108,6 +108,7 @@ def _build(
     wrt_ids = {id(t) for t in wrt}
     totals: dict[int, gs.Tensor] = {}  # tensor id -> its total gradient, once its producer was visited
     forward_ids = {id(n) for n in order}
+    constants: dict = {}  # GradContext.const_value's, for the whole walk
 
     for node in reversed(order):
         if id(node) not in relevant:
@@ -128,7 +129,14 @@ def _build(
         xs = inputs[id(node)]
         with builder.scope(node.name or node.op):
             ctx = GradContext(
-                node, builder, opset, totals=totals, forward_ids=forward_ids, wanted=relevant_tensors, inputs=xs
+                node,
+                builder,
+                opset,
+                totals=totals,
+                forward_ids=forward_ids,
+                wanted=relevant_tensors,
+                inputs=xs,
+                constants=constants,
             )
             dxs = list(rule.fn(ctx, dys))
             # rules may list every optional input; trailing ones the node omits must get None

@@ -75,7 +75,6 @@ def decomposed(forward: Callable[[GradContext, Builder], Sequence[gs.Tensor]]):
     def rule(ctx: GradContext, dys):
         expansion = gs.Graph(opset=ctx.opset)
         b = Builder(expansion, prefix=ctx.b.fresh_name("decomposed") + "/")
-        b.opset = ctx.opset
         expansion.outputs = list(forward(ctx, b))
         return differentiate_expansion(ctx, expansion, dys)
 

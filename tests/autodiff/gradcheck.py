@@ -21,6 +21,18 @@ import graphforge
 DOUBLE, FLOAT = np.float64, np.float32
 
 
+def away_from_zero(rng: np.random.Generator, *shape, low=-2.0, high=2.0) -> np.ndarray:
+    """Uniform values away from zero (|v| >= 0.1), so kinks at 0 are not straddled. Each table
+    module binds its own seeded generator (``r = partial(away_from_zero, rng)``): adding rows to
+    one module leaves the values of the others as they were tuned."""
+    v = rng.uniform(low, high, size=shape)
+    return np.where(np.abs(v) < 0.1, np.sign(v + 1e-12) * 0.1 + v, v)
+
+
+def ints(*values) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
 @dataclass
 class Case:
     """One row of the table.

@@ -6,24 +6,17 @@ Log at 0, Acosh below 1) so central differences are a fair oracle.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
-from gradcheck import Case
+from gradcheck import Case, away_from_zero, ints
 
 rng = np.random.default_rng(0)
-
-
-def r(*shape, low=-2.0, high=2.0):
-    """Uniform values away from zero (|v| >= 0.1), so kinks at 0 are not straddled."""
-    v = rng.uniform(low, high, size=shape)
-    return np.where(np.abs(v) < 0.1, np.sign(v + 1e-12) * 0.1 + v, v)
+r = partial(away_from_zero, rng)
 
 
 def pos(*shape, low=0.5, high=2.0):
     return rng.uniform(low, high, size=shape)
-
-
-def ints(*values):
-    return np.array(values, dtype=np.int64)
 
 
 UNARY = [

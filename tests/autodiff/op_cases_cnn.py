@@ -10,7 +10,7 @@ the oracle runs the model twice per element.
 from __future__ import annotations
 
 import numpy as np
-from gradcheck import Case
+from gradcheck import Case, ints
 
 rng = np.random.default_rng(7)
 
@@ -26,10 +26,6 @@ def pos(*shape, low=0.5, high=2.0):
 def distinct(*shape):
     """Values 0.1 apart in random order: a maximum stays unique when the oracle nudges by eps."""
     return (rng.permutation(int(np.prod(shape))) * 0.1 - 1.0).reshape(shape)
-
-
-def ints(*values):
-    return np.array(values, dtype=np.int64)
 
 
 CONV = [

@@ -5,22 +5,15 @@ training mode (checked against its own mask), zeros in ReduceProd and rules at o
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
-from gradcheck import Case
+from gradcheck import Case, away_from_zero, ints
 from onnx import TensorProto, helper
 
 rng = np.random.default_rng(11)
-
-
-def r(*shape, low=-2.0, high=2.0):
-    """Uniform values away from zero (|v| >= 0.1)."""
-    v = rng.uniform(low, high, size=shape)
-    return np.where(np.abs(v) < 0.1, np.sign(v + 1e-12) * 0.1 + v, v)
-
-
-def ints(*values):
-    return np.array(values, dtype=np.int64)
+r = partial(away_from_zero, rng)
 
 
 # ----------------------------------------------------------------------------- If
@@ -84,6 +77,7 @@ FUNCTION_CASES = [
 
 # ----------------------------------------------------------------------------- decomposed and new rules
 
+_CUMPROD_ZEROS = np.array([[1.5, 0.0, 2.0, -1.0, 3.0], [0.5, 0.0, 0.0, 2.0, 1.5]])
 DECOMPOSED_CASES = [
     Case("GridSample", [r(1, 2, 3, 4), r(1, 2, 3, 2, low=-1.2, high=1.2)], opset=16),
     Case(
@@ -106,17 +100,10 @@ DECOMPOSED_CASES = [
     ),
     Case("CumProd", [r(2, 5), ints(1)], const=(1,), grad=[0], opset=26),
     # zeros: none, one, and two in a row, with exclusive and reverse running products
+    Case("CumProd", [_CUMPROD_ZEROS, ints(1)], const=(1,), grad=[0], opset=26, id="CumProd-zeros"),
     Case(
         "CumProd",
-        [np.array([[1.5, 0.0, 2.0, -1.0, 3.0], [0.5, 0.0, 0.0, 2.0, 1.5]]), ints(1)],
-        const=(1,),
-        grad=[0],
-        opset=26,
-        id="CumProd-zeros",
-    ),
-    Case(
-        "CumProd",
-        [np.array([[1.5, 0.0, 2.0, -1.0, 3.0], [0.5, 0.0, 0.0, 2.0, 1.5]]), ints(1)],
+        [_CUMPROD_ZEROS, ints(1)],
         {"exclusive": 1, "reverse": 1},
         const=(1,),
         grad=[0],

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
-from gradcheck import Case
+from gradcheck import Case, away_from_zero, ints
 
 rng = np.random.default_rng(7)
-
-
-def r(*shape, low=-2.0, high=2.0):
-    """Uniform values away from zero (|v| >= 0.1)."""
-    v = rng.uniform(low, high, size=shape)
-    return np.where(np.abs(v) < 0.1, np.sign(v + 1e-12) * 0.1 + v, v)
-
-
-def ints(*values):
-    return np.array(values, dtype=np.int64)
+r = partial(away_from_zero, rng)
 
 
 def einsum(equation: str, *inputs, **kwargs) -> Case:

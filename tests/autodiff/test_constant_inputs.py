@@ -63,3 +63,14 @@ def test_a_large_weight_is_not_read():
     out = gs.Variable("out")
     gs.Node("Identity", inputs=[big], outputs=[out])
     assert constant_value(out, 18) is None
+
+
+def test_a_computed_constant_read_by_several_nodes_is_evaluated_once(monkeypatch):
+    # the driver shares GradContext.const_value's results over its walk: both reductions read `axes`
+    from graphforge.passes.autodiff import context
+
+    text = COMPUTED_AXES.replace("r = ReduceSum <keepdims = 0> (e, last_1d)", "r = ReduceMean <keepdims = 1> (e, axes)")
+    evaluated = []
+    monkeypatch.setattr(context, "_evaluate", lambda nodes, leaves, t, opset: evaluated.append(t.name) or np.array([1]))
+    graphforge.compile(_sorted(text), "autodiff(trainable=[w])")
+    assert evaluated == ["axes"]

@@ -15,16 +15,6 @@ def _where_positive(ctx, dy, otherwise, tested=None):
     return ctx.b.op("Where", ctx.b.op("Greater", t, ctx.scalar(0.0, t)), dy, otherwise)
 
 
-def at_least(ctx, a, b):
-    """a >= b as a bool tensor, in ops of the model's opset (GreaterOrEqual is opset 12)."""
-    return ctx.b.op("GreaterOrEqual", a, b) if ctx.opset >= 12 else ctx.b.op("Not", ctx.b.op("Less", a, b))
-
-
-def at_most(ctx, a, b):
-    """a <= b as a bool tensor (LessOrEqual is opset 12)."""
-    return ctx.b.op("LessOrEqual", a, b) if ctx.opset >= 12 else ctx.b.op("Not", ctx.b.op("Greater", a, b))
-
-
 def _sqrt_of(ctx, t):
     return ctx.b.op("Sqrt", t)
 
@@ -176,9 +166,9 @@ def clip(ctx, dys):
         low = None if low is None else ctx.scalar(low, x)
         high = None if high is None else ctx.scalar(high, x)
     keep = None
-    for bound, compare in ((low, at_least), (high, at_most)):
+    for bound, compare in ((low, ctx.at_least), (high, ctx.at_most)):
         if bound is not None:
-            inside = compare(ctx, x, bound)
+            inside = compare(x, bound)
             keep = inside if keep is None else b.op("And", keep, inside)
     dx = dy if keep is None else b.op("Where", keep, dy, ctx.scalar(0.0, dy))
     return [dx, *[None] * (len(ctx.node.inputs) - 1)]

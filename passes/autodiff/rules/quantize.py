@@ -13,7 +13,6 @@ get no gradient (as in torch's fake_quantize; learnable-scale LSQ is not this).
 from __future__ import annotations
 
 from graphforge.passes.autodiff.registry import RULES
-from graphforge.passes.autodiff.rules.elementwise import at_least
 from onnx import TensorProto
 
 from graphforge.ir import onnx_dtype
@@ -54,7 +53,7 @@ def quantize_linear(ctx, dys):
     # round(v) in [qmin, qmax] <=> qmin - 1/2 <= v < qmax + 1/2, ties included (rounding half to
     # even; every qmin is even and every qmax odd), and needs no Round (opset 11)
     low, high = ctx.scalar(bounds[0] - 0.5, x), ctx.scalar(bounds[1] + 0.5, x)
-    inside = b.op("And", at_least(ctx, v, low), b.op("Less", v, high))
+    inside = b.op("And", ctx.at_least(v, low), b.op("Less", v, high))
     return [b.op("Where", inside, b.div(b.cast_like(dq, x), scale), ctx.scalar(0.0, x)), None, None]
 
 

@@ -269,7 +269,7 @@ def _alive(b: Builder, steps: Steps | None, dy_last):
 
 def _assemble(b: Builder, name: str, parts: list, layout: int):
     """The input's gradient from the directions' ones: X sums them, the others stack them."""
-    if name == "sequence_lens" or any(p is None for p in parts):
+    if any(p is None for p in parts):
         return None
     if name == "X":
         total = b.sum(parts)
@@ -330,7 +330,6 @@ def _scan(d: Direction, body, states: list, scans: dict, *, backwards: bool, out
     scans = {k: v for k, v in scans.items() if v is not None}
     graph = gs.Graph(opset=b.opset)
     bb = Builder(graph, prefix=b.fresh_name("step") + "/")
-    bb.opset = b.opset
     state_in = [gs.Variable(bb.fresh_name("state"), dtype=t.dtype) for t in states]
     slices = {k: gs.Variable(bb.fresh_name(k), dtype=t.dtype) for k, t in scans.items()}
     new_states, per_step = body(bb, state_in, slices)
@@ -353,6 +352,11 @@ def _scan(d: Direction, body, states: list, scans: dict, *, backwards: bool, out
 def _step_mask(bb: Builder, m, new, old):
     """A step past a sequence's length passes ``old`` through."""
     return new if m is None else bb.op("Where", m, new, old)
+
+
+def _dh(bb: Builder, states: list, s: dict):
+    """In a backward step: the gradient reaching h_t, carried from the step after it plus dY_t."""
+    return bb.add(states[0], s["dy"]) if "dy" in s else states[0]
 
 
 def _start(d: Direction, dy_last):
@@ -407,7 +411,7 @@ def _lstm(d: Direction) -> dict:
         carry = carry if forget else b.add(carry, b.mul(kf, peep[2]))
 
     def step(bb, states, s):
-        dh = bb.add(states[0], s["dy"]) if "dy" in s else states[0]
+        dh = _dh(bb, states, s)
         dc = bb.add(states[1], bb.mul(dh, s["via_h"]))
         dz = _step_mask(bb, s.get("valid"), bb.mul(bb.op("Concat", dc, dh, dc, dc, axis=1), s["coef"]), _k(bb, 0.0, dh))
         dh_prev = _step_mask(bb, s.get("valid"), bb.matmul(dz, d.r), states[0])
@@ -516,7 +520,7 @@ def _gru(d: Direction) -> dict:
 
 def _gru_step_linear(d: Direction):
     def step(bb, states, s):
-        dh = bb.add(states[0], s["dy"]) if "dy" in s else states[0]
+        dh = _dh(bb, states, s)
         dz = bb.mul(bb.op("Concat", dh, dh, dh, axis=1), s["coef"])
         dh_prev = bb.add(bb.mul(dh, s["z"]), bb.matmul(dz, d.r))
         return [_step_mask(bb, s.get("valid"), dh_prev, states[0])], [
@@ -528,7 +532,7 @@ def _gru_step_linear(d: Direction):
 
 def _gru_step(d: Direction, r_zr, r_n):
     def step(bb, states, s):
-        dh = bb.add(states[0], s["dy"]) if "dy" in s else states[0]
+        dh = _dh(bb, states, s)
         u = bb.matmul(bb.mul(dh, s["kn"]), r_n)
         dzr = bb.op("Concat", bb.mul(dh, s["kz"]), bb.mul(u, s["kr"]), axis=1)
         dh_prev = bb.add(bb.add(bb.mul(dh, s["z"]), bb.mul(u, s["r"])), bb.matmul(dzr, r_zr))
@@ -559,7 +563,7 @@ def _rnn(d: Direction) -> dict:
     _, slope = _gate(b, z, d.acts[0], d.clip)
 
     def step(bb, states, s):
-        dh = bb.add(states[0], s["dy"]) if "dy" in s else states[0]
+        dh = _dh(bb, states, s)
         dz = _step_mask(bb, s.get("valid"), bb.mul(dh, s["slope"]), _k(bb, 0.0, dh))
         return [_step_mask(bb, s.get("valid"), bb.matmul(dz, d.r), states[0])], [dz]
 

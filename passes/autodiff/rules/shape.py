@@ -123,7 +123,7 @@ def _pad_back(ctx, dy):
             ctx.fail(f"Slice at opset {ctx.opset} is differentiable on static dims only (any from opset 11+)")
         start, end = (min(max(v + dim if v < 0 else v, 0), dim) for v in (start, end))
         pads[axis], pads[axis + r] = start, dim - max(end, start)
-    return ctx.b.op("Pad", dy, **{"pads" if ctx.opset >= 2 else "paddings": pads})
+    return ctx.b.op("Pad", dy, pads=pads)  # an attribute before opset 11
 
 
 @gradient("Gather")
