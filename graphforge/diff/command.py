@@ -49,13 +49,7 @@ def run_diff(
     if context < 0:
         raise DiffUsageError(f"--context must be 0 or more, got {context}")
     sizes = parse_dims(dims or [])
-    options = {
-        "numeric": numeric or inputs is not None or bool(sizes),
-        "inputs": inputs,
-        "seed": seed,
-        "dims": sizes,
-        "allow_invalid": allow_invalid,
-    }
+    options = {"numeric": numeric, "inputs": inputs, "seed": seed, "dims": sizes, "allow_invalid": allow_invalid}
     if pipeline is not None:
         if b is not None:
             raise DiffUsageError("--pipeline SPEC takes one model: graphforge diff --pipeline SPEC MODEL")

@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+import networkx as nx
 import numpy as np
 import onnx
 
@@ -428,10 +429,10 @@ def node_groups(va: GraphView, vb: GraphView, pairs: Mapping[int, int]) -> list[
         anchors[key] = (anchor_a, anchor_b)
         # an origin node that is gone (fused away) is part of the n:m group itself
         if anchor_a is not None and anchor_a not in pairs:
-            sets.label(("a", anchor_a), key)
+            sets.add(("a", anchor_a), key)
             sets.union(first[key], ("a", anchor_a))
         if anchor_b is not None and anchor_b not in b2a:
-            sets.label(("b", anchor_b), key)
+            sets.add(("b", anchor_b), key)
             sets.union(first[key], ("b", anchor_b))
     for u, v in _region_links(va, vb, pairs, removed, added):
         sets.union(u, v)
@@ -478,45 +479,32 @@ def node_groups(va: GraphView, vb: GraphView, pairs: Mapping[int, int]) -> list[
 
 
 class _LabelledSets:
-    """Union-find whose sets carry at most one label: a union that would put two different
-    labels in one set is refused."""
+    """networkx's union-find whose sets carry at most one label: a union that would put two
+    different labels in one set is refused."""
 
     def __init__(self) -> None:
-        self.parent: dict[tuple, tuple] = {}
+        self.sets = nx.utils.UnionFind()
         self.labels: dict[tuple, object] = {}  # root -> label
 
     def add(self, item: tuple, label: object = None) -> None:
-        if item not in self.parent:
-            self.parent[item] = item
+        """``item`` (in a set of its own if new); its set takes ``label`` unless it has one."""
+        root = self.sets[item]
         if label is not None:
-            self.label(item, label)
-
-    def label(self, item: tuple, label: object) -> None:
-        self.add(item)
-        root = self.find(item)
-        self.labels.setdefault(root, label)
+            self.labels.setdefault(root, label)
 
     def find(self, item: tuple) -> tuple:
-        self.add(item)
-        root = item
-        while self.parent[root] != root:
-            root = self.parent[root]
-        while self.parent[item] != root:  # path compression
-            self.parent[item], item = root, self.parent[item]
-        return root
+        return self.sets[item]
 
-    def union(self, u: tuple, v: tuple) -> bool:
-        ru, rv = self.find(u), self.find(v)
-        if ru == rv:
-            return True
+    def union(self, u: tuple, v: tuple) -> None:
+        ru, rv = self.sets[u], self.sets[v]
         lu, lv = self.labels.get(ru), self.labels.get(rv)
-        if lu is not None and lv is not None and lu != lv:
-            return False
-        self.parent[rv] = ru
-        if lu is None and lv is not None:
-            self.labels[ru] = lv
+        if ru == rv or (lu is not None and lv is not None and lu != lv):
+            return
+        self.sets.union(ru, rv)
+        self.labels.pop(ru, None)
         self.labels.pop(rv, None)
-        return True
+        if lu is not None or lv is not None:
+            self.labels[self.sets[ru]] = lu if lu is not None else lv
 
 
 def _first_by_name(view: GraphView) -> dict[str, int]:

@@ -237,23 +237,21 @@ def tensor_array(side: Side | None, position: int | None, tensor: onnx.TensorPro
     """A tensor's values as a NumPy array. Raw bytes are viewed, not copied: a weight kept in
     the file is read straight off the memory map (read-only), one in ``raw_data`` from the one
     copy protobuf gives of it. Other layouts (typed fields, 4-bit types) go through onnx."""
+    kept = side.payload(position) if side is not None and position is not None else None
     dtype = raw_dtype(tensor.data_type)
     if dtype is not None and not tensor.external_data:
         shape = tuple(tensor.dims)
         count = int(np.prod(shape, dtype=np.int64))
-        kept = side.payload(position) if side is not None and position is not None else None
         raw = kept if kept is not None else (tensor.raw_data if tensor.HasField("raw_data") else None)
         if raw is not None and len(raw) == count * dtype.itemsize:
             return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
         if kept is not None:
             raise ValueError(f"{tensor.name!r}: {len(raw)} bytes of raw_data for {count} {dtype} values")
-    if side is not None and position is not None:
-        kept = side.payload(position)
-        if kept is not None:
-            copy = onnx.TensorProto()
-            copy.CopyFrom(tensor)
-            copy.raw_data = kept.tobytes()
-            return numpy_helper.to_array(copy)
+    if kept is not None:  # a packed type kept in the file: onnx unpacks it
+        copy = onnx.TensorProto()
+        copy.CopyFrom(tensor)
+        copy.raw_data = kept.tobytes()
+        return numpy_helper.to_array(copy)
     return numpy_helper.to_array(tensor)
 
 
