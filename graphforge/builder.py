@@ -124,12 +124,8 @@ class Builder:
             attrs["start"] = start
         if end is not None:
             attrs["end"] = end
-        if attrs and self.opset < 15:
-            full = self.op("Shape", x)
-            bounds = [start or 0], [end if end is not None else 2**62]
-            if self.opset < 10:  # Slice took its bounds as attributes before opset 10
-                return self.op("Slice", full, starts=bounds[0], ends=bounds[1])
-            return self.op("Slice", full, self.ints(bounds[0]), self.ints(bounds[1]))
+        if attrs and self.opset < 15:  # Shape takes start and end from opset 15
+            return self.slice(self.op("Shape", x), 0, start or 0, 2**62 if end is None else end)
         return self.op("Shape", x, **attrs)
 
     def reshape(self, x, shape):

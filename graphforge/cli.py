@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -24,7 +25,7 @@ import graphforge
 from graphforge import roles
 from graphforge.errors import GraphforgeError
 from graphforge.ir import FLOAT_TYPES
-from graphforge.pass_manager import CompileResult, PassManager, op_histogram
+from graphforge.pass_manager import CompileResult, PassManager
 from graphforge.pipeline import default_registry, parse_pipeline
 
 app = typer.Typer(
@@ -187,8 +188,10 @@ def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to descr
             highlight=False,
         )
 
-    # the compile report's count: subgraphs and local functions included
-    histogram = op_histogram(graphforge.Model.from_proto(proto), domains=True)
+    from graphforge.golden.fingerprint import op_histogram
+
+    # the golden summaries' count: subgraphs and local functions included, domain::op outside ai.onnx
+    histogram = Counter(op_histogram(proto))
     ops = Table(title=f"ops ({histogram.total()} nodes)", title_justify="left")
     ops.add_column("op")
     ops.add_column("count", justify="right")

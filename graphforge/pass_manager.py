@@ -25,15 +25,12 @@ from graphforge.verify import verify_model
 MAX_FIXED_POINT_ITERATIONS = 16
 
 
-def op_histogram(model: Model, *, domains: bool = False) -> Counter[str]:
+def op_histogram(model: Model) -> Counter[str]:
     """Node count per op type, subgraphs (If/Loop/Scan bodies) and local functions (and
-    theirs) included; with ``domains``, an op outside ai.onnx is counted as ``domain::op``."""
+    theirs) included."""
     counts: Counter[str] = Counter()
     for g in every_graph(model.graph):
-        counts.update(
-            f"{node.domain}::{node.op}" if domains and node.domain not in (None, "", "ai.onnx") else node.op
-            for node in g.nodes
-        )
+        counts.update(node.op for node in g.nodes)
     return counts
 
 

@@ -42,4 +42,6 @@ def test_train_benchmark_reports_every_column(tmp_path):
     where = lines[table + 2]
     assert where.startswith("| MLP 8-4-3 | ")
     shares = [int(cell.strip().rstrip("%")) for cell in where.split("|")[2:6]]  # forward, loss, backward, optimizer
-    assert all(share > 0 for share in shares) and 97 <= sum(shares) <= 103  # rounded shares of one total
+    assert 97 <= sum(shares) <= 103  # rounded shares of one total
+    forward, _, backward, optimizer = shares  # the loss, a handful of nodes, can round to 0%
+    assert forward > 0 and backward > 0 and optimizer > 0
