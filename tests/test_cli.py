@@ -446,13 +446,19 @@ def test_inspect_counts_ops_in_subgraphs_and_functions_as_compile_does(tmp_path)
                      else_branch = e () => (float[2] o2) { n = Neg(x)  o2 = Relu(n) }>
         }
         <domain: "local", opset_import: ["" : 18]>
-        f (a) => (b) { r = Relu(a)  b = Neg(r) }
+        f (a) => (b) {
+          r = Relu(a)
+          one = Constant <value_int = 1> ()
+          positive = Cast <to = 9> (one)
+          b = If(positive) <then_branch = ft () => (float[2] o3) { o3 = Neg(r) },
+                            else_branch = fe () => (float[2] o4) { o4 = Identity(r) }>
+        }
     """)
     path = graphforge.save(model, tmp_path / "nested.onnx")
     proc = ok(graphforge_cli("inspect", path, cwd=tmp_path))
     rows = table_rows(proc.stdout)
-    assert "ops (7 nodes)" in proc.stdout
-    for row in (["Relu", "3"], ["Neg", "2"], ["If", "1"], ["local::f", "1"]):
+    assert "ops (11 nodes)" in proc.stdout
+    for row in (["Relu", "3"], ["Neg", "2"], ["If", "2"], ["local::f", "1"], ["Identity", "1"]):
         assert row in rows, proc.stdout
 
 

@@ -67,7 +67,12 @@ def graph_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
 
 def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     yield graph
-    for node in graph.node:
+    yield from _subgraphs(graph.node)
+
+
+def _subgraphs(nodes) -> Iterator[onnx.GraphProto]:
+    """Every graph nested in ``nodes``' attributes (If/Loop/Scan bodies), at any depth."""
+    for node in nodes:
         for attr in node.attribute:
             if attr.type == AttributeProto.GRAPH:
                 yield from _all_graphs(attr.g)
@@ -77,10 +82,12 @@ def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
-    """Node count per op type (``domain::op`` outside ai.onnx), subgraphs and local functions included."""
+    """Node count per op type (``domain::op`` outside ai.onnx), subgraphs and local functions
+    (and the subgraphs inside them) included."""
     counts: Counter[str] = Counter()
-    graphs = list(_all_graphs(model.graph))
-    bodies = [*(g.node for g in graphs), *(f.node for f in model.functions)]
+    bodies = [g.node for g in _all_graphs(model.graph)]
+    for function in model.functions:
+        bodies += [function.node, *(g.node for g in _subgraphs(function.node))]
     for nodes in bodies:
         counts.update(n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}" for n in nodes)
     return dict(sorted(counts.items()))
