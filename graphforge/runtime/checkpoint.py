@@ -81,8 +81,8 @@ class TensorSpec:
 
 
 def checksum(array: np.ndarray) -> int:
-    """CRC-32 of an array's bytes in C order (what safetensors writes): about 1 GB/s, no copy
-    for a contiguous array."""
+    """CRC-32 of an array's bytes in C order (what safetensors writes): zlib's, a few GB/s
+    (3.4 on a 2-core EPYC VM), no copy for a contiguous array."""
     return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 

@@ -20,8 +20,8 @@ MurmurHash3's 32-bit finalizer with each xor-shift ``h ^= h >> s`` written as an
 ``h += h >> s`` (the Bitwise ops need opset 18; programs are usually older). The right
 shift is a BitShift where the session runs on the CPU and a Div by 2^s on CUDA, whose
 onnxruntime has no BitShift kernel; both are exact integer arithmetic, like the uint32 Mul,
-Add and Less around them, so the masks are the same bits on every device. Div costs about
-four times a BitShift on the CPU (onnxruntime divides element by element).
+Add and Less around them, so the masks are the same bits on every device. Div is several
+times slower than BitShift on the CPU (onnxruntime divides element by element), hence the two.
 
 The node's outputs keep their names: the mask output (which the Dropout gradient rule reads)
 is the same mask, so the backward pass drops exactly the elements the forward pass dropped.
@@ -33,10 +33,13 @@ subgraphs or before opset 12 (ratio as an attribute).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Collection
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from graphforge.runtime.sessions import _copy_fields
 
 #: the program input the runtime feeds the per-run key to
 KEY_INPUT = "graphforge.dropout_key"
@@ -79,22 +82,27 @@ def fmix_reference(h: np.ndarray) -> np.ndarray:
 SHIFTS = ("bitshift", "div")
 
 
-def seeded_dropout(program: onnx.ModelProto, shift: str = "bitshift") -> tuple[onnx.ModelProto, int]:
+def seeded_dropout(
+    program: onnx.ModelProto, shift: str = "bitshift", *, bound: Collection[str] = ()
+) -> tuple[onnx.ModelProto, int]:
     """A copy of ``program`` whose training-mode Dropout nodes use counter-based masks
     (and the input ``KEY_INPUT``), and how many nodes were rewritten (0: ``program`` itself
-    is returned). ``shift``: one of ``SHIFTS``."""
+    is returned). ``shift``: one of ``SHIFTS``. ``bound``: inputs whose initializers the
+    copy leaves out, as lean_model does (the caller always binds them: a Module's
+    parameters and states, which would otherwise be held twice)."""
     if shift not in SHIFTS:
         raise ValueError(f"shift={shift!r}: use one of {SHIFTS}")
     opset = next((o.version for o in program.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 12:
         return program, 0
     constants = {t.name: t for t in program.graph.initializer}
-    targets = [i for i, node in enumerate(program.graph.node) if _rewritable(node, constants)]
+    targets = {i for i, node in enumerate(program.graph.node) if _rewritable(node, constants)}
     if not targets:
         return program, 0
-    result = onnx.ModelProto()
-    result.CopyFrom(program)
+    result = _copy_fields(program, skip={"graph"})
     graph = result.graph
+    graph.CopyFrom(_copy_fields(program.graph, skip={"initializer"}))
+    graph.initializer.extend(t for t in program.graph.initializer if t.name not in bound)
     emitter = _Emitter(graph, opset, shift)
     key = helper.make_tensor_value_info(KEY_INPUT, TensorProto.UINT32, [2])
     graph.input.append(key)

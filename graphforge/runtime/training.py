@@ -106,18 +106,23 @@ class _Binding:
     binding: ort.IOBinding
     preallocated: dict[str, ort.OrtValue]
     allocated: list[str]
+    #: host outputs that also go on to the next segment: bound once, on the device, and
+    #: copied to the host from there (onnxruntime keeps only the last binding of a name)
+    via_device: list[str]
 
 
 @dataclass
 class _Undo:
-    """What the last run changed: the carried tensors it wrote (their other buffer still
-    holds the value before it), and the step count, reset flag and gradients before it."""
+    """What the last training run changed: the carried tensors it wrote (their other buffer
+    still holds the value before it), and the step count, reset flag, gradients and gradient
+    norm before it."""
 
     written: list[_Carried]
     step: int
     micro_batch: int
     grad_reset_pending: bool
     received: dict[str, ort.OrtValue] | None
+    grad_norm: float | None
 
 
 @dataclass
@@ -178,9 +183,14 @@ class Module:
         state._check_free()  # a state trains in one Module at a time
         state.check(specs)
         self._device_type, self._device_id, self._providers = _resolve_device(device)
-        # what training runs: the program with reproducible dropout masks (eval and export use the program)
+        # what training runs: the program with reproducible dropout masks (eval and export use
+        # the program), without the initial values of the carried tensors, which are always bound
         self._train_program, seeded = (
-            seeded_dropout(self._program, "div" if self._device_type == "cuda" else "bitshift")
+            seeded_dropout(
+                self._program,
+                "div" if self._device_type == "cuda" else "bitshift",
+                bound={spec["input"] for spec in specs},
+            )
             if dropout == "seeded"
             else (self._program, 0)
         )
@@ -259,9 +269,9 @@ class Module:
             self._check_outputs(outputs, runner.outputs, "in eval mode")
             if outputs and any(n not in feeds and n not in runner.defaults for n in self.input_names):
                 runner = self._eval_runner(tuple(outputs))  # no loss: labels (and what else it reads) not needed
-                host, _ = self._run(runner, feeds, outputs, [])
+                host, _ = self._run(runner, feeds, outputs, [], undoable=False)
                 return (None, *(host[n] for n in outputs))
-            host, _ = self._run(runner, feeds, [self.loss_name, *outputs], [])
+            host, _ = self._run(runner, feeds, [self.loss_name, *outputs], [], undoable=False)
             return _result(host, self.loss_name, outputs)
         segments = self._segment_models()
         self._check_outputs(outputs, segments.grad_outputs, "from module(...) (the forward/backward segment)")
@@ -320,11 +330,12 @@ class Module:
         return traces
 
     def undo_last_run(self) -> None:
-        """Put the state back as it was before the last run (``train_step``, ``module(...)`` or
-        ``optimizer.step()``): carried tensors, step count and the reset-grad flag. The
-        ping-pong buffers still hold the values the run read, so nothing is copied; only the
-        last run can be undone. ``graphforge train`` uses it to keep the last finite state
-        when a step's loss is not finite."""
+        """Put the state back as it was before the last training run (``train_step``,
+        ``module(...)`` or ``optimizer.step()``; eval runs change nothing and do not count):
+        carried tensors, step count, micro-batch count, the reset-grad flag and the gradient
+        norm. The ping-pong buffers still hold the values the run read, so nothing is copied;
+        only the last run can be undone. ``graphforge train`` uses it to keep the last finite
+        state when a step's loss is not finite."""
         undo = self._undo
         if undo is None:
             raise GraphforgeError("nothing to undo: no run since the module was made or the last undo")
@@ -334,6 +345,7 @@ class Module:
         self.state.micro_batch = undo.micro_batch
         self.state.grad_reset_pending = undo.grad_reset_pending
         self._received = undo.received
+        self.last_grad_norm = undo.grad_norm
         self._undo = None
 
     def _optimizer_step(self) -> None:
@@ -560,29 +572,27 @@ class Module:
         return scalars
 
     def _run(
-        self, runner: _Runner, feeds: dict[str, Any], fetch_host: list[str], fetch_device: list[str]
+        self,
+        runner: _Runner,
+        feeds: dict[str, Any],
+        fetch_host: list[str],
+        fetch_device: list[str],
+        *,
+        undoable: bool = True,
     ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
         """One run: carried inputs bound to their current buffers, carried outputs to the
-        other ones (which then become current), feeds and scalars bound as given."""
+        other ones (which then become current), feeds and scalars bound as given.
+        ``undoable``: a training run, which undo_last_run() can take back."""
         if runner.carried_in is None:
             runner.carried_in = [self._carried[n] for n in runner.inputs if n in self._carried]
             runner.carried_out = [self._by_output[o] for o in runner.outputs if o in self._by_output]
             runner.free_inputs = [n for n in runner.inputs if n not in self._carried]
         carried_in, carried_out = runner.carried_in, runner.carried_out
-        undo = _Undo(
-            carried_out, self.state.step, self.state.micro_batch, self.state.grad_reset_pending, self._received
-        )
         for c in carried_out:
             if len(c.slots) == 1:
                 c.slots.append(
                     ort.OrtValue.ortvalue_from_shape_and_type(c.shape, c.dtype, self._device_type, self._device_id)
                 )
-        # an output wanted on the host that also goes on to the next segment (a gradient the
-        # caller asked for) is bound once, on the device, and copied to the host from there:
-        # onnxruntime keeps only the last binding of a name
-        both = [n for n in fetch_host if n in fetch_device]
-        if both:
-            fetch_host = [n for n in fetch_host if n not in both]
         key = (
             tuple(c.current for c in carried_in),
             tuple(c.current for c in carried_out),
@@ -591,7 +601,7 @@ class Module:
         )
         bound = runner.bindings.get(key)
         if bound is None:
-            bound = runner.bindings[key] = self._binding(runner, carried_in, carried_out, fetch_host)
+            bound = runner.bindings[key] = self._binding(runner, carried_in, carried_out, fetch_host, fetch_device)
         binding = bound.binding
 
         scalars = self._scalars()
@@ -619,25 +629,41 @@ class Module:
             host.update({n: values[offset + i].numpy() for i, n in enumerate(bound.allocated)})
             offset += len(bound.allocated)
             device = {n: values[offset + i] for i, n in enumerate(fetch_device)}
-            host.update({n: _to_numpy(device[n]) for n in both})
+            host.update({n: _to_numpy(device[n]) for n in bound.via_device})
         for c in carried_out:
             c.current = 1 - c.current
-        self._undo = undo
+        if undoable:  # the counters, flag and gradients are the callers' to change, after this
+            state = self.state
+            self._undo = _Undo(
+                carried_out,
+                state.step,
+                state.micro_batch,
+                state.grad_reset_pending,
+                self._received,
+                self.last_grad_norm,
+            )
         return host, device
 
     def _binding(
-        self, runner: _Runner, carried_in: list[_Carried], carried_out: list[_Carried], fetch_host: list[str]
+        self,
+        runner: _Runner,
+        carried_in: list[_Carried],
+        carried_out: list[_Carried],
+        fetch_host: list[str],
+        fetch_device: list[str],
     ) -> _Binding:
         """An IOBinding with the carried tensors bound to their buffers, and the small host
         outputs of fixed shape (the loss, grad_norm) bound to preallocated ones: none of
-        them is bound again, and only outputs of other shapes are read back per run."""
+        them is bound again, and only outputs of other shapes are read back per run. A host
+        output also in ``fetch_device`` is read from its device value (``via_device``)."""
         binding = runner.session.io_binding()
         for c in carried_in:
             binding.bind_ortvalue_input(c.name, c.slots[c.current])
         for c in carried_out:
             binding.bind_ortvalue_output(c.output, c.slots[1 - c.current])
         preallocated, allocated = {}, []
-        for name in dict.fromkeys(fetch_host):
+        via_device = [n for n in dict.fromkeys(fetch_host) if n in fetch_device]
+        for name in dict.fromkeys(n for n in fetch_host if n not in via_device):
             shape = runner.output_shapes.get(name)
             if shape is not None and math.prod(shape) <= _PREALLOCATED_MAX:
                 value = ort.OrtValue.ortvalue_from_shape_and_type(shape, runner.output_dtypes[name], "cpu", 0)
@@ -645,7 +671,7 @@ class Module:
                 preallocated[name] = value
             else:
                 allocated.append(name)
-        return _Binding(binding, preallocated, allocated)
+        return _Binding(binding, preallocated, allocated, via_device)
 
     def _bind_feed(self, binding: ort.IOBinding, runner: _Runner, name: str, value: Any) -> None:
         if isinstance(value, ort.OrtValue):

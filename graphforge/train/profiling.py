@@ -55,9 +55,8 @@ class StepProfiler:
             return self.path
         traces = self._module.end_profiling()
         self._module = None
-        self.summary = summarize_traces([path for path, _ in traces])
         self.path = self.folder / f"steps-{self.first}-{self.last}.json"
-        merge_traces(traces, self.path)
+        self.summary = summarize_events(merge_traces(traces, self.path))  # each trace read once
         return self.path
 
 
@@ -98,12 +97,16 @@ def part_of(node_name: str) -> str:
 
 
 def summarize_traces(files: list[Path], *, skip_first_run: bool = True) -> TraceSummary:
-    """Where the kernel time of the profiled runs went. ``skip_first_run``: leave out each
-    session's first run, which also pays for its memory arena's first allocations (kept when
-    a session ran only once)."""
+    """Where the kernel time of the profiled runs went, from trace files (one per session)."""
+    return summarize_events([json.loads(Path(file).read_text()) for file in files], skip_first_run=skip_first_run)
+
+
+def summarize_events(sessions: list[list[dict]], *, skip_first_run: bool = True) -> TraceSummary:
+    """Where the kernel time of the profiled runs went, from each session's trace events.
+    ``skip_first_run``: leave out each session's first run, which also pays for its memory
+    arena's first allocations (kept when a session ran only once)."""
     summary = TraceSummary()
-    for file in files:
-        events = json.loads(Path(file).read_text())
+    for events in sessions:
         runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
         skip_until = runs[0][1] if skip_first_run and len(runs) > 1 else float("-inf")
         summary.runs += len(runs) - (1 if skip_until > float("-inf") else 0)
@@ -117,20 +120,22 @@ def summarize_traces(files: list[Path], *, skip_first_run: bool = True) -> Trace
     return summary
 
 
-def merge_traces(traces: list[tuple[Path, int]], path: Path) -> None:
+def merge_traces(traces: list[tuple[Path, int]], path: Path) -> list[list[dict]]:
     """One trace of several sessions' traces, on one clock: each event's ``ts`` (microseconds
     since its session's profiling start) moved to microseconds since the earliest start.
-    The session traces are removed."""
-    events = []
+    The session traces are removed; returns each session's events, moved."""
+    sessions = []
     origin = min((start for _, start in traces), default=0)
     for file, start in traces:
         offset = (start - origin) / 1000
-        for event in json.loads(file.read_text()):
+        events = json.loads(file.read_text())
+        for event in events:
             if offset and isinstance(event.get("ts"), int | float):
                 event["ts"] = event["ts"] + offset
-            events.append(event)
+        sessions.append(events)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(events))
+    tmp.write_text(json.dumps([event for events in sessions for event in events]))
     os.replace(tmp, path)
     for file, _ in traces:
         file.unlink(missing_ok=True)
+    return sessions

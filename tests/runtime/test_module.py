@@ -176,21 +176,54 @@ def test_eval_mode_needs_no_labels_for_outputs_only(program):
         module(x)  # the loss needs them
 
 
+def _assert_same_tensors(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name, value in a.items():
+        assert np.array_equal(value, b[name]), name
+
+
 def test_undo_last_run_restores_the_state_before_it(program):
     module = Module(program, device="cpu")
     Optimizer(module)
     x, target = tm.batches(1)[0]
     module.train_step(x, target)
-    before, step = module.state.tensors, module.state.step
-    module.train_step(x, target)
-    module.undo_last_run()
-    assert module.state.step == step
-    for name, value in module.state.tensors.items():
-        assert np.array_equal(value, before[name]), name
+    before, step, norm = module.state.tensors, module.state.step, module.last_grad_norm
+    module.train_step(*tm.batches(1, seed=1)[0])
+    undone = module.state.tensors
+    module.eval()(x, target)  # an eval run changes nothing and leaves the record alone
+    module.train().undo_last_run()
+    assert module.state.step == step and module.last_grad_norm == norm
+    _assert_same_tensors(module.state.tensors, before)
     with pytest.raises(GraphforgeError, match="nothing to undo"):
         module.undo_last_run()
-    module.train_step(x, target)  # and training goes on from there
+    module.train_step(*tm.batches(1, seed=1)[0])  # and training goes on from there, as before the undo
     assert module.state.step == step + 1
+    _assert_same_tensors(module.state.tensors, undone)
+
+
+def test_undo_of_the_split_path_restores_counters_and_gradients():
+    """An accumulating program: undoing optimizer.step() keeps the accumulated gradients and
+    micro-batch count, so the step runs again to the same result; undoing a module(...) call
+    takes its gradients out of the accumulators."""
+    program = tm.compile_program(tm.mlp_onnx(), "adamw(lr=0.01, accumulate=true)")
+    module = Module(program, device="cpu")
+    optimizer = Optimizer(module)
+    (x, target), (x2, target2) = tm.batches(2)
+    module(x, target)
+    once = module.state.tensors
+    module(x2, target2)
+    assert module.state.micro_batch == 2 and not module.state.grad_reset_pending
+    module.undo_last_run()  # the second micro-batch
+    assert module.state.micro_batch == 1
+    _assert_same_tensors(module.state.tensors, once)
+    module(x2, target2)
+    optimizer.step()
+    stepped, norm = module.state.tensors, module.last_grad_norm
+    module.undo_last_run()  # the update
+    assert (module.state.step, module.state.micro_batch) == (0, 2) and module.last_grad_norm is None
+    optimizer.step()
+    assert module.state.step == 1 and module.last_grad_norm == norm
+    _assert_same_tensors(module.state.tensors, stepped)
 
 
 @pytest.mark.skipif(_provider_works(CUDA), reason="a CUDA device works here")

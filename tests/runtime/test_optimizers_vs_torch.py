@@ -97,6 +97,15 @@ def assert_parameters_match(module: Module, reference, *, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(ours[name], value, rtol=rtol, atol=atol, err_msg=name)
 
 
+def torch_step(reference, torch_optimizer, x, target) -> float:
+    """One torch.optim step of ``reference`` on the MSE loss; returns the loss."""
+    torch_optimizer.zero_grad()
+    loss = F.mse_loss(reference(torch.from_numpy(x)), torch.from_numpy(target))
+    loss.backward()
+    torch_optimizer.step()
+    return loss.item()
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_200_steps_equal_torch(mlp_bytes, case):
     spec, make_torch = CASES[case]
@@ -107,12 +116,9 @@ def test_200_steps_equal_torch(mlp_bytes, case):
     for x, target in tm.batches(STEPS):
         loss = module(x, target)
         optimizer.step()
-        torch_optimizer.zero_grad()
-        torch_loss = F.mse_loss(reference(torch.from_numpy(x)), torch.from_numpy(target))
-        torch_loss.backward()
-        torch_optimizer.step()
+        torch_loss = torch_step(reference, torch_optimizer, x, target)
     assert module.state.step == STEPS
-    np.testing.assert_allclose(loss, torch_loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(loss, torch_loss, rtol=1e-5)
     assert_parameters_match(module, reference)
 
 
@@ -130,9 +136,7 @@ def test_a_learning_rate_changing_every_step_equals_torch(mlp_bytes, case):
         for group in torch_optimizer.param_groups:
             group["lr"] = lr
         module.train_step(x, target)
-        torch_optimizer.zero_grad()
-        F.mse_loss(reference(torch.from_numpy(x)), torch.from_numpy(target)).backward()
-        torch_optimizer.step()
+        torch_step(reference, torch_optimizer, x, target)
     assert_parameters_match(module, reference)
 
 
@@ -145,11 +149,8 @@ def test_lstm_training_equals_torch():
     for x, target in tm.batches(8, shape=(tm.SEQ, tm.N_IN), seed=5):
         loss = module(x, target)
         optimizer.step()
-        torch_optimizer.zero_grad()
-        torch_loss = F.mse_loss(reference(torch.from_numpy(x)), torch.from_numpy(target))
-        torch_loss.backward()
-        torch_optimizer.step()
-    np.testing.assert_allclose(loss, torch_loss.item(), rtol=1e-5)
+        torch_loss = torch_step(reference, torch_optimizer, x, target)
+    np.testing.assert_allclose(loss, torch_loss, rtol=1e-5)
     assert_parameters_match(module, reference, rtol=1e-4, atol=1e-5)
 
 
@@ -238,9 +239,7 @@ def test_batchnorm_running_statistics_follow_torch(variance):
     for x, target in tm.batches(20, batch=4, shape=(2, 5, 5)):
         module(x, target)
         optimizer.step()
-        torch_optimizer.zero_grad()
-        F.mse_loss(reference(torch.from_numpy(x)), torch.from_numpy(target)).backward()
-        torch_optimizer.step()
+        torch_step(reference, torch_optimizer, x, target)
         population_var = seen[-1].var(dim=(0, 2, 3), unbiased=False)
         running_var = (1 - bn.momentum) * running_var + bn.momentum * population_var
     assert_parameters_match(module, reference)

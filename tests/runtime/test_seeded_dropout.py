@@ -182,6 +182,17 @@ def test_onnxruntime_dropout_is_still_available_and_the_rewrite_is_standard_onnx
         Module(program, device="cpu", dropout="philox")
 
 
+def test_the_training_copy_holds_no_second_copy_of_the_carried_tensors():
+    """The Module's rewritten program leaves out the initial values of what it always binds."""
+    program = tm.compile_program(tm.dropout_mlp_onnx(), "adamw(lr=0.01)")
+    module = Module(program, device="cpu")
+    carried = set(module.state.tensors)
+    assert set(module.parameters) <= {t.name for t in program.graph.initializer}
+    kept = {t.name for t in module._train_program.graph.initializer}
+    assert KEY_INPUT in [i.name for i in module._train_program.graph.input] and not carried & kept
+    assert np.isfinite(module.train_step(*tm.batches(1)[0]))
+
+
 def test_the_inference_export_has_no_dropout(tmp_path):
     program = tm.compile_program(tm.dropout_mlp_onnx(), "sgd(lr=0.1)")
     module = Module(program, device="cpu")
