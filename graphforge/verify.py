@@ -19,7 +19,8 @@ from graphforge.graph import (
     stand_ins_long_enough,
 )
 
-_CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
+#: what the ONNX checker and its strict shape inference raise for an invalid model
+CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
 
 
 def verify_model(
@@ -52,7 +53,7 @@ def verify_model(
         if light is None or not _passes(light):
             whole = values_from.to_proto() if whole is None else whole
             _check(whole)
-    except _CHECK_ERRORS as exc:
+    except CHECK_ERRORS as exc:
         raise InvalidModelError(f"{where} is not a valid ONNX model: {one_line(exc)}") from None
     if with_ort:
         from graphforge.runtime.sessions import create_session
@@ -67,17 +68,24 @@ def verify_model(
 
 def _passes(light: onnx.ModelProto) -> bool:
     """Whether the checker accepts ``light``, a model whose large weights are stand-ins."""
-    if exceeds_protobuf_limit(light):
-        return False
-    with tempfile.TemporaryDirectory(prefix="graphforge-verify-") as tmp:
-        path = Path(tmp) / "model.onnx"
-        path.write_bytes(light.SerializeToString())
-        (Path(tmp) / LEFT_OUT).touch()  # the checker wants the stand-ins' data file to exist
-        try:
+    return not exceeds_protobuf_limit(light) and light_problem(light) is None
+
+
+def light_problem(light: onnx.ModelProto) -> str | None:
+    """The checker's (full check) first complaint about ``light``, a model whose large weights
+    may be stand-ins (their lengths checked by the caller), as one line; None when it passes."""
+    try:
+        if not any(is_stand_in(t) for t in light.graph.initializer):
+            onnx.checker.check_model(light, full_check=True)
+            return None
+        with tempfile.TemporaryDirectory(prefix="graphforge-verify-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            path.write_bytes(light.SerializeToString())
+            (Path(tmp) / LEFT_OUT).touch()  # the checker wants the stand-ins' data file to exist
             onnx.checker.check_model(str(path), full_check=True)
-        except _CHECK_ERRORS:
-            return False
-    return True
+    except CHECK_ERRORS as exc:
+        return one_line(exc)
+    return None
 
 
 def _check(proto: onnx.ModelProto) -> None:

@@ -12,7 +12,6 @@ the error message a bad file deserves.
 from __future__ import annotations
 
 import mmap
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,10 +25,10 @@ from graphforge.graph import (
     ModelSource,
     copy_leaving_values_out,
     exceeds_protobuf_limit,
-    is_stand_in,
     load,
     one_line,
 )
+from graphforge.verify import CHECK_ERRORS, light_problem
 
 #: raw_data payloads at least this large stay in the file
 LAZY_PAYLOAD_BYTES = 4096
@@ -289,31 +288,18 @@ def bytes_equal(a: bytes | np.ndarray, b: bytes | np.ndarray, chunk: int = 1 << 
 
 # --------------------------------------------------------------------------- validity
 
-_CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
-
 
 def model_problem(side: Side) -> str | None:
     """What the ONNX checker (full check: topological order, types, strict shape inference)
     first finds wrong with the model, as one line; None when it passes.
 
     The checker reads large weights only to check their length, so it is given the model
-    with those weights as stand-ins (external data at ``LEFT_OUT``, a file that exists and is
-    never read), their lengths checked here: for GPT-2 small it takes 30 ms, not seconds."""
+    with those weights as stand-ins (``verify.light_problem``), their lengths checked here:
+    for GPT-2 small it takes 30 ms, not seconds."""
     light = _light_copy(side)
-    try:
-        if light is None or exceeds_protobuf_limit(light):
-            return _problem_of_file(side) if side.path is not None else None
-        if not any(is_stand_in(t) for t in light.graph.initializer):
-            onnx.checker.check_model(light, full_check=True)
-            return None
-        with tempfile.TemporaryDirectory(prefix="graphforge-diff-check-") as tmp:
-            path = Path(tmp) / "model.onnx"
-            path.write_bytes(light.SerializeToString())
-            (Path(tmp) / LEFT_OUT).touch()
-            onnx.checker.check_model(str(path), full_check=True)
-    except _CHECK_ERRORS as exc:
-        return one_line(exc)
-    return None
+    if light is not None and not exceeds_protobuf_limit(light):
+        return light_problem(light)
+    return _problem_of_file(side) if side.path is not None else None
 
 
 def _light_copy(side: Side) -> onnx.ModelProto | None:
@@ -337,6 +323,6 @@ def _problem_of_file(side: Side) -> str | None:
     assert side.path is not None
     try:
         onnx.checker.check_model(str(side.path), full_check=True)
-    except _CHECK_ERRORS as exc:
+    except CHECK_ERRORS as exc:
         return one_line(exc)
     return None
