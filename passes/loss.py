@@ -12,7 +12,7 @@ from graphforge import roles
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pipeline import Pass, PassResult, check_number
 from graphforge.shapes import infer_shapes
 
 LossKind = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "nll"]
@@ -44,8 +44,7 @@ class Loss(Pass):
     keep_outputs: bool = True
 
     def __post_init__(self):
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        check_number(self, "label_smoothing", at_least=0, at_most=1)
         if self.label_smoothing and self.kind != "cross_entropy":
             raise ValueError("label_smoothing applies to kind=cross_entropy only")
 

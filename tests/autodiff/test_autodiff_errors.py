@@ -395,7 +395,7 @@ def test_loss_pass_refuses_a_second_loss_output():
 @pytest.mark.parametrize("value", ["1.5", "-0.1"])
 def test_label_smoothing_out_of_range(value):
     message = compile_error(parse(OUTPUTS), f"loss(kind=cross_entropy, output=logits, label_smoothing={value})")
-    assert f"label_smoothing must be in [0, 1], got {float(value)}" in message
+    assert "pass 'loss' parameter 'label_smoothing': expected a number in [0, 1], got" in message
 
 
 def test_label_smoothing_needs_cross_entropy():
