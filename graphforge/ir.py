@@ -92,6 +92,28 @@ def torch_input_kinds(proto: onnx.ModelProto) -> dict[str, str]:
     return kinds
 
 
+#: a Constant node's attributes that hold its value, other than ``value`` (a tensor)
+_CONSTANT_LISTS = {"value_int": np.int64, "value_ints": np.int64, "value_float": np.float32, "value_floats": np.float32}
+
+
+def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
+    """The value of an initializer or of an ai.onnx Constant node's output (``value`` or a
+    ``value_int(s)``/``value_float(s)`` attribute); None for anything else, including a
+    Constant in a function body whose value is a reference to the function's attribute."""
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    producer = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+    if producer is None or producer.op != "Constant" or producer.domain not in (None, "", "ai.onnx"):
+        return None
+    value = producer.attrs.get("value")
+    if isinstance(value, gs.Constant):
+        return np.asarray(value.values)
+    for name, dtype in _CONSTANT_LISTS.items():
+        if name in producer.attrs and not isinstance(producer.attrs[name], gs.Node.AttributeRef):
+            return np.asarray(producer.attrs[name], dtype=dtype)
+    return None
+
+
 def fingerprint(graph: gs.Graph) -> tuple:
     """A cheap summary of node order, op types and wiring (tensor names), for passes that
     delegate to a library call and must tell afterwards whether it changed anything.

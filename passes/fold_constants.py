@@ -13,7 +13,15 @@ import onnx_graphsurgeon as gs
 from onnx import helper
 
 from graphforge.graph import Model, is_runtime_compatible, make_runtime_compatible, one_line
-from graphforge.ir import FLOAT_TYPES, NONDETERMINISTIC_OPS, every_graph, fingerprint, is_parameter, onnx_dtype
+from graphforge.ir import (
+    FLOAT_TYPES,
+    NONDETERMINISTIC_OPS,
+    constant_value,
+    every_graph,
+    fingerprint,
+    is_parameter,
+    onnx_dtype,
+)
 from graphforge.pipeline import Pass, PassResult, check_number
 
 
@@ -297,17 +305,8 @@ def _pick_dims(node: gs.Node, dims: np.ndarray) -> np.ndarray | None:
 
 
 def _constant_value(tensor: gs.Tensor) -> np.ndarray | None:
-    """The value of a non-float constant (initializer or Constant node output), else None."""
-    if isinstance(tensor, gs.Constant):
-        return None if is_parameter(tensor) else np.asarray(tensor.values)
-    if len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
-        attrs = tensor.inputs[0].attrs
-        if isinstance(attrs.get("value"), gs.Constant):
-            return np.asarray(attrs["value"].values)
-        for name in ("value_int", "value_ints"):
-            if name in attrs and not isinstance(attrs[name], gs.Node.AttributeRef):
-                return np.asarray(attrs[name], dtype=np.int64)
-    return None
+    """The value of a constant that is no parameter (initializer or Constant node output), else None."""
+    return None if isinstance(tensor, gs.Constant) and is_parameter(tensor) else constant_value(tensor)
 
 
 def _make_constant(tensor: gs.Tensor, values: np.ndarray) -> None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge.graph import Model
-from graphforge.ir import every_graph, live_nodes, onnx_dtype, remove_nodes_left_dead, replace_uses
+from graphforge.ir import constant_value, every_graph, live_nodes, onnx_dtype, remove_nodes_left_dead, replace_uses
 from graphforge.pipeline import Pass, PassResult
 
 
@@ -89,14 +88,7 @@ def is_noop(node: gs.Node, graph_outputs: set[int]) -> bool:
 
 def _constant_value(tensor: gs.Tensor) -> bool | None:
     """The value of a constant scalar boolean (an initializer or a Constant node's output)."""
-    if isinstance(tensor, gs.Constant):
-        values = tensor.values
-    elif len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
-        values = tensor.inputs[0].attrs.get("value")
-        values = values.values if isinstance(values, gs.Constant) else None
-    else:
-        return None
-    values = np.asarray(values) if values is not None else None
+    values = constant_value(tensor)
     return bool(values.item()) if values is not None and values.size == 1 else None
 
 

@@ -9,6 +9,7 @@ import onnx_graphsurgeon as gs
 from graphforge.analysis import topological_order
 from graphforge.builder import Builder, rank, static_shape
 from graphforge.errors import PassError
+from graphforge.ir import constant_value as ir_constant_value
 
 
 class GradContext:
@@ -174,16 +175,9 @@ def constant_value(t: gs.Tensor, opset: int) -> np.ndarray | None:
     most CONSTANT_NODES deterministic ai.onnx nodes over small tensors (exporters compute axes
     and shapes that way: Reshape(Constant, Constant)); evaluated with onnx's reference
     evaluator. None when it is not such a constant."""
-    if isinstance(t, gs.Constant):
-        return np.asarray(t.values)
-    producer = t.inputs[0] if t.inputs else None
-    if producer is not None and producer.op == "Constant" and not producer.domain:
-        value = producer.attrs.get("value")
-        if isinstance(value, gs.Constant):
-            return np.asarray(value.values)
-        for key in ("value_int", "value_ints", "value_float", "value_floats"):
-            if key in producer.attrs:
-                return np.asarray(producer.attrs[key])
+    value = ir_constant_value(t)
+    if value is not None:
+        return value
     nodes, leaves = _constant_subgraph(t)
     if nodes is None:
         return None
