@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 from collections.abc import Iterator
 
 import numpy as np
@@ -90,6 +91,17 @@ def torch_input_kinds(proto: onnx.ModelProto) -> dict[str, str]:
             if prop.key == _TORCH_KIND_PROP:
                 kinds[value.name] = prop.value
     return kinds
+
+
+def recorded_torch_kinds(metadata: dict[str, str]) -> dict[str, str]:
+    """The kinds ``Model.from_proto`` recorded as model metadata (TORCH_KINDS, JSON of
+    ``torch_input_kinds``); empty when none were recorded or the entry is not such a mapping."""
+    text = metadata.get(TORCH_KINDS)
+    try:
+        kinds = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+    return kinds if isinstance(kinds, dict) else {}
 
 
 #: a Constant node's attributes that hold its value, other than ``value`` (a tensor)

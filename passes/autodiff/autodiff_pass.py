@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 import warnings
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients, node
 from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import TORCH_KINDS, gc_paused, is_parameter
+from graphforge.ir import gc_paused, is_parameter, recorded_torch_kinds
 from graphforge.pipeline import Pass, PassResult
 from graphforge.shapes import infer_shapes
 
@@ -63,7 +62,7 @@ class Autodiff(Pass):
         model = infer_shapes(model)
         graph = model.graph
         loss = self._loss_tensor(graph)
-        params = self._parameters(graph, _torch_kinds(model))
+        params = self._parameters(graph, recorded_torch_kinds(model.metadata))
         extra_inputs = self._inputs(graph)
         wrt = params + extra_inputs
         if not wrt:
@@ -155,15 +154,6 @@ class Autodiff(Pass):
 
 #: how torch.onnx's dynamo exporter (onnxscript) names the values it creates: lifted and folded constants
 _EXPORTER_CONSTANT = re.compile(r"_?val_\d+")
-
-
-def _torch_kinds(model: Model) -> dict[str, str]:
-    text = model.metadata.get(TORCH_KINDS)
-    try:
-        kinds = json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        return {}
-    return kinds if isinstance(kinds, dict) else {}
 
 
 def _torch_parameter(name: str, kinds: dict[str, str]) -> bool:
