@@ -7,8 +7,10 @@ import importlib.util
 import json
 import sys
 
+import numpy as np
 import onnx
 from conftest import GOLDEN
+from onnx import numpy_helper
 
 from graphforge import golden
 from graphforge.golden.layout import read_expectation
@@ -88,3 +90,16 @@ def test_builder_lists_every_shipped_model_and_reproduces_demo_mlp():
 def test_expected_failure_table_is_shipped_and_valid():
     data = json.loads((GOLDEN / "expected_failures.json").read_text())
     assert isinstance(data["expected_failures"], list)
+
+
+def test_builder_check_allows_rounding_in_expected_outputs_only(tmp_path):
+    builder = _builder()
+    values = np.array([1.0, -2.5, 3.25], np.float32)
+    shipped = numpy_helper.from_array(values, "logits").SerializeToString()
+    nudged = numpy_helper.from_array(np.nextafter(values, np.float32(np.inf)), "logits").SerializeToString()
+    moved = numpy_helper.from_array(values + np.float32(1e-3), "logits").SerializeToString()
+    for name in ("output_0.pb", "input_0.pb"):
+        (tmp_path / name).write_bytes(shipped)
+    assert builder._same_file(tmp_path / "output_0.pb", nudged)  # an ulp: another CPU's BLAS
+    assert not builder._same_file(tmp_path / "output_0.pb", moved)
+    assert not builder._same_file(tmp_path / "input_0.pb", nudged)  # inputs are exact
