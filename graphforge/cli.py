@@ -6,7 +6,6 @@ traceback and no output file (outputs are written atomically, after the work suc
 
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
 from collections import Counter
@@ -25,8 +24,8 @@ import graphforge
 from graphforge import roles
 from graphforge.errors import GraphforgeError
 from graphforge.ir import FLOAT_TYPES
-from graphforge.pass_manager import CompileResult, PassManager
-from graphforge.pipeline import default_registry, parse_pipeline
+from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
+from graphforge.program import ProgramRoles
 
 app = typer.Typer(
     name="graphforge",
@@ -161,9 +160,10 @@ def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to descr
             io.add_row(kind, escape(v.name), *_type_and_shape(v.type))
     out.print(io)
 
-    metadata = {p.key: p.value for p in proto.metadata_props}
+    program_roles = ProgramRoles.of_proto(proto)
+    metadata = program_roles.metadata
     # a compiled program says which initializers are parameters; otherwise every float one is
-    recorded = json.loads(metadata[roles.PARAMETERS]) if roles.PARAMETERS in metadata else None
+    recorded = program_roles.parameters if roles.PARAMETERS in metadata else None
     title = "parameters" if recorded is not None else "parameters (floating-point initializers)"
     params = Table(title=title, title_justify="left")
     for column, justify in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("elements", "right")):

@@ -9,14 +9,14 @@ anything else the later segment needs (a forward activation a backward segment r
 Data parallelism cuts at the gradients (reduce between the segments), pipeline
 parallelism at stage boundaries, the optimizer step at the accumulated gradients: one
 mechanism, tested on its own — running the segments in sequence equals the uncut model.
+They run through the runtime's one executor (``graphforge.runtime.runner.Runner.execute``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
@@ -161,39 +161,3 @@ def _restore_initializer_inputs(segment: onnx.ModelProto, model: Model) -> list[
         tensor = initializers[name]
         segment.graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
     return names
-
-
-# --------------------------------------------------------------------------- execution
-
-#: called between segments with the tensors segment k sends; returns what later segments receive
-Between = Callable[[int, dict[str, np.ndarray]], Mapping[str, np.ndarray] | None]
-
-
-def run_segments(
-    sessions: Sequence,
-    segments: Sequence[Segment],
-    feeds: Mapping[str, np.ndarray],
-    *,
-    between: Between | None = None,
-) -> dict[str, np.ndarray]:
-    """Run segments in order with onnxruntime sessions (one per segment).
-
-    ``between(k, sent)`` may replace what segment k sends (an AllReduce of gradients, a
-    send to the next pipeline stage); returning None keeps the values. Returns every
-    program output.
-    """
-    available = dict(feeds)
-    results: dict[str, np.ndarray] = {}
-    for session, segment in zip(sessions, segments, strict=True):
-        names = [o.name for o in session.get_outputs()]
-        # an overridable initializer (a parameter) not in the feeds keeps its default
-        feeds_k = {n: available[n] for n in segment.inputs if n in available}
-        values = dict(zip(names, session.run(names, feeds_k), strict=True))
-        sent = {n: values[n] for n in segment.sends}
-        if between is not None and sent:
-            replaced = between(segment.index, sent)
-            if replaced is not None:
-                sent = {name: np.asarray(value) for name, value in replaced.items()}
-        available.update(sent)
-        results.update({n: values[n] for n in segment.outputs})
-    return results

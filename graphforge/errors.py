@@ -58,3 +58,19 @@ class DeviceError(GraphforgeError):
 
 class ConfigError(GraphforgeError):
     """A training config is unreadable, names an unknown key, a value of the wrong type, or a missing file."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message as one line: onnx and onnxruntime messages span several, and
+    the checker's ``==> Context: ...`` lines name the node, so they are kept, in parentheses."""
+    main, context = [], []
+    for line in str(exc).splitlines():
+        line = " ".join(line.split())
+        if line.startswith("==>"):
+            context.append(line.lstrip("=> ").removeprefix("Context: "))
+        elif line:
+            main.append(line)
+    text = " ".join(main)
+    if context:
+        text += f" ({'; '.join(context)})"
+    return text.strip() or type(exc).__name__

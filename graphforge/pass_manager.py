@@ -15,10 +15,13 @@ from pathlib import Path
 
 import onnx
 
-from graphforge.errors import GraphforgeError, ModelSaveError, PipelineError
+from graphforge.errors import GraphforgeError, ModelSaveError, PassError, PipelineError
 from graphforge.graph import Model, ModelSource, load, save
 from graphforge.ir import every_graph, gc_paused
-from graphforge.pipeline import Pass, PassRegistry, PassResult, parse_pipeline
+from graphforge.passes import REGISTRY
+from graphforge.pipeline import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
+from graphforge.roles import metadata_of
+from graphforge.runtime.sessions import check_loads
 from graphforge.verify import verify_model
 
 #: a pass that asks for a fixed point is stopped after this many applications
@@ -103,8 +106,17 @@ class PassManager:
 
     def run(self, source: ModelSource | Model) -> CompileResult:
         proto = source.to_proto() if isinstance(source, Model) else load(source)
+        unmet = unmet_requirement(self.passes, facts_of(metadata_of(proto)))
+        if unmet is not None:
+            position, pass_, fact = unmet
+            raise PipelineError(
+                f"pass {position} ({pass_.spec()}) needs {fact.what}, which neither the input model nor an "
+                f"earlier pass provides: {fact.hint}",
+                position=position,
+                pass_name=pass_.name,
+            )
         if self.verify:  # before the dump folder exists: a refused input leaves nothing behind
-            verify_model(proto, with_ort=self.verify_with_ort, where="the input model")
+            self._verify(proto, "the input model")
         if self.dump_dir is not None:
             try:
                 self.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -154,9 +166,13 @@ class PassManager:
         label = f"pass {record.position} ({pass_.spec()})"
         start = time.perf_counter()
         try:
+            _check_conditions(pass_, model)
             result = pass_.run(model)
             if not isinstance(result, PassResult) or not isinstance(result.model, Model):
                 raise TypeError(f"run() must return PassResult(model, changed), got {type(result).__name__}")
+            missing = [fact.what for fact in pass_.ensures if not fact.holds(result.model)]
+            if missing:
+                raise TypeError(f"its result does not record {', '.join(missing)}, which the pass declares it ensures")
         except Exception as exc:
             dumped = self._dump_failure(proto, record, "failed-input")
             detail = str(exc) if isinstance(exc, GraphforgeError) else f"internal error {type(exc).__name__}: {exc}"
@@ -198,12 +214,7 @@ class PassManager:
         if self.verify:
             try:
                 with gc_paused():
-                    verify_model(
-                        new_proto,
-                        with_ort=self.verify_with_ort,
-                        where=f"the output of {label}",
-                        values_from=None if whole else model,
-                    )
+                    self._verify(new_proto, f"the output of {label}", values_from=None if whole else model)
             except GraphforgeError as exc:
                 dumped = self._dump_failure(proto, record, "failed-input")
                 self._dump_failure(new_proto, record, "invalid-output")
@@ -218,6 +229,12 @@ class PassManager:
             record.dumped_to = self._dump(new_proto, record)
         return model, new_proto if whole else None
 
+    def _verify(self, proto: onnx.ModelProto, where: str, *, values_from: Model | None = None) -> None:
+        """The checker, then (``verify_with_ort``, which always has the whole model) onnxruntime."""
+        verify_model(proto, where=where, values_from=values_from)
+        if self.verify_with_ort:
+            check_loads(proto, where=where)
+
     def _dump(self, proto: onnx.ModelProto, record: PassRecord, suffix: str = "") -> str:
         assert self.dump_dir is not None
         path = self.dump_dir / f"{record.index:03d}_{record.name}{suffix}.onnx"
@@ -227,6 +244,26 @@ class PassManager:
     def _dump_failure(self, proto: onnx.ModelProto | None, record: PassRecord, what: str) -> str | None:
         # with a dump folder every model is exported whole, so ``proto`` is there
         return self._dump(proto, record, f".{what}") if self.dump_dir is not None and proto is not None else None
+
+
+def _check_conditions(pass_: Pass, model: Model) -> None:
+    """Refuse a model lacking what ``pass_`` requires, or already having what it refuses."""
+    for fact in pass_.requires:
+        if not fact.holds(model):
+            raise PassError(f"it needs {fact.what}: {fact.hint}")
+    for fact in pass_.refuses:
+        if fact.holds(model):
+            raise PassError(f"the model already has {fact.what}, and {pass_.name} would add another")
+
+
+def default_registry() -> PassRegistry:
+    """The registry of every pass graphforge ships (``graphforge.passes.REGISTRY``)."""
+    return REGISTRY
+
+
+def parse_pipeline(text: str, registry: PassRegistry | None = None) -> list[Pass]:
+    """Parse pipeline text into passes of ``registry`` (default: the shipped ones)."""
+    return (REGISTRY if registry is None else registry).parse(text)
 
 
 def compile(source: ModelSource | Model, pipeline: str | Sequence[Pass], **options) -> CompileResult:

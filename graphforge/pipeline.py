@@ -1,10 +1,14 @@
-"""Passes: the Pass protocol, an explicit registry, the textual pipeline parser, the PassManager.
+"""Passes: the Pass protocol, an explicit registry, and the textual pipeline parser.
+
+The shipped passes' registry lives with them (``graphforge.passes.REGISTRY``), and the
+PassManager that runs a pipeline above both (``graphforge/pass_manager.py``): passes import
+this module, so it names none of them.
 
 A pipeline is written the same way in Python and on the command line::
 
     "dce, cse, fold_constants, autodiff, adamw(lr=3e-4, weight_decay=0.01)"
 
-It is parsed with Python's own expression parser (``ast``): a pass is a bare name or a
+``PassRegistry.parse`` reads it with Python's own expression parser (``ast``): a pass is a bare name or a
 call with keyword arguments; bare words in values are strings, ``true``/``false`` are
 booleans, ``[a, b]`` is a list. Values are converted to the types the pass declares.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import inspect
 import keyword
 import math
@@ -20,12 +25,60 @@ import numbers
 import operator
 import types
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from graphforge import roles
 from graphforge.errors import PipelineSpecError
 from graphforge.graph import Model
+
+
+class Fact(enum.Enum):
+    """What a model already is, as its recorded roles say: what passes require of the model
+    they get, refuse to find in it, and ensure of the model they return. The PassManager
+    checks all three, so a pass states them instead of checking them itself.
+
+    Each value: (what it is, the metadata key that records it, what to do when it is missing)."""
+
+    LOSS = ("a loss", roles.LOSS, "add one with the loss pass, e.g. loss(kind=cross_entropy, output=logits)")
+    GRADIENTS = ("the gradients", roles.GRADIENTS, "put `autodiff` before it in the pipeline")
+    OPTIMIZER = (
+        "an optimizer step",
+        roles.OPTIMIZER,
+        "put an optimizer pass (sgd, adam, adamw, lamb) before it in the pipeline",
+    )
+    GRADIENT_BOUNDARY = (
+        "a gradient boundary",
+        roles.GRADIENT_BOUNDARY,
+        "put an optimizer pass (sgd, adam, adamw, lamb) before it in the pipeline",
+    )
+
+    def __init__(self, what: str, key: str, hint: str):
+        self.what = what
+        self.key = key
+        self.hint = hint
+
+    def holds(self, model: Model) -> bool:
+        return self.key in model.metadata
+
+
+def facts_of(metadata: Mapping[str, str]) -> set[Fact]:
+    """The facts a model's metadata records."""
+    return {fact for fact in Fact if fact.key in metadata}
+
+
+def unmet_requirement(passes: Sequence[Pass], facts: set[Fact]) -> tuple[int, Pass, Fact] | None:
+    """The first (position, pass, fact) where a pass requires a fact that neither the input
+    (``facts``) nor an earlier pass provides, so a pipeline in the wrong order is refused
+    before any pass runs; None when every requirement can be met."""
+    available = set(facts)
+    for position, pass_ in enumerate(passes, start=1):
+        for fact in pass_.requires:
+            if fact not in available:
+                return position, pass_, fact
+        available |= set(pass_.ensures)
+    return None
 
 
 @dataclass(frozen=True)
@@ -45,10 +98,17 @@ class Pass:
     ``graphforge passes``) and implements :meth:`run`. It may mutate ``model`` in place and
     return it; the PassManager keeps the input safe, verifies and times the result. A pass
     that can expose more work for itself sets ``repeat_to_fixed_point``.
+
+    Its conditions are declared, and the PassManager checks them: ``requires`` (facts the
+    model must have: the optimizer needs the gradients), ``refuses`` (facts it must not have
+    yet: a second optimizer), ``ensures`` (facts its result has).
     """
 
     name: ClassVar[str]
     repeat_to_fixed_point: ClassVar[bool] = False
+    requires: ClassVar[tuple[Fact, ...]] = ()
+    refuses: ClassVar[tuple[Fact, ...]] = ()
+    ensures: ClassVar[tuple[Fact, ...]] = ()
 
     def run(self, model: Model) -> PassResult:
         raise NotImplementedError
@@ -234,20 +294,16 @@ class PassRegistry:
     def __contains__(self, name: str) -> bool:
         return name in self._passes
 
-
-def default_registry() -> PassRegistry:
-    """The registry of every pass graphforge ships (``graphforge.passes.REGISTRY``)."""
-    from graphforge.passes import REGISTRY
-
-    return REGISTRY
+    def parse(self, text: str) -> list[Pass]:
+        """Pipeline text as instances of this registry's passes; every mistake names what and
+        where. (``graphforge.parse_pipeline`` is this on the shipped passes' registry.)"""
+        return _parse_pipeline(text, self)
 
 
 # --------------------------------------------------------------------------- parsing
 
 
-def parse_pipeline(text: str, registry: PassRegistry | None = None) -> list[Pass]:
-    """Parse pipeline text into pass instances; every mistake names what and where."""
-    registry = default_registry() if registry is None else registry
+def _parse_pipeline(text: str, registry: PassRegistry) -> list[Pass]:
     if not text.strip():
         raise PipelineSpecError("the pipeline is empty")
     try:

@@ -1,19 +1,28 @@
 """Roles recorded in a model's metadata_props, so one .onnx file is a complete artifact.
 
-Passes write and read roles only through these functions; the keys are part of the file
-format users may inspect (``graphforge inspect``, Netron's properties panel).
+Passes write roles through these keys and helpers; everything else reads them through
+``graphforge.program.ProgramRoles``. The keys are part of the file format users may inspect
+(``graphforge inspect``, Netron's properties panel).
 """
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-from graphforge.graph import Model
+import onnx
+
+if TYPE_CHECKING:
+    from graphforge.graph import Model
 
 LOSS = "graphforge.loss"  # name of the scalar loss output
 LABELS = "graphforge.labels"  # name of the labels input the loss pass added
 PARAMETERS = "graphforge.parameters"  # JSON list of trainable parameter names
 GRADIENTS = "graphforge.gradients"  # JSON object: parameter (or input) name -> gradient output name
+#: JSON object: parameter name -> the tensor holding its gradient as the update reads it, after
+#: accumulation and before anything else (norm, clipping, the update): the point where a pass
+#: that reduces or rescales gradients (allreduce, mixed precision's unscale) inserts itself
+GRADIENT_BOUNDARY = "graphforge.gradient_boundary"
 OPTIMIZER = "graphforge.optimizer"  # JSON: {"kind": ..., "hyperparameters": {...}}
 STATE = "graphforge.state"  # JSON list: every tensor carried from step to step (see passes/optimizers.py)
 LR = "graphforge.lr"  # name of the learning-rate input
@@ -22,9 +31,19 @@ STEP = "graphforge.step"  # name of the step-count input (steps done before this
 RESET_GRAD = "graphforge.lazy_reset_grad"  # name of the accumulate-or-overwrite flag input
 EXPORTED_FROM = "graphforge.exported_from"  # JSON: what an inference model was pruned from (passes/prune.py)
 
-#: name prefixes of what graphforge's passes generate (loss, backward, optimizer nodes and
-#: constants): never a user's parameter, and what prune removes
-GENERATED_PREFIXES = ("loss::", "grad::", "optim::")
+#: suffix of the output that replaces a carried input after a step: ``P`` -> ``P_next``
+NEXT_SUFFIX = "_next"
+#: the optimizer's output of the global gradient norm (before clipping)
+GRAD_NORM = "grad_norm"
+
+#: name prefixes of the nodes (and constants) graphforge's passes generate, one per part of a
+#: training program: never a user's parameter, what prune removes, how profiles split time
+LOSS_PREFIX = "loss::"
+GRAD_PREFIX = "grad::"
+OPTIM_PREFIX = "optim::"
+GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX)
+#: what each generated part computes, as profiles name it (the rest is the forward)
+PROGRAM_PARTS = {LOSS_PREFIX: "loss", GRAD_PREFIX: "backward", OPTIM_PREFIX: "optimizer"}
 
 #: suffix of a gradient output: the gradient of parameter P is the graph output P_grad
 GRAD_SUFFIX = "_grad"
@@ -32,6 +51,26 @@ GRAD_SUFFIX = "_grad"
 
 def grad_name(tensor_name: str) -> str:
     return tensor_name + GRAD_SUFFIX
+
+
+def next_name(tensor_name: str) -> str:
+    return tensor_name + NEXT_SUFFIX
+
+
+def node_origin(name: str) -> tuple[str, str | None] | None:
+    """(pass role, origin node) of a node a graphforge pass generated, from its name
+    ``<role>::<origin>/<op>_<n>``: ``grad::fc1/MatMul/Gemm_3`` gives ("grad", "fc1/MatMul");
+    ``loss::output`` gives ("loss", None); a user's node gives None. Any role is read, so the
+    nodes of later passes (``fuse::``, ``recompute::``) group with their origin too."""
+    role, sep, rest = name.partition("::")
+    if not sep or not role or "/" in role or role == "onnx":
+        return None
+    return role, (rest.rsplit("/", 1)[0] if "/" in rest else None)
+
+
+def metadata_of(proto: onnx.ModelProto) -> dict[str, str]:
+    """A model's metadata_props as a dict (the last entry wins for a repeated key)."""
+    return {p.key: p.value for p in proto.metadata_props}
 
 
 def get_json(model: Model, key: str, default):

@@ -1,4 +1,8 @@
-"""Model verification: the ONNX checker with strict shape inference, optionally onnxruntime's loader."""
+"""Model verification: the ONNX checker with strict shape inference.
+
+Whether onnxruntime also loads a model is the runtime's question
+(``graphforge.runtime.sessions.check_loads``); the PassManager asks both.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,13 @@ from pathlib import Path
 
 import onnx
 
-from graphforge.errors import GraphforgeError, InvalidModelError
+from graphforge.errors import InvalidModelError, one_line
 from graphforge.graph import (
     LEFT_OUT,
     Model,
     copy_leaving_values_out,
     exceeds_protobuf_limit,
     is_stand_in,
-    one_line,
     save,
     stand_ins_long_enough,
 )
@@ -26,7 +29,6 @@ CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceErro
 def verify_model(
     proto: onnx.ModelProto,
     *,
-    with_ort: bool = False,
     where: str = "model",
     values_from: Model | None = None,
 ) -> None:
@@ -55,15 +57,6 @@ def verify_model(
             _check(whole)
     except CHECK_ERRORS as exc:
         raise InvalidModelError(f"{where} is not a valid ONNX model: {one_line(exc)}") from None
-    if with_ort:
-        from graphforge.runtime.sessions import create_session
-
-        try:
-            create_session(values_from.to_proto() if whole is None else whole, where=where)
-        except GraphforgeError:
-            raise
-        except Exception as exc:
-            raise InvalidModelError(f"onnxruntime cannot load {where}: {one_line(exc)}") from None
 
 
 def _passes(light: onnx.ModelProto) -> bool:

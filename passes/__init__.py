@@ -4,11 +4,10 @@ The registry is an explicit list: what is registered does not depend on which mo
 happen to have been imported.
 """
 
-from graphforge.passes.autodiff import Autodiff
+from graphforge.passes.autodiff import Autodiff, ExpandGradient
 from graphforge.passes.cse import CommonSubexpressionElimination
 from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
-from graphforge.passes.gradient_op import ExpandGradient
 from graphforge.passes.identity_elimination import IdentityElimination
 from graphforge.passes.loss import Loss
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb

@@ -12,7 +12,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from graphforge.graph import Model, is_runtime_compatible, make_runtime_compatible, one_line
+from graphforge.errors import one_line
+from graphforge.graph import Model
 from graphforge.ir import (
     FLOAT_TYPES,
     NONDETERMINISTIC_OPS,
@@ -22,6 +23,7 @@ from graphforge.ir import (
     is_parameter,
     onnx_dtype,
 )
+from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 from graphforge.pipeline import Pass, PassResult, check_number
 
 

@@ -12,7 +12,7 @@ from graphforge import roles
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.pipeline import Pass, PassResult, check_number
+from graphforge.pipeline import Fact, Pass, PassResult, check_number
 from graphforge.shapes import infer_shapes
 
 LossKind = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "nll"]
@@ -35,6 +35,7 @@ class Loss(Pass):
     """
 
     name = "loss"
+    ensures = (Fact.LOSS,)
     output: str = ""
     kind: LossKind | None = None
     labels: str = "labels"
@@ -54,7 +55,7 @@ class Loss(Pass):
         if any(t.name == "loss" for t in graph.outputs) and self.kind is not None:
             raise PassError("the model already has an output named 'loss'; use loss(output=loss) to adopt it")
         source = self._source(graph)
-        b = Builder(graph, prefix="loss::")
+        b = Builder(graph, prefix=roles.LOSS_PREFIX)
         with b.scope(self.kind or "adopted"):
             if self.kind is None:
                 value = self._adopt(source)
@@ -63,7 +64,7 @@ class Loss(Pass):
                 value = _BUILDERS[self.kind](self, b, source, labels)
                 model.metadata[roles.LABELS] = labels.name
         loss = gs.Variable("loss", dtype=source.dtype, shape=[])
-        graph.nodes.append(gs.Node("Identity", name="loss::output", inputs=[value], outputs=[loss]))
+        graph.nodes.append(gs.Node("Identity", name=f"{roles.LOSS_PREFIX}output", inputs=[value], outputs=[loss]))
         graph.outputs = [*(graph.outputs if self.keep_outputs else []), loss]
         model.metadata[roles.LOSS] = "loss"
         graph.cleanup()

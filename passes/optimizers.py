@@ -15,7 +15,7 @@ torch's after hundreds of steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -25,9 +25,8 @@ from graphforge import roles
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.pipeline import Pass, PassResult, check_number
-
-NEXT = "_next"
+from graphforge.pipeline import Fact, Pass, PassResult, check_number
+from graphforge.program import CarriedSpec
 
 
 @dataclass
@@ -48,9 +47,66 @@ class _Step:
         return b.cast(t, self.param.dtype)
 
 
+@dataclass
+class _Counters:
+    """The step's scalars: the learning rate and step number in float64, and whether this is the first step."""
+
+    lr: gs.Tensor
+    t: gs.Tensor
+    first: gs.Tensor
+
+
+@dataclass
+class _Program:
+    """The training step being written: the graph, its builder, the outputs it will have,
+    and the carried tensors (``graphforge.state`` entries) added so far."""
+
+    model: Model
+    b: Builder
+    outputs: list[gs.Tensor]
+    carried: list[CarriedSpec] = field(default_factory=list)
+    #: parameter -> its gradient at the boundary (step 2)
+    boundary: dict[str, gs.Tensor] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> gs.Graph:
+        return self.model.graph
+
+    def carried_input(self, name: str, like: gs.Tensor, role: str, owner: str | None) -> gs.Variable:
+        """A new graph input for a zero-initialized carried tensor shaped like ``like``."""
+        if name in self.graph.tensors():
+            raise PassError(f"cannot add input {name!r}: the model already has a tensor with that name")
+        var = gs.Variable(name, dtype=like.dtype, shape=list(like.shape))
+        self.graph.inputs.append(var)
+        self.carried.append(_spec(name, like, role, "zeros", owner))
+        return var
+
+    def carry_initializer(self, tensor: gs.Tensor, role: str) -> None:
+        """Carry an initializer (a parameter, a buffer): it becomes an overridable input too."""
+        if tensor.name not in self.model.initializer_inputs:
+            self.model.initializer_inputs.append(tensor.name)
+        self.carried.append(_spec(tensor.name, tensor, role, "initializer", None))
+
+    def output(self, tensor: gs.Tensor, name: str, like: gs.Tensor) -> gs.Tensor:
+        """``name`` = Identity(``tensor``), a graph output typed like ``like``."""
+        out = self.b.op("Identity", tensor)
+        out.name, out.dtype, out.shape = name, like.dtype, like.shape
+        self.outputs.append(out)
+        return out
+
+
 @dataclass(frozen=True)
 class _Optimizer(Pass):
-    """Shared machinery; subclasses define the state names and the update."""
+    """Shared machinery; subclasses define the state names and the update.
+
+    The step is written in the order it runs, one function each: the counters, then per
+    parameter 1. accumulate (``accumulate=true``), 2. the gradient boundary (recorded in
+    ``graphforge.gradient_boundary``: where a pass that reduces or rescales gradients goes),
+    3. the global norm and clipping, 4. the update; then the buffers the forward updates."""
+
+    requires = (Fact.GRADIENTS,)
+    refuses = (Fact.OPTIMIZER,)
+    ensures = (Fact.OPTIMIZER, Fact.GRADIENT_BOUNDARY)
 
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -76,113 +132,129 @@ class _Optimizer(Pass):
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph
-        grads_by_param = roles.get_json(model, roles.GRADIENTS, None)
-        if grads_by_param is None:
-            raise PassError(f"{self.name} needs the gradients: put `autodiff` before it in the pipeline")
-        if roles.OPTIMIZER in model.metadata:
-            raise PassError("the model already has an optimizer step; apply one optimizer pass only")
+        program = _Program(model, Builder(graph, prefix=roles.OPTIM_PREFIX), list(graph.outputs))
         tensors = graph.tensors()
+        grads_by_param = roles.get_json(model, roles.GRADIENTS, {})
         params = [tensors[p] for p in roles.get_json(model, roles.PARAMETERS, []) if p in grads_by_param]
-        b = Builder(graph, prefix="optim::")
-        state_specs: list[dict] = []
-
-        def add_input(name: str, dtype, shape, init: str, role: str, like: str | None = None) -> gs.Variable:
-            if name in tensors:
-                raise PassError(f"cannot add input {name!r}: the model already has a tensor with that name")
-            var = gs.Variable(name, dtype=dtype, shape=list(shape))
-            graph.inputs.append(var)
-            state_specs.append({"input": name, "output": name + NEXT, "init": init, "role": role,
-                                "dtype": np.dtype(dtype).name, "shape": list(shape), "like": like})  # fmt: skip
-            return var
-
-        outputs = list(graph.outputs)
-
-        def add_output(tensor: gs.Tensor, name: str, like: gs.Tensor) -> None:
-            out = b.op("Identity", tensor)
-            out.name, out.dtype, out.shape = name, like.dtype, like.shape
-            outputs.append(out)
-
-        with b.scope("step"):
-            lr = gs.Variable("lr", dtype=np.float32, shape=[])
-            step = gs.Variable("step", dtype=np.int64, shape=[])
-            graph.inputs += [lr, step]
-            step_next = b.add(step, b.constant(np.array(1, np.int64)))
-            add_output(step_next, "step" + NEXT, step)
-            t = b.cast(step_next, np.float64)
-            lr64 = b.cast(lr, np.float64)
-            first = b.op("Equal", step, b.constant(np.array(0, np.int64)))
-
-        grads = {}
-        with b.scope("grads"):
-            reset = None
-            for p in params:
-                g = tensors[grads_by_param[p.name]]
-                if self.accumulate:
-                    if reset is None:
-                        reset = gs.Variable("lazy_reset_grad", dtype=np.bool_, shape=[])
-                        graph.inputs.append(reset)
-                    acc = add_input(f"{p.name}_grad_acc", p.dtype, p.shape, "zeros", "accumulator", p.name)
-                    g = b.op("Where", reset, g, b.add(acc, g))
-                    add_output(g, acc.name + NEXT, p)
-                grads[p.name] = g
-            norm = b.op("Sqrt", b.sum([b.axes_op("ReduceSumSquare", b.cast(g, np.float32), None, keepdims=0)
-                                       for g in grads.values()]))  # fmt: skip
-            add_output(norm, "grad_norm", gs.Variable("grad_norm", dtype=np.float32, shape=[]))
-            if self.clip_grad_norm is not None:
-                # torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6))
-                coef = b.op("Min", b.div(b.constant(np.array(self.clip_grad_norm, np.float32)),
-                                         b.add(norm, b.constant(np.array(1e-6, np.float32)))),
-                            b.constant(np.array(1.0, np.float32)))  # fmt: skip
-                grads = {n: b.mul(g, b.cast_like(coef, g)) for n, g in grads.items()}
-
+        grads = {p.name: tensors[grads_by_param[p.name]] for p in params}
+        counters = _counters(program)
+        if self.accumulate:
+            grads = _accumulate(program, params, grads)
+        grads = _boundary(program, grads)
+        grads = _norm_and_clip(program, grads, self.clip_grad_norm)
         for p in params:
-            with b.scope(p.name):
-                states = {
-                    s: add_input(f"{p.name}.{s}", p.dtype, p.shape, "zeros", "optimizer", p.name)
-                    for s in self.state_names
-                }
-                new_p, new_states = self.update(_Step(b, p, grads[p.name], lr64, t, first), states)
-                add_output(new_p, p.name + NEXT, p)
-                for s, value in new_states.items():
-                    add_output(value, f"{p.name}.{s}{NEXT}", p)
-            if p.name not in model.initializer_inputs:
-                model.initializer_inputs.append(p.name)
-            state_specs.insert(0, {"input": p.name, "output": p.name + NEXT, "init": "initializer",
-                                   "role": "parameter", "dtype": np.dtype(p.dtype).name, "shape": list(p.shape),
-                                   "like": None})  # fmt: skip
+            self._update_parameter(program, p, grads[p.name], counters)
+        _carry_buffers(program, self.batchnorm_variance)
+        self._record(program, grads_by_param)
+        return PassResult(model, True)
 
-        state_specs += self._buffers(graph, model, b, add_output)
-        graph.outputs = outputs
+    def _update_parameter(self, program: _Program, p: gs.Tensor, grad: gs.Tensor, counters: _Counters) -> None:
+        """Step 4 for one parameter: its optimizer states in, its update and theirs out."""
+        with program.b.scope(p.name):
+            states = {s: program.carried_input(f"{p.name}.{s}", p, "optimizer", p.name) for s in self.state_names}
+            step = _Step(program.b, p, grad, counters.lr, counters.t, counters.first)
+            new_p, new_states = self.update(step, states)
+            program.output(new_p, roles.next_name(p.name), p)
+            for s, value in new_states.items():
+                program.output(value, roles.next_name(f"{p.name}.{s}"), p)
+        program.carry_initializer(p, "parameter")
+
+    def _record(self, program: _Program, grads_by_param: dict[str, str]) -> None:
+        model = program.model
+        program.graph.outputs = program.outputs
+        order = {"parameter": 0, "accumulator": 1, "optimizer": 2, "buffer": 3}
+        carried = sorted(program.carried, key=lambda spec: order[spec.role])  # stable: parameters first, in order
         model.metadata[roles.LR] = "lr"
         model.metadata[roles.STEP] = "step"
         roles.set_json(model, roles.OPTIMIZER, {"kind": self.name, "hyperparameters": self.hyperparameters()})
-        roles.set_json(model, roles.STATE, state_specs)
+        roles.set_json(model, roles.STATE, [spec.to_json() for spec in carried])
+        boundary = {p: t.name for p, t in program.boundary.items()}
+        roles.set_json(model, roles.GRADIENT_BOUNDARY, boundary)
         if self.accumulate:
             model.metadata[roles.RESET_GRAD] = "lazy_reset_grad"
         model.metadata[roles.DEFAULT_LR] = repr(float(self.lr))
-        return PassResult(model, True)
 
-    def _buffers(self, graph: gs.Graph, model: Model, b: Builder, add_output) -> list[dict]:
-        """Non-trainable state the forward pass updates: BatchNormalization's running mean
-        and variance in training mode. The initializers become inputs; the node's running
-        statistics outputs become their ``_next`` outputs (the variance made unbiased first
-        unless ``batchnorm_variance="population"``)."""
-        specs = []
-        for node in list(graph.nodes):
-            if node.op != "BatchNormalization" or len(node.outputs) < 3 or node.outputs[1].is_empty():
+
+def _spec(name: str, like: gs.Tensor, role: str, init: str, owner: str | None) -> CarriedSpec:
+    return CarriedSpec(name, roles.next_name(name), role, np.dtype(like.dtype).name, tuple(like.shape), init, owner)
+
+
+def _counters(program: _Program) -> _Counters:
+    """The inputs ``lr`` and ``step`` (steps done before this one), and ``step_next``."""
+    b = program.b
+    with b.scope("step"):
+        lr = gs.Variable("lr", dtype=np.float32, shape=[])
+        step = gs.Variable("step", dtype=np.int64, shape=[])
+        program.graph.inputs += [lr, step]
+        step_next = b.add(step, b.constant(np.array(1, np.int64)))
+        program.output(step_next, roles.next_name("step"), step)
+        t = b.cast(step_next, np.float64)
+        first = b.op("Equal", step, b.constant(np.array(0, np.int64)))
+        return _Counters(b.cast(lr, np.float64), t, first)
+
+
+def _accumulate(program: _Program, params: list[gs.Tensor], grads: dict[str, gs.Tensor]) -> dict[str, gs.Tensor]:
+    """Step 1: each gradient added to its accumulator, or replacing it when the input
+    ``lazy_reset_grad`` is set; the sum is both the accumulator's next value and the gradient."""
+    b = program.b
+    reset = gs.Variable("lazy_reset_grad", dtype=np.bool_, shape=[])
+    program.graph.inputs.append(reset)
+    summed = {}
+    with b.scope("grads"):
+        for p in params:
+            acc = program.carried_input(f"{p.name}_grad_acc", p, "accumulator", p.name)
+            summed[p.name] = b.op("Where", reset, grads[p.name], b.add(acc, grads[p.name]))
+            program.output(summed[p.name], roles.next_name(acc.name), p)
+    return summed
+
+
+def _boundary(program: _Program, grads: dict[str, gs.Tensor]) -> dict[str, gs.Tensor]:
+    """Step 2: one Identity per gradient, the tensor everything after reads (onnxruntime
+    removes the Identity). A pass that reduces or rescales gradients replaces the readers'
+    input; a runtime cuts the program here."""
+    b = program.b
+    for name, g in grads.items():
+        with b.scope(f"boundary/{name}"):
+            boundary = b.op("Identity", g)
+        boundary.name = f"{roles.OPTIM_PREFIX}boundary/{name}"  # a stable name the roles point at
+        boundary.dtype, boundary.shape = g.dtype, g.shape
+        program.boundary[name] = boundary
+    return dict(program.boundary)
+
+
+def _norm_and_clip(program: _Program, grads: dict[str, gs.Tensor], max_norm: float | None) -> dict[str, gs.Tensor]:
+    """Step 3: the output ``grad_norm`` (global L2 norm, in float32) and, with ``max_norm``,
+    every gradient scaled as torch.nn.utils.clip_grad_norm_ does: by min(1, max_norm / (norm + 1e-6))."""
+    b = program.b
+    with b.scope("grads"):
+        squares = [b.axes_op("ReduceSumSquare", b.cast(g, np.float32), None, keepdims=0) for g in grads.values()]
+        norm = b.op("Sqrt", b.sum(squares))
+        program.output(norm, roles.GRAD_NORM, gs.Variable(roles.GRAD_NORM, dtype=np.float32, shape=[]))
+        if max_norm is None:
+            return grads
+        ratio = b.div(b.constant(np.array(max_norm, np.float32)), b.add(norm, b.constant(np.array(1e-6, np.float32))))
+        coef = b.op("Min", ratio, b.constant(np.array(1.0, np.float32)))
+        return {n: b.mul(g, b.cast_like(coef, g)) for n, g in grads.items()}
+
+
+def _carry_buffers(program: _Program, batchnorm_variance: str) -> None:
+    """Non-trainable state the forward pass updates: BatchNormalization's running mean
+    and variance in training mode. The initializers become carried inputs; the node's running
+    statistics outputs become their ``_next`` outputs (the variance made unbiased first
+    unless ``batchnorm_variance="population"``)."""
+    b, done = program.b, set()
+    for node in list(program.graph.nodes):
+        if node.op != "BatchNormalization" or len(node.outputs) < 3 or node.outputs[1].is_empty():
+            continue
+        for i, (stat, running) in enumerate(zip(node.inputs[3:5], node.outputs[1:3], strict=True)):
+            if not isinstance(stat, gs.Constant) or stat.name in done:
                 continue
-            for i, (stat, running) in enumerate(zip(node.inputs[3:5], node.outputs[1:3], strict=True)):
-                if not isinstance(stat, gs.Constant) or any(spec["input"] == stat.name for spec in specs):
-                    continue
-                if i == 1 and self.batchnorm_variance == "unbiased":
-                    with b.scope(stat.name):
-                        running = _unbiased_running_var(b, node, stat, running)
-                add_output(running, stat.name + NEXT, stat)
-                if stat.name not in model.initializer_inputs:
-                    model.initializer_inputs.append(stat.name)
-                specs.append({"input": stat.name, "output": stat.name + NEXT, "init": "initializer", "role": "buffer",
-                              "dtype": np.dtype(stat.dtype).name, "shape": list(stat.shape), "like": None})  # fmt: skip
-        return specs
+            done.add(stat.name)
+            if i == 1 and batchnorm_variance == "unbiased":
+                with b.scope(stat.name):
+                    running = _unbiased_running_var(b, node, stat, running)
+            program.output(running, roles.next_name(stat.name), stat)
+            program.carry_initializer(stat, "buffer")
 
 
 def _unbiased_running_var(b: Builder, node: gs.Node, previous: gs.Tensor, running: gs.Tensor) -> gs.Tensor:

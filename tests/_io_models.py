@@ -73,7 +73,7 @@ def ort_run(source, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
 
 def ort_loads(model: onnx.ModelProto) -> bool:
     """Whether plain onnxruntime builds a CPU session for ``model``: the oracle for
-    ``runtime_limits``, so written apart from graphforge's own probe (graph._runtime_loads)."""
+    ``runtime_limits``, so written apart from graphforge's own probe (ort_compat._runtime_loads)."""
     options = ort.SessionOptions()
     options.log_severity_level = 4
     try:

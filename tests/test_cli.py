@@ -17,7 +17,8 @@ import pytest
 from onnx import helper
 
 import graphforge
-from graphforge.pipeline import PassRegistry, default_registry
+from graphforge.pass_manager import default_registry
+from graphforge.pipeline import PassRegistry
 
 REPO = Path(__file__).resolve().parent.parent
 #: the console script installed beside the interpreter running the tests

@@ -24,8 +24,10 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 import graphforge
 from graphforge import graph as gio
+from graphforge import ort_compat
 from graphforge.errors import ModelLoadError, ModelSaveError
-from graphforge.graph import Model, load, make_runtime_compatible, runtime_limits, save
+from graphforge.graph import Model, load, save
+from graphforge.ort_compat import make_runtime_compatible, runtime_limits
 
 
 def compatible_copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -242,9 +244,9 @@ def ml_model(node: str) -> onnx.ModelProto:
 
 def test_unused_import_of_a_domain_onnxruntime_does_not_read_is_dropped(tmp_path):
     # regression: only ai.onnx was checked, and onnxruntime refused the file written
-    assert gio.runtime_reads_opset("ai.onnx.ml", 5) and not gio.runtime_reads_opset("ai.onnx.ml", 6)
+    assert ort_compat.runtime_reads_opset("ai.onnx.ml", 5) and not ort_compat.runtime_reads_opset("ai.onnx.ml", 6)
     model = ml_model("y = Relu(x)")
-    assert not gio.is_runtime_compatible(model)
+    assert not ort_compat.is_runtime_compatible(model)
     path = save(model, tmp_path / "ml.onnx")
     assert [(o.domain, o.version) for o in onnx.load(path).opset_import] == [("", 17)]
     assert ort_loads(onnx.load(path))

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphforge import GraphforgeError, Pass, PassRegistry, PassResult, PipelineSpecError, parse_pipeline
-from graphforge.pipeline import convert_value, default_registry
+from graphforge.pass_manager import default_registry
+from graphforge.pipeline import convert_value
 
 REPO = Path(__file__).resolve().parent.parent
 #: passes that must always ship; more are added as graphforge grows

@@ -28,7 +28,7 @@ import graphforge
 from graphforge import roles
 from graphforge.errors import PipelineError, PipelineSpecError
 from graphforge.graph import Model
-from graphforge.pipeline import parse_pipeline
+from graphforge.pass_manager import parse_pipeline
 
 pytest.importorskip("torch")
 

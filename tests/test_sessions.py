@@ -13,8 +13,10 @@ from _io_models import affine_model, inputs, relu_model, set_location
 
 import graphforge
 from graphforge import graph as gio
+from graphforge import ort_compat
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelLoadError
-from graphforge.graph import load, runtime_limits, save
+from graphforge.graph import load, save
+from graphforge.ort_compat import runtime_limits
 from graphforge.runtime import sessions
 from graphforge.runtime.sessions import CPU, CUDA, available_providers, create_session, session_options
 
@@ -26,9 +28,9 @@ def clean_environment(monkeypatch):
     """No override from the surrounding shell, and provider probes re-run in every test."""
     monkeypatch.delenv("GRAPHFORGE_PROVIDERS", raising=False)
     monkeypatch.delenv("GRAPHFORGE_THREADS", raising=False)
-    sessions._provider_works.cache_clear()
+    sessions.provider_works.cache_clear()
     yield
-    sessions._provider_works.cache_clear()
+    sessions.provider_works.cache_clear()
 
 
 def affine_reference(x, w, b):
@@ -40,7 +42,7 @@ def affine_reference(x, w, b):
 
 @pytest.mark.skipif(not NO_CUDA_DEVICE, reason="a CUDA device answers here")
 def test_available_providers_without_a_cuda_device_is_cpu_only_and_silent(capfd):
-    gio.runtime_limits.cache_clear()
+    ort_compat.runtime_limits.cache_clear()
     assert CUDA in ort.get_available_providers()  # onnxruntime-gpu lists it all the same
     assert available_providers() == [CPU]
     session = create_session(relu_model())
@@ -73,7 +75,7 @@ def test_failing_provider_probe_prints_nothing(capfd, monkeypatch):
     if not (out or err):
         pytest.skip("onnxruntime printed nothing for a failing CUDA provider here")
     monkeypatch.setattr(sessions, "_cuda_driver_has_device", lambda: True)  # get past the driver check
-    assert sessions._provider_works(CUDA) is False
+    assert sessions.provider_works(CUDA) is False
     assert capfd.readouterr() == ("", "")
     print("after the probe")  # fds 1 and 2 are back
     os.write(2, b"stderr after the probe\n")
@@ -82,7 +84,7 @@ def test_failing_provider_probe_prints_nothing(capfd, monkeypatch):
 
 def relu_model_bytes() -> bytes:
     model = relu_model()
-    gio.make_runtime_compatible(model)
+    ort_compat.make_runtime_compatible(model)
     return model.SerializeToString()
 
 

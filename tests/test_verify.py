@@ -1,4 +1,4 @@
-"""verify_model: the ONNX checker with strict shape inference, optionally onnxruntime's loader."""
+"""verify_model: the ONNX checker with strict shape inference; check_loads: onnxruntime's loader beside it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphforge import graph as gio
 from graphforge.errors import GraphforgeError, InvalidModelError
-from graphforge.graph import runtime_limits
+from graphforge.ort_compat import runtime_limits
+from graphforge.runtime.sessions import check_loads
 from graphforge.verify import verify_model
 
 vi = helper.make_tensor_value_info
@@ -90,19 +91,18 @@ INVALID = {
 }
 
 
-@pytest.mark.parametrize("with_ort", [False, True])
-def test_valid_models_pass(with_ort):
-    assert verify_model(relu_model(), with_ort=with_ort) is None  # IR 14 / opset 28: converted for onnxruntime
-    assert verify_model(affine_model()[0], with_ort=with_ort) is None
-    assert verify_model(custom_domain_op(), with_ort=False) is None
+def test_valid_models_pass():
+    for model in (relu_model(), affine_model()[0]):  # relu: IR 14 / opset 28, converted for onnxruntime
+        assert verify_model(model) is None
+        assert check_loads(model, where="model") is None
+    assert verify_model(custom_domain_op()) is None
 
 
 @pytest.mark.parametrize("case", sorted(INVALID))
-@pytest.mark.parametrize("with_ort", [False, True])
-def test_invalid_model_message_is_one_line_naming_the_problem(case, with_ort):
+def test_invalid_model_message_is_one_line_naming_the_problem(case):
     build, problem = INVALID[case]
     with pytest.raises(InvalidModelError) as info:
-        verify_model(build(), with_ort=with_ort)
+        verify_model(build())
     assert str(info.value) == f"model is not a valid ONNX model: {problem}"
     assert "\n" not in str(info.value)
 
@@ -133,11 +133,11 @@ def test_output_nothing_produces():
     assert str(info.value) == "model is not a valid ONNX model: Graph output 'y' is not an output of any node in graph."
 
 
-def test_with_ort_catches_what_only_onnxruntime_refuses(capfd):
+def test_check_loads_catches_what_only_onnxruntime_refuses(capfd):
     model = custom_domain_op()
     verify_model(model)  # the checker accepts it
     with pytest.raises(InvalidModelError) as info:
-        verify_model(model, with_ort=True, where="the input model")
+        check_loads(model, where="the input model")
     message = str(info.value)
     assert message.startswith("onnxruntime cannot load the input model: [ONNXRuntimeError]")
     assert "com.example:Foo" in message and "\n" not in message
@@ -145,10 +145,10 @@ def test_with_ort_catches_what_only_onnxruntime_refuses(capfd):
     assert (out, err) == ("", "")
 
 
-def test_with_ort_passes_provider_errors_through_unchanged(monkeypatch):
+def test_check_loads_passes_provider_errors_through_unchanged(monkeypatch):
     monkeypatch.setenv("GRAPHFORGE_PROVIDERS", "NoSuchExecutionProvider")
     with pytest.raises(GraphforgeError) as info:
-        verify_model(relu_model(), with_ort=True)
+        check_loads(relu_model(), where="model")
     assert not isinstance(info.value, InvalidModelError)
     assert str(info.value).startswith("$GRAPHFORGE_PROVIDERS names NoSuchExecutionProvider, which this onnxruntime")
 
@@ -158,7 +158,9 @@ def test_verify_does_not_mutate_the_model():
         model = build()
         before = model.SerializeToString()
         with contextlib.suppress(InvalidModelError):
-            verify_model(model, with_ort=True)
+            verify_model(model)
+        with contextlib.suppress(InvalidModelError):
+            check_loads(model, where="model")
         assert model.SerializeToString() == before
 
 
@@ -175,7 +177,8 @@ def tiny_protobuf_limit(monkeypatch, tmp_path):
 def test_model_over_the_limit_is_checked_from_a_file(tiny_protobuf_limit):
     model, _, _ = affine_model()
     assert gio.exceeds_protobuf_limit(model)
-    verify_model(model, with_ort=True)
+    verify_model(model)
+    check_loads(model, where="model")
     broken = onnx.ModelProto()
     broken.CopyFrom(model)
     broken.graph.node[0].input[0] = "nowhere"

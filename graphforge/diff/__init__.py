@@ -9,9 +9,10 @@ graphforge.diff.assert_models_equal(a, b)   # in tests: AssertionError with the 
 
 from __future__ import annotations
 
-from graphforge.diff.engine import diff_models, origin_of
+from graphforge.diff.engine import diff_models
 from graphforge.diff.result import SCHEMA, SCHEMA_VERSION, GraphDiff, ModelDiff
 from graphforge.graph import ModelSource
+from graphforge.roles import node_origin as origin_of
 
 
 def assert_models_equal(

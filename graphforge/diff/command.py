@@ -17,10 +17,12 @@ from rich.text import Text
 
 from graphforge.diff.engine import diff_models
 from graphforge.diff.folders import Step, consecutive, folders_json, only_in, pair_folders
+from graphforge.diff.html import write_html
 from graphforge.diff.result import ModelDiff
 from graphforge.diff.source import Side, open_side
 from graphforge.diff.text import RICH_STYLES, Line, detail_lines, summary_lines, verdict
 from graphforge.errors import GraphforgeError
+from graphforge.pass_manager import PassManager, parse_pipeline
 
 
 class DiffUsageError(GraphforgeError):
@@ -95,9 +97,6 @@ def parse_dims(specs: list[str]) -> dict[str, int]:
 
 def pipeline_diff(model: Path, pipeline: str, **options) -> ModelDiff:
     """MODEL against what the pipeline makes of it, compiled in memory."""
-    from graphforge.pass_manager import PassManager
-    from graphforge.pipeline import parse_pipeline
-
     before = open_side(model)
     result = PassManager(parse_pipeline(pipeline)).run(model)
     after = Side(result.model, f"{model} after {pipeline!r}")
@@ -117,8 +116,6 @@ def _report_one(
     diff: ModelDiff, brief: bool, json_out: bool, html_out: Path | None, context: int, console: Console
 ) -> int:
     if html_out is not None:
-        from graphforge.diff.html import write_html
-
         write_html(html_out, [(f"{diff.a_label} → {diff.b_label}", diff)], context=context)
     if json_out:
         sys.stdout.write(json.dumps(diff.to_json(), indent=2, ensure_ascii=False) + "\n")
@@ -146,8 +143,6 @@ def _report_steps(
 ) -> int:
     same = all(s.identical for s in steps)
     if html_out is not None:
-        from graphforge.diff.html import write_html
-
         diffs = [(s.title, s.diff) for s in steps if s.diff is not None]
         if not diffs:
             raise DiffUsageError(f"no pair of dump files to draw: the folders {a} and {b} share no pass")

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from graphforge.diff.match import Anchors, make_anchors, match_nodes
+from graphforge.diff.numeric import numeric_report
 from graphforge.diff.result import (
     AttributeChange,
     FunctionDiff,
@@ -34,6 +35,7 @@ from graphforge.diff.stats import value_stats
 from graphforge.diff.view import GraphView, Init, NodeRec, Value, function_view, graph_view, opset_map
 from graphforge.errors import InvalidModelError
 from graphforge.graph import ModelSource
+from graphforge.roles import metadata_of, node_origin
 
 
 def diff_models(
@@ -70,8 +72,6 @@ def diff_models(
     result = diff_sides(side_a, side_b)
     result.problems = problems
     if numeric or inputs is not None or dims:
-        from graphforge.diff.numeric import numeric_report
-
         result.numeric = numeric_report(
             side_a, side_b, result, inputs=inputs, seed=seed, dims=dims, rtol=rtol, atol=atol
         )
@@ -384,15 +384,6 @@ def _renames(
 # --------------------------------------------------------------------------- n:m groups
 
 
-def origin_of(name: str) -> tuple[str, str | None] | None:
-    """(role, origin node) of a node a graphforge pass generated: ``grad::<origin>/<op>_<n>``
-    gives ("grad", "<origin>"); ``loss::output`` gives ("loss", None)."""
-    role, sep, rest = name.partition("::")
-    if not sep or not role or "/" in role or role == "onnx":
-        return None
-    return role, (rest.rsplit("/", 1)[0] if "/" in rest else None)
-
-
 def node_groups(va: GraphView, vb: GraphView, pairs: Mapping[int, int]) -> list[NodeGroup]:
     """Unmatched nodes that belong together (n:m matches), as the sets of one union-find:
 
@@ -415,7 +406,7 @@ def node_groups(va: GraphView, vb: GraphView, pairs: Mapping[int, int]) -> list[
     first: dict[tuple[str, str | None], tuple[str, int]] = {}  # origin -> its first node, in order
     for side, members, view in (("a", removed, va), ("b", added, vb)):
         for i in members:
-            origin = origin_of(view.nodes[i].name)
+            origin = node_origin(view.nodes[i].name)
             sets.add((side, i), origin)
             if origin is not None:
                 sets.union(first.setdefault(origin, (side, i)), (side, i))
@@ -558,8 +549,7 @@ def model_fields(a: onnx.ModelProto, b: onnx.ModelProto) -> list[ModelField]:
     for domain in sorted(set(opsets_a) | set(opsets_b)):
         if opsets_a.get(domain) != opsets_b.get(domain):
             changes.append(ModelField("opset", domain, opsets_a.get(domain), opsets_b.get(domain)))
-    meta_a = {p.key: p.value for p in a.metadata_props}
-    meta_b = {p.key: p.value for p in b.metadata_props}
+    meta_a, meta_b = metadata_of(a), metadata_of(b)
     for key in sorted(set(meta_a) | set(meta_b)):
         if meta_a.get(key) != meta_b.get(key):
             changes.append(ModelField("metadata", key, meta_a.get(key), meta_b.get(key)))

@@ -23,6 +23,7 @@ import networkx as nx
 
 from graphforge.diff.layout import Box, layout
 from graphforge.diff.result import GraphDiff, ModelDiff
+from graphforge.diff.text import verdict
 from graphforge.diff.view import GraphView
 from graphforge.errors import ModelSaveError
 
@@ -76,8 +77,6 @@ def diff_data(name: str, diff: ModelDiff, *, context: int = 2) -> dict[str, Any]
     sides = []
     for side, view, statuses in (("a", g.views[0], statuses_a), ("b", g.views[1], statuses_b)):
         sides.append(side_drawing(side, view, statuses, context=context))
-    from graphforge.diff.text import verdict
-
     return {
         "title": name,
         "labels": [diff.a_label, diff.b_label],

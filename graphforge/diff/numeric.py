@@ -27,8 +27,7 @@ from graphforge.diff.result import GraphDiff, ModelDiff, NodeRef, NumericReport,
 from graphforge.diff.source import Side
 from graphforge.diff.stats import value_stats
 from graphforge.diff.view import GraphView, Value
-from graphforge.errors import GraphforgeError
-from graphforge.graph import one_line
+from graphforge.errors import GraphforgeError, one_line
 from graphforge.runtime import create_session
 from graphforge.runtime.sessions import session_options
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphforge.diff.text import render_text
+
 #: the JSON schema's version: bumped whenever a field changes meaning or goes away
 SCHEMA_VERSION = 1
 SCHEMA = "graphforge.diff"
@@ -452,6 +454,4 @@ class ModelDiff:
         }
 
     def to_text(self, color: bool = False, *, brief: bool = False) -> str:
-        from graphforge.diff.text import render_text
-
         return render_text(self, color=color, brief=brief)

@@ -20,14 +20,8 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
-from graphforge.graph import (
-    LEFT_OUT,
-    ModelSource,
-    copy_leaving_values_out,
-    exceeds_protobuf_limit,
-    load,
-    one_line,
-)
+from graphforge.errors import one_line
+from graphforge.graph import LEFT_OUT, ModelSource, copy_leaving_values_out, exceeds_protobuf_limit, load
 from graphforge.verify import CHECK_ERRORS, light_problem
 
 #: raw_data payloads at least this large stay in the file

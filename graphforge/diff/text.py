@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from graphforge.diff.result import GraphDiff, ModelDiff, NodeGroup, NodeRef, NumericReport, TensorNumeric, ValueStats
+if TYPE_CHECKING:  # annotations only: result.py renders itself with this module
+    from graphforge.diff.result import (
+        GraphDiff,
+        ModelDiff,
+        NodeGroup,
+        NodeRef,
+        NumericReport,
+        TensorNumeric,
+        ValueStats,
+    )
 
 Line = list[tuple[str, str]]
 

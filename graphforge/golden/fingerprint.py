@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, numpy_helper
 
+from graphforge.roles import metadata_of
+
 FINGERPRINT_VERSION = "wl1"
 #: refinement rounds; each round reaches one more hop (a tensor or a node) in both directions
 WL_ROUNDS = 12
@@ -264,7 +266,7 @@ def summarize(model: onnx.ModelProto) -> dict:
         "fingerprint": fingerprint(model),
         "inputs": [signature(v) for v in graph_inputs(model.graph)],
         "outputs": [signature(v) for v in model.graph.output],
-        "metadata": {p.key: p.value for p in sorted(model.metadata_props, key=lambda p: p.key)},
+        "metadata": dict(sorted(metadata_of(model).items())),
     }
 
 

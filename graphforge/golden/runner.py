@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from graphforge import roles
-from graphforge.errors import GraphforgeError, PipelineSpecError
+from graphforge.errors import GraphforgeError, PipelineSpecError, one_line
 from graphforge.golden.compare import Problem, expectation_problems, structural_diff, value_problems
 from graphforge.golden.fingerprint import summarize
 from graphforge.golden.layout import (
@@ -43,10 +42,13 @@ from graphforge.golden.layout import (
     remove_expectation,
     write_expectation,
 )
-from graphforge.graph import one_line
 from graphforge.pass_manager import compile as compile_pipeline
-from graphforge.pipeline import parse_pipeline
+from graphforge.pass_manager import parse_pipeline
+from graphforge.program import ProgramRoles
+from graphforge.runtime.checkpoint import CheckpointState
+from graphforge.runtime.inference import export_inference_model
 from graphforge.runtime.sessions import CPU, create_session
+from graphforge.runtime.training import Module
 
 # statuses of a case
 PASS, FAIL, XFAIL, XPASS = "ok", "FAIL", "xfail", "XPASS"
@@ -103,29 +105,27 @@ def _optimizer_scalars(program: onnx.ModelProto) -> dict[str, np.ndarray]:
     """The first step's inputs of a training program besides the batch: its initial state
     (zero optimizer moments), default learning rate, step 0 and, with gradient
     accumulation, a reset of the accumulators. None of these for a plain model."""
-    from graphforge.runtime.checkpoint import CheckpointState
-
-    meta = {p.key: p.value for p in program.metadata_props}
-    if roles.OPTIMIZER not in meta:
+    program_roles = ProgramRoles.of_proto(program)
+    if program_roles.optimizer is None:
         return {}
     scalars = dict(CheckpointState.from_program(program).tensors)
-    if roles.LR in meta:
-        scalars[meta[roles.LR]] = np.array(float(meta.get(roles.DEFAULT_LR, "nan")), np.float32)
-    if roles.STEP in meta:
-        scalars[meta[roles.STEP]] = np.array(0, np.int64)
-    if roles.RESET_GRAD in meta:
-        scalars[meta[roles.RESET_GRAD]] = np.array(True)
+    if program_roles.lr_input is not None:
+        default_lr = program_roles.default_lr if program_roles.default_lr is not None else np.nan
+        scalars[program_roles.lr_input] = np.array(default_lr, np.float32)
+    if program_roles.step_input is not None:
+        scalars[program_roles.step_input] = np.array(0, np.int64)
+    if program_roles.reset_input is not None:
+        scalars[program_roles.reset_input] = np.array(True)
     return scalars
 
 
 def _state_updates(program: onnx.ModelProto) -> set[str]:
     """Outputs of a training program that are the next values of its carried state
     (parameters, moments): the ``train_steps`` stage records where those lead."""
-    from graphforge.runtime.checkpoint import carried_specs
-
-    if not any(p.key == roles.OPTIMIZER for p in program.metadata_props):
+    program_roles = ProgramRoles.of_proto(program)
+    if program_roles.optimizer is None:
         return set()
-    return {spec["output"] for spec in carried_specs(program)}
+    return {spec.output for spec in program_roles.carried}
 
 
 #: optimizer steps the ``train_steps`` and ``inference_export`` stages take
@@ -135,8 +135,6 @@ TRAIN_STEPS = 3
 def _trained_parameters(golden: GoldenModel, program: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Parameters and buffers after TRAIN_STEPS fused training steps on the first test data
     set, at the learning rate the pipeline text gives (each step sees the same batch)."""
-    from graphforge.runtime.training import Module
-
     try:
         module = Module(program, device="cpu")
     except GraphforgeError as exc:
@@ -168,8 +166,6 @@ def train_steps_stage(golden: GoldenModel, program: onnx.ModelProto) -> list[Val
 def inference_export_stage(golden: GoldenModel, program: onnx.ModelProto) -> list[Value]:
     """Stage ``inference_export``: the program trained for TRAIN_STEPS steps, pruned to its
     forward outputs with the trained values embedded, run on every test data set."""
-    from graphforge.inference import export_inference_model
-
     trained = _trained_parameters(golden, program)
     try:
         model = export_inference_model(program, trained)

@@ -36,18 +36,14 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
-import onnx
 from onnx import numpy_helper
 
-from graphforge import roles
 from graphforge.errors import CheckpointError, GraphforgeError
-from graphforge.graph import Model, ModelSource, load
-
-if TYPE_CHECKING:
-    from graphforge.runtime.training import Module
+from graphforge.graph import Model, ModelSource
+from graphforge.program import CarriedSpec, ProgramRoles, program_proto
 
 FORMAT = "graphforge.checkpoint"
 VERSION = 1
@@ -86,29 +82,17 @@ def checksum(array: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
-def program_proto(program: ModelSource | Model) -> onnx.ModelProto:
-    """A training program as a ModelProto, from a path, bytes, ModelProto or Model."""
-    if isinstance(program, Model):
-        return program.to_proto()
-    if isinstance(program, onnx.ModelProto):
-        return program
-    return load(program)
+def _tensor_specs(specs: Sequence[CarriedSpec]) -> list[TensorSpec]:
+    return [TensorSpec(s.input, s.role, s.dtype, s.shape) for s in specs]
 
 
-def carried_specs(program: onnx.ModelProto) -> list[dict]:
-    """The program's ``graphforge.state`` entries (see passes/optimizers.py)."""
-    meta = {p.key: p.value for p in program.metadata_props}
-    text = meta.get(roles.STATE)
-    if text is None:
-        raise GraphforgeError(
-            "the model is not a training program (no graphforge.state metadata): compile it with "
-            "an optimizer pass, e.g. 'loss(kind=..., output=...), autodiff, adamw(lr=...)'"
-        )
-    return json.loads(text)
+class TensorHolder(Protocol):
+    """Whatever holds a state's tensors while it trains (a runtime's device buffers): the
+    state reads its current values back through this, and only this."""
 
-
-def _tensor_specs(specs: Sequence[dict]) -> list[TensorSpec]:
-    return [TensorSpec(s["input"], s["role"], s["dtype"], tuple(s["shape"])) for s in specs]
+    def read_tensors(self) -> dict[str, np.ndarray]:
+        """The current value of every carried tensor, by program input name (copies)."""
+        ...
 
 
 class CheckpointState:
@@ -123,7 +107,8 @@ class CheckpointState:
     of the current step so far: with ``seeds["dropout"]`` and the step, it picks the dropout
     masks). ``tensors`` are numpy arrays by program input name;
     while a :class:`~graphforge.runtime.Module` trains on this state, they live inside
-    onnxruntime and ``tensors`` reads the current values back (a copy).
+    onnxruntime (the state is attached to its holder) and ``tensors`` reads the current
+    values back (a copy).
     """
 
     def __init__(
@@ -153,7 +138,7 @@ class CheckpointState:
         self.micro_batch = micro_batch
         #: where the state came from, for messages ("checkpoint runs/ck.safetensors")
         self.source = source
-        self._module: Module | None = None
+        self._holder: TensorHolder | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -162,19 +147,18 @@ class CheckpointState:
         """The initial state of a program: initializer values, zeros for zero-initialized
         states (optimizer moments, accumulators), step 0, the program's learning rate."""
         proto = program_proto(program)
-        specs = carried_specs(proto)
+        program_roles = ProgramRoles.of_proto(proto).require_training_program()
+        specs = program_roles.carried
         initializers = {t.name: t for t in proto.graph.initializer}
         tensors = {}
         for spec in specs:
-            name = spec["input"]
-            if spec["init"] == "initializer":
-                if name not in initializers:
-                    raise CheckpointError(f"the program carries {name!r} from an initializer it does not have")
-                tensors[name] = numpy_helper.to_array(initializers[name]).copy()
+            if spec.init == "initializer":
+                if spec.input not in initializers:
+                    raise CheckpointError(f"the program carries {spec.input!r} from an initializer it does not have")
+                tensors[spec.input] = numpy_helper.to_array(initializers[spec.input]).copy()
             else:
-                tensors[name] = np.zeros(spec["shape"], np.dtype(spec["dtype"]))
-        meta = {p.key: p.value for p in proto.metadata_props}
-        lr = float(meta[roles.DEFAULT_LR]) if roles.DEFAULT_LR in meta else None
+                tensors[spec.input] = np.zeros(spec.shape, np.dtype(spec.dtype))
+        lr = program_roles.default_lr
         return cls(tensors, _tensor_specs(specs), learning_rate=lr, source="the program's initial state")
 
     def copy(self) -> CheckpointState:
@@ -197,30 +181,37 @@ class CheckpointState:
 
     @property
     def tensors(self) -> dict[str, np.ndarray]:
-        """Carried tensors by name; read back from onnxruntime while a Module trains on them."""
-        if self._module is not None:
-            return self._module._read_carried()
+        """Carried tensors by name; read back from their holder while a Module trains on them."""
+        if self._holder is not None:
+            return self._holder.read_tensors()
         return self._tensors
 
-    def _check_free(self) -> None:
-        if self._module is not None:
+    @property
+    def attached(self) -> bool:
+        """Whether a holder (a Module's runtime) holds the tensors now."""
+        return self._holder is not None
+
+    def attach(self, holder: TensorHolder) -> dict[str, np.ndarray]:
+        """Hand the tensors to ``holder``, which keeps them from now on; returns them (the
+        state's own arrays, for the holder to copy where it keeps them). A state trains in
+        one Module at a time: a second holder is refused."""
+        if self._holder is not None and self._holder is not holder:
             raise GraphforgeError(
                 "this CheckpointState already belongs to a Module; give the second Module state.copy() "
                 "(or CheckpointState.from_program / load) instead"
             )
+        tensors, self._tensors = self._tensors, {}
+        self._holder = holder
+        return tensors
 
-    def _attach(self, module: Module) -> None:
-        if self._module is not module:
-            self._check_free()
-        self._module = module
-        self._tensors = {}  # the values live in the module now; tensors reads them back
-
-    def check(self, program: ModelSource | Model | Sequence[dict]) -> None:
+    def check(self, program: ModelSource | Model | Sequence[CarriedSpec]) -> None:
         """Refuse (CheckpointError) a state whose tensors do not match what ``program`` carries:
         a missing tensor, an extra one, or one of another dtype or shape."""
-        specs = program if isinstance(program, Sequence) else carried_specs(program_proto(program))
+        specs = (
+            program if isinstance(program, Sequence) else ProgramRoles.read(program).require_training_program().carried
+        )
         expected = {s.name: s for s in _tensor_specs(specs)}
-        tensors = self._tensors if self._module is None else {s.name: s for s in self.specs}
+        tensors = self._tensors if self._holder is None else {s.name: s for s in self.specs}
         where = self.source or "the checkpoint"
         problems = []
         for name, spec in expected.items():
@@ -286,7 +277,7 @@ class CheckpointState:
             raise CheckpointError(f"{path}: is a folder, expected a checkpoint file path")
         if not path.parent.is_dir():
             raise CheckpointError(f"{path}: folder {path.parent} does not exist")
-        tensors = {name: np.ascontiguousarray(value) for name, value in self.tensors.items()}
+        tensors = {name: np.asarray(value, order="C") for name, value in self.tensors.items()}
         metadata = {METADATA_KEY: self._document(tensors)}
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)

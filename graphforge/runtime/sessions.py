@@ -23,17 +23,9 @@ import onnx
 import onnxruntime as ort
 from onnx import external_data_helper
 
-from graphforge.errors import GraphforgeError, InvalidModelError, ModelSaveError
-from graphforge.graph import (
-    ModelSource,
-    exceeds_protobuf_limit,
-    is_runtime_compatible,
-    load,
-    make_runtime_compatible,
-    one_line,
-    refuse_unresolved_external_data,
-    save,
-)
+from graphforge.errors import GraphforgeError, InvalidModelError, ModelSaveError, one_line
+from graphforge.graph import ModelSource, exceeds_protobuf_limit, load, refuse_unresolved_external_data, save
+from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -84,7 +76,7 @@ def _output_silenced() -> Iterator[None]:
 
 
 @functools.cache
-def _provider_works(name: str) -> bool:
+def provider_works(name: str) -> bool:
     """Whether a session on ``name`` really runs on it here (cached: probed once per process)."""
     if name == CPU:
         return True
@@ -112,7 +104,7 @@ def _provider_works(name: str) -> bool:
 
 
 def _cuda_works() -> bool:
-    return _provider_works(CUDA)
+    return provider_works(CUDA)
 
 
 def available_providers() -> list[str]:
@@ -146,7 +138,7 @@ def resolve_providers(providers: Sequence[Any], *, source: str = "providers") ->
             f"{source} names {', '.join(unknown)}, which this onnxruntime does not have; it has: {', '.join(known)}"
         )
     for name in map(_provider_name, resolved):
-        if _provider_works(name):
+        if provider_works(name):
             continue
         if name == CUDA:
             raise GraphforgeError(f"{source} asks for CUDA, but no CUDA device is usable on this machine")
@@ -233,6 +225,12 @@ def create_session(
     return _session(proto.SerializeToString(), options, providers, where)
 
 
+def check_loads(model: ModelSource, *, where: str) -> None:
+    """Raise InvalidModelError (naming ``where``) unless onnxruntime builds a session for
+    ``model`` on the providers in use; the checker's complement (``PassManager(verify_with_ort=True)``)."""
+    create_session(model, where=where)
+
+
 def _make_compatible(proto: onnx.ModelProto, where: str) -> None:
     try:
         make_runtime_compatible(proto)
@@ -282,7 +280,7 @@ def lean_model(
         graph.output.extend(kept_outputs)
     _drop_dead_nodes(graph)
     _fold_output_identities(graph)
-    used = {name for node in graph.node for name in _node_reads(node)} | {o.name for o in graph.output}
+    used = {name for node in graph.node for name in node_reads(node)} | {o.name for o in graph.output}
     graph.initializer.extend(
         t for t in source.initializer if t.name not in dropped and (t.name in used or t.name in inputs)
     )
@@ -305,14 +303,14 @@ def _copy_fields(message, skip: set[str]):
     return copy
 
 
-def _node_reads(node: onnx.NodeProto) -> set[str]:
+def node_reads(node: onnx.NodeProto) -> set[str]:
     """The tensors ``node`` reads, its subgraphs' outer-scope reads included (all their
     inputs, conservatively)."""
     reads = {name for name in node.input if name}
     for attribute in node.attribute:
         for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
             for inner in sub.node:
-                reads |= _node_reads(inner)
+                reads |= node_reads(inner)
     return reads
 
 
@@ -323,7 +321,7 @@ def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
     for node in reversed(graph.node):
         if any(name in needed for name in node.output):
             alive.append(node)
-            needed |= _node_reads(node)
+            needed |= node_reads(node)
     if len(alive) < len(graph.node):
         alive.reverse()
         del graph.node[:]
@@ -339,7 +337,7 @@ def _fold_output_identities(graph: onnx.GraphProto) -> None:
         name
         for node in graph.node
         if any(a.HasField("g") or a.graphs for a in node.attribute)
-        for name in _node_reads(node)
+        for name in node_reads(node)
     }
     renames: dict[str, str] = {}
     dropped: set[int] = set()  # indices of the Identity nodes that go

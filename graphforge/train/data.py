@@ -12,65 +12,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-from onnx import helper
 
-from graphforge import roles
-from graphforge.errors import ConfigError
-from graphforge.graph import one_line
+from graphforge.errors import ConfigError, one_line
+from graphforge.program import BatchInput
 from graphforge.train.config import DataLocation, PythonSource, shown
 
 Batch = dict[str, np.ndarray]
-
-
-# --------------------------------------------------------------------------- the program's inputs
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """A batch input of the program: name, dtype, dims (int, or a name for a dynamic one) and
-    whether the program has a default for it (an initializer)."""
-
-    name: str
-    dtype: np.dtype
-    dims: tuple[int | str | None, ...] | None
-    has_default: bool
-
-    def describe_dims(self) -> str:
-        return "?" if self.dims is None else "[" + ", ".join("?" if d is None else str(d) for d in self.dims) + "]"
-
-
-def batch_inputs(program: onnx.ModelProto) -> list[InputSpec]:
-    """The program inputs a batch feeds: not carried state, learning rate, step or reset flag."""
-    meta = {p.key: p.value for p in program.metadata_props}
-    carried = {spec["input"] for spec in _state_specs(meta)}
-    special = {meta.get(roles.LR, "lr"), meta.get(roles.STEP, "step"), meta.get(roles.RESET_GRAD)}
-    initializers = {t.name for t in program.graph.initializer}
-    specs = []
-    for value in program.graph.input:
-        if value.name in carried or value.name in special or not value.type.HasField("tensor_type"):
-            continue
-        tensor_type = value.type.tensor_type
-        dims = None
-        if tensor_type.HasField("shape"):
-            dims = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
-            )
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
-        specs.append(InputSpec(value.name, dtype, dims, value.name in initializers))
-    return specs
-
-
-def _state_specs(meta: dict[str, str]) -> list[dict]:
-    return json.loads(meta.get(roles.STATE, "[]"))
 
 
 class Conformer:
@@ -79,7 +32,7 @@ class Conformer:
     int64), saying so once through ``note``; any other mismatch is an error.
     ``where`` starts every message (the config file and key: ``train.toml: data.train``)."""
 
-    def __init__(self, inputs: list[InputSpec], where: str, note: Callable[[str], None]):
+    def __init__(self, inputs: list[BatchInput], where: str, note: Callable[[str], None]):
         self.inputs = {spec.name: spec for spec in inputs}
         self.where = where
         self.note = note

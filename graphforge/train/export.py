@@ -14,9 +14,9 @@ from pathlib import Path
 
 from graphforge.errors import CheckpointError
 from graphforge.graph import Model, ModelSource, load, save
-from graphforge.inference import export_inference_model
 from graphforge.passes.prune import ModelSize
 from graphforge.runtime import CheckpointManager, CheckpointState
+from graphforge.runtime.inference import export_inference_model
 from graphforge.train.loop import CHECKPOINTS
 
 

@@ -34,17 +34,14 @@ import onnx
 from rich.console import Console
 from rich.markup import escape
 
-from graphforge import roles
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
 from graphforge.graph import load, save
-from graphforge.inference import forward_outputs
-from graphforge.pass_manager import PassManager
-from graphforge.pipeline import parse_pipeline
+from graphforge.pass_manager import PassManager, parse_pipeline
+from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
-from graphforge.runtime.checkpoint import carried_specs
 from graphforge.runtime.lr_schedules import LRSchedule, make_schedule, schedule_from_state_dict
 from graphforge.train.config import Config, load_config, shown
-from graphforge.train.data import ArraySource, Conformer, Source, Stream, batch_inputs, open_source
+from graphforge.train.data import ArraySource, Conformer, Source, Stream, open_source
 from graphforge.train.evaluation import evaluate
 from graphforge.train.logs import RunLog
 from graphforge.train.profiling import PROFILE_DIR, StepProfiler
@@ -192,16 +189,16 @@ def prepare(config: Config) -> Plan:
     notes: list[str] = []
     out = config.out if config.out is not None else Path("runs") / (config.source.stem if config.source else "train")
     program, compiled_from = _program(config)
-    meta = {p.key: p.value for p in program.metadata_props}
+    program_roles = ProgramRoles.of_proto(program)
 
     accumulate = config.train.accumulate
-    if accumulate > 1 and roles.RESET_GRAD not in meta:
+    if accumulate > 1 and not program_roles.accumulates:
         raise ConfigError(
             f"{where}: train.accumulate = {accumulate} needs a program compiled with accumulate=true "
             "(e.g. adamw(lr=1e-3, accumulate=true) in model.pipeline)"
         )
 
-    inputs = batch_inputs(program)
+    inputs = list(program_roles.batch_inputs)
     data = config.data
 
     def note(text: str) -> None:
@@ -227,7 +224,7 @@ def prepare(config: Config) -> Plan:
         eval_source = source(data.eval, "data.eval", shuffle=False, drop_last=False, batch_size=eval_batch)
 
     total_steps = _total_steps(config, train)
-    outputs = forward_outputs(program)
+    outputs = list(program_roles.forward_outputs)
     eval_output = config.eval.output
     if eval_output is not None and eval_output not in outputs:
         raise ConfigError(
@@ -241,7 +238,7 @@ def prepare(config: Config) -> Plan:
         )
 
     state, resumed_from = _starting_state(config, out, program)
-    schedule_options = _schedule_options(config, meta, total_steps)
+    schedule_options = _schedule_options(config, program_roles, total_steps)
     settings = run_settings(config, train, schedule_options)
     changed = {}
     if resumed_from is not None:
@@ -261,7 +258,7 @@ def prepare(config: Config) -> Plan:
         train=train,
         eval=eval_source,
         eval_output=eval_output,
-        labels=meta.get(roles.LABELS),
+        labels=program_roles.labels,
         total_steps=total_steps,
         state=state,
         resumed_from=resumed_from,
@@ -293,9 +290,7 @@ def _program(config: Config) -> tuple[onnx.ModelProto, str]:
             raise ConfigError(f"{where}: model.pipeline: {exc}") from None
         source = f'{shown(model.path)}, compiled with "{model.pipeline}" in {time.perf_counter() - started:.2f} s'
         key = "model.pipeline"
-    try:
-        carried_specs(program)
-    except GraphforgeError:
+    if not ProgramRoles.of_proto(program).is_training_program:
         raise ConfigError(
             f"{where}: {key}: not a training program; the pipeline must end with an optimizer pass, e.g. "
             '"loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-3)"'
@@ -363,10 +358,11 @@ def _starting_state(config: Config, out: Path, program: onnx.ModelProto) -> tupl
     return CheckpointState.load(path, program), path
 
 
-def _schedule_options(config: Config, meta: dict[str, str], total_steps: int) -> dict:
+def _schedule_options(config: Config, program_roles: ProgramRoles, total_steps: int) -> dict:
     """The schedule's options, checked by building it once (free-standing)."""
     schedule = config.schedule
-    base_lr = config.train.lr if config.train.lr is not None else float(meta.get(roles.DEFAULT_LR, "nan"))
+    default_lr = program_roles.default_lr if program_roles.default_lr is not None else math.nan
+    base_lr = config.train.lr if config.train.lr is not None else default_lr
     if not math.isfinite(base_lr):
         raise ConfigError(f"{config.where}: the program has no learning rate; set train.lr")
     options = {
@@ -730,8 +726,7 @@ class Run:
 
     def _describe(self, program_path: Path) -> None:
         plan, config = self.plan, self.config
-        meta = {p.key: p.value for p in plan.program.metadata_props}
-        optimizer = json.loads(meta.get(roles.OPTIMIZER, "{}")).get("kind", "?")
+        optimizer = ProgramRoles.of_proto(plan.program).optimizer or "?"
         self._say(f"[bold]model[/]    {escape(plan.compiled_from)} → {escape(str(program_path))}")
         train = plan.train
         text = f"train {escape(train.describe())}"

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from graphforge.roles import PROGRAM_PARTS
 from graphforge.runtime import Module
 
 PROFILE_DIR = "profile"
@@ -60,10 +61,6 @@ class StepProfiler:
         return self.path
 
 
-#: what each part of a program is called, by the prefix graphforge's passes give node names
-PARTS = {"loss::": "loss", "grad::": "backward", "optim::": "optimizer"}
-
-
 @dataclass
 class TraceSummary:
     """Kernel time (microseconds, summed over threads' critical path as onnxruntime reports
@@ -93,7 +90,7 @@ def part_of(node_name: str) -> str:
     """The program part a node belongs to, from its name (onnxruntime's fusions keep the
     name of the node they started from, after a ``fused `` prefix)."""
     name = node_name.removeprefix("fused ")
-    return next((part for prefix, part in PARTS.items() if name.startswith(prefix)), "forward")
+    return next((part for prefix, part in PROGRAM_PARTS.items() if name.startswith(prefix)), "forward")
 
 
 def summarize_traces(files: list[Path], *, skip_first_run: bool = True) -> TraceSummary:

@@ -15,7 +15,7 @@ from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import gc_paused, is_parameter, recorded_torch_kinds
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pipeline import Fact, Pass, PassResult
 from graphforge.shapes import infer_shapes
 
 
@@ -48,6 +48,7 @@ class Autodiff(Pass):
     """
 
     name = "autodiff"
+    ensures = (Fact.LOSS, Fact.GRADIENTS)
     loss: str = "loss"
     trainable: tuple[str, ...] = ("*",)
     frozen: tuple[str, ...] = ()

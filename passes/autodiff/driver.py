@@ -24,13 +24,14 @@ import onnx_graphsurgeon as gs
 from graphforge.passes.autodiff.context import GradContext
 from graphforge.passes.autodiff.registry import RULES, RuleRegistry
 
+from graphforge import roles
 from graphforge.analysis import topological_order
 from graphforge.analysis.dag import outer_inputs
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.ir import gc_paused
 
-GRAD_PREFIX = "grad::"
+GRAD_PREFIX = roles.GRAD_PREFIX
 
 
 class MissingGradientRule(PassError):

@@ -8,7 +8,7 @@ import onnx
 import pytest
 from gradcheck import numeric_gradients
 from graphforge.passes import REGISTRY, ExpandGradient
-from graphforge.passes.gradient_op import PREVIEW_TRAINING
+from graphforge.passes.autodiff.gradient_op import PREVIEW_TRAINING
 
 import graphforge
 

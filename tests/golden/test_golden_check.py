@@ -16,6 +16,7 @@ from graphforge.passes import CommonSubexpressionElimination
 from onnx import numpy_helper
 
 from graphforge import PassResult, golden
+from graphforge.golden import compare as golden_compare
 from graphforge.golden.layout import read_expectation, write_expectation
 
 GRAPHFORGE = Path(sys.executable).parent / "graphforge"
@@ -265,13 +266,20 @@ def test_real_process_exit_codes(golden_copy):
     assert len(bad.stderr.strip().splitlines()) == 1 and "cleanup.npz" in bad.stderr
 
 
-def test_structural_diff_without_the_diff_engine(golden_copy, monkeypatch):
-    """Where graphforge.diff is missing, the diff lists the op signatures added and removed."""
+def test_structural_diff_when_the_diff_engine_fails(golden_copy, monkeypatch):
+    """Should the diff engine fail, the diff says so and lists the op signatures added and removed."""
     folder = golden_copy("demo_mlp")
     _no_cse(monkeypatch)
-    monkeypatch.setitem(sys.modules, "graphforge.diff", None)  # import fails
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(golden_compare, "diff_models", broken)
     (case,) = golden.check(folder, pipelines=["cleanup"]).cases
-    assert case.diff == "nodes by op and attributes (- recorded, + now):\n+ Relu()  ×1"
+    assert case.diff == (
+        "(graphforge.diff failed: RuntimeError: boom; showing op signatures instead)\n"
+        "nodes by op and attributes (- recorded, + now):\n+ Relu()  ×1"
+    )
 
 
 def test_expectation_with_an_unknown_stage_is_refused(golden_copy, run_cli):

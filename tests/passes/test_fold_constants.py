@@ -24,7 +24,7 @@ from _util import (
 )
 from graphforge.passes import FoldConstants
 
-from graphforge.graph import runtime_limits
+from graphforge.ort_compat import runtime_limits
 
 CHAIN = """
 <ir_version: 10, opset_import: ["" : 18]>

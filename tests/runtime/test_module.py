@@ -10,7 +10,7 @@ import pytest
 from graphforge import CheckpointState, GraphforgeError, Module, Optimizer
 from graphforge.errors import DeviceError
 from graphforge.runtime import CosineSchedule
-from graphforge.runtime.sessions import CUDA, _provider_works
+from graphforge.runtime.sessions import CUDA, provider_works
 
 pytest.importorskip("torch")
 
@@ -60,17 +60,17 @@ def test_parameters_stay_in_onnxruntime_and_are_read_back_as_copies(program):
     snapshot = module.parameters["0.weight"]
     x, target = tm.batches(1)[0]
     module.train_step(x, target)
-    buffers = [list(c.slots) for c in module._carried.values()]
+    buffers = [list(c.slots) for c in module.runner.carried.values()]
     assert all(len(pair) == 2 for pair in buffers)
     for _ in range(3):
         module.train_step(x, target)
     # the same two buffers per carried tensor, swapping roles: no per-step allocation or copy
-    for pair, carried in zip(buffers, module._carried.values(), strict=True):
+    for pair, carried in zip(buffers, module.runner.carried.values(), strict=True):
         assert pair[0] is carried.slots[0] and pair[1] is carried.slots[1]
     assert np.array_equal(snapshot, initial)  # a read-back is a copy, not a view of a live buffer
     assert not np.array_equal(module.parameters["0.weight"], initial)
     assert not np.array_equal(state.tensors["0.weight"], initial)  # the state is live
-    assert len(module._fused.bindings) == 2  # one IOBinding per ping-pong parity, reused
+    assert len(module._fused_session().bindings) == 2  # one IOBinding per ping-pong parity, reused
 
 
 def test_batch_size_may_change_between_steps(program):
@@ -226,7 +226,7 @@ def test_undo_of_the_split_path_restores_counters_and_gradients():
     _assert_same_tensors(module.state.tensors, stepped)
 
 
-@pytest.mark.skipif(_provider_works(CUDA), reason="a CUDA device works here")
+@pytest.mark.skipif(provider_works(CUDA), reason="a CUDA device works here")
 def test_cuda_without_a_usable_gpu_is_one_clear_error(program):
     with pytest.raises(DeviceError, match=r"device 'cuda' asks for CUDA, but .*use device 'cpu'"):
         Module(program, device="cuda")

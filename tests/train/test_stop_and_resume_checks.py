@@ -12,7 +12,7 @@ import pytest
 
 import graphforge.train
 from graphforge import CheckpointError, CheckpointManager, CheckpointState, ConfigError
-from graphforge.runtime.sessions import CUDA, _provider_works
+from graphforge.runtime.sessions import CUDA, provider_works
 from graphforge.train import NonFiniteLoss
 from graphforge.train.logs import read_jsonl
 
@@ -223,7 +223,7 @@ def test_int32_labels_are_widened_to_the_int64_input(tmp_path):
     assert "casting labels int32 → int64" in done.stdout
 
 
-@pytest.mark.skipif(_provider_works(CUDA), reason="a CUDA device works here")
+@pytest.mark.skipif(provider_works(CUDA), reason="a CUDA device works here")
 def test_train_device_cuda_without_a_gpu_is_a_config_error(tmp_path):
     folder = th.workspace(tmp_path)
     config = th.write_config(folder, th.base_config(train={"device": "cuda"}))

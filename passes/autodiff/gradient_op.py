@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from graphforge.passes.autodiff import build_gradients
-from graphforge.passes.autodiff.driver import GRAD_PREFIX, is_differentiable_type
+from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients, is_differentiable_type
 
 from graphforge.analysis import topological_order
 from graphforge.builder import Builder

@@ -19,7 +19,8 @@ from _training_programs import (
 import graphforge
 from graphforge import roles
 from graphforge.errors import GraphforgeError
-from graphforge.inference import eval_model, export_inference_model, forward_outputs
+from graphforge.program import ProgramRoles
+from graphforge.runtime.inference import eval_model, export_inference_model
 
 pytest.importorskip("torch")
 
@@ -52,7 +53,7 @@ def modified(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def test_forward_outputs(case):
-    assert forward_outputs(case.program) == ["logits"]
+    assert list(ProgramRoles.read(case.program).forward_outputs) == ["logits"]
 
 
 def test_eval_model_loss_matches_torch_eval_loss(case):

@@ -12,26 +12,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from graphforge import roles
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model, ModelSource, load
 from graphforge.ir import onnx_dtype
+from graphforge.passes.prune import Prune
+from graphforge.program import ProgramRoles
 from graphforge.verify import verify_model
-
-#: name prefixes of the nodes the training passes add (loss, autodiff, optimizers)
-TRAINING_NODE_PREFIXES = ("loss::", "grad::", "optim::")
-
-
-def forward_outputs(program: ModelSource | Model) -> list[str]:
-    """The program's outputs the forward model computes: not the loss, the gradients, the
-    updated states or grad_norm (the outputs of the loss, autodiff and optimizer nodes)."""
-    model = _as_model(program)
-    producers = {id(t): node for node in model.graph.nodes for t in node.outputs}
-    return [
-        t.name
-        for t in model.graph.outputs
-        if id(t) not in producers or not producers[id(t)].name.startswith(TRAINING_NODE_PREFIXES)
-    ]
 
 
 def eval_model(program: ModelSource | Model, outputs: Sequence[str] | None = None) -> onnx.ModelProto:
@@ -42,15 +28,13 @@ def eval_model(program: ModelSource | Model, outputs: Sequence[str] | None = Non
     input of the same name (an initializer holding the program's value), so a runtime
     can bind the current training values without copying them into the model.
     """
-    from graphforge.passes.prune import Prune
-
     model = _as_model(program)
-    wanted = list(forward_outputs(model) if outputs is None else outputs)
-    output_names = {t.name for t in model.graph.outputs}
-    loss = model.metadata.get(roles.LOSS)
-    if loss in output_names and loss not in wanted:
+    program_roles = ProgramRoles.of_model(model)
+    wanted = list(program_roles.forward_outputs if outputs is None else outputs)
+    loss = program_roles.loss
+    if loss is not None and loss not in wanted:
         wanted.append(loss)
-    labels = model.metadata.get(roles.LABELS)
+    labels = program_roles.labels
     keep = [labels] if labels in {t.name for t in model.graph.inputs} else []
     return _pruned(model, Prune(outputs=tuple(wanted), keep_inputs=tuple(keep), parameters_as_inputs=True))
 
@@ -68,10 +52,8 @@ def export_inference_model(
     optimizer states, accumulators or the step (a runtime's whole state) are ignored, as
     an inference model has no place for them. Any other name is an error.
     """
-    from graphforge.passes.prune import Prune
-
     model = _as_model(program)
-    wanted = forward_outputs(model) if outputs is None else list(outputs)
+    wanted = list(ProgramRoles.of_model(model).forward_outputs) if outputs is None else list(outputs)
     if values:
         _set_values(model, values)
     return _pruned(model, Prune(outputs=tuple(wanted)))
@@ -99,8 +81,9 @@ def _pruned(model: Model, prune) -> onnx.ModelProto:
 def _set_values(model: Model, values: Mapping[str, np.ndarray]) -> None:
     """Put ``values`` into the initializers of the same names, after checking them all."""
     tensors = model.graph.tensors()
-    state = {spec["input"] for spec in roles.get_json(model, roles.STATE, []) if spec.get("init") != "initializer"}
-    state |= {model.metadata[key] for key in (roles.STEP, roles.LR, roles.RESET_GRAD) if key in model.metadata}
+    program_roles = ProgramRoles.of_model(model)
+    state = {spec.input for spec in program_roles.carried if spec.init != "initializer"}
+    state |= set(program_roles.scalar_inputs)
     updates: list[tuple[gs.Constant, np.ndarray]] = []
     for name, value in values.items():
         tensor = tensors.get(name)

@@ -1,0 +1,299 @@
+"""One typed reader of a training program's roles: what each input and output of the one
+``.onnx`` file is for.
+
+The passes record roles in the model's metadata (``graphforge.roles``); everything that
+runs, checks, checkpoints or shows a program reads them here, once, from the proto (never
+importing it into onnx-graphsurgeon), instead of parsing ``metadata_props`` itself::
+
+    roles = ProgramRoles.read("program.onnx")
+    roles.batch_inputs        # what a batch feeds: x, labels (name, dtype, dims, default?)
+    roles.carried             # parameters, optimizer states, accumulators, buffers: input -> output
+    roles.gradient_boundary   # parameter -> its gradient where allreduce / unscaling insert themselves
+    roles.forward_outputs     # what the forward model computes (not loss, gradients, updates)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from graphforge import roles
+from graphforge.errors import GraphforgeError
+from graphforge.graph import Model, ModelSource, load
+from graphforge.ir import onnx_dtype
+
+#: what a carried tensor is (``CarriedSpec.role``)
+CARRIED_ROLES = ("parameter", "optimizer", "accumulator", "buffer")
+
+
+@dataclass(frozen=True)
+class CarriedSpec:
+    """One tensor a program carries from step to step: the input that holds it, the output
+    that replaces it after a step, and what it is.
+
+    ``role``: "parameter" (trained), "optimizer" (a moment, a momentum buffer), "accumulator"
+    (accumulated gradients) or "buffer" (BatchNorm running statistics). ``init``: its first
+    value is the program's "initializer" of that name, or "zeros". ``like``: the parameter an
+    optimizer state or accumulator belongs to."""
+
+    input: str
+    output: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+    init: str = "zeros"
+    like: str | None = None
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> CarriedSpec:
+        return cls(
+            entry["input"],
+            entry["output"],
+            entry["role"],
+            entry["dtype"],
+            tuple(entry["shape"]),
+            entry.get("init", "zeros"),
+            entry.get("like"),
+        )
+
+    def to_json(self) -> dict:
+        """The ``graphforge.state`` entry (its key order is the file format's)."""
+        return {
+            "input": self.input,
+            "output": self.output,
+            "init": self.init,
+            "role": self.role,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "like": self.like,
+        }
+
+
+@dataclass(frozen=True)
+class BatchInput:
+    """A program input a batch feeds: name, dtype, dims (int, or a name for a dynamic one)
+    and whether the program has a default for it (an initializer)."""
+
+    name: str
+    dtype: np.dtype
+    dims: tuple[int | str | None, ...] | None
+    has_default: bool
+
+    def describe_dims(self) -> str:
+        return "?" if self.dims is None else "[" + ", ".join("?" if d is None else str(d) for d in self.dims) + "]"
+
+
+@dataclass(frozen=True)
+class ProgramRoles:
+    """The roles of a model's inputs and outputs, as its metadata records them.
+
+    Works for any model: one that no pass touched has no loss, gradients or carried state,
+    and all of its inputs and outputs are batch inputs and forward outputs."""
+
+    #: every metadata_props entry, graphforge's keys and others
+    metadata: Mapping[str, str]
+    #: graph inputs and outputs, in order
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    loss: str | None
+    labels: str | None
+    parameters: tuple[str, ...]
+    #: parameter (or differentiated input) -> its gradient output
+    gradients: Mapping[str, str]
+    #: parameter -> the tensor holding its gradient at the optimizer's gradient boundary
+    gradient_boundary: Mapping[str, str]
+    #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
+    optimizer: str | None
+    hyperparameters: Mapping[str, Any]
+    carried: tuple[CarriedSpec, ...]
+    lr_input: str | None
+    step_input: str | None
+    reset_input: str | None
+    default_lr: float | None
+    #: the global gradient norm output, and the step count after the step (when present)
+    grad_norm: str | None
+    step_output: str | None
+    batch_inputs: tuple[BatchInput, ...]
+    forward_outputs: tuple[str, ...]
+    _carried_by_input: dict[str, CarriedSpec] = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ reading
+
+    @classmethod
+    def read(cls, program: ModelSource | Model) -> ProgramRoles:
+        """The roles of a path, bytes, ModelProto or Model (a Model is read from its
+        onnx-graphsurgeon graph, without exporting it)."""
+        if isinstance(program, Model):
+            return cls.of_model(program)
+        return cls.of_proto(program if isinstance(program, onnx.ModelProto) else load(program))
+
+    @classmethod
+    def of_proto(cls, proto: onnx.ModelProto) -> ProgramRoles:
+        graph = proto.graph
+        initializers = {t.name for t in graph.initializer}
+        producers = {name: node.name for node in graph.node for name in node.output if name}
+        inputs = [
+            (v.name, *_value_type(v.type), v.name in initializers)
+            for v in graph.input
+            if v.type.HasField("tensor_type")
+        ]
+        return cls._build(
+            roles.metadata_of(proto),
+            inputs,
+            [v.name for v in graph.input],
+            [v.name for v in graph.output],
+            producers,
+        )
+
+    @classmethod
+    def of_model(cls, model: Model) -> ProgramRoles:
+        graph = model.graph
+        producers = {t.name: node.name or "" for node in graph.nodes for t in node.outputs}
+        tensors = graph.tensors()
+        initializer_inputs = [n for n in model.initializer_inputs if n in tensors]
+        inputs = [(t.name, _np_dtype(t.dtype), _dims(t.shape), False) for t in graph.inputs]
+        inputs += [(n, _np_dtype(tensors[n].dtype), _dims(tensors[n].shape), True) for n in initializer_inputs]
+        names = [t.name for t in graph.inputs] + initializer_inputs
+        return cls._build(dict(model.metadata), inputs, names, [t.name for t in graph.outputs], producers)
+
+    @classmethod
+    def _build(
+        cls,
+        metadata: dict[str, str],
+        typed_inputs: Sequence[tuple[str, np.dtype | None, tuple | None, bool]],
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        producers: Mapping[str, str],
+    ) -> ProgramRoles:
+        def json_value(key: str, default):
+            text = metadata.get(key)
+            if text is None:
+                return default
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                raise GraphforgeError(f"the model's metadata {key!r} is not valid JSON: {text[:80]!r}") from None
+
+        carried = tuple(CarriedSpec.from_json(entry) for entry in json_value(roles.STATE, []))
+        optimizer = json_value(roles.OPTIMIZER, None) or {}
+        step_input = metadata.get(roles.STEP)
+        output_set = set(outputs)
+        loss = metadata.get(roles.LOSS)
+        gradients = dict(json_value(roles.GRADIENTS, {}))
+        grad_norm = roles.GRAD_NORM if roles.OPTIMIZER in metadata and roles.GRAD_NORM in output_set else None
+        step_output = roles.next_name(step_input) if step_input and roles.next_name(step_input) in output_set else None
+        scalars = {metadata.get(k) for k in (roles.LR, roles.STEP, roles.RESET_GRAD)} - {None}
+        carried_inputs = {c.input for c in carried}
+        not_forward = {loss, grad_norm, step_output, *gradients.values(), *(c.output for c in carried)}
+        default_lr = metadata.get(roles.DEFAULT_LR)
+        return cls(
+            metadata=metadata,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            loss=loss if loss in output_set else None,
+            labels=metadata.get(roles.LABELS),
+            parameters=tuple(json_value(roles.PARAMETERS, [])),
+            gradients=gradients,
+            gradient_boundary=dict(json_value(roles.GRADIENT_BOUNDARY, {})),
+            optimizer=optimizer.get("kind"),
+            hyperparameters=dict(optimizer.get("hyperparameters", {})),
+            carried=carried,
+            lr_input=metadata.get(roles.LR),
+            step_input=step_input,
+            reset_input=metadata.get(roles.RESET_GRAD),
+            default_lr=float(default_lr) if default_lr is not None else None,
+            grad_norm=grad_norm,
+            step_output=step_output,
+            batch_inputs=tuple(
+                BatchInput(name, dtype, dims, has_default)
+                for name, dtype, dims, has_default in typed_inputs
+                if name not in carried_inputs and name not in scalars and dtype is not None
+            ),
+            forward_outputs=tuple(
+                name
+                for name in outputs
+                if name not in not_forward and not producers.get(name, "").startswith(roles.GENERATED_PREFIXES)
+            ),
+            _carried_by_input={c.input: c for c in carried},
+        )
+
+    # ------------------------------------------------------------------ questions
+
+    @property
+    def is_training_program(self) -> bool:
+        """Whether an optimizer pass made this a whole training step (it carries state)."""
+        return roles.STATE in self.metadata
+
+    def require_training_program(self) -> ProgramRoles:
+        """``self``, or a GraphforgeError saying how to compile a training program."""
+        if not self.is_training_program:
+            raise GraphforgeError(
+                "the model is not a training program (no graphforge.state metadata): compile it with "
+                "an optimizer pass, e.g. 'loss(kind=..., output=...), autodiff, adamw(lr=...)'"
+            )
+        return self
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the program accumulates gradients over micro-batches (``accumulate=true``)."""
+        return self.reset_input is not None
+
+    @property
+    def scalar_inputs(self) -> tuple[str, ...]:
+        """The learning-rate, step and reset-flag inputs a runtime feeds (those present)."""
+        return tuple(n for n in (self.lr_input, self.step_input, self.reset_input) if n is not None)
+
+    def carried_spec(self, name: str) -> CarriedSpec | None:
+        """The carried tensor whose input is ``name``, or None."""
+        return self._carried_by_input.get(name)
+
+    def carried_with_role(self, *wanted: str) -> list[CarriedSpec]:
+        return [c for c in self.carried if c.role in wanted]
+
+    @property
+    def update_outputs(self) -> set[str]:
+        """What the optimizer's update writes: the next parameters and optimizer states,
+        the gradient norm and the step count (not accumulators or buffers, which the
+        forward/backward part writes)."""
+        updated = {c.output for c in self.carried_with_role("parameter", "optimizer")}
+        return updated | {n for n in (self.grad_norm, self.step_output) if n is not None}
+
+    def batch_input_names(self) -> list[str]:
+        return [b.name for b in self.batch_inputs]
+
+
+def program_proto(program: ModelSource | Model) -> onnx.ModelProto:
+    """A program as a ModelProto, from a path, bytes, ModelProto (itself, not a copy) or Model."""
+    if isinstance(program, Model):
+        return program.to_proto()
+    if isinstance(program, onnx.ModelProto):
+        return program
+    return load(program)
+
+
+def _value_type(type_proto: onnx.TypeProto) -> tuple[np.dtype | None, tuple | None]:
+    tensor_type = type_proto.tensor_type
+    dims = None
+    if tensor_type.HasField("shape"):
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim)
+    return _np_dtype(tensor_type.elem_type), dims
+
+
+def _np_dtype(dtype) -> np.dtype | None:
+    code = onnx_dtype(dtype)
+    if code is None:
+        return None
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(code))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _dims(shape) -> tuple | None:
+    return None if shape is None else tuple(d if isinstance(d, int | str) else None for d in shape)

@@ -1,0 +1,511 @@
+"""The runner: everything that executes a program goes through here.
+
+A :class:`Runner` holds, for one program on one device, the tensors the program carries
+from step to step (parameters, optimizer states, accumulators, buffers) and the sessions
+that run it or its segments. Every carried tensor lives in two preallocated OrtValues on
+the device; a run reads one and writes the other, bound with IOBinding, and the two swap
+roles (ping-pong), so nothing is copied per step and nothing leaves onnxruntime between
+steps. Feeds may be host arrays or device OrtValues; fetches come back to the host, or stay
+on the device to go on to another segment.
+
+:meth:`Runner.execute` is the one executor of N segments: it runs them in order, hands the
+device values that segment k sends to the segments after it, and between segments calls a
+hook that may replace those values (an all-reduce of the gradients, a send to the next
+pipeline stage, a callback under autograd), or hand back a pending result (an asynchronous
+collective) that is waited on only when a later segment reads one of its values. The
+Module (training.py) is one client: its fused step is one segment, its split step two.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from graphforge.errors import DeviceError, GraphforgeError, one_line
+from graphforge.program import CarriedSpec
+from graphforge.runtime.sessions import (
+    CPU,
+    CUDA,
+    available_providers,
+    create_session,
+    lean_model,
+    node_reads,
+    provider_works,
+    session_options,
+)
+
+#: host outputs of a fixed shape up to this many elements get a preallocated buffer
+PREALLOCATED_MAX = 4096
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a runner's buffers live and its sessions run: an OrtValue device type and id,
+    and the providers its sessions use."""
+
+    type: str
+    id: int
+    providers: tuple
+
+    @property
+    def name(self) -> str:
+        return self.type if self.type == "cpu" else f"{self.type}:{self.id}"
+
+
+def resolve_device(device: str | None) -> Device:
+    """The Device for "cpu", "cuda", "cuda:N", or None (the best that works here)."""
+    if device is None:
+        providers = available_providers()
+        if providers[0] != CUDA:
+            return Device("cpu", 0, tuple(providers))
+        device = "cuda"
+    text = str(device).strip().lower()
+    kind, _, index = text.partition(":")
+    if kind == "cpu" and not index:
+        return Device("cpu", 0, (CPU,))
+    if kind in ("cuda", "gpu") and (not index or index.isdigit()):
+        device_id = int(index or 0)
+        if not provider_works(CUDA):
+            why = (
+                "this onnxruntime build has no CUDA provider (install onnxruntime-gpu)"
+                if CUDA not in ort.get_available_providers()
+                else "no CUDA device is usable on this machine"
+            )
+            raise DeviceError(f"device {device!r} asks for CUDA, but {why}; use device 'cpu'")
+        return Device("cuda", device_id, ((CUDA, {"device_id": str(device_id)}), CPU))
+    raise DeviceError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+
+
+@dataclass
+class Carried:
+    """One carried tensor: two device buffers, and which one holds the current value."""
+
+    spec: CarriedSpec
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    slots: list[ort.OrtValue]
+    current: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.input
+
+    @property
+    def output(self) -> str:
+        return self.spec.output
+
+    @property
+    def value(self) -> ort.OrtValue:
+        return self.slots[self.current]
+
+
+@dataclass
+class _Binding:
+    """An IOBinding and the host outputs it fetches: bound once to preallocated buffers
+    (small outputs of fixed shape), or bound afresh each run (the others)."""
+
+    binding: ort.IOBinding
+    preallocated: dict[str, ort.OrtValue]
+    allocated: list[str]
+    #: host outputs that also go on to another segment: bound once, on the device, and
+    #: copied to the host from there (onnxruntime keeps only the last binding of a name)
+    via_device: list[str]
+
+
+@dataclass
+class BoundSession:
+    """A session for one model (a whole program, a segment of one, an eval model) and its
+    IOBindings, cached by which buffer each carried tensor is bound to and what is fetched."""
+
+    session: ort.InferenceSession
+    where: str
+    inputs: list[str]
+    input_dtypes: dict[str, np.dtype]
+    #: inputs with an initializer default, as device values bound when no feed names them
+    #: (IOBinding cannot bind an input that is also an initializer, so the model has none)
+    defaults: dict[str, ort.OrtValue]
+    outputs: list[str]
+    output_shapes: dict[str, tuple[int, ...]]  # the outputs of fixed shape
+    output_dtypes: dict[str, np.dtype]
+    carried_in: list[Carried]
+    carried_out: list[Carried]
+    free_inputs: list[str]
+    bindings: dict[tuple, _Binding] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SegmentRun:
+    """One segment of an execution: its session, the outputs fetched to the host, and the
+    outputs it sends on as device values (to later segments, or out of the execution)."""
+
+    session: BoundSession
+    fetch: Sequence[str] = ()
+    sends: Sequence[str] = ()
+
+
+class Pending(Protocol):
+    """What a hook hands back for work still in flight (an asynchronous collective)."""
+
+    def wait(self) -> Mapping[str, ort.OrtValue] | None:
+        """Block until done; returns replacements for the values sent, or None to keep them."""
+        ...
+
+
+#: called after segment k with the device values it sends; returns replacements (a mapping,
+#: possibly of fewer names), a Pending to wait on before a later segment reads them, or None
+Hook = Callable[[int, dict[str, ort.OrtValue]], "Mapping[str, ort.OrtValue] | Pending | None"]
+
+
+@dataclass
+class Execution:
+    """What an execution produced: the host outputs fetched, the device values the segments
+    sent (after the hook), and the carried tensors it wrote (their other buffer still holds
+    the value before, which ``Runner.restore`` brings back)."""
+
+    host: dict[str, np.ndarray]
+    device: dict[str, ort.OrtValue]
+    written: list[Carried]
+
+
+class Runner:
+    """Carried ping-pong buffers, sessions and bindings for one program on one device.
+
+    ``carried``: the tensors the program carries; ``batch_inputs``: the inputs a caller
+    feeds, named when one is missing. ``threads``: intra/inter-op thread counts for every
+    session. Values come in with :meth:`write_tensors` and go out with :meth:`read_tensors`
+    (a CheckpointState reads through that, see checkpoint.TensorHolder).
+    """
+
+    def __init__(
+        self,
+        carried: Sequence[CarriedSpec],
+        device: Device,
+        *,
+        batch_inputs: Sequence[str] = (),
+        intra_op_threads: int | None = None,
+        inter_op_threads: int | None = None,
+    ):
+        self.device = device
+        self.batch_inputs = list(batch_inputs)
+        self._threads = {"intra_op_threads": intra_op_threads, "inter_op_threads": inter_op_threads}
+        self.carried: dict[str, Carried] = {}
+        for spec in carried:
+            dtype, shape = np.dtype(spec.dtype), tuple(spec.shape)
+            slot = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device.type, device.id)
+            self.carried[spec.input] = Carried(spec, dtype, shape, [slot])
+        self.by_output = {c.output: c for c in self.carried.values()}
+        self._sessions: dict[Any, BoundSession] = {}
+        #: while profiling: where traces go, and the profiled twin sessions by key
+        self._profile_prefix: str | None = None
+        self._profiled: dict[Any, BoundSession] = {}
+
+    # ------------------------------------------------------------------ carried values
+
+    def write_tensors(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set the current value of every carried tensor (host arrays, by input name)."""
+        for name, c in self.carried.items():
+            c.value.update_inplace(np.asarray(values[name], order="C"))
+
+    def read_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """The current values of the carried tensors (``names``, default all), as host copies."""
+        chosen = self.carried if names is None else {n: self.carried[n] for n in names}
+        return {name: to_numpy(c.value) for name, c in chosen.items()}
+
+    def read_role(self, *wanted: str) -> dict[str, np.ndarray]:
+        return self.read_tensors(n for n, c in self.carried.items() if c.spec.role in wanted)
+
+    @staticmethod
+    def restore(written: Iterable[Carried]) -> None:
+        """Make the buffers a run wrote from current again (undo it): nothing is copied."""
+        for c in written:
+            c.current = 1 - c.current
+
+    # ------------------------------------------------------------------ sessions
+
+    def session(
+        self,
+        key: Any,
+        model: Callable[[], onnx.ModelProto],
+        where: str,
+        keep: Sequence[str] | None = None,
+        *,
+        only_read_inputs: bool = False,
+        profile: bool = False,
+    ) -> BoundSession:
+        """The session cached under ``key``, made on first use from ``model()`` computing only
+        the outputs in ``keep`` (None: all). ``only_read_inputs``: without the graph inputs no
+        node reads (the labels when only forward outputs are kept). ``profile``: while
+        profiling, a twin session with onnxruntime's profiling on, bound to the same buffers."""
+        profiled = profile and self._profile_prefix is not None
+        cache = self._profiled if profiled else self._sessions
+        bound = cache.get(key)
+        if bound is None:
+            bound = cache[key] = self._create(model(), where, keep, only_read_inputs, profiled)
+        return bound
+
+    def _create(
+        self, model: onnx.ModelProto, where: str, keep: Sequence[str] | None, only_read_inputs: bool, profiled: bool
+    ) -> BoundSession:
+        model = lean_model(model, keep, bound=self.carried)
+        if only_read_inputs:
+            read = {n for node in model.graph.node for n in node_reads(node)} | {o.name for o in model.graph.output}
+            kept = [i for i in model.graph.input if i.name in read]
+            del model.graph.input[:]
+            model.graph.input.extend(kept)
+        options = session_options(**self._threads)
+        # onnxruntime plans a memory pattern after the first run and then allocates it as one
+        # more block beside the arena that the first run filled: for a training step that
+        # nearly doubles the peak memory (GPT-2 2x256: 1.8 GiB instead of 1.2), for no speed
+        options.enable_mem_pattern = False
+        if profiled:
+            options.enable_profiling = True
+            options.profile_file_prefix = self._profile_prefix
+        defaults = self._take_defaults(model)
+        session = create_session(model, providers=list(self.device.providers), options=options, where=where)
+        dtypes = {
+            i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+            for i in model.graph.input
+            if i.type.HasField("tensor_type")
+        }
+        shapes, output_dtypes = {}, {}
+        for o in model.graph.output:
+            if not o.type.HasField("tensor_type"):
+                continue
+            output_dtypes[o.name] = helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type)
+            dims = o.type.tensor_type.shape.dim
+            if o.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+                shapes[o.name] = tuple(d.dim_value for d in dims)
+        inputs = [i.name for i in model.graph.input]
+        outputs = [o.name for o in model.graph.output]
+        return BoundSession(
+            session=session,
+            where=where,
+            inputs=inputs,
+            input_dtypes=dtypes,
+            defaults=defaults,
+            outputs=outputs,
+            output_shapes=shapes,
+            output_dtypes=output_dtypes,
+            carried_in=[self.carried[n] for n in inputs if n in self.carried],
+            carried_out=[self.by_output[o] for o in outputs if o in self.by_output],
+            free_inputs=[n for n in inputs if n not in self.carried],
+        )
+
+    def _take_defaults(self, model: onnx.ModelProto) -> dict[str, ort.OrtValue]:
+        """Move the initializers that are graph inputs too out of ``model``, as device values."""
+        inputs = {i.name for i in model.graph.input}
+        kept, defaults = [], {}
+        for tensor in model.graph.initializer:
+            if tensor.name in inputs:
+                value = np.asarray(numpy_helper.to_array(tensor), order="C")
+                defaults[tensor.name] = ort.OrtValue.ortvalue_from_numpy(value, self.device.type, self.device.id)
+            else:
+                kept.append(tensor)
+        if defaults:
+            del model.graph.initializer[:]
+            model.graph.initializer.extend(kept)
+        return defaults
+
+    # ------------------------------------------------------------------ profiling
+
+    @property
+    def profiling(self) -> bool:
+        return self._profile_prefix is not None
+
+    def start_profiling(self, prefix: str | os.PathLike) -> None:
+        """Sessions asked for with ``profile=True`` are twins with onnxruntime's profiling on
+        from now on (same models, same buffers), until :meth:`end_profiling`."""
+        if self._profile_prefix is not None:
+            raise GraphforgeError("profiling is already on: call end_profiling() first")
+        self._profile_prefix = str(prefix)
+
+    def end_profiling(self) -> list[tuple[Path, int]]:
+        """Stop profiling: (trace file, profiling start in ns since the epoch) of each twin
+        session that ran meanwhile, in the order first run; the twins go."""
+        if self._profile_prefix is None:
+            return []
+        twins, self._profiled, self._profile_prefix = self._profiled, {}, None
+        traces = []
+        for bound in twins.values():
+            start = bound.session.get_profiling_start_time_ns()
+            traces.append((Path(bound.session.end_profiling()), start))
+        return traces
+
+    # ------------------------------------------------------------------ running
+
+    def execute(
+        self, segments: Sequence[SegmentRun], feeds: Mapping[str, Any], *, hook: Hook | None = None
+    ) -> Execution:
+        """Run ``segments`` in order. Each reads the feeds (host arrays or OrtValues by
+        name; an input left out keeps its initializer default) and what earlier segments
+        sent; after segment k, ``hook(k, sent)`` may replace what it sent or return a
+        Pending, waited on before the first later segment that reads one of those values
+        (or at the end). Returns every fetch, the final sent values, and what was written."""
+        available: dict[str, Any] = dict(feeds)
+        sent: dict[str, ort.OrtValue] = {}
+        pending: list[tuple[set[str], Pending]] = []
+        host: dict[str, np.ndarray] = {}
+        written: list[Carried] = []
+
+        def settle(handle: Pending, names: set[str]) -> None:
+            replaced = handle.wait()
+            if replaced is not None:
+                _check_replacement(replaced, names)
+                available.update(replaced)
+                sent.update(replaced)
+
+        for k, segment in enumerate(segments):
+            stale = [c.name for c in segment.session.carried_in if any(c is w for w in written)]
+            if stale:  # its buffer flipped: the segment would read the value after the update
+                raise GraphforgeError(
+                    f"segment {k} ({segment.session.where}) reads {stale[0]!r}, which an earlier segment of "
+                    "this execution already updated; cut the program so that its update comes last"
+                )
+            reads = set(segment.session.inputs)
+            for entry in [p for p in pending if p[0] & reads]:
+                pending.remove(entry)
+                settle(entry[1], entry[0])
+            fetched, out = self.run(segment.session, available, segment.fetch, segment.sends)
+            host.update(fetched)
+            written += segment.session.carried_out
+            available.update(out)
+            sent.update(out)
+            if hook is None or not out:
+                continue
+            result = hook(k, dict(out))
+            if result is None:
+                continue
+            if isinstance(result, Mapping):
+                _check_replacement(result, set(out))
+                available.update(result)
+                sent.update(result)
+            else:
+                pending.append((set(out), result))
+        for names, handle in pending:
+            settle(handle, names)
+        return Execution(host, sent, written)
+
+    def run(
+        self,
+        bound: BoundSession,
+        feeds: Mapping[str, Any],
+        fetch_host: Sequence[str] = (),
+        fetch_device: Sequence[str] = (),
+    ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
+        """One run of one session: carried inputs bound to their current buffers, carried
+        outputs to the other ones (which then become current), feeds bound as given. Returns
+        the host fetches and the device ones. A carried output fetched to the device is its
+        new current buffer (valid until the run after next writes it again)."""
+        carried_in, carried_out = bound.carried_in, bound.carried_out
+        for c in carried_out:
+            if len(c.slots) == 1:
+                c.slots.append(
+                    ort.OrtValue.ortvalue_from_shape_and_type(c.shape, c.dtype, self.device.type, self.device.id)
+                )
+        fetch_host, fetch_device = list(dict.fromkeys(fetch_host)), list(dict.fromkeys(fetch_device))
+        key = (
+            tuple(c.current for c in carried_in),
+            tuple(c.current for c in carried_out),
+            tuple(fetch_host),
+            tuple(fetch_device),
+        )
+        cached = bound.bindings.get(key)
+        in_buffers = {c.output: c for c in carried_out}  # read from the buffers after the run
+        bound_host = [n for n in fetch_host if n not in in_buffers]
+        bound_device = [n for n in fetch_device if n not in in_buffers]
+        if cached is None:
+            cached = bound.bindings[key] = self._binding(bound, bound_host, bound_device)
+        binding = cached.binding
+        for name in bound.free_inputs:
+            if name in feeds:
+                self._bind_feed(binding, bound, name, feeds[name])
+            elif name in bound.defaults:
+                binding.bind_ortvalue_input(name, bound.defaults[name])
+            else:
+                takes = ", ".join(self.batch_inputs or bound.free_inputs)
+                raise GraphforgeError(f"missing batch input {name!r}; the program takes: {takes}")
+        # outputs of unknown shape are bound afresh each run, so onnxruntime allocates them
+        for name in cached.allocated:
+            binding.bind_output(name, "cpu")
+        for name in bound_device:
+            binding.bind_output(name, self.device.type, self.device.id)
+        try:
+            bound.session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise GraphforgeError(f"onnxruntime failed to run {bound.where}: {one_line(exc)}") from None
+        host = {name: np.array(value.numpy(), copy=True) for name, value in cached.preallocated.items()}
+        device = {}
+        if cached.allocated or bound_device:
+            values = binding.get_outputs()  # in the order bound
+            offset = len(carried_out) + len(cached.preallocated)
+            host.update({n: values[offset + i].numpy() for i, n in enumerate(cached.allocated)})
+            offset += len(cached.allocated)
+            device = {n: values[offset + i] for i, n in enumerate(bound_device)}
+            host.update({n: to_numpy(device[n]) for n in cached.via_device})
+        for c in carried_out:
+            c.current = 1 - c.current
+        host.update({n: to_numpy(in_buffers[n].value) for n in fetch_host if n in in_buffers})
+        device.update({n: in_buffers[n].value for n in fetch_device if n in in_buffers})
+        return host, device
+
+    def _binding(self, bound: BoundSession, fetch_host: list[str], fetch_device: list[str]) -> _Binding:
+        """An IOBinding with the carried tensors bound to their buffers, and the small host
+        outputs of fixed shape (the loss, grad_norm) bound to preallocated ones: none of
+        them is bound again, and only outputs of other shapes are read back per run. A host
+        output also in ``fetch_device`` is read from its device value (``via_device``)."""
+        unknown = [n for n in [*fetch_host, *fetch_device] if n not in bound.outputs]
+        if unknown:
+            raise GraphforgeError(f"{bound.where} has no output {unknown[0]!r}")
+        binding = bound.session.io_binding()
+        for c in bound.carried_in:
+            binding.bind_ortvalue_input(c.name, c.slots[c.current])
+        for c in bound.carried_out:
+            binding.bind_ortvalue_output(c.output, c.slots[1 - c.current])
+        preallocated, allocated = {}, []
+        via_device = [n for n in dict.fromkeys(fetch_host) if n in fetch_device]
+        for name in dict.fromkeys(n for n in fetch_host if n not in via_device):
+            shape = bound.output_shapes.get(name)
+            if shape is not None and math.prod(shape) <= PREALLOCATED_MAX:
+                value = ort.OrtValue.ortvalue_from_shape_and_type(shape, bound.output_dtypes[name], "cpu", 0)
+                binding.bind_ortvalue_output(name, value)
+                preallocated[name] = value
+            else:
+                allocated.append(name)
+        return _Binding(binding, preallocated, allocated, via_device)
+
+    @staticmethod
+    def _bind_feed(binding: ort.IOBinding, bound: BoundSession, name: str, value: Any) -> None:
+        if isinstance(value, ort.OrtValue):
+            binding.bind_ortvalue_input(name, value)
+            return
+        array = np.asarray(value, order="C")  # (ascontiguousarray would make a 0-d scalar 1-d)
+        expected = bound.input_dtypes.get(name)
+        if expected is not None and array.dtype != expected:
+            if not np.can_cast(array.dtype, expected, casting="safe"):  # int32 labels → int64: no value changes
+                raise GraphforgeError(
+                    f"batch input {name!r} must be {np.dtype(expected).name} (or a type that converts to it "
+                    f"without loss), got {array.dtype.name}"
+                )
+            array = array.astype(expected)
+        binding.bind_cpu_input(name, array)
+
+
+def to_numpy(value: ort.OrtValue) -> np.ndarray:
+    """A host copy of an OrtValue: on the CPU numpy() may share the buffer, which the next
+    step overwrites."""
+    return np.array(value.numpy(), copy=True)
+
+
+def _check_replacement(replaced: Mapping[str, Any], sent: set[str]) -> None:
+    unknown = sorted(set(replaced) - sent)
+    if unknown:
+        raise GraphforgeError(f"a hook replaced {unknown[0]!r}, which the segment before it did not send")
