@@ -233,6 +233,49 @@ def linear_model(in_features: int = 16, out_features: int = 32, seed: int = 0) -
     return model
 
 
+def tanh_mlp(seed: int = 0, *, scalar_scale: bool = False) -> onnx.ModelProto:
+    """A 4-8-3 tanh MLP, x [N, 4] → y [N, 3], written by hand (no torch needed); with
+    ``scalar_scale`` y is also multiplied by a 0-d parameter ``scale`` (as CLIP's logit_scale)."""
+    rng = np.random.default_rng(seed)
+
+    def weight(name: str, *shape: int) -> TensorProto:
+        return numpy_helper.from_array((0.5 * rng.standard_normal(shape)).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Tanh", ["h1"], ["hidden"]),
+        helper.make_node("MatMul", ["hidden", "w2"], ["y0"]),
+        helper.make_node("Add", ["y0", "b2"], ["y1" if scalar_scale else "y"]),
+    ]
+    initializers = [weight("w1", 4, 8), weight("b1", 8), weight("w2", 8, 3), weight("b2", 3)]
+    if scalar_scale:
+        nodes.append(helper.make_node("Mul", ["y1", "scale"], ["y"]))
+        initializers.append(numpy_helper.from_array(np.array(1.5, np.float32), "scale"))
+    graph = helper.make_graph(
+        nodes,
+        "tanh_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return model
+
+
+def tanh_mlp_batches(count: int, batch: int = 5, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    """Batches for ``tanh_mlp`` under an mse loss: x [batch, 4] and labels [batch, 3]."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.standard_normal((batch, 4)).astype(np.float32),
+            "labels": rng.standard_normal((batch, 3)).astype(np.float32),
+        }
+        for _ in range(count)
+    ]
+
+
 def external_data_model(directory: str | Path) -> Path:
     """Save ``linear_model()`` as ``model.onnx`` + ``model.onnx.data`` in ``directory``."""
     directory = Path(directory)

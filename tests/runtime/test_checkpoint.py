@@ -9,9 +9,11 @@ import re
 import struct
 
 import _training_models as tm
+import models
 import numpy as np
 import pytest
 
+import graphforge
 import graphforge.runtime.checkpoint as checkpoint_module
 from graphforge import CheckpointError, CheckpointManager, CheckpointState, Module, Optimizer
 from graphforge.runtime import CosineSchedule, schedule_from_state_dict
@@ -123,6 +125,24 @@ def test_state_roundtrip_keeps_values_dtypes_and_roles(program, tmp_path):
         header = json.loads(f.read(size))
     document = json.loads(header["__metadata__"]["graphforge.checkpoint"])
     assert document["format"] == "graphforge.checkpoint" and document["learning_rate"] == 0.003
+
+
+def test_a_scalar_parameter_keeps_its_shape_through_training_and_a_checkpoint(tmp_path):
+    """A 0-d parameter (CLIP's logit_scale) stays 0-d in the device buffers and in the file,
+    so the checkpoint loads back for the program that wrote it."""
+    program = graphforge.compile(
+        models.tanh_mlp(scalar_scale=True), "loss(kind=mse, output=y), autodiff, adam(lr=0.1)"
+    ).model
+    module = Module(program, device="cpu")
+    for batch in models.tanh_mlp_batches(2):
+        module.train_step(**batch)
+    assert module.parameters["scale"].shape == () and module.parameters["scale"] != 1.5
+    path = module.state.save(tmp_path / "scalar.safetensors")
+    loaded = CheckpointState.load(path, program)
+    assert loaded.tensors["scale"].shape == () and loaded.tensors["scale"] == module.parameters["scale"]
+    resumed = Module(program, loaded, device="cpu")
+    batch = models.tanh_mlp_batches(1, seed=7)[0]
+    assert np.array_equal(resumed.train_step(**batch), module.train_step(**batch))
 
 
 # --------------------------------------------------------------------------- refusals

@@ -4,6 +4,7 @@ pending result, waited on only when a later segment reads it)."""
 
 from __future__ import annotations
 
+import models
 import numpy as np
 import onnx
 import onnx.parser
@@ -15,42 +16,13 @@ from graphforge.cut import cut
 from graphforge.program import ProgramRoles
 from graphforge.runtime.runner import Runner, SegmentRun, resolve_device
 
-#: a 4-8-3 tanh MLP with a loss the loss pass adds; weights are initializers (parameters)
-MLP = """
-<ir_version: 8, opset_import: ["" : 17]>
-mlp (float[N, 4] x) => (float[N, 3] y)
-<float[4, 8] w1 = W1, float[8] b1 = B1, float[8, 3] w2 = W2, float[3] b2 = B2>
-{
-    h0 = MatMul(x, w1)
-    h1 = Add(h0, b1)
-    hidden = Tanh(h1)
-    y0 = MatMul(hidden, w2)
-    y = Add(y0, b2)
-}
-"""
-
-
-def _values(rng, *shape):
-    return "{" + ", ".join(f"{v:.6f}" for v in rng.standard_normal(shape).reshape(-1) * 0.5) + "}"
-
 
 def mlp_program(pipeline: str) -> onnx.ModelProto:
-    rng = np.random.default_rng(0)
-    text = MLP
-    for name, shape in (("W1", (4, 8)), ("B1", (8,)), ("W2", (8, 3)), ("B2", (3,))):
-        text = text.replace(f" {name}", " " + _values(rng, *shape), 1)
-    return graphforge.compile(onnx.parser.parse_model(text), f"loss(kind=mse, output=y), autodiff, {pipeline}").model
+    return graphforge.compile(models.tanh_mlp(), f"loss(kind=mse, output=y), autodiff, {pipeline}").model
 
 
-def batches(count: int, batch: int = 5):
-    rng = np.random.default_rng(1)
-    return [
-        {
-            "x": rng.standard_normal((batch, 4)).astype(np.float32),
-            "labels": rng.standard_normal((batch, 3)).astype(np.float32),
-        }
-        for _ in range(count)
-    ]
+def batches(count: int):
+    return models.tanh_mlp_batches(count)
 
 
 def make_runner(program: onnx.ModelProto) -> tuple[Runner, ProgramRoles]:
