@@ -21,9 +21,10 @@ from rich.markup import escape
 from rich.table import Table
 
 import graphforge
-from graphforge import roles
+from graphforge import golden, roles, train
+from graphforge.diff.command import run_diff
 from graphforge.errors import GraphforgeError
-from graphforge.ir import FLOAT_TYPES
+from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
 from graphforge.program import ProgramRoles
 
@@ -188,8 +189,6 @@ def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to descr
             highlight=False,
         )
 
-    from graphforge.golden.fingerprint import op_histogram
-
     # the golden summaries' count: subgraphs and local functions included, domain::op outside ai.onnx
     histogram = Counter(op_histogram(proto))
     ops = Table(title=f"ops ({histogram.total()} nodes)", title_justify="left")
@@ -280,8 +279,6 @@ def golden_check(
     pipeline: GoldenPipelines = None,
 ) -> None:
     """Compare every model and pipeline with its expectations: exit 1 with what changed, 0 when all pass."""
-    from graphforge import golden
-
     _quiet_onnxruntime()
     _print_golden(golden.check(folder, models=model, pipelines=pipeline))
 
@@ -294,8 +291,6 @@ def golden_update(
     force: Annotated[bool, typer.Option(help="Rewrite expectations that still pass, too.")] = False,
 ) -> None:
     """Record what the pipelines produce now where it differs from the expectations, printing the diff."""
-    from graphforge import golden
-
     _quiet_onnxruntime()
     _print_golden(golden.update(folder, models=model, pipelines=pipeline, force=force))
 
@@ -353,8 +348,6 @@ def diff_command(
 
     Also: two dump folders pass by pass, one dump folder step by step, or --pipeline SPEC MODEL.
     """
-    from graphforge.diff.command import run_diff
-
     _quiet_onnxruntime()
     status = run_diff(
         a,
@@ -411,14 +404,9 @@ def train_command(
     Ctrl-C saves a checkpoint and exits with status 130; the same command then resumes. A
     loss that is not finite stops the run with status 3, after saving the last finite state.
     """
-    try:
-        from graphforge.train import Interrupted, NonFiniteLoss, run
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted; no checkpoint written[/]", highlight=False)
-        raise typer.Exit(130) from None
     _quiet_onnxruntime()
     try:
-        run(
+        train.run(
             config,
             steps=steps,
             resume=resume,
@@ -427,10 +415,10 @@ def train_command(
             quiet=quiet,
             console=out,
         )
-    except NonFiniteLoss as exc:
+    except train.NonFiniteLoss as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(NonFiniteLoss.EXIT_STATUS) from None
-    except Interrupted as exc:
+        raise typer.Exit(train.NonFiniteLoss.EXIT_STATUS) from None
+    except train.Interrupted as exc:
         err.print(f"[yellow]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     except KeyboardInterrupt:  # while starting (compiling, loading), or a second Ctrl-C while saving
@@ -454,9 +442,7 @@ def export_command(
     ] = None,
 ) -> None:
     """Write the inference model of PROGRAM with a checkpoint's trained values, and compare their sizes."""
-    from graphforge.train import export
-
-    report = export(program, output_file, checkpoint=checkpoint, outputs=output)
+    report = train.export(program, output_file, checkpoint=checkpoint, outputs=output)
     table = Table(title="size", title_justify="left")
     for column, justify in (("", "left"), ("program", "right"), ("exported", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]

@@ -199,9 +199,7 @@ def copy_leaving_values_out(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     left_out = [_can_leave_out(t) and _long_enough(t) for t in initializers]
     if not any(left_out):
         return None
-    out = onnx.ModelProto()
-    _copy_fields(proto, out, "graph")
-    _copy_fields(proto.graph, out.graph, "initializer")
+    out = copy_without_initializers(proto)
     for tensor, leave_out in zip(initializers, left_out, strict=True):
         if leave_out:
             out.graph.initializer.append(_stand_in(tensor.name, tensor.data_type, tensor.dims))
@@ -589,9 +587,7 @@ def _copy_leaving_out_payloads(proto: onnx.ModelProto) -> tuple[onnx.ModelProto,
 
     Copying a >2 GiB model whole just to move its weights out would hold them twice.
     """
-    out = onnx.ModelProto()
-    _copy_fields(proto, out, "graph")
-    _copy_fields(proto.graph, out.graph, "initializer")
+    out = copy_without_initializers(proto)
     sources: dict[int, onnx.TensorProto] = {}
     for index, tensor in enumerate(proto.graph.initializer):
         copy = out.graph.initializer.add()
@@ -601,6 +597,15 @@ def _copy_leaving_out_payloads(proto: onnx.ModelProto) -> tuple[onnx.ModelProto,
         else:
             copy.CopyFrom(tensor)
     return out, sources
+
+
+def copy_without_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``proto`` with everything but its main graph's initializers, which are never
+    read (so never copied): the caller adds the ones it keeps, or stand-ins for them."""
+    out = onnx.ModelProto()
+    _copy_fields(proto, out, "graph")
+    _copy_fields(proto.graph, out.graph, "initializer")
+    return out
 
 
 def _copy_fields(src, dst, skip: str) -> None:

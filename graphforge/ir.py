@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -17,22 +18,10 @@ NONDETERMINISTIC_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
 )
 
-#: ONNX element types that hold floating-point numbers (the ones this onnx version knows)
+#: ONNX element types that hold floating-point numbers: every one this onnx version knows,
+#: read from its enum (a hand-written list fell behind: float8 E8M0, float6)
 FLOAT_TYPES = frozenset(
-    getattr(TensorProto, name)
-    for name in (
-        "FLOAT",
-        "DOUBLE",
-        "FLOAT16",
-        "BFLOAT16",
-        "FLOAT8E4M3FN",
-        "FLOAT8E4M3FNUZ",
-        "FLOAT8E5M2",
-        "FLOAT8E5M2FNUZ",
-        "FLOAT8E8M0",
-        "FLOAT4E2M1",
-    )
-    if hasattr(TensorProto, name)
+    code for name, code in TensorProto.DataType.items() if name.startswith(("FLOAT", "BFLOAT", "DOUBLE"))
 )
 
 
@@ -47,6 +36,41 @@ def every_graph(graph: gs.Graph) -> Iterator[gs.Graph]:
     yield from all_graphs(graph)
     for function in graph.functions:
         yield from all_graphs(function)
+
+
+def subgraphs_of(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.GraphProto]:
+    """Every graph nested in ``nodes``' attributes (If/Loop/Scan bodies), at any depth."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop(0)
+        for attr in node.attribute:
+            for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                yield graph
+                stack.extend(graph.node)
+
+
+def nodes_of(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+    """``nodes`` and the nodes of their subgraphs, at any depth."""
+    nodes = list(nodes)
+    yield from nodes
+    for graph in subgraphs_of(nodes):
+        yield from graph.node
+
+
+def model_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of a model: its graph's, its local functions', and their subgraphs'."""
+    yield from nodes_of(model.graph.node)
+    for function in model.functions:
+        yield from nodes_of(function.node)
+
+
+def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
+    """Node count per op type (``domain::op`` outside ai.onnx), subgraphs and local functions
+    (and the subgraphs inside them) included."""
+    counts = Counter(
+        n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}" for n in model_nodes(model)
+    )
+    return dict(sorted(counts.items()))
 
 
 def onnx_dtype(dtype) -> int | None:
@@ -102,28 +126,6 @@ def recorded_torch_kinds(metadata: dict[str, str]) -> dict[str, str]:
     except json.JSONDecodeError:
         return {}
     return kinds if isinstance(kinds, dict) else {}
-
-
-#: a Constant node's attributes that hold its value, other than ``value`` (a tensor)
-_CONSTANT_LISTS = {"value_int": np.int64, "value_ints": np.int64, "value_float": np.float32, "value_floats": np.float32}
-
-
-def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
-    """The value of an initializer or of an ai.onnx Constant node's output (``value`` or a
-    ``value_int(s)``/``value_float(s)`` attribute); None for anything else, including a
-    Constant in a function body whose value is a reference to the function's attribute."""
-    if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values)
-    producer = tensor.inputs[0] if len(tensor.inputs) == 1 else None
-    if producer is None or producer.op != "Constant" or producer.domain not in (None, "", "ai.onnx"):
-        return None
-    value = producer.attrs.get("value")
-    if isinstance(value, gs.Constant):
-        return np.asarray(value.values)
-    for name, dtype in _CONSTANT_LISTS.items():
-        if name in producer.attrs and not isinstance(producer.attrs[name], gs.Node.AttributeRef):
-            return np.asarray(producer.attrs[name], dtype=dtype)
-    return None
 
 
 def fingerprint(graph: gs.Graph) -> tuple:

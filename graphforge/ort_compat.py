@@ -10,13 +10,13 @@ from a version table, so a newer or older onnxruntime is handled without an edit
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import onnx
 import onnxruntime as ort
 from onnx import helper, version_converter
 
 from graphforge.errors import ModelSaveError, one_line
+from graphforge.ir import model_nodes, nodes_of
 
 
 @functools.cache
@@ -117,7 +117,7 @@ def _settle_other_domains(owner: onnx.ModelProto | onnx.FunctionProto, model: on
     ]
     if not unreadable:
         return
-    nodes = _model_nodes(model) if isinstance(owner, onnx.ModelProto) else _nodes_of(owner.node)
+    nodes = model_nodes(model) if isinstance(owner, onnx.ModelProto) else nodes_of(owner.node)
     used = {node.domain for node in nodes}
     for entry in unreadable:
         if entry.domain in used:
@@ -144,7 +144,7 @@ def _lower_function_opset(function: onnx.FunctionProto, max_opset: int) -> None:
     entry = next((o for o in function.opset_import if o.domain in _DEFAULT_DOMAINS), None)
     if entry is None or entry.version <= max_opset:
         return
-    nodes = list(_nodes_of(function.node))
+    nodes = list(nodes_of(function.node))
     changed = sorted(
         {
             n.op_type
@@ -188,20 +188,3 @@ def _changed_since(op_type: str, old: int, new: int) -> bool:
         return onnx.defs.get_schema(op_type, new, "").since_version > old
     except onnx.defs.SchemaError:
         return True
-
-
-def _model_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    yield from _nodes_of(model.graph.node)
-    for function in model.functions:
-        yield from _nodes_of(function.node)
-
-
-def _nodes_of(nodes) -> Iterator[onnx.NodeProto]:
-    """``nodes`` and the nodes of their subgraphs, at any depth."""
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        yield node
-        for attr in node.attribute:
-            for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                stack.extend(graph.node)

@@ -8,7 +8,6 @@ and ``bisect_limit=N`` (``-opt-bisect-limit``) runs only the first N pass applic
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ import onnx
 
 from graphforge.errors import GraphforgeError, ModelSaveError, PassError, PipelineError
 from graphforge.graph import Model, ModelSource, load, save
-from graphforge.ir import every_graph, gc_paused
+from graphforge.ir import gc_paused, op_histogram
 from graphforge.passes import REGISTRY
 from graphforge.pipeline import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
 from graphforge.roles import metadata_of
@@ -26,15 +25,6 @@ from graphforge.verify import verify_model
 
 #: a pass that asks for a fixed point is stopped after this many applications
 MAX_FIXED_POINT_ITERATIONS = 16
-
-
-def op_histogram(model: Model) -> Counter[str]:
-    """Node count per op type, subgraphs (If/Loop/Scan bodies) and local functions (and
-    theirs) included."""
-    counts: Counter[str] = Counter()
-    for g in every_graph(model.graph):
-        counts.update(node.op for node in g.nodes)
-    return counts
 
 
 @dataclass
@@ -130,6 +120,7 @@ class PassManager:
             model = Model.from_proto(proto)
         records: list[PassRecord] = []
         current: onnx.ModelProto | None = proto  # `model` exported whole; None when it was not
+        histogram = op_histogram(proto)  # of `model`, from its last export
         last_change: PassRecord | None = None
         for position, pass_ in enumerate(self.passes, start=1):
             iteration = 0
@@ -142,7 +133,7 @@ class PassManager:
                     break
                 repeats = pass_.repeat_to_fixed_point and iteration < MAX_FIXED_POINT_ITERATIONS
                 last = (position == len(self.passes) and not repeats) or record.index == self.bisect_limit
-                model, current = self._apply(pass_, model, current, record, last=last)
+                model, current, histogram = self._apply(pass_, model, current, histogram, record, last=last)
                 if record.changed:
                     last_change = record
                 if not (repeats and record.changed):
@@ -155,14 +146,23 @@ class PassManager:
             last_change.verify_seconds += time.perf_counter() - start
         return CompileResult(current, records)
 
-    def _apply(self, pass_: Pass, model: Model, proto: onnx.ModelProto | None, record: PassRecord, *, last: bool):
+    def _apply(
+        self,
+        pass_: Pass,
+        model: Model,
+        proto: onnx.ModelProto | None,
+        before: dict[str, int],
+        record: PassRecord,
+        *,
+        last: bool,
+    ):
         """Run one pass application; ``proto``, the model it starts from exported whole, is
         kept intact (it is None when the previous change was verified without its weights,
-        which happens only when nothing is dumped). Returns the model and its whole export,
-        or None in its place when that can wait: no dump, no onnxruntime check, and a later
-        pass application may change the model again."""
-        before = op_histogram(model)
-        record.nodes_before = sum(before.values())
+        which happens only when nothing is dumped); ``before`` is its op histogram. Returns
+        the model, its whole export or None in its place when that can wait (no dump, no
+        onnxruntime check, and a later pass application may change the model again), and
+        its op histogram, counted on the export (a pass that changed nothing keeps it)."""
+        record.nodes_before = record.nodes_after = sum(before.values())
         label = f"pass {record.position} ({pass_.spec()})"
         start = time.perf_counter()
         try:
@@ -186,15 +186,10 @@ class PassManager:
         record.changed = result.changed
         record.note = result.note
         model = result.model
-        after = op_histogram(model)
-        record.nodes_after = sum(after.values())
-        record.delta = {
-            op: after[op] - before[op] for op in sorted(set(before) | set(after)) if after[op] != before[op]
-        }
         if not result.changed:
             if self.dump_dir is not None and not self.dump_on_change:
                 record.dumped_to = self._dump(proto, record)
-            return model, proto
+            return model, proto, before
         # Exported whole only when needed now; otherwise without the weights (shape inference
         # and the checker read only their types and shapes), which also shows it exports.
         whole = last or self.dump_dir is not None or self.verify_with_ort
@@ -211,6 +206,13 @@ class PassManager:
                 pass_name=pass_.name,
                 dumped_to=dumped,
             ) from exc
+        after = op_histogram(new_proto)
+        record.nodes_after = sum(after.values())
+        record.delta = {
+            op: after.get(op, 0) - before.get(op, 0)
+            for op in sorted(set(before) | set(after))
+            if after.get(op, 0) != before.get(op, 0)
+        }
         if self.verify:
             try:
                 with gc_paused():
@@ -227,7 +229,7 @@ class PassManager:
         record.verify_seconds = time.perf_counter() - start
         if self.dump_dir is not None:
             record.dumped_to = self._dump(new_proto, record)
-        return model, new_proto if whole else None
+        return model, new_proto if whole else None, after
 
     def _verify(self, proto: onnx.ModelProto, where: str, *, values_from: Model | None = None) -> None:
         """The checker, then (``verify_with_ort``, which always has the whole model) onnxruntime."""

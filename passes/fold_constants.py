@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper
 
+from graphforge.analysis.size import nbytes
+from graphforge.constants import constant_value
 from graphforge.errors import one_line
 from graphforge.graph import Model
-from graphforge.ir import (
-    FLOAT_TYPES,
-    NONDETERMINISTIC_OPS,
-    constant_value,
-    every_graph,
-    fingerprint,
-    is_parameter,
-    onnx_dtype,
-)
+from graphforge.ir import FLOAT_TYPES, NONDETERMINISTIC_OPS, every_graph, fingerprint, is_parameter, onnx_dtype
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 from graphforge.pipeline import Pass, PassResult, check_number
 
@@ -321,45 +313,32 @@ def _make_constant(tensor: gs.Tensor, values: np.ndarray) -> None:
 
 def _too_big(node: gs.Node, limit: int) -> bool:
     """Whether a result of ``node`` is known, before evaluating it, to exceed ``limit`` bytes."""
-    sizes = [_nbytes(t.shape, t.dtype) for t in node.outputs]
+    sizes = [nbytes(t.shape, t.dtype) for t in node.outputs]
     if node.op in ("Expand", "Tile", "ConstantOfShape") and node.inputs:
-        sizes.append(_result_nbytes(node))
+        sizes.append(_resultnbytes(node))
     return any(size is not None and size > limit for size in sizes)
 
 
-def _result_nbytes(node: gs.Node) -> int | None:
+def _resultnbytes(node: gs.Node) -> int | None:
     """Size of an Expand/Tile/ConstantOfShape result from its constant shape argument."""
     try:
         if node.op == "ConstantOfShape":
             shape = _argument(node.inputs[0])
             value = node.attrs.get("value")
             dtype = value.dtype if isinstance(value, gs.Constant) else np.float32
-            return None if shape is None else _nbytes(shape.tolist(), dtype)
+            return None if shape is None else nbytes(shape.tolist(), dtype)
         data, argument = node.inputs[0], _argument(node.inputs[1])
         if argument is None or data.shape is None:
             return None
         if node.op == "Expand":
-            return _nbytes(list(np.broadcast_shapes(tuple(data.shape), tuple(argument.tolist()))), data.dtype)
-        return _nbytes([d * r for d, r in zip(data.shape, argument.tolist(), strict=True)], data.dtype)
+            return nbytes(list(np.broadcast_shapes(tuple(data.shape), tuple(argument.tolist()))), data.dtype)
+        return nbytes([d * r for d, r in zip(data.shape, argument.tolist(), strict=True)], data.dtype)
     except (TypeError, ValueError, IndexError):
         return None
 
 
 def _argument(tensor: gs.Tensor) -> np.ndarray | None:
     return np.asarray(tensor.values).reshape(-1) if isinstance(tensor, gs.Constant) else None
-
-
-def _nbytes(shape, dtype) -> int | None:
-    if shape is None or not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
-        return None
-    code = onnx_dtype(dtype)
-    if code is None:
-        return None
-    try:
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(code)).itemsize
-    except (KeyError, TypeError, ValueError):
-        return None
-    return math.prod(int(d) for d in shape) * itemsize
 
 
 # --------------------------------------------------------------------------- case 3: parameters

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
+from graphforge.constants import constant_value
 from graphforge.graph import Model
-from graphforge.ir import constant_value, every_graph, live_nodes, onnx_dtype, remove_nodes_left_dead, replace_uses
+from graphforge.ir import every_graph, live_nodes, onnx_dtype, remove_nodes_left_dead, replace_uses
 from graphforge.pipeline import Pass, PassResult
 
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_graphsurgeon as gs
 from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
 from graphforge.passes.identity_elimination import IdentityElimination
-from onnx import helper
 
 from graphforge import roles
+from graphforge.analysis.size import ModelSize
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import every_graph, fingerprint, onnx_dtype
+from graphforge.ir import every_graph, fingerprint
 from graphforge.pipeline import Pass, PassResult
 
 #: metadata keys that stay in a pruned model (everything else under "graphforge." describes training)
@@ -211,60 +210,3 @@ def _strip_training_roles(model: Model) -> None:
 
 
 # --------------------------------------------------------------------------- the size report
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """What a model holds: nodes (subgraphs and functions included), graph inputs
-    (overridable initializers included), outputs, and bytes of stored tensors
-    (initializers and Constant node values)."""
-
-    nodes: int
-    inputs: int
-    outputs: int
-    tensor_bytes: int
-
-    @classmethod
-    def of(cls, model: Model) -> ModelSize:
-        graph = model.graph
-        constants: dict[int, gs.Constant] = {}
-        nodes = 0
-        for g in every_graph(graph):
-            nodes += len(g.nodes)
-            for node in g.nodes:
-                value = node.attrs.get("value") if node.op == "Constant" else None
-                for t in [*node.inputs, *([value] if isinstance(value, gs.Constant) else [])]:
-                    if isinstance(t, gs.Constant):
-                        constants[id(t)] = t
-        inputs = len(graph.inputs) + len(model.initializer_inputs)
-        stored = sum(_nbytes(t) for t in constants.values())
-        return cls(nodes, inputs, len(graph.outputs), stored)
-
-    def compared_with(self, before: ModelSize) -> str:
-        """One line: each count before → after, and the stored bytes saved."""
-        saved = before.tensor_bytes - self.tensor_bytes
-        share = f" ({saved / before.tensor_bytes:.0%} less)" if before.tensor_bytes and saved > 0 else ""
-        return (
-            f"nodes {before.nodes} → {self.nodes}, inputs {before.inputs} → {self.inputs}, "
-            f"outputs {before.outputs} → {self.outputs}, stored tensors "
-            f"{_human(before.tensor_bytes)} → {_human(self.tensor_bytes)}{share}"
-        )
-
-
-def _nbytes(tensor: gs.Constant) -> int:
-    """Bytes of a constant from its shape and type, without loading lazy values."""
-    code = onnx_dtype(tensor.dtype)
-    try:
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(code)).itemsize if code is not None else 0
-    except (KeyError, TypeError, ValueError):
-        itemsize = 0
-    shape = tensor.shape or ()
-    return int(np.prod([int(d) for d in shape], dtype=np.int64)) * itemsize
-
-
-def _human(size: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"

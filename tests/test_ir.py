@@ -6,7 +6,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import parser
 
-from graphforge.ir import constant_value
+from graphforge.constants import constant_value
 
 
 def test_constant_value_reads_every_constant_form_and_nothing_else():

@@ -24,7 +24,8 @@ from graphforge import (
     PipelineError,
     parse_pipeline,
 )
-from graphforge.pass_manager import MAX_FIXED_POINT_ITERATIONS, op_histogram
+from graphforge.ir import op_histogram
+from graphforge.pass_manager import MAX_FIXED_POINT_ITERATIONS
 
 FULL_PIPELINE = "identity_elimination, fold_constants, cse, dce, topo_sort"
 
@@ -87,6 +88,23 @@ class MutateThenRefuse(Pass):
         model.graph.nodes.clear()
         model.graph.outputs.clear()
         raise PassError("cannot handle this", node="relu_1", op_type="Relu")
+
+
+@dataclass(frozen=True)
+class DropNeg(Pass):
+    """Removes Neg nodes everywhere, subgraphs included: their readers read the Neg's input."""
+
+    name = "drop_neg"
+
+    def run(self, model):
+        for graph in [model.graph, *model.graph.subgraphs(recursive=True)]:
+            for node in [n for n in graph.nodes if n.op == "Neg"]:
+                source, out = node.inputs[0], node.outputs[0]
+                for reader in list(out.outputs):
+                    reader.inputs = [source if t is out else t for t in reader.inputs]
+                node.outputs.clear()
+                graph.nodes.remove(node)
+        return PassResult(model, True)
 
 
 @dataclass(frozen=True)
@@ -233,7 +251,10 @@ def test_op_histogram_counts_subgraph_nodes():
         }
         """
     )
-    assert op_histogram(Model.from_proto(model)) == {"If": 1, "Relu": 2, "Neg": 1}
+    assert op_histogram(model) == {"If": 1, "Neg": 1, "Relu": 2}
+    result = graphforge.compile(model, [DropNeg()])  # the records count what the histogram counts
+    assert (result.records[0].nodes_before, result.records[0].nodes_after) == (4, 3)
+    assert result.records[0].delta == {"Neg": -1}
 
 
 # --------------------------------------------------------------------------- dumps

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 import onnx
 from onnx import AttributeProto, numpy_helper
 
+from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.roles import metadata_of
 
 FINGERPRINT_VERSION = "wl1"
@@ -67,67 +68,19 @@ def graph_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
     return [v for v in graph.input if v.name not in initializers]
 
 
-def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    yield graph
-    yield from _subgraphs(graph.node)
-
-
-def _subgraphs(nodes) -> Iterator[onnx.GraphProto]:
-    """Every graph nested in ``nodes``' attributes (If/Loop/Scan bodies), at any depth."""
-    for node in nodes:
-        for attr in node.attribute:
-            if attr.type == AttributeProto.GRAPH:
-                yield from _all_graphs(attr.g)
-            elif attr.type == AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from _all_graphs(sub)
-
-
-def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
-    """Node count per op type (``domain::op`` outside ai.onnx), subgraphs and local functions
-    (and the subgraphs inside them) included."""
-    counts: Counter[str] = Counter()
-    bodies = [g.node for g in _all_graphs(model.graph)]
-    for function in model.functions:
-        bodies += [function.node, *(g.node for g in _subgraphs(function.node))]
-    for nodes in bodies:
-        counts.update(n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}" for n in nodes)
-    return dict(sorted(counts.items()))
-
-
 # --------------------------------------------------------------------------- labels
 
 
 def _tensor_label(tensor: onnx.TensorProto) -> str:
     dims = list(tensor.dims)
     label = f"{dtype_name(tensor.data_type)}{dims}"
-    if tensor.data_type not in _FLOAT_TYPES:
+    if tensor.data_type not in FLOAT_TYPES:
         try:
             payload = numpy_helper.to_array(tensor).tobytes()
         except Exception:  # an exotic type numpy cannot hold: its serialized fields instead
             payload = tensor.SerializeToString(deterministic=True)
         label += "=" + hashlib.blake2b(payload, digest_size=8).hexdigest()
     return label
-
-
-_FLOAT_TYPES = frozenset(
-    t
-    for t in (
-        getattr(onnx.TensorProto, name, None)
-        for name in (
-            "FLOAT",
-            "DOUBLE",
-            "FLOAT16",
-            "BFLOAT16",
-            "FLOAT8E4M3FN",
-            "FLOAT8E4M3FNUZ",
-            "FLOAT8E5M2",
-            "FLOAT8E5M2FNUZ",
-            "FLOAT4E2M1",
-        )
-    )
-    if t is not None
-)
 
 
 def _attribute_label(attr: AttributeProto) -> str:
@@ -271,4 +224,4 @@ def summarize(model: onnx.ModelProto) -> dict:
 
 
 def iter_float_initializers(model: onnx.ModelProto) -> Iterable[onnx.TensorProto]:
-    return (t for t in model.graph.initializer if t.data_type in _FLOAT_TYPES)
+    return (t for t in model.graph.initializer if t.data_type in FLOAT_TYPES)

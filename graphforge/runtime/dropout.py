@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphforge.runtime.sessions import _copy_fields
+from graphforge.graph import copy_without_initializers
 
 #: the program input the runtime feeds the per-run key to
 KEY_INPUT = "graphforge.dropout_key"
@@ -99,9 +99,8 @@ def seeded_dropout(
     targets = {i for i, node in enumerate(program.graph.node) if _rewritable(node, constants)}
     if not targets:
         return program, 0
-    result = _copy_fields(program, skip={"graph"})
+    result = copy_without_initializers(program)
     graph = result.graph
-    graph.CopyFrom(_copy_fields(program.graph, skip={"initializer"}))
     graph.initializer.extend(t for t in program.graph.initializer if t.name not in bound)
     emitter = _Emitter(graph, opset, shift)
     key = helper.make_tensor_value_info(KEY_INPUT, TensorProto.UINT32, [2])

@@ -24,7 +24,14 @@ import onnxruntime as ort
 from onnx import external_data_helper
 
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelSaveError, one_line
-from graphforge.graph import ModelSource, exceeds_protobuf_limit, load, refuse_unresolved_external_data, save
+from graphforge.graph import (
+    ModelSource,
+    copy_without_initializers,
+    exceeds_protobuf_limit,
+    load,
+    refuse_unresolved_external_data,
+    save,
+)
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 
 CUDA = "CUDAExecutionProvider"
@@ -266,10 +273,8 @@ def lean_model(
     source = model.graph
     inputs = {i.name for i in source.input}
     dropped = {t.name for t in source.initializer if t.name in bound and t.name in inputs}
-    # copied field by field, so that the initializers dropped are never copied
-    lean = _copy_fields(model, skip={"graph"})
+    lean = copy_without_initializers(model)  # the initializers kept are added once the nodes are known
     graph = lean.graph
-    graph.CopyFrom(_copy_fields(source, skip={"initializer"}))
     if outputs is not None:
         wanted = set(outputs)
         missing = wanted - {o.name for o in graph.output}
@@ -285,22 +290,6 @@ def lean_model(
         t for t in source.initializer if t.name not in dropped and (t.name in used or t.name in inputs)
     )
     return lean
-
-
-def _copy_fields(message, skip: set[str]):
-    """A copy of a protobuf ``message`` without the fields named in ``skip``."""
-    copy = type(message)()
-    for descriptor, value in message.ListFields():
-        if descriptor.name in skip:
-            continue
-        target = getattr(copy, descriptor.name)
-        if hasattr(target, "extend"):  # a repeated field
-            target.extend(value)
-        elif hasattr(target, "CopyFrom"):  # a message
-            target.CopyFrom(value)
-        else:
-            setattr(copy, descriptor.name, value)
-    return copy
 
 
 def node_reads(node: onnx.NodeProto) -> set[str]:

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from graphforge.analysis.size import ModelSize, human_bytes
 from graphforge.errors import CheckpointError
 from graphforge.graph import Model, ModelSource, load, save
-from graphforge.passes.prune import ModelSize
 from graphforge.runtime import CheckpointManager, CheckpointState
 from graphforge.runtime.inference import export_inference_model
 from graphforge.train.loop import CHECKPOINTS
@@ -40,8 +40,8 @@ class ExportReport:
             ("nodes", f"{before.nodes:,}", f"{after.nodes:,}"),
             ("inputs", f"{before.inputs:,}", f"{after.inputs:,}"),
             ("outputs", f"{before.outputs:,}", f"{after.outputs:,}"),
-            ("stored tensors", _human(before.tensor_bytes), _human(after.tensor_bytes)),
-            ("file", _human(self.program_bytes), _human(self.exported_bytes)),
+            ("stored tensors", human_bytes(before.tensor_bytes), human_bytes(after.tensor_bytes)),
+            ("file", human_bytes(self.program_bytes), human_bytes(self.exported_bytes)),
         ]
 
 
@@ -95,11 +95,3 @@ def export(
         program_bytes=program_bytes,
         exported_bytes=exported_bytes,
     )
-
-
-def _human(size: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"

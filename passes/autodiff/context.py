@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
+from onnx import numpy_helper
 
-from graphforge.analysis import topological_order
 from graphforge.builder import Builder, rank, static_shape
+from graphforge.constants import constant_value
 from graphforge.errors import PassError
-from graphforge.ir import constant_value as ir_constant_value
 
 
 class GradContext:
@@ -166,99 +165,6 @@ class GradContext:
         return _unbroadcast(self, grad, grad_shape, x, peers)
 
 
-#: bounds on what ``constant_value`` evaluates: nodes walked, and elements of any tensor read
-CONSTANT_NODES, CONSTANT_ELEMENTS = 64, 4096
-
-
-def constant_value(t: gs.Tensor, opset: int) -> np.ndarray | None:
-    """``t``'s value when it depends on constants only (initializers, Constant nodes) through at
-    most CONSTANT_NODES deterministic ai.onnx nodes over small tensors (exporters compute axes
-    and shapes that way: Reshape(Constant, Constant)); evaluated with onnx's reference
-    evaluator. None when it is not such a constant."""
-    value = ir_constant_value(t)
-    if value is not None:
-        return value
-    nodes, leaves = _constant_subgraph(t)
-    if nodes is None:
-        return None
-    return _evaluate(nodes, leaves, t, opset)
-
-
-def _constant_subgraph(t: gs.Tensor) -> tuple[list[gs.Node] | None, dict[str, np.ndarray]]:
-    """The nodes ``t`` is computed by from constants, and those constants by name (Shape and
-    Size of tensors whose shape is known count as constants); None when it is not such a tensor."""
-    from graphforge.ir import NONDETERMINISTIC_OPS
-
-    nodes: dict[int, gs.Node] = {}
-    leaves: dict[str, np.ndarray] = {}
-    stack = [t]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, gs.Constant) and (x.shape is None or _too_big(x.shape)):
-            return None, {}  # a weight, say: not read
-        known = _known_value(x)
-        if known is not None:
-            leaves[x.name] = known
-            continue
-        node = x.inputs[0] if x.inputs else None
-        if node is None or (x.shape is not None and _too_big(x.shape)):
-            return None, {}  # a graph input, or a large tensor: not the small constants meant
-        if id(node) in nodes:
-            continue
-        subgraphs = any(isinstance(v, gs.Graph) for v in node.attrs.values())
-        if node.domain or node.op in NONDETERMINISTIC_OPS or subgraphs or len(nodes) >= CONSTANT_NODES:
-            return None, {}
-        nodes[id(node)] = node
-        stack.extend(i for i in node.inputs if not i.is_empty())
-    return list(nodes.values()), leaves
-
-
-def _known_value(x: gs.Tensor) -> np.ndarray | None:
-    """x's value when it needs no evaluation: an initializer, or the Shape or Size of a tensor
-    whose shape (the dims asked for) is static."""
-    if isinstance(x, gs.Constant):
-        return np.asarray(x.values)
-    node = x.inputs[0] if x.inputs else None
-    if node is None or node.domain or node.op not in ("Shape", "Size"):
-        return None
-    shape = node.inputs[0].shape
-    if shape is None:
-        return None
-    if node.op == "Shape":
-        shape = shape[node.attrs.get("start", 0) : node.attrs.get("end", len(shape))]
-    if not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
-        return None
-    return np.array([int(d) for d in shape], np.int64) if node.op == "Shape" else np.array(np.prod(shape), np.int64)
-
-
-def _too_big(shape) -> bool:
-    return (
-        all(isinstance(d, int | np.integer) for d in shape) and int(np.prod(shape, dtype=np.int64)) > CONSTANT_ELEMENTS
-    )
-
-
-def _evaluate(nodes: list[gs.Node], leaves: dict[str, np.ndarray], t: gs.Tensor, opset: int) -> np.ndarray | None:
-    from onnx import helper, numpy_helper
-    from onnx.reference import ReferenceEvaluator
-    from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
-
-    if t.name in leaves:
-        return leaves[t.name]
-    order = [nodes[i] for i in topological_order(gs.Graph(nodes=nodes))]
-    graph = helper.make_graph(
-        [OnnxExporter.export_node(n) for n in order],
-        "constant",
-        [],
-        [helper.make_value_info(t.name, onnx.TypeProto())],
-        [numpy_helper.from_array(value, name) for name, value in leaves.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    try:
-        return np.asarray(ReferenceEvaluator(model).run(None, {})[0])
-    except Exception:  # an op the evaluator lacks: not a constant we can use
-        return None
-
-
 def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor, peers=()) -> gs.Tensor:
     """Sum ``grad`` (of shape ``grad_shape``, the broadcast result's) down to ``x``'s shape.
 
@@ -329,6 +235,4 @@ def _unbroadcast_dynamic(ctx: GradContext, grad: gs.Tensor, x: gs.Tensor, lead: 
 
 
 def _int64_one():
-    from onnx import numpy_helper
-
     return numpy_helper.from_array(np.array([1], dtype=np.int64))

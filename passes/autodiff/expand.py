@@ -12,11 +12,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from graphforge.passes.autodiff.context import CONSTANT_ELEMENTS, GradContext, constant_value
+from graphforge.passes.autodiff.context import GradContext
 from graphforge.passes.autodiff.driver import build_subgraph_gradients
 
 from graphforge.analysis.dag import outer_inputs
 from graphforge.builder import Builder
+from graphforge.constants import CONSTANT_ELEMENTS, constant_value
 from graphforge.ir import all_graphs, onnx_dtype
 
 

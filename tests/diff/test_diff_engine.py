@@ -32,7 +32,7 @@ from graphforge.diff import SCHEMA_VERSION, assert_models_equal, diff_models, or
 from graphforge.diff.rename import rename_all
 from graphforge.diff.source import open_side
 from graphforge.errors import InvalidModelError
-from graphforge.pass_manager import op_histogram
+from graphforge.ir import op_histogram
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden_small_pair.json"
@@ -400,8 +400,8 @@ def test_histogram_counts_subgraph_nodes_like_the_pass_manager():
     before = parse(IF_MODEL)
     after = parse(IF_MODEL.replace("e = Abs(z)", "e = Abs(z)\n f = Neg(e)").replace("(float[N] e) {", "(float[N] f) {"))
     diff = diff_models(before, after)
-    counted = op_histogram(graphforge.Model.from_proto(after))
-    counted.subtract(op_histogram(graphforge.Model.from_proto(before)))
+    counted = Counter(op_histogram(after))
+    counted.subtract(op_histogram(before))
     assert histogram_delta(diff) == {op: n for op, n in counted.items() if n}
 
 
