@@ -41,8 +41,8 @@ def every_graph(graph: gs.Graph) -> Iterator[gs.Graph]:
 def subgraphs_of(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.GraphProto]:
     """Every graph nested in ``nodes``' attributes (If/Loop/Scan bodies), at any depth."""
     stack = list(nodes)
-    while stack:
-        node = stack.pop(0)
+    while stack:  # iterative, depth first: bodies nest deeply
+        node = stack.pop()
         for attr in node.attribute:
             for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
                 yield graph

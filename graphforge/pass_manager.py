@@ -116,11 +116,11 @@ class PassManager:
                 ) from None
             # with dump_on_change too: the first change needs its "before" to compare with
             save(proto, self.dump_dir / "000_input.onnx")
-        with gc_paused():
+        with gc_paused():  # the collector would walk every graphsurgeon object, again and again
             model = Model.from_proto(proto)
+            histogram = op_histogram(proto)  # of `model`, from its last export
         records: list[PassRecord] = []
         current: onnx.ModelProto | None = proto  # `model` exported whole; None when it was not
-        histogram = op_histogram(proto)  # of `model`, from its last export
         last_change: PassRecord | None = None
         for position, pass_ in enumerate(self.passes, start=1):
             iteration = 0
@@ -197,6 +197,7 @@ class PassManager:
         try:
             with gc_paused():
                 new_proto = model.to_proto(values=whole)
+                after = op_histogram(new_proto)
         except Exception as exc:  # the pass left a graph onnx-graphsurgeon cannot export
             dumped = self._dump_failure(proto, record, "failed-input")
             raise PipelineError(
@@ -206,7 +207,6 @@ class PassManager:
                 pass_name=pass_.name,
                 dumped_to=dumped,
             ) from exc
-        after = op_histogram(new_proto)
         record.nodes_after = sum(after.values())
         record.delta = {
             op: after.get(op, 0) - before.get(op, 0)

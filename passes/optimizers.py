@@ -26,7 +26,7 @@ from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.pipeline import Fact, Pass, PassResult, check_number
-from graphforge.program import CarriedSpec
+from graphforge.program import CarriedSpec, ProgramRoles
 
 
 @dataclass
@@ -134,8 +134,9 @@ class _Optimizer(Pass):
         graph = model.graph
         program = _Program(model, Builder(graph, prefix=roles.OPTIM_PREFIX), list(graph.outputs))
         tensors = graph.tensors()
-        grads_by_param = roles.get_json(model, roles.GRADIENTS, {})
-        params = [tensors[p] for p in roles.get_json(model, roles.PARAMETERS, []) if p in grads_by_param]
+        program_roles = ProgramRoles.of_model(model)
+        grads_by_param = program_roles.gradients
+        params = [tensors[p] for p in program_roles.parameters if p in grads_by_param]
         grads = {p.name: tensors[grads_by_param[p.name]] for p in params}
         counters = _counters(program)
         if self.accumulate:
@@ -145,7 +146,7 @@ class _Optimizer(Pass):
         for p in params:
             self._update_parameter(program, p, grads[p.name], counters)
         _carry_buffers(program, self.batchnorm_variance)
-        self._record(program, grads_by_param)
+        self._record(program)
         return PassResult(model, True)
 
     def _update_parameter(self, program: _Program, p: gs.Tensor, grad: gs.Tensor, counters: _Counters) -> None:
@@ -159,7 +160,7 @@ class _Optimizer(Pass):
                 program.output(value, roles.next_name(f"{p.name}.{s}"), p)
         program.carry_initializer(p, "parameter")
 
-    def _record(self, program: _Program, grads_by_param: dict[str, str]) -> None:
+    def _record(self, program: _Program) -> None:
         model = program.model
         program.graph.outputs = program.outputs
         order = {"parameter": 0, "accumulator": 1, "optimizer": 2, "buffer": 3}

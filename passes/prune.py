@@ -16,6 +16,7 @@ from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import every_graph, fingerprint
 from graphforge.pipeline import Pass, PassResult
+from graphforge.program import ProgramRoles
 
 #: metadata keys that stay in a pruned model (everything else under "graphforge." describes training)
 _KEPT_WHILE_TRUE = (roles.LOSS, roles.LABELS)
@@ -164,10 +165,9 @@ def _batch_norm_inference(node: gs.Node, graph_outputs: set[int]) -> bool:
 def trained_tensors(model: Model) -> list[str]:
     """Parameters and buffers of a program: the initializers training updates, in the
     order the metadata lists them (parameters first)."""
-    names = list(roles.get_json(model, roles.PARAMETERS, []))
-    for spec in roles.get_json(model, roles.STATE, []):
-        if spec.get("init") == "initializer" and spec["input"] not in names:
-            names.append(spec["input"])
+    program_roles = ProgramRoles.of_model(model)
+    names = list(program_roles.parameters)
+    names += [c.input for c in program_roles.carried if c.init == "initializer" and c.input not in names]
     return names
 
 

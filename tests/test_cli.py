@@ -647,6 +647,19 @@ def test_readme_pipeline_text_parses():
     assert [p.spec() for p in passes] == ["dce", "cse", "fold_constants(size_limit_mb=4.0)"]
 
 
+def test_readme_under_the_hood_block_runs_as_written(readme_workspace):
+    """Roles, a cut at the gradient boundary, and the runner's executor with a hook."""
+    (block,) = [b for b in _readme_blocks("python") if "ProgramRoles.read" in b]
+    for folder in ("examples", "data"):
+        (readme_workspace / folder).symlink_to(REPO / folder)
+    proc = ok(subprocess.run([sys.executable, "-c", block], cwd=readme_workspace, env=_env(), capture_output=True,
+                             text=True, timeout=300))  # fmt: skip
+    roles_line, hook_line, result_line = proc.stdout.splitlines()
+    assert roles_line == "['images', 'labels'] ('logits',) optim::boundary/fc1.weight"
+    assert re.fullmatch(r"segment 0 sends \d+ tensors; largest gradient norm \d+\.\d{3}", hook_line)
+    assert re.fullmatch(r"loss \d+\.\d{3}; updated 4 parameters", result_line)
+
+
 def test_readme_pass_objects_are_reachable_from_import_graphforge(tmp_path):
     code = "import graphforge; print(graphforge.passes.FoldConstants(size_limit_mb=4).spec())"
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True)
