@@ -51,7 +51,8 @@ class Fact(enum.Enum):
     GRADIENT_BOUNDARY = (
         "a gradient boundary",
         roles.GRADIENT_BOUNDARY,
-        "put an optimizer pass (sgd, adam, adamw, lamb) before it in the pipeline",
+        "put an optimizer pass (sgd, adam, adamw, lamb) before it in the pipeline (a program compiled "
+        "before graphforge recorded the boundary needs compiling again)",
     )
 
     def __init__(self, what: str, key: str, hint: str):

@@ -349,7 +349,9 @@ class Runner:
         name; an input left out keeps its initializer default) and what earlier segments
         sent; after segment k, ``hook(k, sent)`` may replace what it sent or return a
         Pending, waited on before the first later segment that reads one of those values
-        (or at the end). Returns every fetch, the final sent values, and what was written."""
+        (or at the end). Returns every fetch, the final sent values, and what was written.
+        Should a segment, the hook or a pending result fail, what the segments before wrote
+        is taken back, so the carried state is as before the execution."""
         available: dict[str, Any] = dict(feeds)
         sent: dict[str, ort.OrtValue] = {}
         pending: list[tuple[set[str], Pending]] = []
@@ -363,35 +365,39 @@ class Runner:
                 available.update(replaced)
                 sent.update(replaced)
 
-        for k, segment in enumerate(segments):
-            stale = [c.name for c in segment.session.carried_in if any(c is w for w in written)]
-            if stale:  # its buffer flipped: the segment would read the value after the update
-                raise GraphforgeError(
-                    f"segment {k} ({segment.session.where}) reads {stale[0]!r}, which an earlier segment of "
-                    "this execution already updated; cut the program so that its update comes last"
-                )
-            reads = set(segment.session.inputs)
-            for entry in [p for p in pending if p[0] & reads]:
-                pending.remove(entry)
-                settle(entry[1], entry[0])
-            fetched, out = self.run(segment.session, available, segment.fetch, segment.sends)
-            host.update(fetched)
-            written += segment.session.carried_out
-            available.update(out)
-            sent.update(out)
-            if hook is None or not out:
-                continue
-            result = hook(k, dict(out))
-            if result is None:
-                continue
-            if isinstance(result, Mapping):
-                _check_replacement(result, set(out))
-                available.update(result)
-                sent.update(result)
-            else:
-                pending.append((set(out), result))
-        for names, handle in pending:
-            settle(handle, names)
+        try:
+            for k, segment in enumerate(segments):
+                stale = [c.name for c in segment.session.carried_in if any(c is w for w in written)]
+                if stale:  # its buffer flipped: the segment would read the value after the update
+                    raise GraphforgeError(
+                        f"segment {k} ({segment.session.where}) reads {stale[0]!r}, which an earlier segment of "
+                        "this execution already updated; cut the program so that its update comes last"
+                    )
+                reads = set(segment.session.inputs)
+                for entry in [p for p in pending if p[0] & reads]:
+                    pending.remove(entry)
+                    settle(entry[1], entry[0])
+                fetched, out = self.run(segment.session, available, segment.fetch, segment.sends)
+                host.update(fetched)
+                written += segment.session.carried_out
+                available.update(out)
+                sent.update(out)
+                if hook is None or not out:
+                    continue
+                result = hook(k, dict(out))
+                if result is None:
+                    continue
+                if isinstance(result, Mapping):
+                    _check_replacement(result, set(out))
+                    available.update(result)
+                    sent.update(result)
+                else:
+                    pending.append((set(out), result))
+            for names, handle in pending:
+                settle(handle, names)
+        except BaseException:  # nothing half-done: the carried state is as before the execution
+            Runner.restore(written)
+            raise
         return Execution(host, sent, written)
 
     def run(

@@ -168,3 +168,30 @@ def test_restore_takes_back_what_an_execution_wrote():
     Runner.restore(done.written)
     for name, value in runner.read_tensors().items():
         assert np.array_equal(value, before[name]), name
+
+
+def test_a_failure_between_segments_leaves_the_carried_state_as_before():
+    """Segment 0 writes the accumulators; a hook (or a pending collective) that fails after it
+    must not leave them half-updated."""
+    program = mlp_program("sgd(lr=0.05, accumulate=true)")
+    runner, roles = make_runner(program)
+    boundary = list(roles.gradient_boundary.values())
+    runs = segment_runs(runner, program, [[*boundary, *(f"{p}_grad_acc_next" for p in roles.gradient_boundary)]])
+    assert any(c.spec.role == "accumulator" for c in runs[0].session.carried_out)
+    feeds = {**batches(1)[0], **scalars(roles, 0)}
+    before = runner.read_tensors()
+
+    class Broken:
+        def wait(self):
+            raise RuntimeError("the collective failed")
+
+    def raising(index, sent):
+        raise RuntimeError("the send failed")
+
+    for hook, message in ((raising, "the send failed"), (lambda k, sent: Broken(), "the collective failed")):
+        with pytest.raises(RuntimeError, match=message):
+            runner.execute(runs, feeds, hook=hook)
+        for name, value in runner.read_tensors().items():
+            assert np.array_equal(value, before[name]), (message, name)
+    done = runner.execute(runs, feeds)  # and it still runs
+    assert {c.spec.role for c in done.written} == {"accumulator", "parameter"}
