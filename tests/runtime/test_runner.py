@@ -39,6 +39,11 @@ def scalars(roles: ProgramRoles, step: int, lr: float = 0.05) -> dict[str, np.nd
     return feeds
 
 
+def whole(runner: Runner, program: onnx.ModelProto) -> list[SegmentRun]:
+    """The uncut program as the one segment of an execution, fetching the loss."""
+    return [SegmentRun(runner.session("whole", lambda: program, "the program"), ["loss"])]
+
+
 def segment_runs(runner: Runner, program: onnx.ModelProto, boundaries, fetch=("loss",)) -> list[SegmentRun]:
     """The program cut at ``boundaries``, each segment fetching what of ``fetch`` it outputs."""
     runs = []
@@ -50,19 +55,19 @@ def segment_runs(runner: Runner, program: onnx.ModelProto, boundaries, fetch=("l
 
 def test_three_segments_in_sequence_equal_the_uncut_program_with_carried_state():
     program = mlp_program("adamw(lr=0.05, clip_grad_norm=0.5, accumulate=true)")
-    whole, roles = make_runner(program)
+    uncut, roles = make_runner(program)
     split, _ = make_runner(program)
-    fused = [SegmentRun(whole.session("whole", lambda: program, "the program"), ["loss"])]
+    fused = whole(uncut, program)
     boundary = list(roles.gradient_boundary.values())
     not_update = [o for o in roles.outputs if o not in roles.update_outputs]
     pieces = segment_runs(split, program, [["hidden"], [*boundary, *not_update]])
     assert len(pieces) == 3
     for step, feeds in enumerate(batches(4)):
-        a = whole.execute(fused, {**feeds, **scalars(roles, step)})
+        a = uncut.execute(fused, {**feeds, **scalars(roles, step)})
         b = split.execute(pieces, {**feeds, **scalars(roles, step)})
         assert np.array_equal(a.host["loss"], b.host["loss"]), step
-        assert {c.name for c in a.written} == {c.name for c in b.written} == set(whole.carried)
-    after_whole, after_split = whole.read_tensors(), split.read_tensors()
+        assert {c.name for c in a.written} == {c.name for c in b.written} == set(uncut.carried)
+    after_whole, after_split = uncut.read_tensors(), split.read_tensors()
     assert sorted(after_whole) == sorted(after_split)
     for name, value in after_whole.items():
         assert np.array_equal(value, after_split[name]), name
@@ -75,7 +80,7 @@ def test_a_hook_that_doubles_the_gradients_equals_doubling_the_learning_rate():
     program = mlp_program("sgd(lr=0.05)")
     doubled_lr, roles = make_runner(program)
     hooked, _ = make_runner(program)
-    fused = [SegmentRun(doubled_lr.session("whole", lambda: program, "the program"), ["loss"])]
+    fused = whole(doubled_lr, program)
     boundary = set(roles.gradient_boundary.values())
     pieces = segment_runs(hooked, program, [sorted(boundary)])
     seen = []
@@ -152,18 +157,17 @@ def test_hook_mistakes_and_stale_reads_are_refused():
 
     program = mlp_program("sgd(lr=0.05)")
     trained, roles = make_runner(program)
-    whole = SegmentRun(trained.session("whole", lambda: program, "the program"), ["loss"])
+    (once,) = whole(trained, program)
     feeds = {**batches(1)[0], **scalars(roles, 0)}
     with pytest.raises(graphforge.GraphforgeError, match="reads 'w1', which an earlier segment of this execution"):
-        trained.execute([whole, whole], feeds)
+        trained.execute([once, once], feeds)
 
 
 def test_restore_takes_back_what_an_execution_wrote():
     program = mlp_program("adam(lr=0.05)")
     runner, roles = make_runner(program)
     before = runner.read_tensors()
-    whole = SegmentRun(runner.session("whole", lambda: program, "the program"), ["loss"])
-    done = runner.execute([whole], {**batches(1)[0], **scalars(roles, 0)})
+    done = runner.execute(whole(runner, program), {**batches(1)[0], **scalars(roles, 0)})
     assert not np.array_equal(runner.read_tensors(["w1"])["w1"], before["w1"])
     Runner.restore(done.written)
     for name, value in runner.read_tensors().items():
