@@ -1,4 +1,5 @@
-"""The layers DESIGN.md draws, checked on the import graph of the source itself.
+"""The layers DESIGN.md draws, checked on the import graph of the source itself, and by
+importing each layer alone in a fresh interpreter.
 
 Every ``import`` of graphforge/ and passes/ (imported as graphforge.passes) is read with
 ``ast``, at module level and inside functions alike, leaving out ``if TYPE_CHECKING:``
@@ -11,6 +12,9 @@ re-exports everything, so the source's arrows are what is checked, not sys.modul
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -170,3 +174,42 @@ def test_torch_is_imported_nowhere_in_the_core(imports):
     PyTorch front end, graphforge/torch/, will be the place)."""
     _, edges, _ = imports
     assert not [a for a, b, _ in edges if b == "torch" and not a.startswith("graphforge.torch")]
+
+
+#: what importing a layer's entry point alone must not bring in (besides the layers below it)
+ALONE = {
+    "graphforge.cut": ("graphforge.passes", "graphforge.runtime", "graphforge.pass_manager", "torch"),
+    "graphforge.program": ("graphforge.passes", "graphforge.runtime", "graphforge.pass_manager", "torch"),
+    "graphforge.passes": ("graphforge.runtime", "graphforge.pass_manager", "graphforge.train", "torch"),
+    "graphforge.runtime": (
+        "graphforge.pass_manager",
+        "graphforge.train",
+        "graphforge.golden",
+        "graphforge.diff",
+        "torch",
+    ),
+}
+
+_IMPORT_ALONE = """
+import importlib, importlib.util, json, sys, types
+spec = importlib.util.find_spec("graphforge")  # found, not run: its __init__ re-exports every layer
+package = types.ModuleType("graphforge")
+package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
+sys.modules["graphforge"] = package
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("entry", sorted(ALONE))
+def test_each_layer_imports_alone(entry):
+    """In a fresh interpreter, importing a layer (without the package's re-exports) loads no
+    module of a layer above it: the runtime check of what the static graph says."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ALONE, entry], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout)
+    assert entry in loaded
+    unwanted = [m for m in loaded if any(m == p or m.startswith(p + ".") for p in ALONE[entry])]
+    assert not unwanted, f"importing {entry} alone loads {unwanted[:5]}"
