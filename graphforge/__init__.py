@@ -19,6 +19,7 @@ from graphforge.errors import (
 from graphforge.graph import Model, load, save
 from graphforge.pass_manager import CompileResult, PassManager, PassRecord, compile, default_registry, parse_pipeline
 from graphforge.pipeline import Pass, PassRegistry, PassResult
+from graphforge.program import ProgramRoles
 from graphforge.runtime import (
     CheckpointManager,
     CheckpointState,
@@ -55,6 +56,7 @@ __all__ = [
     "PassResult",
     "PipelineError",
     "PipelineSpecError",
+    "ProgramRoles",
     "__version__",
     "available_providers",
     "compile",

@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 
 import graphforge
 from graphforge.cut import cut
-from graphforge.runtime.runner import Runner, SegmentRun, resolve_device
+from graphforge.runtime.runner import Runner, resolve_device
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,7 @@ def _run_whole(program, feeds):
 def _run_cut(segments, feeds, between=None):
     """Every program output of the segments, run in order with ``between`` as the hook."""
     runner = Runner([], resolve_device("cpu"))
-    runs = [
-        SegmentRun(runner.session(s.index, lambda s=s: s.model, f"segment {s.index}"), s.outputs, s.sends)
-        for s in segments
-    ]
-    return runner.execute(runs, feeds, hook=between).host
+    return runner.execute([runner.segment(s) for s in segments], feeds, hook=between).host
 
 
 def test_cut_at_gradients_equals_the_whole_program(program):

@@ -18,7 +18,7 @@ from graphforge.pass_manager import default_registry
 from graphforge.pipeline import Fact, PassRegistry, facts_of, unmet_requirement
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointState
-from graphforge.runtime.runner import Runner, SegmentRun, resolve_device
+from graphforge.runtime.runner import Runner, resolve_device
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,7 @@ def test_a_runtime_cuts_at_the_boundary():
     assert not {n for n in segments[1].receives if n.endswith("_grad")}  # the update reads the boundary, not P_grad
     runner = Runner(program_roles.carried, resolve_device("cpu"))
     runner.write_tensors(CheckpointState.from_program(program).tensors)
-    runs = [
-        SegmentRun(
-            runner.session(s.index, lambda s=s: s.model, "segment"), ["loss"] if "loss" in s.outputs else [], s.sends
-        )
-        for s in segments
-    ]
+    runs = [runner.segment(s, fetch=["loss"] if "loss" in s.outputs else []) for s in segments]
     module = graphforge.Module(program, device="cpu")
     for step, batch in enumerate(models.tanh_mlp_batches(2)):
         scalars = {"lr": np.array(0.1, np.float32), "step": np.array(step, np.int64)}

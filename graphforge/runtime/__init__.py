@@ -1,4 +1,5 @@
-"""onnxruntime execution: providers, sessions, the training API, checkpoints and LR schedules."""
+"""onnxruntime execution: providers, sessions, the runner and its executor of segments, the training
+API, checkpoints and LR schedules."""
 
 from graphforge.runtime.checkpoint import CheckpointManager, CheckpointState
 from graphforge.runtime.lr_schedules import (
@@ -10,6 +11,7 @@ from graphforge.runtime.lr_schedules import (
     make_schedule,
     schedule_from_state_dict,
 )
+from graphforge.runtime.runner import Execution, Runner, SegmentRun, resolve_device
 from graphforge.runtime.sessions import available_providers, create_session
 from graphforge.runtime.training import Module, Optimizer
 
@@ -18,13 +20,17 @@ __all__ = [
     "CheckpointState",
     "ConstantSchedule",
     "CosineSchedule",
+    "Execution",
     "LRSchedule",
     "LinearSchedule",
     "Module",
     "Optimizer",
     "PolynomialSchedule",
+    "Runner",
+    "SegmentRun",
     "available_providers",
     "create_session",
     "make_schedule",
+    "resolve_device",
     "schedule_from_state_dict",
 ]

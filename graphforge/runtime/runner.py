@@ -30,6 +30,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from graphforge.cut import Segment
 from graphforge.errors import DeviceError, GraphforgeError, one_line
 from graphforge.program import CarriedSpec
 from graphforge.runtime.sessions import (
@@ -251,6 +252,14 @@ class Runner:
         if bound is None:
             bound = cache[key] = self._create(model(), where, keep, only_read_inputs, profiled)
         return bound
+
+    def segment(self, segment: Segment, *, key: Any = None, fetch: Sequence[str] | None = None) -> SegmentRun:
+        """A segment of a cut (graphforge.cut) ready to execute: its session (cached under
+        ``key``, default its index), fetching ``fetch`` (default: the program outputs it
+        makes) and sending on what the cut says crosses after it."""
+        where = f"segment {segment.index}"
+        bound = self.session(("segment", segment.index) if key is None else key, lambda: segment.model, where)
+        return SegmentRun(bound, list(segment.outputs if fetch is None else fetch), list(segment.sends))
 
     def _create(
         self, model: onnx.ModelProto, where: str, keep: Sequence[str] | None, only_read_inputs: bool, profiled: bool

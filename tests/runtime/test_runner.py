@@ -46,11 +46,7 @@ def whole(runner: Runner, program: onnx.ModelProto) -> list[SegmentRun]:
 
 def segment_runs(runner: Runner, program: onnx.ModelProto, boundaries, fetch=("loss",)) -> list[SegmentRun]:
     """The program cut at ``boundaries``, each segment fetching what of ``fetch`` it outputs."""
-    runs = []
-    for segment in cut(program, boundaries):
-        bound = runner.session(segment.index, lambda s=segment: s.model, f"segment {segment.index}")
-        runs.append(SegmentRun(bound, [n for n in fetch if n in segment.outputs], segment.sends))
-    return runs
+    return [runner.segment(s, fetch=[n for n in fetch if n in s.outputs]) for s in cut(program, boundaries)]
 
 
 def test_three_segments_in_sequence_equal_the_uncut_program_with_carried_state():
