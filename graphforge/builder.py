@@ -131,6 +131,11 @@ class Builder:
     def reshape(self, x, shape):
         return self.op("Reshape", x, shape if isinstance(shape, gs.Tensor) else self.ints(shape))
 
+    def reshape_like(self, x, like: gs.Tensor):
+        """``x`` reshaped to ``like``'s shape exactly: a zero-size dim stays zero (allowzero,
+        opset 14+; without it Reshape reads a 0 as "keep this dim")."""
+        return self.op("Reshape", x, self.shape(like), **({"allowzero": 1} if self.opset >= 14 else {}))
+
     def slice(self, x, axis: int, start: int, end: int = 2**62):
         """``x[start:end]`` along ``axis`` (static bounds; attributes before opset 10, inputs after)."""
         if self.opset < 10:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients, node_inputs
+from graphforge.passes.autodiff.registry import RULES
 
 from graphforge import roles
 from graphforge.errors import PassError
@@ -35,9 +36,12 @@ class Autodiff(Pass):
           the exporter's rewrites (a Conv folded with a BatchNorm) keep the name, drop the mark;
        c. initializers through which no gradient flows to the loss: read only at inputs
           whose gradient rule gives none (BatchNormalization's running mean and variance,
-          Dropout's ratio, a Clip bound) or through integer values. The rules decide, so no
-          op list is kept here. They are left out silently, unless named in ``trainable``
-          without a wildcard.
+          Dropout's ratio) or through integer values. The rules decide, so no op list is
+          kept here. They are left out silently, unless named in ``trainable`` without a
+          wildcard;
+       d. initializers read only at the inputs a rule calls settings (Clip's bounds, Pad's
+          value: numbers in torch), unless named in ``trainable`` without a wildcard: then
+          they train where the rule gives them a gradient.
        ``inputs`` names graph inputs to differentiate as well (their gradients are ``<input>_grad`` too).
     3. The gradient of parameter ``P`` becomes the graph output ``P_grad``; the original
        outputs stay (``keep_outputs=false`` keeps only the loss and the gradients).
@@ -77,7 +81,7 @@ class Autodiff(Pass):
         if without:
             feeding = _feeding(loss)
             unused = [t.name for t in without if id(t) not in feeding]  # case 4
-            named = {p for p in self.trainable if not any(c in p for c in "*?[")}
+            named = self._named()
             blocked = [t.name for t in without if id(t) in feeding and t.name in named]  # case 2c, asked for
             params = [t for t in params if id(t) in grads or id(t) not in feeding]
             if unused:
@@ -131,14 +135,20 @@ class Autodiff(Pass):
 
     def _parameters(self, graph: gs.Graph, torch_kinds: dict[str, str]) -> list[gs.Tensor]:
         seen: dict[str, gs.Tensor] = {}
+        named = self._named()
         for node in graph.nodes:
             for t in node_inputs(node):  # what If/Loop/Scan bodies read counts too
                 if t.name in seen or not is_parameter(t) or not self._is_trainable(t.name):
                     continue
                 generated = t.name.startswith(roles.GENERATED_PREFIXES)  # case 2a
-                if not generated and _torch_parameter(t.name, torch_kinds):
+                setting = t.name not in named and _only_a_setting(t)  # case 2d
+                if not generated and not setting and _torch_parameter(t.name, torch_kinds):
                     seen[t.name] = t
         return list(seen.values())
+
+    def _named(self) -> set[str]:
+        """The names ``trainable`` gives without a wildcard."""
+        return {p for p in self.trainable if not any(c in p for c in "*?[")}
 
     def _is_trainable(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.trainable) and not any(
@@ -155,6 +165,17 @@ class Autodiff(Pass):
 
 #: how torch.onnx's dynamo exporter (onnxscript) names the values it creates: lifted and folded constants
 _EXPORTER_CONSTANT = re.compile(r"_?val_\d+")
+
+
+def _only_a_setting(t: gs.Tensor) -> bool:
+    """Case 2d: whether every node reading ``t`` reads it at an input its rule calls a setting."""
+    readers = list(t.outputs)
+    for node in readers:
+        rule = RULES.get(node.op, node.domain)
+        slots = [i for i, x in enumerate(node.inputs) if x is t]
+        if rule is None or not slots or any(rule.setting(i) is None for i in slots):
+            return False
+    return bool(readers)
 
 
 def _torch_parameter(name: str, kinds: dict[str, str]) -> bool:

@@ -192,7 +192,7 @@ def _unbroadcast(ctx: GradContext, grad: gs.Tensor, grad_shape, x: gs.Tensor, pe
     if not axes:
         return grad
     summed = b.reduce_sum(grad, axes, keepdims=True)
-    return b.reshape(summed, b.shape(x)) if lead else summed
+    return b.reshape_like(summed, x) if lead else summed
 
 
 def _peers_are_one(peers, axis_from_end: int) -> bool:
@@ -231,7 +231,7 @@ def _unbroadcast_dynamic(ctx: GradContext, grad: gs.Tensor, x: gs.Tensor, lead: 
     broadcast = b.op("And", b.op("Equal", x_shape, one), b.op("Not", b.op("Equal", g_shape, one)))
     axes = b.reshape(b.op("NonZero", broadcast), [-1])
     summed = b.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
-    return b.reshape(summed, b.shape(x))
+    return b.reshape_like(summed, x)
 
 
 def _int64_one():

@@ -114,7 +114,9 @@ def _expand_function(ctx: GradContext) -> gs.Graph:
     fn.domain, fn.name = "graphforge.expand", node.op
     call = onnx.helper.make_node(node.op, list(proto.input), list(proto.output), domain=fn.domain)
     call.attribute.extend(proto.attribute)
-    values = {t.name: _small_constant(t, opset) for t in inputs if t.name}  # shapes, sizes: let inference see them
+    # the values of small constant inputs (shapes, sizes) let inference and folding see through
+    # the body; never of an input the gradient is wanted for: folding it would cut it off
+    values = {t.name: _small_constant(t, opset) for t in inputs if t.name and not ctx.wants(t)}
     graph = onnx.helper.make_graph(
         [call],
         "expansion",

@@ -1,12 +1,17 @@
-"""Write docs/ops.md, the table of every op type the gradient registry knows, from the registry itself.
+"""Write docs/ops.md, the table of every op type the gradient registry knows, from the registry itself,
+and the conformance on onnx's backend node tests from docs/ops-conformance.json.
 
 python -m graphforge.passes.autodiff.opsdoc            # rewrite docs/ops.md
 python -m graphforge.passes.autodiff.opsdoc --check    # exit 1 if docs/ops.md is out of date
+
+docs/ops-conformance.json is written by ``python tests/autodiff/conformance.py`` (which then
+rewrites docs/ops.md too).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -15,7 +20,13 @@ from graphforge.passes.autodiff.registry import RULES, Rule, RuleRegistry
 
 #: docs/ops.md of the source tree this module lives in (passes/autodiff/opsdoc.py)
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "ops.md"
+#: the recorded conformance results beside it
+CONFORMANCE = DEFAULT_OUTPUT.with_name("ops-conformance.json")
 COMMAND = "python -m graphforge.passes.autodiff.opsdoc"
+CONFORMANCE_COMMAND = "python tests/autodiff/conformance.py"
+#: the outcomes of a conformance case, in the report's column order; "checked" cases are the
+#: first three (a mismatch or an error fails the test and is never recorded)
+OUTCOMES = ("matched", "refused", "skipped", "no rule", "nothing to differentiate")
 
 
 def family(rule: Rule) -> str:
@@ -27,8 +38,12 @@ def opsets(rule: Rule) -> str:
     return f"{rule.since}+" if rule.until is None else f"{rule.since}–{rule.until}"
 
 
-def render(registry: RuleRegistry = RULES) -> str:
-    """The whole of docs/ops.md: a summary per family, then one row per op type."""
+def render(registry: RuleRegistry = RULES, conformance: dict | None = None) -> str:
+    """The whole of docs/ops.md: the conformance totals, a summary per family, one row per op
+    type, what rules leave without a gradient by design, and the conformance per op type.
+    ``conformance``: the recorded results (default: docs/ops-conformance.json, if there)."""
+    if conformance is None and CONFORMANCE.exists():
+        conformance = json.loads(CONFORMANCE.read_text())
     rules = sorted(registry, key=lambda r: (r.op_type.lower(), r.domain))
     differentiable = sum(r.differentiable for r in rules)
     per_family = Counter(family(r) for r in rules)
@@ -47,6 +62,7 @@ def render(registry: RuleRegistry = RULES) -> str:
         "opset cannot express (a scatter-add before 16, say) is refused with the opset it needs. The",
         "family is the module under `passes/autodiff/rules/` that defines it.",
         "",
+        *_conformance_totals(conformance),
         "Some families differentiate what an op is made of, with the driver itself: `control_flow`",
         "(If: an If on the same condition over each branch's gradient; Scan: the forward Scan also",
         "stacks each iteration's states, and a Scan running the other way recomputes the body from",
@@ -71,7 +87,86 @@ def render(registry: RuleRegistry = RULES) -> str:
     for r in rules:
         kind = "differentiable" if r.differentiable else "non-differentiable"
         lines.append(f"| {r.op_type} | {r.domain or 'ai.onnx'} | {opsets(r)} | {family(r)} | {kind} |")
+    lines += _by_design(rules)
+    lines += _conformance_table(conformance)
     return "\n".join(lines) + "\n"
+
+
+def _by_design(rules: list[Rule]) -> list[str]:
+    """The inputs a rule calls settings and the outputs it detaches, with what each is."""
+    lines = [
+        "",
+        "## Without a gradient by design",
+        "",
+        "Settings are inputs that configure an op (numbers or buffers in torch): an initializer read",
+        "only there is no parameter unless `autodiff(trainable=[...])` names it; then it trains where",
+        "the rule gives it a gradient (Clip's bounds and Pad's value do), and the others get none.",
+        "Detached outputs carry no gradient back (torch updates them outside autograd).",
+        "",
+        "| op | input or output | what it is |",
+        "| --- | --- | --- |",
+    ]
+    for r in rules:
+        lines += [f"| {r.op_type} | input {index} (a setting) | {what} |" for index, what in r.settings]
+        lines += [f"| {r.op_type} | output {index} (detached) | {what} |" for index, what in r.detached]
+    return lines
+
+
+def _conformance_totals(conformance: dict | None) -> list[str]:
+    if conformance is None:
+        return []
+    cases = conformance["cases"].values()
+    counts = Counter(c["status"] for c in cases)
+    in64 = sum(1 for c in cases if c["status"] == "matched" and "float64" in c.get("oracle", ""))
+    compared = sum(c.get("checked", 0) for c in cases)
+    kinks = sum(c.get("kinks", 0) for c in cases)
+    return [
+        f"**Conformance on onnx's backend node tests** (onnx {conformance['onnx']}, onnxruntime "
+        f"{conformance['onnxruntime']}; by op type in the table at the end): of {len(cases)} cases, "
+        f"{counts['matched']} match central differences ({in64} in float64, {counts['matched'] - in64} in the "
+        f"model's own type where no float64 evaluator runs the op; {compared} coordinates compared, {kinks} "
+        f"skipped within a step of a kink), {counts['refused']} are refused with a clear error, "
+        f"{counts['skipped']} are skipped with the reason (mostly: onnxruntime cannot run the forward, or "
+        f"inputs of types numpy lacks), {counts['no rule']} use an op without a rule and "
+        f"{counts['nothing to differentiate']} have nothing to differentiate. None is wrong, and none fails "
+        "inside the autodiff.",
+        "",
+    ]
+
+
+def _conformance_table(conformance: dict | None) -> list[str]:
+    if conformance is None:
+        return []
+    per_op: dict[str, list[dict]] = {}
+    for case in conformance["cases"].values():
+        per_op.setdefault(case["op"], []).append(case)
+    lines = [
+        "",
+        "## Conformance on onnx's backend node tests",
+        "",
+        f"Written by `{CONFORMANCE_COMMAND}` (docs/ops-conformance.json), which `make test` runs as",
+        "`tests/autodiff/test_backend_conformance.py`: every case of `onnx.backend.test.case.node`,",
+        "its floating-point inputs made trainable initializers, the loss a fixed random weighting of",
+        "its float outputs, every gradient compared with central differences in float64 at "
+        f"{conformance['coordinates']} sampled",
+        "coordinates per input (the method is in `tests/autodiff/conformance.py`). An `*_expanded`",
+        "case (the op's function body, inlined) counts for its op. Kinks: coordinates within a",
+        "step of a point where the loss is not differentiable, skipped and counted.",
+        "",
+        "| op | cases | matched | refused | skipped | no rule | nothing to differentiate | compared | kinks | why |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for op in sorted(per_op, key=str.lower):
+        cases = per_op[op]
+        counts = Counter(c["status"] for c in cases)
+        reasons = Counter(c["reason"] for c in cases if c["status"] not in ("matched",) and c["reason"])
+        why = "; ".join(f"{reason} ({n})" if n > 1 else reason for reason, n in reasons.most_common(3))
+        if len(reasons) > 3:
+            why += f"; {len(reasons) - 3} more"
+        row = [op, str(len(cases)), *(str(counts[o]) for o in OUTCOMES)]
+        row += [str(sum(c.get("checked", 0) for c in cases)), str(sum(c.get("kinks", 0) for c in cases))]
+        lines.append("| " + " | ".join([*row, why.replace("|", "/")]) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

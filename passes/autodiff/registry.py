@@ -35,6 +35,19 @@ class Rule:
     module: str = ""  # the rules module that registered it (its op family, listed in docs/ops.md)
     #: integer outputs carry a gradient too (a straight-through estimator: QuantizeLinear)
     straight_through: bool = False
+    #: inputs that configure the op rather than hold what it computes on (Clip's bounds, Dropout's
+    #: ratio, BatchNormalization's running statistics: numbers or buffers in torch), as (index,
+    #: what it is) pairs: an initializer read only there is no parameter unless ``trainable``
+    #: names it, and where the rule gives such an input no gradient, this says why
+    settings: tuple[tuple[int, str], ...] = ()
+    #: outputs the rule treats as constants (BatchNormalization's running statistics, which
+    #: torch updates outside autograd), as (index, what it is) pairs: a gradient reaching
+    #: them goes no further
+    detached: tuple[tuple[int, str], ...] = ()
+
+    def setting(self, index: int) -> str | None:
+        """What input ``index`` is when it is a setting, else None."""
+        return next((what for i, what in self.settings if i == index), None)
 
     @property
     def differentiable(self) -> bool:
@@ -86,12 +99,24 @@ class RuleRegistry:
         until: int | None = None,
         broadcast: bool = False,
         straight_through: bool = False,
+        settings: dict[int, str] | None = None,
+        detached: dict[int, str] | None = None,
     ):
-        """Register the decorated function as ``op_type``'s rule."""
+        """Register the decorated function as ``op_type``'s rule (``settings``, ``detached``: see Rule)."""
 
         def register(fn: RuleFn) -> RuleFn:
             self.add(
-                Rule(op_type, fn, since, until, broadcast, module=fn.__module__, straight_through=straight_through)
+                Rule(
+                    op_type,
+                    fn,
+                    since,
+                    until,
+                    broadcast,
+                    module=fn.__module__,
+                    straight_through=straight_through,
+                    settings=tuple(sorted((settings or {}).items())),
+                    detached=tuple(sorted((detached or {}).items())),
+                )
             )
             return fn
 

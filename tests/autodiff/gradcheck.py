@@ -49,6 +49,10 @@ class Case:
       (a straight-through estimator, a random mask): ``reference(feeds, outputs, weights)``
       gets the feeds, the float outputs of the same run that computed the gradients and the
       loss weights R_k, and returns the expected gradient of each differentiated input.
+    params: indices of differentiated inputs fed to autodiff as trainable initializers (a
+      model's parameters) instead of graph inputs: small constant inputs take other paths
+      (a function body is expanded with their values known).
+    omit: indices of the node's outputs it does not produce (LSTM without Y).
     """
 
     op: str
@@ -68,6 +72,8 @@ class Case:
     outer: list = field(default_factory=list)
     after: tuple = ()
     reference: Callable | None = None
+    params: tuple[int, ...] = ()
+    omit: tuple[int, ...] = ()
 
     def label(self) -> str:
         return self.id or self.op
@@ -110,7 +116,8 @@ def build_model(case: Case, dtype, *, symbolic: bool = False) -> tuple[onnx.Mode
         if _is_float(arr):
             wrt.append(name)
     outs = [f"out{k}" for k in range(case.outputs)]
-    nodes = [helper.make_node(case.op, names, outs, **case.attrs)]
+    nodes = [helper.make_node(case.op, names, ["" if k in case.omit else o for k, o in enumerate(outs)], **case.attrs)]
+    outs = [o for k, o in enumerate(outs) if k not in case.omit]
     for k, (op, ins, attrs) in enumerate(case.after):
         outs = [f"after{k}"]
         nodes.append(helper.make_node(op, ins, outs, **attrs))
@@ -118,14 +125,18 @@ def build_model(case: Case, dtype, *, symbolic: bool = False) -> tuple[onnx.Mode
     probe = _run(_model(nodes, graph_inputs, initializers, [_vi(o) for o in outs], case.opset), feeds)
     float_outs = [(o, v) for o, v in zip(outs, probe, strict=True) if _is_float(v)]
     terms = []
+    loss_type = helper.np_dtype_to_tensor_dtype(np.dtype(float_outs[0][1].dtype))
     for o, v in float_outs:
         r = rng.standard_normal(v.shape).astype(v.dtype)
         initializers.append(numpy_helper.from_array(r, f"R_{o}"))
         nodes.append(helper.make_node("Mul", [o, f"R_{o}"], [f"w_{o}"]))
         nodes.append(helper.make_node("ReduceSum", [f"w_{o}"], [f"s_{o}"], keepdims=0))
-        terms.append(f"s_{o}")
+        if helper.np_dtype_to_tensor_dtype(v.dtype) != loss_type:  # outputs of other types (LayerNorm's stash type)
+            nodes.append(helper.make_node("Cast", [f"s_{o}"], [f"c_{o}"], to=loss_type))
+            terms.append(f"c_{o}")
+        else:
+            terms.append(f"s_{o}")
     nodes.append(helper.make_node("Sum", terms, ["loss"]))
-    loss_type = helper.np_dtype_to_tensor_dtype(np.dtype(float_outs[0][1].dtype))
     outputs = [helper.make_tensor_value_info("loss", loss_type, [])]
     if case.reference is not None:  # the reference reads the outputs of the run it checks
         outputs += [
@@ -152,10 +163,26 @@ def _run(model, feeds, outputs=None):
     return session.run(outputs, feeds)
 
 
-def analytic_gradients(model, feeds, wrt) -> dict[str, np.ndarray]:
-    result = graphforge.compile(model, [Autodiff(inputs=tuple(wrt))])
+def analytic_gradients(model, feeds, wrt, params=()) -> dict[str, np.ndarray]:
+    """The autodiff gradients of the loss: ``params`` as trainable initializers holding their
+    feeds, the other names of ``wrt`` as graph inputs."""
+    if params:
+        model = _as_initializers(model, {n: feeds[n] for n in params})
+        feeds = {n: v for n, v in feeds.items() if n not in params}
+    inputs = tuple(n for n in wrt if n not in params)
+    result = graphforge.compile(model, [Autodiff(inputs=inputs, trainable=tuple(params) or ("*",))])
     names = [f"{n}_grad" for n in wrt]
     return dict(zip(wrt, _run(result.model, feeds, names), strict=True))
+
+
+def _as_initializers(model, values: dict[str, np.ndarray]):
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    kept = [v for v in out.graph.input if v.name not in values]
+    del out.graph.input[:]
+    out.graph.input.extend(kept)
+    out.graph.initializer.extend(numpy_helper.from_array(v, n) for n, v in values.items())
+    return out
 
 
 def numeric_gradients(model, feeds, wrt, eps: float) -> dict[str, np.ndarray]:
@@ -190,7 +217,7 @@ def supports_double(case: Case) -> bool:
     """Whether onnxruntime's CPU provider runs this op (and its gradient graph) in float64."""
     try:
         model, feeds, wrt = build_model(case, DOUBLE)
-        analytic_gradients(model, feeds, wrt)
+        analytic_gradients(model, feeds, wrt, _param_names(case))
     except Exception as exc:
         message = str(exc)
         # the last: onnxruntime expands function ops (MeanVarianceNormalization) with float constants
@@ -215,7 +242,7 @@ def check(case: Case, *, symbolic: bool = False) -> str:
     if case.reference is not None:
         analytic, numeric = reference_gradients(case, model, feeds, wrt)
     else:
-        analytic = analytic_gradients(model, feeds, wrt)
+        analytic = analytic_gradients(model, feeds, wrt, _param_names(case))
         eps = case.eps or (1e-6 if dtype is DOUBLE else 1e-2)
         numeric = numeric_gradients(model, feeds, wrt, eps)
     rtol, atol = (case.rtol, case.atol) if dtype is DOUBLE else (case.f32_rtol, case.f32_atol)
@@ -225,6 +252,10 @@ def check(case: Case, *, symbolic: bool = False) -> str:
             err_msg=f"{case.label()}: gradient of input {name} ({np.dtype(dtype).name}, symbolic={symbolic})",
         )  # fmt: skip
     return np.dtype(dtype).name
+
+
+def _param_names(case: Case) -> tuple[str, ...]:
+    return tuple(f"in{i}" for i in case.params)
 
 
 def no_gradient_model(case: Case) -> tuple[onnx.ModelProto, list[str]]:

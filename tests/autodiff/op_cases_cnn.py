@@ -79,6 +79,9 @@ POOL = [
     Case("MaxPool", [distinct(1, 2, 6, 5)], {"kernel_shape": [2, 2], "dilations": [2, 1]}, id="MaxPool-dilated"),
     Case("MaxPool", [distinct(1, 2, 4, 5)], {"kernel_shape": [2, 2], "storage_order": 1}, id="MaxPool-column-major"),
     Case("MaxPool", [distinct(1, 1, 3, 4, 4)], {"kernel_shape": [2, 2, 2], "strides": [1, 2, 1]}, id="MaxPool-3d"),
+    # onnx's test_maxpool_3d_dilations, reported as twice the central differences: it matches
+    Case("MaxPool", [distinct(1, 1, 4, 4, 4)], {"kernel_shape": [2, 2, 2], "dilations": [2, 2, 2]},
+         id="MaxPool-3d-dilations"),
     Case("AveragePool", [r(1, 2, 5, 5)], {"kernel_shape": [3, 3], "strides": [2, 2]}, id="AveragePool"),
     Case("AveragePool", [r(1, 1, 6, 6)],
          {"kernel_shape": [3, 3], "pads": [1, 0, 1, 0], "count_include_pad": 0, "ceil_mode": 1, "strides": [2, 2]},
@@ -135,6 +138,9 @@ RESIZE = [
 SPATIAL = [
     Case("Pad", [r(2, 3, 4), ints(0, 1, 2, 0, 2, -1)], const=(1,), grad=[0], id="Pad-constant-crop"),
     Case("Pad", [r(2, 3, 4), ints(0, 1, 2, 0, 2, 1), np.array(1.5)], const=(1, 2), grad=[0], id="Pad-constant-value"),
+    # the value takes the sum of dy over the cells it fills (crop on one axis, pad on others)
+    Case("Pad", [r(2, 3, 4), ints(0, 1, 2, 0, 2, -1), np.array(1.5)], const=(1,), grad=[0, 2],
+         id="Pad-constant-value-differentiated"),
     Case("Pad", [r(1, 3, 4), ints(0, 2, 2, 0, 2, -1)], {"mode": "reflect"}, const=(1,), grad=[0], id="Pad-reflect"),
     Case("Pad", [r(1, 3, 4), ints(0, 3, 1, 0, 2, 4)], {"mode": "edge"}, const=(1,), grad=[0], id="Pad-edge"),
     Case("Pad", [r(1, 3, 4), ints(0, 2, 5, 1, 0, -1)], {"mode": "wrap"}, const=(1,), grad=[0], opset=19,

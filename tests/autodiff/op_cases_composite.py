@@ -47,7 +47,11 @@ IF_CASES = [
 x3 = r(2, 3, 4)
 FUNCTION_CASES = [
     Case("Swish", [r(3, 4)], {"alpha": 0.7}, opset=24),
+    # as trainable initializers, whose small values the expansion once folded in: no gradient
+    # reached them through the body's second reader (Swish: CastLike; RMSNormalization: X)
+    Case("Swish", [r(4)], {"alpha": 2.0}, opset=24, params=(0,), id="Swish-parameter"),
     Case("RMSNormalization", [r(2, 3, 4), r(4)], opset=23),
+    Case("RMSNormalization", [r(2, 3, 4), r(4)], opset=23, params=(0, 1), id="RMSNormalization-parameters"),
     Case("RMSNormalization", [r(2, 3, 4), r(3, 4)], {"axis": 1, "epsilon": 1e-3}, opset=23, id="RMSNormalization-2d"),
     Case("Attention", [r(2, 2, 3, 4), r(2, 2, 5, 4), r(2, 2, 5, 4)], opset=23),
     Case("Attention", [r(2, 2, 3, 4), r(2, 2, 3, 4), r(2, 2, 3, 4)], {"is_causal": 1}, opset=23, id="Attention-causal"),

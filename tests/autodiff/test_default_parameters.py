@@ -48,6 +48,52 @@ net (float[N, 2, 3] x) => (float[N, 2, 3] y, float[N, 2, 3] other)
 """
 
 
+#: y = Pad(Clip(x * w, low, high), pads, value): Clip's bounds and Pad's value are settings
+SETTINGS = """
+<ir_version: 8, opset_import: ["" : 17]>
+net (float[N, 3] x) => (float[N, 5] y)
+<float[3] w = {1.0, -2.0, 0.5}, float low = {-0.5}, float high = {0.75}, int64[4] pads = {0, 1, 0, 1},
+ float value = {0.25}>
+{
+  h = Mul (x, w)
+  c = Clip (h, low, high)
+  y = Pad (c, pads, value)
+}
+"""
+
+
+def test_settings_train_only_when_named():
+    """Clip's bounds and Pad's value have gradients, but they are numbers in torch: by default
+    no parameters (and no warning); named in trainable, they train."""
+    model, parameters, messages = _compile(_parsed(SETTINGS))
+    assert (parameters, messages) == (["w"], [])
+    named = "loss(kind=mse, output=y), autodiff(trainable=[w, low, high, value]), sgd(lr=0.1)"
+    model, parameters, messages = _compile(_parsed(SETTINGS), named)
+    assert sorted(parameters) == ["high", "low", "value", "w"] and messages == []
+    outputs = {o.name for o in model.graph.output}
+    assert {"low_grad", "high_grad", "value_grad"} <= outputs
+
+
+def test_a_zero_size_reshape_keeps_its_zero_in_the_gradient():
+    """Reshape's gradient reshapes dy to x's shape, read at run time: with a zero-size dim that
+    needs allowzero (opset 14+), or Reshape reads the 0 as "keep this dim" and fails."""
+    model = _parsed("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    net (float[N, 3] x) => (float[N, 3] y)
+    <float[3] w = {1.0, 2.0, 3.0}, int64[2] wide = {3, -1}, int64[2] back = {-1, 3}>
+    {
+      h = Mul (x, w)
+      r = Reshape (h, wide)
+      y = Reshape (r, back)
+    }
+    """)
+    program = graphforge.compile(model, "loss(kind=mse, reduction=sum, output=y), autodiff").model
+    session = graphforge.create_session(program)
+    empty = np.zeros((0, 3), np.float32)
+    (grad,) = session.run(["w_grad"], {"x": empty, "labels": empty})
+    assert np.array_equal(grad, np.zeros(3, np.float32))
+
+
 def test_running_statistics_and_dropout_ratio_are_no_parameters_and_get_no_warning():
     model, parameters, messages = _compile(_parsed(BN_DROPOUT))
     assert parameters == ["gamma", "beta", "scale", "head"]  # the rank-0 'scale' is a parameter

@@ -155,7 +155,7 @@ def det(ctx, dys):
     if not isinstance(n, int | np.integer):
         ctx.fail("Det gradients need a static matrix size (the minors are gathered with fixed indices)")
     if n == 1:
-        return [b.reshape(dy, ctx.shape(a))]
+        return [b.reshape_like(dy, a)]
     keep = b.constant(np.array([[j for j in range(n) if j != i] for i in range(n)], dtype=np.int64))
     rows = b.op("Gather", a, keep, axis=r - 2)  # [..., i, n-1, n]
     minors = b.op("Gather", rows, keep, axis=r)  # [..., i, n-1, j, n-1]

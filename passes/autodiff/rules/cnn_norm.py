@@ -43,7 +43,20 @@ def _batch_norm_training(ctx) -> bool:
     return any(ctx.y(i) is not None for i in range(1, len(ctx.node.outputs)))
 
 
-@gradient("BatchNormalization", since=9)
+@gradient(
+    "BatchNormalization",
+    since=9,
+    settings={
+        3: "the running mean: a buffer, which torch does not train",
+        4: "the running variance: a buffer, which torch does not train",
+    },
+    detached={
+        1: "the running mean it updates: a buffer update, outside autograd in torch",
+        2: "the running variance it updates: a buffer update, outside autograd in torch",
+        3: "the saved mean (opsets 9-13): what torch saves for the backward pass",
+        4: "the saved variance (opsets 9-13): what torch saves for the backward pass",
+    },
+)
 def batch_norm(ctx, dys):
     # running statistics (outputs 1, 2) are not differentiated; input_mean/var get no gradient
     b, x, scale, dy = ctx.b, ctx.x(0), ctx.x(1), dys[0]
@@ -82,7 +95,7 @@ def group_norm(ctx, dys):
     xg, dyg = b.reshape(x, view), b.reshape(dy, view)
     xhat, rstd = _standardized(ctx, xg, [2, 3], ctx.attr("epsilon", 1e-5))
     g = b.mul(dyg, b.reshape(ctx.x(1), [1, groups, -1, 1]))
-    dx = b.reshape(_standardize_grad(ctx, g, xhat, rstd, [2, 3]), ctx.shape(x))
+    dx = b.reshape_like(_standardize_grad(ctx, g, xhat, rstd, [2, 3]), x)
     dscale = b.reshape(b.reduce_sum(b.mul(dyg, xhat), [0, 3], keepdims=False), [-1])
     return [dx, dscale, b.reshape(b.reduce_sum(dyg, [0, 3], keepdims=False), [-1])]
 
@@ -108,7 +121,7 @@ def _channel_window_sum(ctx, t, before: int, after: int):
     dtype = x.dtype if x.dtype is not None else np.float32
     ones = b.constant(np.ones((1, 1, before + after + 1, 1), dtype=dtype))
     summed = b.op("Conv", b.reshape(t, view), ones, pads=[before, 0, after, 0])
-    return b.reshape(summed, ctx.shape(x))
+    return b.reshape_like(summed, x)
 
 
 @gradient("LRN")

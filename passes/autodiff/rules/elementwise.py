@@ -155,9 +155,11 @@ def cast_like(ctx, dys):
     return [ctx.b.cast_like(dys[0], ctx.x(0)), None]
 
 
-@gradient("Clip")
+@gradient("Clip", settings={1: "the lower bound, a number in torch", 2: "the upper bound, a number in torch"})
 def clip(ctx, dys):
-    # torch's clamp: the gradient passes where min <= x <= max (bounds included)
+    # y = min(max(x, low), high), as torch's clamp: x takes dy where low <= x <= high (bounds
+    # included); a tensor bound (opset 11+) takes the sum of dy where it is the result:
+    # low where x < low <= high, high where max(x, low) > high (so all of it when low > high)
     b, x, dy = ctx.b, ctx.x(0), dys[0]
     if ctx.opset >= 11:
         low, high = ctx.x(1), ctx.x(2)
@@ -171,10 +173,26 @@ def clip(ctx, dys):
             inside = compare(x, bound)
             keep = inside if keep is None else b.op("And", keep, inside)
     dx = dy if keep is None else b.op("Where", keep, dy, ctx.scalar(0.0, dy))
-    return [dx, *[None] * (len(ctx.node.inputs) - 1)]
+    grads = [dx, None, None]
+    if ctx.opset >= 11 and low is not None and ctx.wants(low):
+        below = b.op("Not", ctx.at_least(x, low))
+        if high is not None:
+            below = b.op("And", below, ctx.at_most(low, high))
+        grads[1] = _sum_where(ctx, below, dy, low)
+    if ctx.opset >= 11 and high is not None and ctx.wants(high):
+        raised = x if low is None else b.op("Max", x, low)
+        grads[2] = _sum_where(ctx, b.op("Not", ctx.at_most(raised, high)), dy, high)
+    return grads[: len(ctx.node.inputs)]
 
 
-@gradient("Dropout", since=12)
+def _sum_where(ctx, mask, dy, like):
+    """The sum of dy where ``mask`` holds, shaped like ``like`` (a scalar bound)."""
+    b = ctx.b
+    total = b.axes_op("ReduceSum", b.op("Where", mask, dy, ctx.scalar(0.0, dy)), None, keepdims=0)
+    return b.reshape_like(total, like)
+
+
+@gradient("Dropout", since=12, settings={1: "ratio: a hyperparameter, a number in torch"})
 def dropout(ctx, dys):
     # y = x * mask / (1 - ratio) in training mode, y = x otherwise
     b, dy = ctx.b, dys[0]

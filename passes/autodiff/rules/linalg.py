@@ -40,9 +40,9 @@ def matmul(ctx, dys):
     da = ctx.unbroadcast(da, [*batch, *a2.shape[-2:]], a2)
     dw = ctx.unbroadcast(dw, [*batch, *w2.shape[-2:]], w2)
     if ra == 1:
-        da = b.reshape(da, b.shape(a))
+        da = b.reshape_like(da, a)
     if rw == 1:
-        dw = b.reshape(dw, b.shape(w))
+        dw = b.reshape_like(dw, w)
     return [da, dw]
 
 

@@ -123,13 +123,16 @@ def fused_log_softmax_grad(ctx):
     return _fused_grad(ctx, y, positions, spread, b.sum(totals) if totals else None)
 
 
-@gradient("NegativeLogLikelihoodLoss", since=12)
+_CLASS_WEIGHTS = {2: "class weights: torch gives them none (its derivative for weight is not implemented)"}
+
+
+@gradient("NegativeLogLikelihoodLoss", since=12, settings=_CLASS_WEIGHTS)
 def negative_log_likelihood_loss(ctx, dys):
     weight = ctx.x(2)
     return [_nll_input_grad(ctx, dys[0], ctx.x(0), ctx.x(1), weight), None, None][: len(ctx.node.inputs)]
 
 
-@gradient("SoftmaxCrossEntropyLoss", since=12)
+@gradient("SoftmaxCrossEntropyLoss", since=12, settings=_CLASS_WEIGHTS)
 def softmax_cross_entropy_loss(ctx, dys):
     # loss = NLL(LogSoftmax(scores, axis=1)); the optional second output is that log-prob
     b, scores = ctx.b, ctx.x(0)

@@ -59,9 +59,28 @@ def layer_norm(ctx, dys):
     mean_g = b.axes_op("ReduceMean", g, norm_axes, keepdims=1)
     mean_gx = b.axes_op("ReduceMean", b.mul(g, xhat), norm_axes, keepdims=1)
     dx = b.mul(rstd, b.sub(b.sub(g, mean_g), b.mul(xhat, mean_gx)))
+    dx = _through_statistics(ctx, dx, dys, centered, rstd, mean)
     outer = list(range(axis))
     dscale = ctx.unbroadcast(b.reduce_sum(b.mul(dy, xhat), outer, keepdims=False), ctx.x(0).shape[axis:], scale)
     dbias = (
         None if bias is None else ctx.unbroadcast(b.reduce_sum(dy, outer, keepdims=False), ctx.x(0).shape[axis:], bias)
     )
     return [dx, dscale, dbias]
+
+
+def _through_statistics(ctx, dx, dys, centered, rstd, mean):
+    """dx with what reaches the optional outputs Mean and InvStdDev (torch's layer_norm returns
+    them undifferentiated; here a loss may read them): over the N normalized elements,
+    d mean / dx = 1 / N and d rstd / dx = -rstd^3 (x - mean) / N."""
+    b = ctx.b
+    d_mean = dys[1] if len(dys) > 1 else None
+    d_rstd = dys[2] if len(dys) > 2 else None
+    if d_mean is None and d_rstd is None:
+        return dx
+    n = b.cast_like(b.div(b.op("Size", ctx.x(0)), b.op("Size", mean)), dx)
+    if d_mean is not None:
+        dx = b.add(dx, b.div(b.cast_like(d_mean, dx), n))
+    if d_rstd is not None:
+        cubed = b.mul(b.mul(rstd, rstd), rstd)
+        dx = b.sub(dx, b.div(b.mul(b.mul(b.cast_like(d_rstd, dx), cubed), centered), n))
+    return dx

@@ -136,7 +136,7 @@ def max_pool(ctx, dys):
     flat = b.reshape(b.zeros_like(x), [-1])
     attrs = {"reduction": "add"} if add else {}
     dx = b.op("ScatterElements", flat, b.reshape(idx, [-1]), b.reshape(dys[0], [-1]), axis=0, **attrs)
-    return [b.reshape(dx, ctx.shape(x))]
+    return [b.reshape_like(dx, x)]
 
 
 # ---------------------------------------------------------------- Resize
@@ -209,7 +209,14 @@ def _uses_scales(ctx, scales) -> bool:
     return scales is not None and (value is None or value.size > 0)
 
 
-@gradient("Resize", since=10)
+@gradient(
+    "Resize",
+    since=10,
+    settings={
+        1: "roi: where to sample, which torch's interpolate takes as numbers",
+        2: "scales: how densely to sample, which torch's interpolate takes as numbers",
+    },
+)
 def resize(ctx, dys):
     if ctx.attr("keep_aspect_ratio_policy", "stretch") != "stretch" and not _uses_scales(ctx, _resize_inputs(ctx)[1]):
         # sizes are then turned into one common scale and new sizes: not one Resize per axis

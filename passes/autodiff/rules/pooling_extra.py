@@ -74,10 +74,10 @@ def _window_sum_transpose(ctx, g):
     cut = b.op("Slice", spread, b.ints([0] * n), target, b.ints(list(range(2, r))))
     missing = b.sub(target, b.shape(cut, 2))
     padded = b.op("Pad", cut, b.op("Concat", b.ints([0] * (r + 2)), missing, axis=0))
-    return b.reshape(padded, ctx.shape(x))
+    return b.reshape_like(padded, x)
 
 
-@gradient("Upsample", since=7, until=9)
+@gradient("Upsample", since=7, until=9, settings={1: "scales: how densely to sample, a number in torch"})
 def upsample(ctx, dys):
     # along each scaled axis y = M x with M [out, in] = Upsample(identity) along that axis,
     # for nearest and linear alike; dx = M^T dy, axis by axis

@@ -182,6 +182,8 @@ def _recurrent(ctx, dys, cell: Cell):
         y.dtype = x.dtype if x.dtype is not None else np.float32
     # layout 0 inside: [T, N, I] / [T, D, N, H] / [D, N, H]
     seq, per_dir = ([1, 0, 2], [1, 2, 0, 3]) if layout else (None, None)
+    # a node lists only the outputs up to the last one it produces (LSTM's Y_c may be absent)
+    dys = [*dys, *[None] * ((3 if "initial_c" in roles else 2) - len(dys))]
     x, y, dy = _perm(b, x, seq), _perm(b, y, per_dir), _perm(b, dys[0], per_dir)
     state = {"initial_h": _perm(b, ctx.x(roles["initial_h"]), seq), "Y_h": _perm(b, dys[1], seq)}
     if "initial_c" in roles:

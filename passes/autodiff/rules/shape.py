@@ -15,7 +15,7 @@ gradient = RULES.gradient
 
 def _like_input(ctx, dy):
     """dy reshaped to the first input's shape: the whole rule for view-like ops."""
-    return [ctx.b.reshape(dy[0], ctx.shape(ctx.x(0))), *[None] * (len(ctx.node.inputs) - 1)]
+    return [ctx.b.reshape_like(dy[0], ctx.x(0)), *[None] * (len(ctx.node.inputs) - 1)]
 
 
 for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
@@ -78,7 +78,7 @@ def _flat_positions(ctx, x):
     )
     count = b.squeeze(size, [0])
     positions = b.op("Range", b.constant(np.array(0, np.int64)), count, b.constant(np.array(1, np.int64)))
-    return b.reshape(positions, ctx.shape(x)), size
+    return b.reshape_like(positions, x), size
 
 
 def _scatter_flat(ctx, x, positions, dy, accumulate: bool):
@@ -87,7 +87,7 @@ def _scatter_flat(ctx, x, positions, dy, accumulate: bool):
     zeros = b.reshape(b.zeros_like(x), [-1])
     attrs = {"reduction": "add"} if accumulate else {}
     flat = b.op("ScatterElements", zeros, b.reshape(positions, [-1]), b.reshape(dy, [-1]), axis=0, **attrs)
-    return b.reshape(flat, ctx.shape(x))
+    return b.reshape_like(flat, x)
 
 
 @gradient("Slice")
@@ -154,7 +154,7 @@ def _gather_one_hot(ctx, data, indices, dy, axis: int):
     one_hot = b.op("OneHot", b.reshape(indices, [-1]), b.shape(data, 0, 1), values, axis=-1)  # [n, V]
     rows = b.op("Flatten", b.reshape(dy, b.op("Concat", b.ints([-1]), b.shape(data, 1), axis=0)), axis=1)
     dx = b.matmul(b.transpose(one_hot, [1, 0]), rows)
-    return b.reshape(dx, ctx.shape(data))
+    return b.reshape_like(dx, data)
 
 
 @gradient("GatherElements", since=11)

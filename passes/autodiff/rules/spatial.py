@@ -27,24 +27,29 @@ def _flat_positions(ctx, x):
     b = ctx.b
     count = b.squeeze(b.reshape(b.op("Size", x), [1]), [0])
     positions = b.op("Range", b.constant(np.array(0, np.int64)), count, b.constant(np.array(1, np.int64)))
-    return b.reshape(positions, ctx.shape(x))
+    return b.reshape_like(positions, x)
 
 
-@gradient("Pad", since=11)
+@gradient("Pad", since=11, settings={2: "the value padded with, a number in torch"})
 def pad(ctx, dys):
     b, x, dy = ctx.b, ctx.x(0), dys[0]
     rest = [None] * (len(ctx.node.inputs) - 1)
     axes = [None, ctx.x(3)] if ctx.x(3) is not None else []  # opset 18: pads may name their axes
     mode = ctx.attr("mode", "constant")
     if mode == "constant":  # cropping undoes padding, and zero padding undoes cropping (negative pads)
-        return [b.op("Pad", dy, _negated_pads(ctx), *axes), *rest]
+        dx = b.op("Pad", dy, _negated_pads(ctx), *axes)
+        value = ctx.x(2)
+        if value is not None and ctx.wants(value):  # the value fills what dy holds beyond x's cells
+            beyond = b.sub(b.axes_op("ReduceSum", dy, None, keepdims=0), b.axes_op("ReduceSum", dx, None, keepdims=0))
+            rest[1] = b.reshape_like(beyond, value)
+        return [dx, *rest]
     # reflect / edge / wrap copy cells: pad the flat positions alike, then add dY back at them
     if ctx.opset < 16:
         ctx.fail(f"Pad in {mode} mode needs opset 16+ (ScatterElements with reduction=add)")
     picked = b.op("Pad", _flat_positions(ctx, x), ctx.x(1), *axes, mode=mode)
     zeros = b.reshape(b.zeros_like(x), [-1])
     flat = b.op("ScatterElements", zeros, b.reshape(picked, [-1]), b.reshape(dy, [-1]), axis=0, reduction="add")
-    return [b.reshape(flat, ctx.shape(x)), *rest]
+    return [b.reshape_like(flat, x), *rest]
 
 
 @gradient("SpaceToDepth")
@@ -64,7 +69,7 @@ def depth_to_space(ctx, dys):
         "Concat", b.shape(ctx.y(), 0, 2), b.shape(x, 2, 3), b.ints([bs]), b.shape(x, 3, 4), b.ints([bs]), axis=0
     )
     blocks = b.transpose(b.reshape(dy, split), [0, 1, 3, 5, 2, 4])
-    return [b.reshape(blocks, ctx.shape(x))]
+    return [b.reshape_like(blocks, x)]
 
 
 # ----------------------------------------------------------------------------- GridSample, decomposed
