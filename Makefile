@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 #: the test accuracy `make demo` must reach (README); its run reaches about 0.98
 DEMO_MIN_ACCURACY := 0.93
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo lint bench conformance clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+
+# Every case of onnx's backend node tests through autodiff against central differences in
+# float64 (make test checks the same); records docs/ops-conformance.json and docs/ops.md.
+conformance: $(STAMP)
+	$(BIN)/python tests/autodiff/conformance.py
 
 clean:
 	rm -rf $(VENV) out build dist *.egg-info .pytest_cache
