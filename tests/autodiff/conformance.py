@@ -339,33 +339,51 @@ def check_case(name: str, *, coordinates: int = COORDINATES) -> Outcome:
     return outcome
 
 
+class _Stop(Exception):
+    """Ends a case early with an outcome (skipped, refused, no rule, nothing to differentiate)."""
+
+    def __init__(self, status: str, reason: str):
+        super().__init__(status, reason)
+        self.status, self.reason = status, reason
+
+
 def _check(case, outcome: Outcome, coordinates: int) -> None:
-    model = case.model
+    try:
+        feeds, wrt = _feeds(case, outcome)
+        forward_model, floats = _forward(case, outcome, feeds)
+        analytic = _analytic(forward_model, feeds, wrt)
+        _compare(case, outcome, forward_model, floats, feeds, wrt, analytic, coordinates)
+    except _Stop as stop:
+        outcome.status, outcome.reason = stop.status, stop.reason
+
+
+def _feeds(case, outcome: Outcome) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The case's inputs by name, and the floating-point ones (differentiated)."""
     for reason, names in SKIP.items():
         if case.name in names:
-            outcome.status, outcome.reason = "skipped", reason
-            return
+            raise _Stop("skipped", reason)
     if any(op in NONDETERMINISTIC_OPS and op != "Dropout" for op in outcome.ops):
-        outcome.status, outcome.reason = "nothing to differentiate", "a random op"
-        return
+        raise _Stop("nothing to differentiate", "a random op")
     values = _inputs(case)
     if isinstance(values, str):
-        outcome.status, outcome.reason = "skipped", values
-        return
-    input_names = [v.name for v in model.graph.input]
-    feeds = dict(zip(input_names, values, strict=True))
+        raise _Stop("skipped", values)
+    feeds = dict(zip([v.name for v in case.model.graph.input], values, strict=True))
     wrt = [n for n, v in feeds.items() if v.dtype.kind == "f"]
     if not wrt:
-        outcome.status, outcome.reason = "nothing to differentiate", "no floating-point input"
-        return
+        raise _Stop("nothing to differentiate", "no floating-point input")
+    if not any(feeds[n].size for n in wrt):
+        raise _Stop("nothing to differentiate", "every floating-point input is empty")
+    return feeds, wrt
 
-    # the forward, once, to find the float outputs and their shapes
+
+def _forward(case, outcome: Outcome, feeds) -> tuple[onnx.ModelProto, list[tuple[str, np.ndarray]]]:
+    """The model with its loss (over the float outputs no rule detaches), and those outputs
+    as onnxruntime computes them."""
+    model = case.model
     try:
-        forward = graphforge.create_session(model, providers=["CPUExecutionProvider"])
-        results = forward.run(None, feeds)
+        results = graphforge.create_session(model, providers=["CPUExecutionProvider"]).run(None, feeds)
     except Exception as exc:
-        outcome.status, outcome.reason = "skipped", f"onnxruntime cannot run the forward ({one_line(exc)[:120]})"
-        return
+        raise _Stop("skipped", f"onnxruntime cannot run the forward ({one_line(exc)})") from None
     floats = [
         (o.name, np.asarray(v))
         for o, v in zip(model.graph.output, results, strict=True)
@@ -375,66 +393,57 @@ def _check(case, outcome: Outcome, coordinates: int) -> None:
     outcome.by_design += [f"output {name}: {why}" for name, why in detached.items()]
     floats = [(n, v) for n, v in floats if n not in detached]
     if not floats:
-        outcome.status, outcome.reason = "nothing to differentiate", "no floating-point output"
-        return
-    forward_model = loss_model(model, _weights(case.name, floats))
+        raise _Stop("nothing to differentiate", "no floating-point output")
+    if not all(np.isfinite(v).all() for _, v in floats):
+        raise _Stop("skipped", "the outputs hold inf or nan at the case's inputs")
+    return loss_model(model, _weights(case.name, floats)), floats
 
-    # analytic: trainable initializers, autodiff, onnxruntime in the model's own type
-    program = with_initializers(forward_model, feeds, input_names)
+
+def _analytic(forward_model: onnx.ModelProto, feeds, wrt: list[str]) -> dict[str, np.ndarray]:
+    """autodiff's gradients with every input an initializer (the float ones trainable), run by
+    onnxruntime in the model's own type; the inputs a rule gives none are missing."""
+    program = with_initializers(forward_model, feeds, list(feeds))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             compiled = graphforge.compile(program, [Autodiff(loss=LOSS, trainable=tuple(wrt))]).model
     except GraphforgeError as exc:  # the PassManager's error; what the pass raised is its cause
         cause = exc.__cause__
-        if isinstance(cause, MissingGradientRule):
-            outcome.status = "no rule"
-        elif "depends on none of" in str(exc):  # every op on the way has a rule that gives none
-            outcome.status, outcome.reason = (
-                "nothing to differentiate",
-                f"no gradient flows through {', '.join(outcome.ops)}",
-            )
-            return
-        elif cause is not None and not isinstance(cause, GraphforgeError):
-            outcome.status = "error"  # an internal error escaped the pass: a bug
-        else:
-            outcome.status = "refused"
-        outcome.reason = one_line(exc)[:300]
-        return
+        if isinstance(cause, MissingGradientRule):  # "cannot differentiate op X (...) in node 'n': why; ..."
+            why = re.sub(r"^.*? in node '[^']*': ", "", str(cause)).split(";")[0].split(". ")[0]
+            op = re.search(r"op (\S+) \(", str(cause))
+            raise _Stop("no rule", f"{op.group(1)}: {why}" if op else why) from None
+        if "depends on none of" in str(exc):  # every op on the way has a rule that gives none
+            raise _Stop("nothing to differentiate", "no gradient flows through its ops") from None
+        if cause is not None and not isinstance(cause, GraphforgeError):
+            raise _Stop("error", one_line(exc)) from None  # an internal error escaped the pass: a bug
+        raise _Stop("refused", one_line(exc)) from None
     gradients = json.loads(graphforge.roles.metadata_of(compiled)[graphforge.roles.GRADIENTS])
-    try:
-        session = graphforge.create_session(compiled, providers=["CPUExecutionProvider"])
-        names = [LOSS, *(gradients[n] for n in wrt if n in gradients)]
-        values_out = session.run(names, {})
-    except GraphforgeError as exc:
-        outcome.status, outcome.reason = "skipped", f"onnxruntime cannot run the gradient graph ({one_line(exc)[:120]})"
-        return
-    analytic = dict(zip([n for n in wrt if n in gradients], values_out[1:], strict=True))
+    session = graphforge.create_session(compiled, providers=["CPUExecutionProvider"])  # failing: a bug
+    names = [n for n in wrt if n in gradients]
+    return dict(zip(names, session.run([gradients[n] for n in names], {}), strict=True))
 
-    # numeric: central differences on the oracle, at sampled coordinates
-    constants = [n for n in input_names if n not in wrt]
+
+def _compare(case, outcome: Outcome, forward_model, floats, feeds, wrt, analytic, coordinates: int) -> None:
+    """Central differences at sampled coordinates of each differentiated input, against ``analytic``."""
+    constants = [n for n in feeds if n not in wrt]
     evaluate, outcome.oracle, in64 = oracle(
         with_initializers(forward_model, feeds, constants), {n: feeds[n] for n in wrt}, dict(floats)
     )
     if evaluate is None:
-        outcome.status, outcome.reason = "skipped", "no evaluator reproduces the forward"
-        return
+        raise _Stop("skipped", "no evaluator reproduces the forward")
     if not in64 and any(feeds[n].dtype.itemsize < 4 for n in wrt):
-        outcome.status = "skipped"
-        outcome.reason = "no evaluator runs a float64 copy, and differences in float16 are too coarse to judge by"
-        return
+        raise _Stop(
+            "skipped", "no evaluator runs a float64 copy, and differences in float16 are too coarse to judge by"
+        )
     base = {n: feeds[n].astype(np.float64) if in64 else feeds[n] for n in wrt}
     steps = STEPS_64 if in64 else STEPS_32
     f0 = evaluate(base)
-    if not np.isfinite(f0):
-        outcome.status, outcome.reason = "skipped", "the outputs hold inf or nan at the case's inputs"
-        return
     scale = max([float(np.max(np.abs(g))) for g in analytic.values() if np.size(g)] + [1e-6])
     rng = np.random.default_rng(zlib.crc32(case.name.encode()) + 1)
     for name in wrt:
-        value = base[name]
-        grad = analytic.get(name)
-        setting = _setting(model, name) if grad is None else None
+        value, grad = base[name], analytic.get(name)
+        setting = _setting(case.model, name) if grad is None else None
         if setting is not None:  # the rule gives this input no gradient, and says why
             outcome.by_design.append(f"input {name}: {setting}")
             continue
@@ -442,8 +451,7 @@ def _check(case, outcome: Outcome, coordinates: int) -> None:
         rtol, atol = TOLERANCE.get(np.dtype(grad.dtype) if grad is not None else np.dtype(np.float32), (2e-3, 1e-5))
         if not in64:  # the oracle itself rounds like the model: wider steps, wider tolerance
             rtol = max(rtol, 2e-2)
-        flat = rng.choice(value.size, size=min(value.size, coordinates), replace=False) if value.size else []
-        for index in flat:
+        for index in rng.choice(value.size, size=min(value.size, coordinates), replace=False) if value.size else []:
             idx = np.unravel_index(int(index), value.shape)
             found = central_difference(evaluate, base, f0, name, idx, steps)
             if found is None:
@@ -456,9 +464,7 @@ def _check(case, outcome: Outcome, coordinates: int) -> None:
             if abs(expected[idx] - numeric) > rtol * max(abs(numeric), scale) + atol + rounding:
                 which = "no gradient (the rule gives none)" if grad is None else f"{expected[idx]:.6g}"
                 outcome.details.append(f"{name}{[int(i) for i in idx]}: analytic {which}, numeric {numeric:.6g}")
-    if not any(base[n].size for n in wrt):
-        outcome.status, outcome.reason = "nothing to differentiate", "every floating-point input is empty"
-    elif outcome.details:
+    if outcome.details:
         outcome.status = "mismatch"
         outcome.reason = f"{len(outcome.details)} of {outcome.checked} coordinates differ; " + outcome.details[0]
     elif outcome.checked == 0:
@@ -559,12 +565,15 @@ def op_of(name: str) -> str:
 
 
 def short(reason: str) -> str:
-    """A reason as the report shows it: without the PassManager's and the rule's prefixes and
-    the node, cut to about a hundred characters."""
-    reason = re.sub(r"^pass \d+ \([^()]*(\([^()]*\))?[^()]*\) failed: ", "", reason)
+    """A reason as the report shows it: without the PassManager's and the rule's prefixes, the
+    node, onnxruntime's status codes and long tensor names, cut to about a hundred characters."""
+    reason = re.sub(r"^pass \d+ \(autodiff\(.*?\)\) failed: ", "", reason)
     reason = reason.removeprefix("cannot differentiate: ")
     reason = re.sub(r" \(node '[^']*', op [^)]*\)$", "", reason)
-    return reason if len(reason) <= 100 else reason[:97].rsplit(" ", 1)[0] + " ..."
+    reason = reason.replace("onnxruntime cannot load the model: ", "")
+    reason = re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", "", reason)
+    reason = re.sub(r"'[^' ]{30,}'", "'...'", reason)
+    return reason if len(reason) <= 110 else reason[:107].rsplit(" ", 1)[0] + " ..."
 
 
 def record(outcomes: list[Outcome]) -> dict:
