@@ -1,28 +1,39 @@
 """Gradient conformance on onnx's own backend node test cases (``onnx.backend.test.case.node``).
 
 Each case is a small model written by the onnx project (one op, or an ``*_expanded`` function
-body), with its inputs. For a case whose ops all have gradient rules:
+body inlined), with its inputs. For each case:
 
 1. every floating-point input becomes a trainable initializer, every other input a constant
-   initializer; the loss is ``sum_k sum(y_k * R_k)`` over the float outputs with fixed random
-   ``R_k`` (so every element of every output matters); ``autodiff`` builds the gradients,
-   which onnxruntime computes in the model's own type;
+   initializer; the loss is ``sum_k sum(y_k * R_k)`` over the float outputs (those no rule
+   detaches) with fixed random ``R_k``, so every element of every output matters; ``autodiff``
+   builds the gradients, which onnxruntime computes in the model's own type;
 2. the oracle is central differences in float64: a float64 copy of the forward model (every
-   float type, initializer, Cast target and constant made double), run by onnxruntime where it
-   runs the copy, else by onnx's reference evaluator; where neither runs the copy, the model as
-   it is, with a larger step and tolerance;
+   float type, initializer, type attribute and constant made double), run by onnxruntime where
+   it runs the copy, else by onnx's reference evaluator; an evaluator must reproduce the
+   model's outputs and pass a float64 probe (``_sees_float64``). Where none does, the model as
+   it is, with wider steps and tolerance;
 3. the step and the kink rule: at each sampled coordinate the numeric gradient is the central
    difference at the smallest of ``STEPS`` where the left and right difference quotients
-   agree, and the central difference at the next step agrees with it (within ``KINK_RTOL`` of
-   their size: a larger step gets past an oracle's rounding noise, onnx's reference Erf
-   computes in float32 whatever its input). Where no step passes, the coordinate is within a step of
-   a point where the loss is not differentiable (ReLU at 0, a tie in Max or ArgMax, a step
-   of Floor, the edge of an op's domain) and is skipped and counted, never compared; every
-   other coordinate sampled must match, within ``TOLERANCE`` of the largest gradient of the
-   case (so a gradient near zero is judged on the scale of the others).
+   agree, and the central difference at the next step agrees with it (within ``KINK_RTOL``:
+   a larger step gets past an oracle's rounding noise). Where no step passes, the coordinate
+   is within a step of a point where the loss is not differentiable (ReLU at 0, a tie in Max
+   or ArgMax, a step of Floor, the edge of an op's domain) and is skipped and counted, never
+   compared; every other coordinate sampled must match, within ``TOLERANCE`` of the largest
+   gradient of the case (a gradient near zero is judged on the scale of the others). An input
+   a rule calls a setting and gives no gradient (BatchNormalization's running mean) is
+   reported, not compared.
 
-``python tests/autodiff/conformance.py`` runs every case and writes docs/ops-conformance.json,
-which ``python -m graphforge.passes.autodiff.opsdoc`` renders into docs/ops.md.
+The outcome of a case is one of ``STATUSES``: matched; refused (the autodiff's GraphforgeError,
+naming the op and why); skipped, for one of these reasons only: the ``SKIP`` list (a random
+forward), inputs of types numpy lacks or sequence inputs, a forward onnxruntime cannot run,
+outputs holding inf or nan, no evaluator reproducing the forward, float16 without a float64
+evaluator, every sampled coordinate at a kink; no rule (an op on the way has none); nothing to
+differentiate. A mismatch or an error (anything escaping the autodiff that is not a
+GraphforgeError, or a gradient graph onnxruntime refuses) fails the test.
+
+``python tests/autodiff/conformance.py`` (``make conformance``) runs every case and writes
+docs/ops-conformance.json, which ``python -m graphforge.passes.autodiff.opsdoc`` renders into
+docs/ops.md.
 """
 
 from __future__ import annotations
