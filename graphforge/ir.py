@@ -13,6 +13,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
+from graphforge import roles
+
 #: ops whose two calls with equal inputs may give different results: never merged or folded
 NONDETERMINISTIC_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
@@ -207,3 +209,15 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def inline_marker_calls(graph: gs.Graph) -> int:
+    """Replace each call of graphforge's marker functions (``graphforge.AllReduce``, whose body
+    is an Identity) by an Identity, and drop the functions; returns how many calls there were."""
+    calls = [n for n in graph.nodes if n.domain == roles.MARKER_DOMAIN]
+    for node in calls:
+        node.op, node.domain, node.attrs = "Identity", None, {}
+    kept = [f for f in graph.functions if f.domain != roles.MARKER_DOMAIN]
+    if len(kept) != len(graph.functions):
+        graph.functions = kept
+    return len(calls)

@@ -48,6 +48,11 @@ class Fact(enum.Enum):
         roles.OPTIMIZER,
         "put an optimizer pass (sgd, adam, adamw, lamb) before it in the pipeline",
     )
+    ALLREDUCE = (
+        "the gradients' allreduce",
+        roles.ALLREDUCE,
+        "put `allreduce` after the optimizer pass in the pipeline",
+    )
     GRADIENT_BOUNDARY = (
         "a gradient boundary",
         roles.GRADIENT_BOUNDARY,

@@ -76,6 +76,35 @@ class CarriedSpec:
 
 
 @dataclass(frozen=True)
+class AllReduceRole:
+    """How the allreduce pass reduces the gradients across replicas: averaged or summed, and
+    the parameters of each bucket (in the order their gradients become ready in backward);
+    ``reduced``: parameter -> the reduced gradient everything after the boundary reads."""
+
+    average: bool
+    bucket_mb: float
+    buckets: tuple[tuple[str, ...], ...]
+    reduced: Mapping[str, str]
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> AllReduceRole:
+        return cls(
+            bool(entry["average"]),
+            float(entry["bucket_mb"]),
+            tuple(tuple(bucket) for bucket in entry["buckets"]),
+            dict(entry["reduced"]),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "average": self.average,
+            "bucket_mb": self.bucket_mb,
+            "buckets": [list(b) for b in self.buckets],
+            "reduced": dict(self.reduced),
+        }
+
+
+@dataclass(frozen=True)
 class BatchInput:
     """A program input a batch feeds: name, dtype, dims (int, or a name for a dynamic one)
     and whether the program has a default for it (an initializer)."""
@@ -108,6 +137,8 @@ class ProgramRoles:
     gradients: Mapping[str, str]
     #: parameter -> the tensor holding its gradient at the optimizer's gradient boundary
     gradient_boundary: Mapping[str, str]
+    #: the gradients' reduction across data-parallel replicas (the allreduce pass), or None
+    allreduce: AllReduceRole | None
     #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
     optimizer: str | None
     hyperparameters: Mapping[str, Any]
@@ -201,6 +232,9 @@ class ProgramRoles:
             parameters=tuple(json_value(roles.PARAMETERS, [])),
             gradients=gradients,
             gradient_boundary=dict(json_value(roles.GRADIENT_BOUNDARY, {})),
+            allreduce=AllReduceRole.from_json(json_value(roles.ALLREDUCE, None))
+            if roles.ALLREDUCE in metadata
+            else None,
             optimizer=optimizer.get("kind"),
             hyperparameters=dict(optimizer.get("hyperparameters", {})),
             carried=carried,

@@ -24,6 +24,9 @@ GRADIENTS = "graphforge.gradients"  # JSON object: parameter (or input) name -> 
 #: that reduces or rescales gradients (allreduce, mixed precision's unscale) inserts itself
 GRADIENT_BOUNDARY = "graphforge.gradient_boundary"
 OPTIMIZER = "graphforge.optimizer"  # JSON: {"kind": ..., "hyperparameters": {...}}
+#: JSON: the gradients' reduction across data-parallel replicas (passes/allreduce.py):
+#: {"average": bool, "bucket_mb": float, "buckets": [[parameter, ...], ...], "reduced": {parameter: tensor}}
+ALLREDUCE = "graphforge.allreduce"
 STATE = "graphforge.state"  # JSON list: every tensor carried from step to step (see passes/optimizers.py)
 LR = "graphforge.lr"  # name of the learning-rate input
 DEFAULT_LR = "graphforge.default_lr"  # the learning rate the pipeline asked for
@@ -41,9 +44,15 @@ GRAD_NORM = "grad_norm"
 LOSS_PREFIX = "loss::"
 GRAD_PREFIX = "grad::"
 OPTIM_PREFIX = "optim::"
-GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX)
+ALLREDUCE_PREFIX = "allreduce::"
+GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX, ALLREDUCE_PREFIX)
 #: what each generated part computes, as profiles name it (the rest is the forward)
-PROGRAM_PARTS = {LOSS_PREFIX: "loss", GRAD_PREFIX: "backward", OPTIM_PREFIX: "optimizer"}
+PROGRAM_PARTS = {LOSS_PREFIX: "loss", GRAD_PREFIX: "backward", OPTIM_PREFIX: "optimizer", ALLREDUCE_PREFIX: "allreduce"}
+
+#: the model-local function marking a gradient's reduction across replicas: its body is an
+#: Identity, so a program runs as it is on one process; a runtime with more cuts there
+MARKER_DOMAIN = "graphforge"
+ALLREDUCE_OP = "AllReduce"
 
 #: suffix of a gradient output: the gradient of parameter P is the graph output P_grad
 GRAD_SUFFIX = "_grad"

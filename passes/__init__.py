@@ -4,6 +4,7 @@ The registry is an explicit list: what is registered does not depend on which mo
 happen to have been imported.
 """
 
+from graphforge.passes.allreduce import AllReduce
 from graphforge.passes.autodiff import Autodiff, ExpandGradient
 from graphforge.passes.cse import CommonSubexpressionElimination
 from graphforge.passes.dce import DeadCodeElimination
@@ -18,6 +19,7 @@ from graphforge.pipeline import PassRegistry
 
 REGISTRY = PassRegistry(
     [
+        AllReduce,
         Autodiff,
         Loss,
         SGD,
@@ -39,6 +41,7 @@ __all__ = [
     "SGD",
     "Adam",
     "AdamW",
+    "AllReduce",
     "Autodiff",
     "CommonSubexpressionElimination",
     "DeadCodeElimination",

@@ -14,7 +14,7 @@ from graphforge import roles
 from graphforge.analysis.size import ModelSize
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import every_graph, fingerprint
+from graphforge.ir import every_graph, fingerprint, inline_marker_calls
 from graphforge.pipeline import Pass, PassResult
 from graphforge.program import ProgramRoles
 
@@ -47,6 +47,8 @@ class Prune(Pass):
     6. The graphforge.* metadata, which describes training, goes; the loss and labels roles
        stay while that output and that input do, and ``graphforge.exported_from`` records
        the optimizer of a program that had one.
+    7. graphforge's marker functions (``graphforge.AllReduce``, an Identity on one process)
+       are inlined where a kept output still needs a call, and go.
     Input, output and parameter names never change; dynamic dims stay dynamic. The
     result's note says how much smaller the model became.
     """
@@ -73,6 +75,7 @@ class Prune(Pass):
         outputs, keep = self._requested_outputs(graph), self._kept_inputs(graph)  # checked before any change
         graph.outputs = outputs
         DeadCodeElimination().run(model)  # case 1
+        _inline_markers(graph)  # case 7
         converted = set_inference_mode(graph) if self.inference else 0  # case 4
         IdentityElimination().run(model)  # case 5
         FoldConstants().run(model)
@@ -106,6 +109,13 @@ class Prune(Pass):
                 f"its inputs are: {', '.join(names)}"
             )
         return set(self.keep_inputs)
+
+
+def _inline_markers(graph: gs.Graph) -> None:
+    """Case 7: marker calls become Identity nodes, the marker functions and their domain go."""
+    inline_marker_calls(graph)
+    if graph.import_domains is not None:
+        graph.import_domains = [d for d in graph.import_domains if d.domain != roles.MARKER_DOMAIN]
 
 
 # --------------------------------------------------------------------------- case 4: inference mode

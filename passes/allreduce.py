@@ -1,0 +1,142 @@
+"""The allreduce pass: reduce the gradients across data-parallel replicas, marked in the program."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from graphforge import roles
+from graphforge.analysis import topological_order
+from graphforge.analysis.size import nbytes
+from graphforge.errors import PassError
+from graphforge.graph import Model
+from graphforge.pipeline import Fact, Pass, PassResult, check_number
+from graphforge.program import AllReduceRole, ProgramRoles
+
+
+@dataclass(frozen=True)
+class AllReduce(Pass):
+    """Reduce every gradient across the data-parallel replicas, between the optimizer's
+    gradient boundary and everything that reads it (global-norm clipping, ``grad_norm``, the
+    update), as DDP does.
+
+    1. Each boundary gradient (the accumulated one when the program accumulates) goes through
+       a call of the model-local function ``graphforge.AllReduce``, whose body is an Identity:
+       on one process the program computes what it did, and stock onnxruntime runs it as it
+       is; a runtime with more replicas cuts the program at the calls and reduces across them
+       in between (``average``: the mean over replicas, as DDP; else the sum).
+    2. The calls form buckets of at most ``bucket_mb`` MiB of one element type, filled in the
+       order the gradients become ready in backward (their producers' topological order), so
+       a runtime can reduce bucket k while backward computes bucket k + 1. A gradient larger
+       than a bucket has one of its own.
+    3. The buckets and the reduced tensors are recorded (``graphforge.allreduce``);
+       ``inspect`` and ``diff`` show the calls, and ``prune`` inlines them away.
+    """
+
+    name = "allreduce"
+    requires = (Fact.GRADIENT_BOUNDARY,)
+    refuses = (Fact.ALLREDUCE,)
+    ensures = (Fact.ALLREDUCE,)
+
+    average: bool = True
+    bucket_mb: float = 25.0
+
+    def __post_init__(self):
+        check_number(self, "bucket_mb", above=0)
+
+    def run(self, model: Model) -> PassResult:
+        graph = model.graph
+        program_roles = ProgramRoles.of_model(model)
+        tensors = graph.tensors()
+        boundary = {p: tensors[name] for p, name in program_roles.gradient_boundary.items()}
+        gradients = {p: tensors[program_roles.gradients[p]] for p in boundary if p in program_roles.gradients}
+        # a gradient has its parameter's shape and type (the accumulated one may have lost them)
+        parameters = {p: tensors[p] for p in boundary}
+        buckets = fill_buckets(ready_order(graph, gradients), parameters, self.bucket_mb)
+        function = _marker_function(graph)
+        reduced, calls = {}, {}
+        for index, bucket in enumerate(buckets):
+            for p in bucket:
+                reduced[p], calls[boundary[p].name] = _reduce(boundary[p], parameters[p], index)
+        graph.nodes = _placed_after_producers(graph.nodes, calls)
+        graph.functions.append(function)
+        roles.set_json(model, roles.ALLREDUCE, AllReduceRole(self.average, self.bucket_mb, buckets, reduced).to_json())
+        return PassResult(model, True, note=f"{len(reduced)} gradients in {len(buckets)} bucket(s)")
+
+
+def ready_order(graph: gs.Graph, gradients: dict[str, gs.Tensor]) -> list[str]:
+    """The parameters in the order backward makes their gradients: by the topological
+    position of each gradient's producer (a gradient no node makes, a constant, first)."""
+    position = {id(graph.nodes[i]): rank for rank, i in enumerate(topological_order(graph))}
+
+    def made_at(p: str) -> int:
+        producers = gradients[p].inputs
+        return position.get(id(producers[0]), -1) if producers else -1
+
+    return sorted(gradients, key=made_at)
+
+
+def fill_buckets(order: list[str], parameters: dict[str, gs.Tensor], bucket_mb: float) -> tuple[tuple[str, ...], ...]:
+    """Consecutive parameters of ``order`` in buckets of at most ``bucket_mb`` MiB of
+    gradients of one element type (a gradient larger than that alone in its own)."""
+    limit = bucket_mb * 2**20
+    buckets: list[list[str]] = []
+    size, dtype = 0.0, None
+    for p in order:
+        tensor = parameters[p]
+        count = nbytes(tensor.shape, tensor.dtype)
+        if count is None:
+            raise PassError(f"parameter {p!r} has no static shape and type; gradient buckets need its size")
+        if not buckets or tensor.dtype != dtype or (size + count > limit and size > 0):
+            buckets.append([])
+            size, dtype = 0.0, tensor.dtype
+        buckets[-1].append(p)
+        size += count
+    return tuple(tuple(b) for b in buckets)
+
+
+def _reduce(gradient: gs.Tensor, parameter: gs.Tensor, bucket: int) -> tuple[str, gs.Node]:
+    """``gradient`` through a marker call; every reader of it reads the call's output
+    instead. Returns that output's name and the call (not yet in the graph)."""
+    readers = list(gradient.outputs)
+    reduced = gs.Variable(f"{roles.ALLREDUCE_PREFIX}{parameter.name}", dtype=parameter.dtype, shape=parameter.shape)
+    call = gs.Node(
+        roles.ALLREDUCE_OP,
+        name=f"{roles.ALLREDUCE_PREFIX}{parameter.name}/{roles.ALLREDUCE_OP}",
+        domain=roles.MARKER_DOMAIN,
+        attrs={"bucket": bucket},
+        inputs=[gradient],
+        outputs=[reduced],
+    )
+    for node in readers:
+        node.inputs = [reduced if t is gradient else t for t in node.inputs]
+    return reduced.name, call
+
+
+def _placed_after_producers(nodes: list[gs.Node], calls: dict[str, gs.Node]) -> list[gs.Node]:
+    """``nodes`` with each call (by the tensor it reads) right after that tensor's producer
+    (first, for one no node makes): the order stays topological and the rest keep theirs."""
+    made = {t.name for n in nodes for t in n.outputs}
+    placed = [call for name, call in calls.items() if name not in made]
+    for node in nodes:
+        placed.append(node)
+        placed.extend(calls[t.name] for t in node.outputs if t.name in calls)
+    return placed
+
+
+def _marker_function(graph: gs.Graph) -> gs.Function:
+    """``graphforge.AllReduce(x) = Identity(x)``, with the bucket as an attribute the body ignores."""
+    if any(f.domain == roles.MARKER_DOMAIN and f.name == roles.ALLREDUCE_OP for f in graph.functions):
+        raise PassError(f"the model already defines {roles.MARKER_DOMAIN}.{roles.ALLREDUCE_OP}")
+    x, y = gs.Variable("x", dtype=None), gs.Variable("y", dtype=None)
+    return gs.Function(
+        roles.ALLREDUCE_OP,
+        domain=roles.MARKER_DOMAIN,
+        nodes=[gs.Node("Identity", inputs=[x], outputs=[y])],
+        inputs=[x],
+        outputs=[y],
+        attrs={"bucket": None},
+        import_domains=[onnx.helper.make_opsetid("", graph.opset or 13)],
+    )
