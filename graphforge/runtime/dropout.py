@@ -15,7 +15,8 @@ threefry and of Philox: hash a counter, keep no state):
 
 ``index`` is the element's position in C order, ``id`` the CRC-32 of the node's output name
 (a node keeps its stream when other nodes change) and ``key`` (input ``KEY_INPUT``, uint32
-[2]) is what the runtime feeds each run: ``run_key(seed, step, micro_batch)``. ``fmix`` is
+[2]) is what the runtime feeds each run: ``run_key(seed, step, micro_batch, replica)`` (each
+data-parallel replica draws its own masks). ``fmix`` is
 MurmurHash3's 32-bit finalizer with each xor-shift ``h ^= h >> s`` written as an add-shift
 ``h += h >> s`` (the Bitwise ops need opset 18; programs are usually older). The right
 shift is a BitShift where the session runs on the CPU and a Div by 2^s on CUDA, whose
@@ -51,10 +52,14 @@ _SHIFTS = (16, 13, 16)
 _MASK64 = (1 << 64) - 1
 
 
-def run_key(seed: int, step: int, micro_batch: int) -> np.ndarray:
-    """The key of one run: two 32-bit words from (seed, step, micro-batch), by SplitMix64."""
+def run_key(seed: int, step: int, micro_batch: int, replica: int = 0) -> np.ndarray:
+    """The key of one run: two 32-bit words from (seed, step, micro-batch, data-parallel
+    replica), by SplitMix64; replica 0 draws what a single process draws."""
     x = (
-        int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xD1B54A32D192ED03 + int(micro_batch) * 0x8CB92BA72F3D8DD7
+        int(seed) * 0x9E3779B97F4A7C15
+        + int(step) * 0xD1B54A32D192ED03
+        + int(micro_batch) * 0x8CB92BA72F3D8DD7
+        + int(replica) * 0xA0761D6478BD642F
     ) & _MASK64
     x = _splitmix64(x)
     return np.array([x & 0xFFFFFFFF, x >> 32], np.uint32)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -146,15 +146,22 @@ class BoundSession:
 @dataclass(frozen=True)
 class SegmentRun:
     """One segment of an execution: its session, the outputs fetched to the host, and the
-    outputs it sends on as device values (to later segments, or out of the execution)."""
+    outputs it sends on as device values (to later segments, or out of the execution).
+    ``into``: sent outputs written into buffers the caller owns (views of a flat bucket a
+    collective reduces in place, say) instead of ones onnxruntime allocates."""
 
     session: BoundSession
     fetch: Sequence[str] = ()
     sends: Sequence[str] = ()
+    into: Mapping[str, ort.OrtValue] = field(default_factory=dict)
 
 
 class Pending(Protocol):
-    """What a hook hands back for work still in flight (an asynchronous collective)."""
+    """What a hook hands back for work still in flight (an asynchronous collective):
+    ``covers`` names the sent values it is working on (a later segment reading one of them
+    waits for it; one reading only the others does not)."""
+
+    covers: Collection[str]
 
     def wait(self) -> Mapping[str, ort.OrtValue] | None:
         """Block until done; returns replacements for the values sent, or None to keep them."""
@@ -258,7 +265,8 @@ class Runner:
         ``key``, default its index), fetching ``fetch`` (default: the program outputs it
         makes) and sending on what the cut says crosses after it."""
         where = f"segment {segment.index}"
-        bound = self.session(("segment", segment.index) if key is None else key, lambda: segment.model, where)
+        key = ("segment", segment.index) if key is None else key
+        bound = self.session(key, lambda: segment.model, where, profile=True)
         return SegmentRun(bound, list(segment.outputs if fetch is None else fetch), list(segment.sends))
 
     def _create(
@@ -386,7 +394,7 @@ class Runner:
                 for entry in [p for p in pending if p[0] & reads]:
                     pending.remove(entry)
                     settle(entry[1], entry[0])
-                fetched, out = self.run(segment.session, available, segment.fetch, segment.sends)
+                fetched, out = self.run(segment.session, available, segment.fetch, segment.sends, segment.into)
                 host.update(fetched)
                 written += segment.session.carried_out
                 available.update(out)
@@ -401,7 +409,7 @@ class Runner:
                     available.update(result)
                     sent.update(result)
                 else:
-                    pending.append((set(out), result))
+                    pending.append((set(result.covers) & set(out), result))
             for names, handle in pending:
                 settle(handle, names)
         except BaseException:  # nothing half-done: the carried state is as before the execution
@@ -415,11 +423,14 @@ class Runner:
         feeds: Mapping[str, Any],
         fetch_host: Sequence[str] = (),
         fetch_device: Sequence[str] = (),
+        into: Mapping[str, ort.OrtValue] | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
         """One run of one session: carried inputs bound to their current buffers, carried
         outputs to the other ones (which then become current), feeds bound as given. Returns
         the host fetches and the device ones. A carried output fetched to the device is its
-        new current buffer (valid until the run after next writes it again)."""
+        new current buffer (valid until the run after next writes it again); one in ``into``
+        is written into the value given there."""
+        into = {n: v for n, v in (into or {}).items() if n in fetch_device}
         carried_in, carried_out = bound.carried_in, bound.carried_out
         for c in carried_out:
             if len(c.slots) == 1:
@@ -432,11 +443,12 @@ class Runner:
             tuple(c.current for c in carried_out),
             tuple(fetch_host),
             tuple(fetch_device),
+            tuple(n for n in fetch_device if n in into),
         )
         cached = bound.bindings.get(key)
         in_buffers = {c.output: c for c in carried_out}  # read from the buffers after the run
-        bound_host = [n for n in fetch_host if n not in in_buffers]
-        bound_device = [n for n in fetch_device if n not in in_buffers]
+        bound_host = [n for n in fetch_host if n not in in_buffers and n not in into]
+        bound_device = [n for n in fetch_device if n not in in_buffers and n not in into]
         if cached is None:
             cached = bound.bindings[key] = self._binding(bound, bound_host, bound_device)
         binding = cached.binding
@@ -453,6 +465,9 @@ class Runner:
             binding.bind_output(name, "cpu")
         for name in bound_device:
             binding.bind_output(name, self.device.type, self.device.id)
+        for name in fetch_device:
+            if name in into:
+                binding.bind_ortvalue_output(name, into[name])
         try:
             bound.session.run_with_iobinding(binding)
         except Exception as exc:
@@ -470,6 +485,8 @@ class Runner:
             c.current = 1 - c.current
         host.update({n: to_numpy(in_buffers[n].value) for n in fetch_host if n in in_buffers})
         device.update({n: in_buffers[n].value for n in fetch_device if n in in_buffers})
+        device.update({n: into[n] for n in fetch_device if n in into and n not in in_buffers})
+        host.update({n: to_numpy(into[n]) for n in fetch_host if n in into and n not in in_buffers})
         return host, device
 
     def _binding(self, bound: BoundSession, fetch_host: list[str], fetch_device: list[str]) -> _Binding:

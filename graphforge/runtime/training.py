@@ -36,7 +36,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -49,10 +49,29 @@ from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
 from graphforge.runtime.inference import eval_model, export_inference_model
-from graphforge.runtime.runner import BoundSession, Carried, Runner, SegmentRun, resolve_device
+from graphforge.runtime.runner import BoundSession, Carried, Hook, Runner, SegmentRun, resolve_device
 
 #: Module(dropout=...): counter-based masks, or onnxruntime's own Dropout
 DROPOUT_MODES = ("seeded", "onnxruntime")
+
+
+class GradientReducer(Protocol):
+    """What reduces a Module's gradients across data-parallel replicas
+    (graphforge.distributed.DataParallel); the Module calls it around its training runs."""
+
+    def before_forward(self) -> None:
+        """Before each training forward (DDP broadcasts the buffers from rank 0 here)."""
+
+    def step_segments(self, key: Any, keep: list[str], fetch: list[str]) -> tuple[list[SegmentRun], Hook]:
+        """The whole training step as segments (cut where gradients become ready) and the
+        hook that reduces them between segments; ``keep``: what the step computes,
+        ``fetch``: what it hands back to the host; ``key`` names the set of outputs."""
+
+    def reduce(self, gradients: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
+        """The (accumulated) gradients a forward/backward run sent, reduced: what the update reads."""
+
+    def mean(self, value: np.ndarray) -> np.ndarray:
+        """``value`` (a loss) averaged over the replicas."""
 
 
 @dataclass
@@ -146,6 +165,9 @@ class Module:
         self._optimizer: Optimizer | None = None
         self.last_grad_norm: float | None = None
         self._undo: _Undo | None = None  # what undo_last_run() restores
+        #: data parallelism: this replica's index (its dropout masks) and what reduces its gradients
+        self.replica = 0
+        self.reducer: GradientReducer | None = None
 
     # ------------------------------------------------------------------ modes
 
@@ -190,11 +212,13 @@ class Module:
         extra = tuple(sorted({o for o in outputs if o != self.loss_name}))
         grad = self._segment_session(0, extra)
         fetch = [self.loss_name, *outputs]
-        done = self._execute(SegmentRun(grad, fetch, split.sends), feeds)
+        if self.reducer is not None:
+            self.reducer.before_forward()
+        done = self._execute([SegmentRun(grad, fetch, split.sends)], feeds)
         self.state.grad_reset_pending = False
         self.state.micro_batch += 1  # the next forward of this step draws other dropout masks
         self._received = done.device
-        return _result(done.host, self.loss_name, outputs)
+        return self._reported(done.host, outputs)
 
     def train_step(self, *batch: Any, outputs: Sequence[str] = (), **feeds: Any):
         """One whole training step in one session.run: forward, backward, (accumulate,) and
@@ -206,16 +230,24 @@ class Module:
         outputs = list(outputs)
         if outputs:
             self._check_outputs(outputs, self.roles.outputs, "from train_step")
-        bound = self._fused_session(outputs)
+        extra, keep = self._fused_outputs(outputs)
         fetch = [self.loss_name, *outputs]
         grad_norm = self.roles.grad_norm
-        if grad_norm in bound.outputs and grad_norm not in fetch:
+        if grad_norm in keep and grad_norm not in fetch:
             fetch.append(grad_norm)
-        done = self._execute(SegmentRun(bound, fetch), feeds)
+        if self.reducer is None:
+            bound = self.runner.session(
+                ("fused", extra), lambda: self._train_program, "the program", keep, profile=True
+            )
+            done = self._execute([SegmentRun(bound, fetch)], feeds)
+        else:
+            self.reducer.before_forward()
+            segments, hook = self.reducer.step_segments(("fused", extra), keep, fetch)
+            done = self._execute(segments, feeds, hook)
         self._after_update(done.host)
         self._received = None
         self.state.grad_reset_pending = True
-        return _result(done.host, self.loss_name, outputs)
+        return self._reported(done.host, outputs)
 
     def lazy_reset_grad(self) -> None:
         """Make the next ``module(...)`` call overwrite the accumulated gradients instead of adding to them."""
@@ -261,7 +293,10 @@ class Module:
         optim = self._segment_session(1)
         grad_norm = self.roles.grad_norm
         fetch = [grad_norm] if grad_norm in optim.outputs else []
-        done = self._execute(SegmentRun(optim, fetch), dict(self._received))
+        received = dict(self._received)
+        if self.reducer is not None:
+            received = self.reducer.reduce(received)
+        done = self._execute([SegmentRun(optim, fetch)], received)
         self._after_update(done.host)
 
     def _after_update(self, host: dict[str, np.ndarray]) -> None:
@@ -270,14 +305,20 @@ class Module:
         if self.roles.grad_norm in host:
             self.last_grad_norm = float(host[self.roles.grad_norm])
 
-    def _execute(self, segment: SegmentRun, feeds: dict[str, Any]):
+    def _execute(self, segments: list[SegmentRun], feeds: dict[str, Any], hook: Hook | None = None):
         """One training execution, with the step's scalars fed, recorded for undo_last_run."""
         state = self.state
         before = _Undo([], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm)
-        done = self.runner.execute([segment], {**feeds, **self._scalars()})
+        done = self.runner.execute(segments, {**feeds, **self._scalars()}, hook=hook)
         before.written = done.written
         self._undo = before  # the counters, flag and gradients are the callers' to change, after this
         return done
+
+    def _reported(self, host: dict[str, np.ndarray], outputs: list[str]):
+        """What a training run hands back: the loss (the mean over replicas when data-parallel) and ``outputs``."""
+        if self.reducer is not None:
+            host = {**host, self.loss_name: self.reducer.mean(host[self.loss_name])}
+        return _result(host, self.loss_name, outputs)
 
     def _eval_call(self, feeds: dict[str, Any], outputs: list[str]):
         bound = self._eval_session()
@@ -310,15 +351,21 @@ class Module:
 
     # ------------------------------------------------------------------ sessions
 
-    def _fused_session(self, outputs: Sequence[str] = ()) -> BoundSession:
-        """The whole program, computing what train_step hands back: the loss, grad_norm, the
-        carried tensors' updates and ``outputs`` (one session per set of requested outputs)."""
+    def _fused_outputs(self, outputs: Sequence[str] = ()) -> tuple[tuple[str, ...], list[str]]:
+        """What train_step computes: the loss, grad_norm, the carried tensors' updates and
+        ``outputs``; returns the requested outputs beyond the loss and grad_norm (a key: one
+        session per set), and the whole list."""
         roles = self.roles
         extra = tuple(sorted({o for o in outputs if o not in (self.loss_name, roles.grad_norm)}))
         produced = set(roles.outputs)
         keep = [self.loss_name, *([roles.grad_norm] if roles.grad_norm in produced else []), *extra]
         keep += [c.output for c in roles.carried if c.output in produced]
-        return self.runner.session(("fused", extra), lambda: self._train_program, "the program", keep, profile=True)
+        return extra, keep
+
+    @property
+    def train_program(self) -> onnx.ModelProto:
+        """The program training runs: with reproducible dropout masks when seeded (not a copy: do not change it)."""
+        return self._train_program
 
     def _split_models(self) -> _Split:
         """Segment 0 (forward + backward + accumulate) and segment 1 (the optimizer update),
@@ -407,7 +454,8 @@ class Module:
         if roles.reset_input is not None:
             scalars[roles.reset_input] = np.array(state.grad_reset_pending, np.bool_)
         if self._key_input is not None:
-            scalars[self._key_input] = run_key(int(state.seeds.get("dropout", 0)), state.step, state.micro_batch)
+            seed = int(state.seeds.get("dropout", 0))
+            scalars[self._key_input] = run_key(seed, state.step, state.micro_batch, self.replica)
         return scalars
 
 

@@ -70,7 +70,7 @@ def test_parameters_stay_in_onnxruntime_and_are_read_back_as_copies(program):
     assert np.array_equal(snapshot, initial)  # a read-back is a copy, not a view of a live buffer
     assert not np.array_equal(module.parameters["0.weight"], initial)
     assert not np.array_equal(state.tensors["0.weight"], initial)  # the state is live
-    assert len(module._fused_session().bindings) == 2  # one IOBinding per ping-pong parity, reused
+    assert len(module.runner._sessions[("fused", ())].bindings) == 2  # one IOBinding per ping-pong parity, reused
 
 
 def test_batch_size_may_change_between_steps(program):

@@ -117,6 +117,7 @@ class _Later:
 
     def __init__(self, sent, events):
         self.sent, self.events = sent, events
+        self.covers = set(sent)
 
     def wait(self):
         self.events.append("wait")
@@ -182,6 +183,8 @@ def test_a_failure_between_segments_leaves_the_carried_state_as_before():
     before = runner.read_tensors()
 
     class Broken:
+        covers = boundary
+
         def wait(self):
             raise RuntimeError("the collective failed")
 

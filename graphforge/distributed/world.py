@@ -1,0 +1,197 @@
+"""The processes of a data-parallel run: torch.distributed under torchrun, and what goes wrong.
+
+torchrun (or anything that sets the same environment: ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) starts one process per replica; each
+joins the group through torch's ``env://`` rendezvous, on gloo (CPU) or NCCL (CUDA). Every
+collective runs under one timeout (``timeout_s``, default 120 s).
+
+When a collective fails (a peer closed its connection, or the timeout ran out), the ranks
+still alive check in at the rendezvous store and wait a few seconds for each other: the
+ranks that never check in are the ones that died or hang, and the error names them. (Under
+torchrun, the launcher also stops the other ranks as soon as one exits with an error, and
+its report names that rank.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from graphforge.errors import GraphforgeError, one_line
+
+#: the environment torchrun sets for each process it starts
+ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_TIMEOUT_S = 120.0
+#: how long the ranks that survive a failed collective wait for each other to check in
+CHECK_IN_S = 10.0
+_CHECK_IN_KEY = "graphforge/alive/"
+
+
+class DistributedError(GraphforgeError):
+    """A collective failed (a rank died, hangs, or is unreachable), or the ranks disagree
+    about what they run. The message is one line naming this rank and the others concerned."""
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or with its environment) as one rank of several."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass
+class World:
+    """This process's place among the replicas, and the collectives between them.
+
+    Make one with :meth:`join`; ``size`` processes, this one ``rank`` (``local_rank`` on its
+    machine), on ``backend``; ``device``: where the collectives' tensors live ("cpu", or
+    "cuda:<local_rank>" with NCCL).
+    """
+
+    size: int
+    rank: int
+    local_rank: int
+    backend: str
+    device: str
+    timeout_s: float
+    store: Any = field(repr=False)
+    _checked_in: bool = field(default=False, repr=False)
+
+    @classmethod
+    def join(cls, *, cuda: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+        """Join the group torchrun started: gloo when the replicas run on the CPU, NCCL
+        (one GPU per process, ``cuda:<LOCAL_RANK>``) when ``cuda``. Raises DistributedError
+        when the environment is missing or the rendezvous fails within ``timeout_s``."""
+        missing = [name for name in ENVIRONMENT if name not in os.environ]
+        if missing:
+            raise DistributedError(
+                f"not started as one rank of a group: {', '.join(missing)} unset "
+                "(start it with torchrun --nproc-per-node=N ...)"
+            )
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise DistributedError("this torch build has no torch.distributed")
+        local_rank = int(os.environ["LOCAL_RANK"])
+        backend, device = "gloo", "cpu"
+        if cuda:
+            backend, device = "nccl", f"cuda:{local_rank}"
+            torch.cuda.set_device(local_rank)
+        timeout = timedelta(seconds=timeout_s)
+        rank = int(os.environ["RANK"])
+        try:
+            store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        except Exception as exc:
+            raise DistributedError(
+                f"rank {rank}: joining the group at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+                f"failed: {one_line(exc)}"
+            ) from None
+        return cls(size, rank, local_rank, backend, device, timeout_s, store)
+
+    def leave(self) -> None:
+        """Leave the group (after the last collective)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ collectives
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Turn a failure of the collectives inside into a DistributedError naming ``what``
+        was under way and the ranks that did not answer afterwards."""
+        try:
+            yield
+        except DistributedError:
+            raise
+        except Exception as exc:
+            raise self.failure(what, exc) from None
+
+    def failure(self, what: str, exc: BaseException) -> DistributedError:
+        """The error for a failed collective: check in, and name who did not."""
+        cause = one_line(exc)
+        silent = self._silent_ranks()
+        if silent is None:
+            whom = "the rendezvous store is unreachable too (rank 0, or the launcher holding it, is gone)"
+        elif silent:
+            listed = ", ".join(map(str, silent))
+            whom = (
+                f"rank {listed} did not answer within {CHECK_IN_S:g} s (died, hangs, or is unreachable)"
+                if len(silent) == 1
+                else f"ranks {listed} did not answer within {CHECK_IN_S:g} s (died, hang, or are unreachable)"
+            )
+        else:
+            whom = "every rank still answers"
+        return DistributedError(f"rank {self.rank}: {what} failed: {whom}; {self.backend} said: {cause}")
+
+    def _silent_ranks(self) -> list[int] | None:
+        """The ranks that do not check in at the store within CHECK_IN_S (None: no store)."""
+        try:
+            if not self._checked_in:
+                self.store.set(f"{_CHECK_IN_KEY}{self.rank}", "1")
+                self._checked_in = True
+            keys = {r: f"{_CHECK_IN_KEY}{r}" for r in range(self.size)}
+            deadline = time.monotonic() + CHECK_IN_S
+            while True:
+                silent = [r for r, key in keys.items() if not self.store.check([key])]
+                if not silent or time.monotonic() > deadline:
+                    return silent
+                time.sleep(0.1)
+        except Exception:
+            return None
+
+    def mean(self, values: Sequence[float], what: str) -> list[float]:
+        """The mean of each of ``values`` over the ranks (float64)."""
+        return [v / self.size for v in self.sum(values, what)]
+
+    def sum(self, values: Sequence[float], what: str) -> list[float]:
+        """The sum of each of ``values`` over the ranks (float64)."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        with self.collective(what):
+            dist.all_reduce(tensor)
+        return tensor.cpu().tolist()
+
+    def barrier(self, what: str) -> None:
+        import torch.distributed as dist
+
+        with self.collective(what):
+            dist.barrier()
+
+    def agree(self, what: str, values: Mapping[str, Any]) -> None:
+        """Refuse to go on unless every rank has the same ``values`` (JSON-like; what each
+        rank runs: a program hash, config settings): the error names the first key and rank
+        that differ from rank 0, with both values."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.size
+        with self.collective(f"comparing {what} across ranks"):
+            dist.all_gather_object(gathered, dict(values))
+        reference = gathered[0]
+        for rank, theirs in enumerate(gathered[1:], start=1):
+            for key in dict.fromkeys([*reference, *theirs]):
+                mine, other = reference.get(key), theirs.get(key)
+                if mine != other:
+                    raise DistributedError(
+                        f"rank {rank}'s {key} is {_shown(other)} but rank 0's is {_shown(mine)}: every rank must run "
+                        f"the same {what} (start all ranks with the same files and options)"
+                    )
+
+
+def digest(data: bytes) -> str:
+    """A short content hash to compare what ranks load (sha256, 16 hex digits)."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

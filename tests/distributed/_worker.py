@@ -1,0 +1,48 @@
+"""One rank of a data-parallel test run: ``python _worker.py SPEC.json`` under the environment
+torchrun sets. For each case of the spec it trains a program on its share of the global
+batches (rows rank::N of each) and writes its final carried state and the losses it
+reported to ``<out>/<case>-rank<r>.npz``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from graphforge.distributed import DataParallel, World
+from graphforge.runtime import Module, Optimizer
+
+
+def train(case: dict, world: World) -> None:
+    batches = np.load(case["batches"])
+    module = Module(case["program"], device="cpu", intra_op_threads=1)
+    DataParallel(module, world, overlap=case.get("overlap", True))
+    optimizer = Optimizer(module)
+    accumulate = case.get("accumulate", 1)
+    share = slice(world.rank, None, world.size)
+    losses = []
+    for step in range(case["steps"]):
+        for micro in range(accumulate):
+            feeds = {name: batches[name][step * accumulate + micro][share] for name in batches.files}
+            losses.append(float(module.train_step(**feeds) if accumulate == 1 else module(**feeds)))
+        if accumulate > 1:
+            optimizer.step()
+            module.lazy_reset_grad()
+    state = module.runner.read_tensors()
+    np.savez(f"{case['out']}-rank{world.rank}.npz", __losses__=np.array(losses), **state)
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    world = World.join(timeout_s=spec.get("timeout_s", 60))
+    try:
+        for case in spec["cases"]:
+            train(case, world)
+    finally:
+        world.leave()
+
+
+if __name__ == "__main__":
+    main()
