@@ -121,29 +121,35 @@ class World:
         if silent is None:
             whom = "the rendezvous store is unreachable too (rank 0, or the launcher holding it, is gone)"
         elif silent:
-            listed = ", ".join(map(str, silent))
+            listed, wait = ", ".join(map(str, silent)), self.check_in_s
             whom = (
-                f"rank {listed} did not answer within {CHECK_IN_S:g} s (died, hangs, or is unreachable)"
+                f"rank {listed} did not answer within {wait:g} s (died, hangs, or is unreachable)"
                 if len(silent) == 1
-                else f"ranks {listed} did not answer within {CHECK_IN_S:g} s (died, hang, or are unreachable)"
+                else f"ranks {listed} did not answer within {wait:g} s (died, hang, or are unreachable)"
             )
         else:
             whom = "every rank still answers"
         return DistributedError(f"rank {self.rank}: {what} failed: {whom}; {self.backend} said: {cause}")
 
+    @property
+    def check_in_s(self) -> float:
+        return min(CHECK_IN_S, self.timeout_s)
+
     def _silent_ranks(self) -> list[int] | None:
-        """The ranks that do not check in at the store within CHECK_IN_S (None: no store)."""
+        """The ranks that do not check in at the store within ``check_in_s`` (None: no store)."""
         try:
             if not self._checked_in:
                 self.store.set(f"{_CHECK_IN_KEY}{self.rank}", "1")
                 self._checked_in = True
             keys = {r: f"{_CHECK_IN_KEY}{r}" for r in range(self.size)}
-            deadline = time.monotonic() + CHECK_IN_S
+            deadline = time.monotonic() + self.check_in_s
             while True:
                 silent = [r for r, key in keys.items() if not self.store.check([key])]
                 if not silent or time.monotonic() > deadline:
                     return silent
                 time.sleep(0.1)
+        except DistributedError:  # raised by a signal handler meanwhile (torchrun's SIGTERM)
+            raise
         except Exception:
             return None
 

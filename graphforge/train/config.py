@@ -254,6 +254,20 @@ class ProfileConfig:
     steps: int = field(default=1, metadata=accepts("int", minimum=1))
 
 
+@dataclass(frozen=True)
+class DistributedConfig:
+    """[distributed]: a data-parallel run, when torchrun starts ``graphforge train`` as N
+    processes (data.batch_size is per process). ``timeout_s``: how long a collective waits
+    for the other processes before the run stops, naming the ones that did not answer;
+    ``bucket_mb``: the gradient bucket size of the allreduce pass added when the pipeline has
+    none; ``overlap``: reduce each bucket while backward computes the next. A single process
+    ignores the section."""
+
+    timeout_s: float = field(default=120.0, metadata=accepts("float", minimum=1))
+    bucket_mb: float = field(default=25.0, metadata=accepts("float", minimum=0.001))
+    overlap: bool = field(default=True, metadata=accepts("bool"))
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -263,6 +277,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
     "profile": ProfileConfig,
+    "distributed": DistributedConfig,
 }
 TOP_LEVEL: dict[str, Option] = {"out": Option("path")}
 
@@ -279,6 +294,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     profile: ProfileConfig | None = None
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     out: Path | None = None
     #: the config file (None for a config built in Python), for messages and the default out folder
     source: Path | None = None

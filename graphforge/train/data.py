@@ -5,6 +5,16 @@ The batches form one stream across epochs; its position is ``{"epoch": e, "batch
 (b batches of epoch e consumed). Epoch e's order is ``default_rng([seed, e]).permutation``,
 so a position alone restores the stream exactly: that is what makes a resumed run equal to
 an uninterrupted one.
+
+Data-parallel runs (a :class:`Shard` of N replicas) follow PyTorch's DistributedSampler:
+``batch_size`` is per replica, batch b of an epoch is the global batch of N·batch_size
+samples that one process would take with that batch size, and replica r takes every N-th
+of its samples, from the r-th; the order is the same on every replica, so the global batch of
+a step is the same set of samples whatever N is. A last, partial global batch is padded
+with the epoch's first samples so that every replica has as many (``drop_last`` drops it
+instead; evaluation pads nothing). A Python source batches itself: replica r takes batches
+r, r + N, r + 2N, ... of what it yields (every replica iterates all of it), and a last group
+of fewer than N batches is left out. Positions count global batches.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import importlib.util
 import inspect
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +35,17 @@ from graphforge.program import BatchInput
 from graphforge.train.config import DataLocation, PythonSource, shown
 
 Batch = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which share of the data this process takes: replica ``index`` of ``count``."""
+
+    count: int = 1
+    index: int = 0
+
+
+ALL = Shard()
 
 
 class Conformer:
@@ -94,7 +116,10 @@ class Conformer:
 
 
 class ArraySource:
-    """Arrays with one sample per row, cut into batches in a seeded per-epoch order."""
+    """Arrays with one sample per row, cut into batches in a seeded per-epoch order; this
+    process's ``shard`` of each (``pad``: make a partial last batch a multiple of the
+    replicas with the epoch's first samples; else a replica's part may be smaller, or
+    empty, and is then left out)."""
 
     def __init__(
         self,
@@ -106,14 +131,18 @@ class ArraySource:
         seed: int,
         drop_last: bool,
         label: str,
+        shard: Shard = ALL,
+        pad: bool = True,
     ):
         self.arrays = arrays
         self.casts = casts
         self.batch_size = batch_size
+        self.shard, self.pad = shard, pad
+        self.global_batch = batch_size * shard.count
         self.shuffle = shuffle
         self.seed = seed
         self.samples = len(next(iter(arrays.values())))
-        full, rest = divmod(self.samples, batch_size)
+        full, rest = divmod(self.samples, self.global_batch)
         self.batches_per_epoch = full if drop_last or not rest else full + 1
         self.label = label
 
@@ -122,9 +151,19 @@ class ArraySource:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.samples) if self.shuffle else None
+        count, size = self.shard.count, self.global_batch
         for b in range(start, self.batches_per_epoch):
-            rows = slice(b * self.batch_size, min((b + 1) * self.batch_size, self.samples))
+            rows = slice(b * size, min((b + 1) * size, self.samples))
             index = order[rows] if order is not None else rows
+            if count > 1:
+                index = np.arange(self.samples)[index] if isinstance(index, slice) else index
+                short = -len(index) % count
+                if short and self.pad:  # as DistributedSampler: wrap around to the epoch's first samples
+                    first = order if order is not None else np.arange(self.samples)
+                    index = np.concatenate([index, np.resize(first, short)])
+                index = index[self.shard.index :: count]
+                if len(index) == 0:
+                    continue
             batch = {}
             for name, array in self.arrays.items():
                 part = np.asarray(array[index])
@@ -134,12 +173,14 @@ class ArraySource:
 
 
 class IterableSource:
-    """A Python callable returning an iterable of dict batches, called once per epoch."""
+    """A Python callable returning an iterable of dict batches, called once per epoch; this
+    process takes its ``shard`` of each group of ``shard.count`` batches."""
 
-    def __init__(self, factory: Callable[..., Any], conformer: Conformer, label: str):
+    def __init__(self, factory: Callable[..., Any], conformer: Conformer, label: str, shard: Shard = ALL):
         self.factory = factory
         self.conformer = conformer
         self.label = label
+        self.shard = shard
         try:
             self._takes_epoch = "epoch" in inspect.signature(factory).parameters
         except (TypeError, ValueError):
@@ -162,7 +203,7 @@ class IterableSource:
         """Batches per epoch when the iterable has a length (for train.epochs)."""
         iterable = self._iterable(0)
         try:
-            self.batches_per_epoch = len(iterable)
+            self.batches_per_epoch = len(iterable) // self.shard.count
         except TypeError:
             return None
         return self.batches_per_epoch
@@ -175,20 +216,24 @@ class IterableSource:
             raise ConfigError(
                 f"{self.conformer.where}: {self.label} returned {type(iterable).__name__}, not an iterable of batches"
             ) from None
-        index = 0
+        count, mine = self.shard.count, self.shard.index
+        index, kept = 0, None
         while True:
             try:
                 batch = next(iterator)
             except StopIteration:
-                return
+                return  # a group the iterable ended within is left out: every replica stops here
             except ConfigError:
                 raise
             except Exception as exc:
                 raise ConfigError(
                     f"{self.conformer.where}: {self.label} failed at batch {index}: {one_line(exc)}"
                 ) from None
-            if index >= start:
-                yield self.conformer.conform(batch, index)
+            group, place = divmod(index, count)
+            if group >= start and place == mine:
+                kept = self.conformer.conform(batch, index)
+            if group >= start and place == count - 1:
+                yield kept
             index += 1
 
 
@@ -242,11 +287,14 @@ def open_source(
     shuffle: bool,
     seed: int,
     drop_last: bool,
+    shard: Shard = ALL,
+    pad: bool = True,
 ) -> Source:
-    """The source at ``location`` (``data.train`` or ``data.eval``), checked against the program."""
+    """The source at ``location`` (``data.train`` or ``data.eval``), checked against the
+    program; this process's ``shard`` of it (see the module's docstring)."""
     where = conformer.where
     if isinstance(location, PythonSource):
-        return IterableSource(_import(location, where), conformer, str(location))
+        return IterableSource(_import(location, where), conformer, str(location), shard)
     available = _load_arrays(location, where)
     arrays, casts = {}, {}
     for name in [n for n in names if n not in conformer.inputs]:
@@ -283,13 +331,22 @@ def open_source(
             + ", ".join(f"{n} {c:,}" for n, c in lengths.items())
         )
     count = next(iter(lengths.values()))
-    if count == 0 or (drop_last and count < batch_size):
+    if count == 0 or (drop_last and count < batch_size * shard.count):
+        replicas = f" on each of {shard.count} processes" if shard.count > 1 else ""
         raise ConfigError(
-            f"{where}: {count} samples make no batch of data.batch_size = {batch_size}"
+            f"{where}: {count} samples make no batch of data.batch_size = {batch_size}{replicas}"
             + (" with data.drop_last" if count else "")
         )
     return ArraySource(
-        arrays, casts, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, label=shown(location)
+        arrays,
+        casts,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        label=shown(location),
+        shard=shard,
+        pad=pad,
     )
 
 

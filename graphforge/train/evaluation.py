@@ -6,16 +6,26 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from graphforge.distributed import World
 from graphforge.errors import GraphforgeError
 from graphforge.runtime import Module
 
 
-def evaluate(module: Module, batches: Iterable[dict[str, np.ndarray]], *, output: str | None, labels: str | None):
+def evaluate(
+    module: Module,
+    batches: Iterable[dict[str, np.ndarray]],
+    *,
+    output: str | None,
+    labels: str | None,
+    across: World | None = None,
+):
     """Loss averaged over samples and, when ``output`` is set and the labels are integer class
     ids, the accuracy of ``argmax(output, axis=1)`` (labels < 0, the ignored ones, not counted).
 
     Runs the module in eval mode (dropout off, BatchNorm on its running statistics) and
-    puts it back in the mode it was in; the training state is not touched.
+    puts it back in the mode it was in; the training state is not touched. ``across``: each
+    rank of a data-parallel run evaluated its share of the batches; the sums are added up
+    over the ranks, so every rank gets the metrics of the whole data.
     """
     was_training = module.training
     module.eval()
@@ -36,6 +46,9 @@ def evaluate(module: Module, batches: Iterable[dict[str, np.ndarray]], *, output
             samples += count
     finally:
         module.train(was_training)
+    if across is not None:
+        total = across.sum([loss_sum, samples, correct, counted], "adding up the evaluation")
+        loss_sum, samples, correct, counted = total[0], int(total[1]), int(total[2]), int(total[3])
     metrics = {"eval_loss": loss_sum / samples if samples else float("nan")}
     if counted:
         metrics["eval_accuracy"] = correct / counted

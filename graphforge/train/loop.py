@@ -14,6 +14,13 @@ stream position (epoch, batch), so resuming from it continues bit-identically to
 was never interrupted. Ctrl-C stops at the end of the current step, saves a checkpoint and
 raises :class:`Interrupted` (a second Ctrl-C stops at once; the checkpoint then holds the
 state before the unfinished step).
+
+Started by torchrun as N processes, the run is data-parallel (graphforge/distributed/): the
+program gets the allreduce pass if its pipeline has none, each process takes its share of
+every global batch (train/data.py), evaluation is split across the processes and summed,
+and rank 0 alone writes the output folder while the others wait for it at a barrier after
+each checkpoint. The ranks first check that they run the same program and settings; a
+stop (Ctrl-C) is agreed on at the end of a step, so all stop after the same one.
 """
 
 from __future__ import annotations
@@ -34,14 +41,17 @@ import onnx
 from rich.console import Console
 from rich.markup import escape
 
+from graphforge.distributed import DataParallel, DistributedError, World, digest, launched
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
-from graphforge.graph import load, save
+from graphforge.graph import copy_without_initializers, load, save
 from graphforge.pass_manager import PassManager, parse_pipeline
+from graphforge.passes import AllReduce
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
 from graphforge.runtime.lr_schedules import LRSchedule, make_schedule, schedule_from_state_dict
+from graphforge.runtime.runner import resolve_device
 from graphforge.train.config import Config, load_config, shown
-from graphforge.train.data import ArraySource, Conformer, Source, Stream, open_source
+from graphforge.train.data import ALL, ArraySource, Conformer, Shard, Source, Stream, open_source
 from graphforge.train.evaluation import evaluate
 from graphforge.train.logs import RunLog
 from graphforge.train.profiling import PROFILE_DIR, StepProfiler
@@ -132,6 +142,8 @@ class Plan:
     settings: dict = dataclasses.field(default_factory=dict)
     #: settings that differ from the checkpoint resumed from (allowed by allow_config_change): key -> (old, new)
     changed: dict = dataclasses.field(default_factory=dict)
+    #: the data-parallel group this process is one rank of (None: a single process)
+    world: World | None = None
 
 
 def run(
@@ -151,12 +163,29 @@ def run(
     ``checkpoint.resume`` and ``checkpoint.allow_config_change``.
     Prints progress on ``console`` (default: stdout), nothing with ``quiet``. Raises a
     ConfigError for a bad config before writing anything, and :class:`Interrupted` on Ctrl-C.
+    Started by torchrun, it is one rank of a data-parallel run (only rank 0 prints).
     """
     config = config if isinstance(config, Config) else load_config(config)
     config = with_overrides(config, steps=steps, out=out, resume=resume, allow_config_change=allow_config_change)
-    console = Console(quiet=True) if quiet else (console or Console())
-    plan = prepare(config)
-    return Run(plan, console).train()
+    world = join(config) if launched() else None
+    try:
+        if quiet or (world is not None and world.rank != 0):
+            console = Console(quiet=True)
+        plan = prepare(config, world)
+        return Run(plan, console or Console()).train()
+    finally:
+        if world is not None:
+            world.leave()
+
+
+def join(config: Config) -> World:
+    """Join the data-parallel group torchrun started: NCCL when ``train.device`` asks for
+    (or defaults to) CUDA, each process on its LOCAL_RANK's GPU; else gloo."""
+    try:
+        cuda = resolve_device(config.train.device).type == "cuda"
+    except DeviceError as exc:
+        raise ConfigError(f"{config.where}: train.device: {exc}") from None
+    return World.join(cuda=cuda, timeout_s=config.distributed.timeout_s)
 
 
 def with_overrides(
@@ -183,13 +212,19 @@ def with_overrides(
     return config
 
 
-def prepare(config: Config) -> Plan:
-    """Check the config against the model, data and checkpoints; writes nothing."""
+def prepare(config: Config, world: World | None = None) -> Plan:
+    """Check the config against the model, data and checkpoints; writes nothing. With a
+    ``world``, this process is one rank of a data-parallel run (see the module docstring)."""
     where = config.where
     notes: list[str] = []
     out = config.out if config.out is not None else Path("runs") / (config.source.stem if config.source else "train")
     program, compiled_from = _program(config)
+    if world is not None and ProgramRoles.of_proto(program).allreduce is None:
+        bucket_mb = config.distributed.bucket_mb
+        program = PassManager([AllReduce(bucket_mb=bucket_mb)]).run(program).model
+        compiled_from += f", + allreduce(bucket_mb={bucket_mb:g})"
     program_roles = ProgramRoles.of_proto(program)
+    shard = Shard(world.size, world.rank) if world is not None else ALL
 
     accumulate = config.train.accumulate
     if accumulate > 1 and not program_roles.accumulates:
@@ -205,7 +240,7 @@ def prepare(config: Config) -> Plan:
         if text not in notes:
             notes.append(text)
 
-    def source(location, key: str, *, shuffle: bool, drop_last: bool, batch_size: int) -> Source:
+    def source(location, key: str, *, shuffle: bool, drop_last: bool, batch_size: int, pad: bool) -> Source:
         conformer = Conformer(inputs, f"{where}: {key}", note)
         return open_source(
             location,
@@ -215,13 +250,17 @@ def prepare(config: Config) -> Plan:
             shuffle=shuffle,
             seed=data.seed,
             drop_last=drop_last,
+            shard=shard,
+            pad=pad,
         )
 
-    train = source(data.train, "data.train", shuffle=data.shuffle, drop_last=data.drop_last, batch_size=data.batch_size)
+    train = source(
+        data.train, "data.train", shuffle=data.shuffle, drop_last=data.drop_last, batch_size=data.batch_size, pad=True
+    )
     eval_source = None
     if data.eval is not None:
         eval_batch = config.eval.batch_size or data.batch_size
-        eval_source = source(data.eval, "data.eval", shuffle=False, drop_last=False, batch_size=eval_batch)
+        eval_source = source(data.eval, "data.eval", shuffle=False, drop_last=False, batch_size=eval_batch, pad=False)
 
     total_steps = _total_steps(config, train)
     outputs = list(program_roles.forward_outputs)
@@ -246,10 +285,32 @@ def prepare(config: Config) -> Plan:
         changed = _changed_settings(config, state, settings, resumed_from)
         for key, (old, new) in changed.items():
             note(f"resuming with {key} = {_setting(new)} instead of the checkpoint's {_setting(old)} (allowed)")
+        processes = world.size if world is not None else 1
+        if _world_size(state) != processes:
+            note(
+                f"resuming a checkpoint of {_world_size(state)} process(es) on {processes}: the global batch "
+                "changes with it, and the data goes on from the first sample not consumed yet"
+            )
+    device = config.train.device if world is None else world.device
     try:
-        module = Module(program, state, device=config.train.device, dropout=config.train.dropout)
+        module = Module(program, state, device=device, dropout=config.train.dropout)
     except DeviceError as exc:
         raise ConfigError(f"{where}: train.device: {exc}") from None
+    if world is not None:
+        agreed = {
+            "program (sha256)": digest(copy_without_initializers(program).SerializeToString(deterministic=True)),
+            **settings,
+            "total steps": total_steps,
+            "starting step": state.step,
+            "resumed from": resumed_from.name if resumed_from is not None else None,
+            "train samples": getattr(train, "samples", None),
+            "eval samples": getattr(eval_source, "samples", None),
+            "eval.every": config.eval.every,
+            "checkpoint.every": config.checkpoint.every,
+            "train.device": module.runner.device.type,
+        }
+        world.agree("program and config", agreed)
+        DataParallel(module, world, overlap=config.distributed.overlap)
     return Plan(
         config=config,
         out=out,
@@ -267,7 +328,13 @@ def prepare(config: Config) -> Plan:
         notes=notes,
         settings=settings,
         changed=changed,
+        world=world,
     )
+
+
+def _world_size(state: CheckpointState) -> int:
+    """How many processes trained the state (1 before data parallelism was recorded)."""
+    return int(state.properties.get(WORLD_SIZE, 1))
 
 
 def _program(config: Config) -> tuple[onnx.ModelProto, str]:
@@ -383,6 +450,8 @@ def _schedule_options(config: Config, program_roles: ProgramRoles, total_steps: 
 
 #: the key of CheckpointState.properties under which a run saves its settings
 SETTINGS = "settings"
+#: ... and the number of data-parallel processes that trained it
+WORLD_SIZE = "world_size"
 
 
 def run_settings(config: Config, train: Source, schedule_options: dict) -> dict:
@@ -481,6 +550,9 @@ class Run:
         self.console = console
         self.module = plan.module
         self.state = plan.state
+        self.world = plan.world
+        #: the process that writes the output folder (and prints): the only one, or rank 0
+        self.lead = self.world is None or self.world.rank == 0
         self.checkpoints = CheckpointManager(plan.out / CHECKPOINTS, keep_last=self.config.checkpoint.keep_last)
         self.last_saved: Path | None = None
         self.saved_step: int | None = None
@@ -494,8 +566,10 @@ class Run:
     def train(self) -> TrainResult:
         plan, config, state = self.plan, self.config, self.state
         started, start_step = time.perf_counter(), state.step
-        plan.out.mkdir(parents=True, exist_ok=True)
-        program_path = save(plan.program, plan.out / PROGRAM)
+        program_path = plan.out / PROGRAM
+        if self.lead:
+            plan.out.mkdir(parents=True, exist_ok=True)
+            save(plan.program, program_path)
         self._describe(program_path)
         optimizer = Optimizer(self.module)
         schedule = self._schedule(optimizer)
@@ -510,18 +584,19 @@ class Run:
         stream = Stream(plan.train, self._resumed_position())
         profile = config.profile
         profiler = StepProfiler(plan.out / PROFILE_DIR, profile.start, profile.steps) if profile is not None else None
+        log_config = config.log if self.lead else dataclasses.replace(config.log, jsonl=False, tensorboard=False)
         log = RunLog(
             plan.out,
-            config.log,
+            log_config,
             start_step=state.step,
             total_steps=plan.total_steps,
             console=self.console,
-            progress=config.log.progress,
+            progress=config.log.progress and self.lead,
         )
         if state.step >= plan.total_steps:
             self._say(f"[bold]done[/]     already at step {state.step} of {plan.total_steps}: nothing to train")
         try:
-            with self._stop_on_ctrl_c():
+            with self._stop_on_ctrl_c(), self._stop_on_sigterm():
                 self._loop(optimizer, schedule, stream, profiler, log)
         finally:
             log.close()
@@ -552,7 +627,7 @@ class Run:
     def _loop(self, optimizer: Optimizer, schedule: LRSchedule, stream: Stream, profiler, log: RunLog) -> None:
         state = self.state
         while state.step < self.plan.total_steps:
-            if self._stop_requested:
+            if self._stop_agreed():
                 raise self._interrupt(schedule, stream, None, log, profiler)
             before, position = state.step, stream.position
             try:
@@ -574,7 +649,7 @@ class Run:
         losses, samples = [], 0
         for _ in range(accumulate):
             batch = stream.next()
-            samples += len(next(iter(batch.values())))
+            samples += len(next(iter(batch.values()))) * (self.world.size if self.world is not None else 1)
             # one micro-batch per step: the fused step, one session.run; else accumulate, then update
             losses.append(float(module.train_step(**batch) if accumulate == 1 else module(**batch)))
             _check_finite(module, "loss", losses[-1])
@@ -604,7 +679,9 @@ class Run:
         every_eval = config.eval.every
         evaluated = plan.eval is not None and ((every_eval and step % every_eval == 0) or step == total)
         if evaluated:
-            self.last_eval = evaluate(module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels)
+            self.last_eval = evaluate(
+                module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels, across=self.world
+            )
             values.update(self.last_eval)
         if evaluated or step % config.log.every == 0 or step == total:
             record = log.record(step, values)
@@ -620,15 +697,19 @@ class Run:
 
     def _resumed_position(self) -> dict | None:
         """Where the data stream of a resumed run starts: the checkpoint's position, or with
-        a changed data.batch_size, the batch of the new size holding the first sample not
-        consumed yet in that epoch (a few samples may be seen twice in that epoch)."""
+        a changed global batch (data.batch_size, or the number of processes), the batch of
+        the new size holding the first sample not consumed yet in that epoch (a few samples
+        may be seen twice in that epoch)."""
         plan, position = self.plan, self.state.data_position
         if plan.resumed_from is None or position is None:
             return None
-        if "data.batch_size" in plan.changed:
-            old, new = plan.changed["data.batch_size"]
-            consumed = int(position.get("batch", 0)) * int(old)
-            position = {"epoch": int(position.get("epoch", 0)), "batch": consumed // int(new)}
+        size = self.config.data.batch_size if isinstance(plan.train, ArraySource) else 1  # a Python source: batches
+        old_size, new_size = plan.changed.get("data.batch_size", (size, size))
+        old = int(old_size) * _world_size(self.state)
+        new = int(new_size) * (self.world.size if self.world is not None else 1)
+        if old != new:
+            consumed = int(position.get("batch", 0)) * old
+            position = {"epoch": int(position.get("epoch", 0)), "batch": consumed // new}
         return position
 
     def _schedule(self, optimizer: Optimizer) -> LRSchedule:
@@ -642,12 +723,17 @@ class Run:
         return make_schedule(self.config.schedule.kind, optimizer, **self.plan.schedule_options, last_step=state.step)
 
     def _save(self, schedule: LRSchedule, stream: Stream, position: dict | None = None) -> Path:
+        """Checkpoint the state (rank 0 writes it: the state is the same on every rank, the
+        others wait for it at a barrier)."""
         state = self.state
         state.scheduler = schedule.state_dict()
         state.seeds = {**state.seeds, "data": int(getattr(stream.source, "seed", self.config.data.seed))}
         state.properties[SETTINGS] = self.plan.settings
+        state.properties[WORLD_SIZE] = self.world.size if self.world is not None else 1
         state.data_position = position if position is not None else stream.position
-        path = self.checkpoints.save(state)
+        path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
+        if self.world is not None:
+            self.world.barrier(f"waiting for rank 0 to write the checkpoint of step {state.step}")
         self.saved_step = state.step
         return path
 
@@ -701,6 +787,34 @@ class Run:
             saved,
         )
 
+    def _stop_agreed(self) -> bool:
+        """Whether to stop before the next step: asked for (Ctrl-C) here, or on any rank."""
+        if self.world is None:
+            return self._stop_requested
+        (asked,) = self.world.sum([float(self._stop_requested)], f"agreeing on a stop after step {self.state.step}")
+        return asked > 0
+
+    @contextlib.contextmanager
+    def _stop_on_sigterm(self) -> Iterator[None]:
+        """One rank of several: SIGTERM (what torchrun sends the others when one rank fails)
+        stops at once with one line; the run's checkpoints are all complete (atomic writes)."""
+        if self.world is None or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        world = self.world
+
+        def handler(signum, frame):
+            raise DistributedError(
+                f"rank {world.rank}: stopped by SIGTERM during step {self.state.step + 1} (torchrun stops every "
+                "rank when one fails; its report names which)"
+            )
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
     @contextlib.contextmanager
     def _stop_on_ctrl_c(self) -> Iterator[None]:
         """The first Ctrl-C asks the loop to stop after the current step; a second one stops at once."""
@@ -722,7 +836,7 @@ class Run:
     # ------------------------------------------------------------------ what it prints
 
     def _say(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True)
+        self.console.print(text, highlight=False, soft_wrap=True)  # quiet on ranks other than 0
 
     def _describe(self, program_path: Path) -> None:
         plan, config = self.plan, self.config
@@ -730,8 +844,10 @@ class Run:
         self._say(f"[bold]model[/]    {escape(plan.compiled_from)} → {escape(str(program_path))}")
         train = plan.train
         text = f"train {escape(train.describe())}"
+        processes = self.world.size if self.world is not None else 1
         if train.batches_per_epoch is not None and hasattr(train, "batch_size"):
-            text += f", {train.batches_per_epoch} batches of {train.batch_size} per epoch"
+            size = f"{processes}×{train.batch_size}" if processes > 1 else str(train.batch_size)
+            text += f", {train.batches_per_epoch} batches of {size} per epoch"
         if plan.eval is not None:
             text += f"; eval {escape(plan.eval.describe())}"
         self._say(f"[bold]data[/]     {text}")
@@ -743,6 +859,8 @@ class Run:
         if config.train.accumulate > 1:
             what += f" of {config.train.accumulate} micro-batches"
         what += f" on {self.module.device}, {optimizer}"
+        if self.world is not None:
+            what += f"; data-parallel on {self.world.size} processes ({self.world.backend})"
         self._say(f"[bold]run[/]      {what} → {escape(str(plan.out))}")
         if plan.resumed_from is not None:
             self._say(f"[bold]resume[/]   from {escape(str(plan.resumed_from))} at step {self.state.step}")

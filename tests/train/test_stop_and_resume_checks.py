@@ -236,7 +236,7 @@ def test_ctrl_c_while_starting_is_one_line_and_status_130(tmp_path, monkeypatch,
     import graphforge.cli
     import graphforge.train.loop
 
-    def interrupted(config):
+    def interrupted(config, world=None):
         raise KeyboardInterrupt
 
     folder = th.workspace(tmp_path)
