@@ -14,9 +14,10 @@ from pathlib import Path
 import models
 import numpy as np
 import pytest
-from _launch import REPO, run_ranks
+from _launch import REPO, free_port, run_ranks
 
 import graphforge
+from graphforge.distributed import DataParallel, World
 from graphforge.runtime import Module, Optimizer
 
 pytest.importorskip("torch")
@@ -203,3 +204,80 @@ def test_any_bucketing_and_no_overlap_equal_one_bucket_bit_for_bit(variant, two_
     assert len(graphforge.ProgramRoles.of_proto(program).allreduce.buckets) > 2
     for tensor, value in one.items():
         assert np.array_equal(bucketed[tensor], value), f"{variant}: {tensor}"
+
+
+def test_batchnorm_statistics_are_rank_0s_before_each_forward_as_ddp_broadcast_buffers(tmp_path):
+    import _training_programs as tp
+
+    program = graphforge.compile(tp.cnn_with_batchnorm().program, "allreduce").model
+    graphforge.save(program, tmp_path / "cnn.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(
+        tmp_path / "cnn.npz",
+        x=rng.standard_normal((10, 2 * PER_RANK, 3, 8, 8)).astype(np.float32),
+        labels=rng.integers(0, tp.CNN_CLASSES, (10, 2 * PER_RANK)),
+    )
+    case = {
+        "program": str(tmp_path / "cnn.onnx"),
+        "batches": str(tmp_path / "cnn.npz"),
+        "steps": 10,
+        "out": str(tmp_path / "cnn"),
+        "broadcast_buffers_at_end": True,
+    }
+    _launch(tmp_path, 2, [case])
+    ranks = [dict(np.load(tmp_path / f"cnn-rank{r}.npz")) for r in range(2)]
+    buffers = {c.input for c in graphforge.ProgramRoles.of_proto(program).carried_with_role("buffer")}
+    assert buffers
+    initial = graphforge.CheckpointState.from_program(program).tensors
+    for name in buffers:
+        # each rank's last forward updated them from its own samples; the broadcast made them rank 0's
+        assert not np.array_equal(ranks[0][f"__before__{name}"], ranks[1][f"__before__{name}"]), name
+        assert np.array_equal(ranks[1][name], ranks[0][f"__before__{name}"]), name
+        assert not np.array_equal(ranks[0][name], initial[name]), name
+    for name in ranks[0]:
+        if not name.startswith("__"):
+            assert np.array_equal(ranks[0][name], ranks[1][name]), name
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """This test process as the one rank of a group (gloo): DataParallel's whole path, no peers."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    world = World.join(timeout_s=30)
+    yield world
+    world.leave()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw(lr=0.05, clip_grad_norm=0.5)", "sgd(lr=0.05, accumulate=true)"])
+def test_the_cut_and_reduced_step_of_one_rank_equals_the_plain_module_exactly(world_of_one, optimizer):
+    program = graphforge.compile(
+        models.tanh_mlp(), f"loss(kind=mse, output=y), autodiff, {optimizer}, allreduce(bucket_mb=0.0001)"
+    ).model
+    plain, replica = Module(program, device="cpu"), Module(program, device="cpu")
+    parallel = DataParallel(replica, world_of_one)
+    assert len(parallel.buckets) == 4
+    optimizers = [Optimizer(plain), Optimizer(replica)]
+    for batch in models.tanh_mlp_batches(6):
+        if plain.accumulates:
+            losses = [float(m(**batch)) for m in (plain, replica)]
+            for o in optimizers:
+                o.step()
+        else:
+            losses = [float(m.train_step(**batch)) for m in (plain, replica)]
+        assert losses[0] == losses[1]
+        assert plain.last_grad_norm == replica.last_grad_norm
+    for name, value in plain.runner.read_tensors().items():
+        assert np.array_equal(replica.runner.read_tensors([name])[name], value), name
+    assert parallel.stats.steps == 6
+
+
+def test_data_parallel_refuses_a_program_without_the_allreduce_pass_and_a_second_wrapping(world_of_one):
+    plain = graphforge.compile(models.tanh_mlp(), "loss(kind=mse, output=y), autodiff, sgd(lr=0.1)").model
+    with pytest.raises(graphforge.GraphforgeError, match="no gradient allreduce: compile it with the allreduce pass"):
+        DataParallel(Module(plain, device="cpu"), world_of_one)
+    module = Module(graphforge.compile(plain, "allreduce").model, device="cpu")
+    DataParallel(module, world_of_one)
+    with pytest.raises(graphforge.GraphforgeError, match="already data-parallel"):
+        DataParallel(module, world_of_one)
