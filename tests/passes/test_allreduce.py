@@ -4,6 +4,8 @@ and prune inlining the calls away."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import models
 import numpy as np
 import onnx
@@ -120,3 +122,13 @@ def test_the_pass_needs_an_optimizer_and_runs_once():
         graphforge.compile(models.tanh_mlp(), f"{PREFIX}, sgd, allreduce, allreduce")
     with pytest.raises(graphforge.GraphforgeError, match="bucket_mb"):
         graphforge.compile(models.tanh_mlp(), f"{PREFIX}, sgd, allreduce(bucket_mb=0)")
+
+
+def test_the_golden_of_the_marked_program_records_the_plain_programs_values():
+    """golden_models/demo_mlp trains with and without the pass (3 AdamW steps, the export):
+    at world size 1 every recorded value is the same, bit for bit."""
+    expected = Path(__file__).resolve().parents[2] / "golden_models" / "demo_mlp" / "expected"
+    plain, marked = np.load(expected / "train_adamw.npz"), np.load(expected / "train_adamw_allreduce.npz")
+    assert sorted(plain.files) == sorted(marked.files) and plain.files
+    for name in plain.files:
+        assert np.array_equal(plain[name], marked[name]), name
