@@ -6,6 +6,7 @@ traceback and no output file (outputs are written atomically, after the work suc
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 from collections import Counter
@@ -416,7 +417,7 @@ def train_command(
             console=out,
         )
     except train.NonFiniteLoss as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(_from_this_rank(str(exc)))}", highlight=False, soft_wrap=True)
         raise typer.Exit(train.NonFiniteLoss.EXIT_STATUS) from None
     except train.Interrupted as exc:
         err.print(f"[yellow]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
@@ -461,12 +462,20 @@ def export_command(
     )
 
 
+def _from_this_rank(message: str) -> str:
+    """One of several processes (torchrun) says which it is, unless the message does."""
+    ranks = os.environ.get("WORLD_SIZE", "1")
+    if ranks.isdigit() and int(ranks) > 1 and not message.startswith("rank "):
+        return f"rank {os.environ.get('RANK', '?')}: {message}"
+    return message
+
+
 def main() -> None:
     """Entry point: run the app, turning every expected failure into one line and exit 2."""
     try:
         status = app(standalone_mode=False)
     except (GraphforgeError, UsageFailure) as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(_from_this_rank(str(exc)))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except _ABORTS:
         err.print("[red]aborted[/]")

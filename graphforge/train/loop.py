@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -292,8 +293,9 @@ def prepare(config: Config, world: World | None = None) -> Plan:
                 "changes with it, and the data goes on from the first sample not consumed yet"
             )
     device = config.train.device if world is None else world.device
+    threads = _threads_per_process() if world is not None and world.device == "cpu" else None
     try:
-        module = Module(program, state, device=device, dropout=config.train.dropout)
+        module = Module(program, state, device=device, dropout=config.train.dropout, intra_op_threads=threads)
     except DeviceError as exc:
         raise ConfigError(f"{where}: train.device: {exc}") from None
     if world is not None:
@@ -330,6 +332,16 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         changed=changed,
         world=world,
     )
+
+
+def _threads_per_process() -> int:
+    """onnxruntime's threads in each of several processes on one machine's CPUs: what
+    OMP_NUM_THREADS says (torchrun sets 1 unless told otherwise, as for torch), else the
+    cores shared out between the processes (LOCAL_WORLD_SIZE)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def _world_size(state: CheckpointState) -> int:
