@@ -130,3 +130,24 @@ def children_by_rank(parent: int) -> dict[int, int]:
         if "RANK" in env:
             found[int(env["RANK"])] = int(entry.name)
     return found
+
+
+def shell(command: str, *, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``bash -c command`` (a README block), everything it starts killed past ``timeout``."""
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", command],
+        cwd=cwd,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        raise AssertionError(
+            f"{command!r} still running after {timeout:g} s:\n{proc.communicate()[0][-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")

@@ -1,0 +1,49 @@
+"""The README's data-parallel commands, run as written: torchrun on the digits example, and
+the Python script under torchrun."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import REPO, shell
+
+pytest.importorskip("torch")
+
+
+def _blocks(language: str) -> list[str]:
+    text = (REPO / "README.md").read_text()
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Path:
+    """A folder that looks like a checkout to the README's relative paths; outputs stay in it."""
+    for name in ("examples", "data"):
+        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    return tmp_path
+
+
+def test_the_torchrun_command_trains_the_digits_on_two_processes(workspace):
+    (block,) = [b for b in _blocks("sh") if "--standalone" in b]
+    done = shell(block, cwd=workspace, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert done.stdout.count("data-parallel on 2 processes (gloo)") == 1  # rank 0 alone prints
+    accuracy = float(re.search(r"done .*accuracy (\d\.\d+)", done.stdout).group(1))
+    assert accuracy >= 0.93
+    assert sorted(p.name for p in (workspace / "out" / "dp" / "checkpoints").iterdir())[-1] == (
+        "checkpoint-00000345.safetensors"  # 15 epochs of 23 global batches of 2 x 32
+    )
+
+
+def test_the_python_example_runs_under_torchrun(workspace):
+    (block,) = [b for b in _blocks("python") if "DataParallel(module, world)" in b]
+    (workspace / "train_dp.py").write_text(block)
+    done = shell(".venv/bin/torchrun --standalone --nproc-per-node=2 train_dp.py", cwd=workspace, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("loss ")]
+    assert line.endswith("after 100 steps on 2 processes")
+    assert float(line.split()[1]) < 1.0
