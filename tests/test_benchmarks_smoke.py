@@ -45,3 +45,15 @@ def test_train_benchmark_reports_every_column(tmp_path):
     assert 97 <= sum(shares) <= 103  # rounded shares of one total
     forward, _, backward, optimizer = shares  # the loss, a handful of nodes, can round to 0%
     assert forward > 0 and backward > 0 and optimizer > 0
+
+
+@pytest.mark.slow
+def test_data_parallel_benchmark_runs_every_configuration(tmp_path):
+    """Two real processes for each DP run (gloo on loopback); the report has every row."""
+    sys.path.insert(0, str(BENCH.parent))
+    import dp_bench
+
+    report = dp_bench.report(dp_bench.benchmark(quick=True, passes=1, cache=tmp_path))
+    for label, *_ in dp_bench.RUNS:
+        assert f"| {label} | " in report
+    assert "graphforge DP / torch DDP:" in report and "(agree)" in report
