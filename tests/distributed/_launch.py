@@ -38,31 +38,49 @@ class Finished:
     seconds: float
 
 
+def spawn(argv: list[str], *, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``argv`` in a session of its own (so that everything it starts can be killed), its
+    output (stdout and stderr) captured."""
+    return subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env or environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; past ``timeout`` seconds kill it (and what it started) and fail."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        raise AssertionError(
+            f"{proc.args} still running after {timeout:g} s:\n{proc.communicate()[0][-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+
+
+def rank_environment(rank: int, count: int, port: int) -> dict[str, str]:
+    """What torchrun sets for one of ``count`` processes on this machine."""
+    return environment(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(count),
+        LOCAL_WORLD_SIZE=str(count),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
 def start_ranks(count: int, argv: list[str], *, port: int | None = None, cwd: Path = REPO) -> list[subprocess.Popen]:
-    """``count`` processes running ``python argv...``, ranks 0..count-1 of one group."""
+    """``count`` processes running ``python argv...``, ranks 0..count-1 of one group (as
+    torchrun would start them, without its agent)."""
     port = port or free_port()
-    procs = []
-    for rank in range(count):
-        env = environment(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(count),
-            LOCAL_WORLD_SIZE=str(count),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *argv],
-                cwd=cwd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    return procs
+    return [spawn([sys.executable, *argv], cwd=cwd, env=rank_environment(r, count, port)) for r in range(count)]
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[Finished]:
@@ -75,7 +93,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[Finished]:
             output, _ = proc.communicate(timeout=left)
         except subprocess.TimeoutExpired:
             for p in procs:
-                _kill(p)
+                kill(p)
             outputs = [p.communicate()[0] for p in procs]
             raise AssertionError(
                 f"rank {rank} still running after {timeout:g} s; outputs:\n"
@@ -89,26 +107,16 @@ def run_ranks(count: int, argv: list[str], *, timeout: float, **kwargs) -> list[
     return wait_all(start_ranks(count, argv, **kwargs), timeout)
 
 
+def start_torchrun(args: list[str], *, cwd: Path = REPO) -> subprocess.Popen:
+    """``torchrun args...``, as ``python -m torch.distributed.run``."""
+    return spawn([sys.executable, "-m", "torch.distributed.run", *args], cwd=cwd)
+
+
 def torchrun(args: list[str], *, timeout: float, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """``torchrun args...`` (as ``python -m torch.distributed.run``), failing past ``timeout``."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *args],
-        cwd=cwd,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        raise AssertionError(f"torchrun still running after {timeout:g} s:\n{proc.communicate()[0][-3000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+    return finish(start_torchrun(args, cwd=cwd), timeout)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen) -> None:
     """Kill a process and everything it started (its own session)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -134,20 +142,4 @@ def children_by_rank(parent: int) -> dict[int, int]:
 
 def shell(command: str, *, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """``bash -c command`` (a README block), everything it starts killed past ``timeout``."""
-    proc = subprocess.Popen(
-        ["bash", "-euo", "pipefail", "-c", command],
-        cwd=cwd,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        raise AssertionError(
-            f"{command!r} still running after {timeout:g} s:\n{proc.communicate()[0][-3000:]}"
-        ) from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+    return finish(spawn(["bash", "-euo", "pipefail", "-c", command], cwd=cwd), timeout)

@@ -5,7 +5,6 @@ launchers as two nodes would."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -16,7 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _launch import REPO, children_by_rank, environment, free_port, torchrun, wait_all
+from _launch import (
+    REPO,
+    children_by_rank,
+    finish,
+    free_port,
+    kill,
+    rank_environment,
+    spawn,
+    start_torchrun,
+    torchrun,
+    wait_all,
+)
 
 import graphforge.train
 from graphforge.runtime import CheckpointState
@@ -131,18 +141,7 @@ def test_ranks_that_run_other_configs_are_refused_by_name(folder, tmp_path):
 
 def _rank(rank: int, *, count: int, port: int, argv: list[str], cwd: Path) -> subprocess.Popen:
     """One rank of a group started by hand (as torchrun would, without its agent)."""
-    env = environment(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(count), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    return subprocess.Popen(
-        [sys.executable, *argv],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return spawn([sys.executable, *argv], cwd=cwd, env=rank_environment(rank, count, port))
 
 
 def _wait_for_checkpoint(out: Path, procs, timeout: float = 60) -> None:
@@ -164,12 +163,12 @@ def test_a_rank_that_dies_or_hangs_stops_the_other_with_one_line_naming_it(folde
     os.kill(procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     stopped = time.monotonic()
     try:
-        output, _ = procs[0].communicate(timeout=60)
+        done = finish(procs[0], 60)
     finally:
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        kill(procs[1])
         procs[1].communicate()
-    seconds = time.monotonic() - stopped
-    assert procs[0].returncode == 2, output
+    seconds, output = time.monotonic() - stopped, done.stdout
+    assert done.returncode == 2, output
     assert "Traceback" not in output
     (line,) = [x for x in output.splitlines() if x.startswith("error:")]
     assert "rank 0:" in line and "rank 1 did not answer" in line, line
@@ -183,24 +182,15 @@ def test_torchrun_stops_the_others_when_a_rank_is_killed(folder, tmp_path):
     cfg = config(folder, "long.toml", checkpoint={"every": 25, "keep_last": 2}, log={"every": 25})
     out = tmp_path / "out"
     args = ["--standalone", "--nproc-per-node=2", *TRAIN, str(cfg), "--out", str(out), "--steps", "1000000", "-q"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *args],
-        cwd=folder,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_torchrun(args, cwd=folder)
     try:
         _wait_for_checkpoint(out, [proc])
         workers = children_by_rank(proc.pid)
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[1], signal.SIGKILL)
-        output, _ = proc.communicate(timeout=60)
+        output = finish(proc, 60).stdout
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill(proc)
     assert proc.returncode != 0
     (line,) = [x for x in output.splitlines() if x.startswith("error:")]  # rank 0's one line
     assert "rank 0: stopped by SIGTERM" in line, output[-3000:]
@@ -227,17 +217,7 @@ def test_two_launchers_rendezvous_as_two_nodes(folder, tmp_path):
             "--steps",
             "6",
         ]
-        nodes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", *args],
-                cwd=folder,
-                env=environment(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
+        nodes.append(start_torchrun(args, cwd=folder))
     finished = wait_all(nodes, TIMEOUT_S)
     for f in finished:
         assert f.returncode == 0, f.output[-3000:]
