@@ -176,7 +176,7 @@ class DataParallel:
         (writing them into the bucket) and what later segments need; the last one updates."""
         module = self.module
         program = onnx.ModelProto()
-        program.CopyFrom(module.train_program)  # the carried initial values are not in it: small
+        program.CopyFrom(module.train_program)  # once per set of outputs (seeded dropout's copy holds no weights)
         kept = [o for o in program.graph.output if o.name in set(keep)]
         del program.graph.output[:]
         program.graph.output.extend(kept)
