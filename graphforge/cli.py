@@ -462,6 +462,77 @@ def export_command(
     )
 
 
+@app.command("schedule")
+def schedule_command(
+    name: Annotated[str, typer.Argument(help="The pipeline schedule: gpipe or 1f1b.")],
+    stages: Annotated[int, typer.Option("--stages", min=1, help="Pipeline stages (processes).")],
+    microbatches: Annotated[int, typer.Option("--microbatches", min=1, help="Micro-batches per step.")],
+    costs: Annotated[
+        str,
+        typer.Option(
+            help="Forward:backward time per stage, e.g. 1:2 for every stage or 1:2,1.5:3 one per stage "
+            "(any unit: milliseconds, FLOPs)."
+        ),
+    ] = "1:2",
+    comm: Annotated[float, typer.Option("--comm", min=0, help="Time from a send to its arrival.")] = 0.0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the figures as JSON (bubble, peak_stash, ...).")
+    ] = False,
+) -> None:
+    """Simulate a pipeline schedule: its timeline, makespan, bubble and the activations each stage stashes."""
+    import json
+
+    from graphforge.distributed.schedules import make_schedule
+    from graphforge.distributed.simulate import simulate, timeline
+
+    schedule = make_schedule(name, stages, microbatches)
+    simulation = simulate(schedule, _stage_costs(costs, stages, comm))
+    if as_json:
+        figures = {
+            "schedule": name.lower(),
+            **simulation.as_dict(),
+            "ideal_bubble": (stages - 1) / (microbatches + stages - 1),
+        }
+        out.print_json(json.dumps(figures))
+        return
+    out.print(timeline(simulation), highlight=False, soft_wrap=True)
+    table = Table(title=f"{name} · {stages} stages × {microbatches} micro-batches", title_justify="left")
+    for column in ("stage", "busy", "idle", "peak stash"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for s in range(stages):
+        idle = simulation.idle[s]
+        table.add_row(str(s), f"{simulation.busy[s]:g}", f"{idle:.1%}", str(simulation.peak_stash[s]))
+    out.print(table)
+    ideal = (stages - 1) / (microbatches + stages - 1)
+    out.print(
+        f"makespan {simulation.makespan:g}, bubble {simulation.bubble:.1%} "
+        f"((p-1)/(m+p-1) = {ideal:.1%} for balanced stages)",
+        highlight=False,
+    )
+
+
+def _stage_costs(text: str, stages: int, comm: float):
+    from graphforge.distributed.simulate import Costs
+
+    pairs = [p.strip() for p in text.split(",") if p.strip()]
+    if len(pairs) not in (1, stages):
+        raise UsageFailure(f"--costs has {len(pairs)} entries; give one for every stage or one per stage ({stages})")
+    forward, backward = [], []
+    for pair in pairs:
+        f, sep, b = pair.partition(":")
+        try:
+            values = float(f), float(b)
+        except ValueError:
+            values = None
+        if not sep or values is None or min(values) < 0:
+            raise UsageFailure(f"--costs entry {pair!r}: write forward:backward, two numbers ≥ 0 (e.g. 1:2)")
+        forward.append(values[0])
+        backward.append(values[1])
+    if len(pairs) == 1:
+        forward, backward = forward * stages, backward * stages
+    return Costs(forward, backward, comm)
+
+
 def _from_this_rank(message: str) -> str:
     """One of several processes (torchrun) says which it is, unless the message does."""
     ranks = os.environ.get("WORLD_SIZE", "1")
