@@ -86,8 +86,8 @@ def cut(model: Model | onnx.ModelProto, boundaries: Sequence[Sequence[str]]) -> 
         received = [t for t in reads[k].values() if id(t) not in graph_inputs]
         program_inputs = [t for t in graph.inputs if id(t) in reads[k]]
         seg_outputs = _unique([*outputs, *sends])
-        seg_model = _segment_model(model, own_nodes, [*program_inputs, *received], seg_outputs, k)
-        overridable = _restore_initializer_inputs(seg_model, model)
+        seg_model = segment_model(model, own_nodes, [*program_inputs, *received], seg_outputs, f"segment{k}")
+        overridable = restore_initializer_inputs(seg_model, model)
         segments.append(
             Segment(
                 index=k,
@@ -131,13 +131,15 @@ def _unique(tensors) -> list[gs.Tensor]:
     return out
 
 
-def _segment_model(model: Model, nodes, inputs, outputs, index: int) -> onnx.ModelProto:
+def segment_model(model: Model, nodes, inputs, outputs, label: str) -> onnx.ModelProto:
+    """A plain ONNX model of ``nodes`` (of ``model``'s graph) with ``inputs`` and ``outputs``
+    (typed tensors), named after the model and ``label``."""
     graph = model.graph
     sub = gs.Graph(
         nodes=list(nodes),
         inputs=list(inputs),
         outputs=list(outputs),
-        name=f"{graph.name}_segment{index}",
+        name=f"{graph.name}_{label}",
         opset=graph.opset,
         import_domains=graph.import_domains,
         functions=graph.functions,
@@ -151,7 +153,7 @@ def _segment_model(model: Model, nodes, inputs, outputs, index: int) -> onnx.Mod
     return gs.export_onnx(sub, do_type_check=False)
 
 
-def _restore_initializer_inputs(segment: onnx.ModelProto, model: Model) -> list[str]:
+def restore_initializer_inputs(segment: onnx.ModelProto, model: Model) -> list[str]:
     """Keep the program's overridable initializers (parameters, buffers: initializers that
     are graph inputs too) overridable in the segment: graphsurgeon sees them as constants,
     so the segment would otherwise bake in their initial values. Returns their names."""

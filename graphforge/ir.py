@@ -59,6 +59,16 @@ def nodes_of(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
         yield from graph.node
 
 
+def node_reads(node: onnx.NodeProto) -> set[str]:
+    """The tensors ``node`` reads, its subgraphs' outer-scope reads included (all their
+    inputs, conservatively)."""
+    reads = {name for name in node.input if name}
+    for graph in subgraphs_of([node]):
+        for inner in graph.node:
+            reads.update(name for name in inner.input if name)
+    return reads
+
+
 def model_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
     """Every node of a model: its graph's, its local functions', and their subgraphs'."""
     yield from nodes_of(model.graph.node)

@@ -32,6 +32,7 @@ from graphforge.graph import (
     refuse_unresolved_external_data,
     save,
 )
+from graphforge.ir import node_reads
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 
 CUDA = "CUDAExecutionProvider"
@@ -290,17 +291,6 @@ def lean_model(
         t for t in source.initializer if t.name not in dropped and (t.name in used or t.name in inputs)
     )
     return lean
-
-
-def node_reads(node: onnx.NodeProto) -> set[str]:
-    """The tensors ``node`` reads, its subgraphs' outer-scope reads included (all their
-    inputs, conservatively)."""
-    reads = {name for name in node.input if name}
-    for attribute in node.attribute:
-        for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-            for inner in sub.node:
-                reads |= node_reads(inner)
-    return reads
 
 
 def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
