@@ -53,6 +53,7 @@ class Fact(enum.Enum):
         roles.ALLREDUCE,
         "put `allreduce` after the optimizer pass in the pipeline",
     )
+    PIPELINE = ("pipeline stages", roles.PIPELINE, "put `pipeline(stages=..., microbatches=...)` in the pipeline")
     GRADIENT_BOUNDARY = (
         "a gradient boundary",
         roles.GRADIENT_BOUNDARY,

@@ -105,6 +105,46 @@ class AllReduceRole:
 
 
 @dataclass(frozen=True)
+class PipelineRole:
+    """How the pipeline pass split the program into stages: the forward tensor each cut
+    follows (stage k computes what ``cuts[k]`` needs, the last stage the rest), the
+    micro-batches per step and the schedule, each stage's share of the global gradient
+    norm (``partial_norms``: (stage, tensor)), each stage's parameters, and the costs the
+    pass reported."""
+
+    stages: int
+    microbatches: int
+    schedule: str
+    cuts: tuple[str, ...]
+    partial_norms: tuple[tuple[int, str], ...]
+    parameters: tuple[tuple[str, ...], ...]
+    costs: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> PipelineRole:
+        return cls(
+            int(entry["stages"]),
+            int(entry["microbatches"]),
+            str(entry["schedule"]),
+            tuple(entry["cuts"]),
+            tuple((int(s), str(t)) for s, t in entry.get("partial_norms", [])),
+            tuple(tuple(p) for p in entry.get("parameters", [])),
+            dict(entry.get("costs", {})),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "cuts": list(self.cuts),
+            "partial_norms": [list(p) for p in self.partial_norms],
+            "parameters": [list(p) for p in self.parameters],
+            "costs": dict(self.costs),
+        }
+
+
+@dataclass(frozen=True)
 class BatchInput:
     """A program input a batch feeds: name, dtype, dims (int, or a name for a dynamic one)
     and whether the program has a default for it (an initializer)."""
@@ -139,6 +179,8 @@ class ProgramRoles:
     gradient_boundary: Mapping[str, str]
     #: the gradients' reduction across data-parallel replicas (the allreduce pass), or None
     allreduce: AllReduceRole | None
+    #: the pipeline stages (the pipeline pass), or None
+    pipeline: PipelineRole | None
     #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
     optimizer: str | None
     hyperparameters: Mapping[str, Any]
@@ -235,6 +277,7 @@ class ProgramRoles:
             allreduce=AllReduceRole.from_json(json_value(roles.ALLREDUCE, None))
             if roles.ALLREDUCE in metadata
             else None,
+            pipeline=PipelineRole.from_json(json_value(roles.PIPELINE, None)) if roles.PIPELINE in metadata else None,
             optimizer=optimizer.get("kind"),
             hyperparameters=dict(optimizer.get("hyperparameters", {})),
             carried=carried,

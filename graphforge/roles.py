@@ -27,6 +27,10 @@ OPTIMIZER = "graphforge.optimizer"  # JSON: {"kind": ..., "hyperparameters": {..
 #: JSON: the gradients' reduction across data-parallel replicas (passes/allreduce.py):
 #: {"average": bool, "bucket_mb": float, "buckets": [[parameter, ...], ...], "reduced": {parameter: tensor}}
 ALLREDUCE = "graphforge.allreduce"
+#: JSON: the pipeline stages (passes/pipeline_partition.py): {"stages", "microbatches", "schedule",
+#: "cuts": [tensor after stage k, ...], "partial_norms": [[stage, tensor], ...], "parameters":
+#: [[parameter, ...] per stage], "costs": {...}}
+PIPELINE = "graphforge.pipeline"
 STATE = "graphforge.state"  # JSON list: every tensor carried from step to step (see passes/optimizers.py)
 LR = "graphforge.lr"  # name of the learning-rate input
 DEFAULT_LR = "graphforge.default_lr"  # the learning rate the pipeline asked for
@@ -45,9 +49,16 @@ LOSS_PREFIX = "loss::"
 GRAD_PREFIX = "grad::"
 OPTIM_PREFIX = "optim::"
 ALLREDUCE_PREFIX = "allreduce::"
-GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX, ALLREDUCE_PREFIX)
+PIPELINE_PREFIX = "pipeline::"
+GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX, ALLREDUCE_PREFIX, PIPELINE_PREFIX)
 #: what each generated part computes, as profiles name it (the rest is the forward)
-PROGRAM_PARTS = {LOSS_PREFIX: "loss", GRAD_PREFIX: "backward", OPTIM_PREFIX: "optimizer", ALLREDUCE_PREFIX: "allreduce"}
+PROGRAM_PARTS = {
+    LOSS_PREFIX: "loss",
+    GRAD_PREFIX: "backward",
+    OPTIM_PREFIX: "optimizer",
+    ALLREDUCE_PREFIX: "allreduce",
+    PIPELINE_PREFIX: "optimizer",
+}
 
 #: the model-local function marking a gradient's reduction across replicas: its body is an
 #: Identity, so a program runs as it is on one process; a runtime with more cuts there

@@ -12,6 +12,7 @@ from graphforge.passes.fold_constants import FoldConstants
 from graphforge.passes.identity_elimination import IdentityElimination
 from graphforge.passes.loss import Loss
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
+from graphforge.passes.pipeline_partition import PipelinePartition
 from graphforge.passes.prune import Prune
 from graphforge.passes.topo_sort import TopologicalSort
 
@@ -26,6 +27,7 @@ REGISTRY = PassRegistry(
         Adam,
         AdamW,
         Lamb,
+        PipelinePartition,
         DeadCodeElimination,
         CommonSubexpressionElimination,
         ExpandGradient,
@@ -50,6 +52,7 @@ __all__ = [
     "IdentityElimination",
     "Lamb",
     "Loss",
+    "PipelinePartition",
     "Prune",
     "TopologicalSort",
 ]

@@ -90,13 +90,15 @@ def export_mlp(path: str | Path, seed: int = 0) -> Path:
     return _export(module, (example,), Path(path), ["x"], ["y"], axes)
 
 
-def gpt2_module(seed: int = 0):
-    """A 1-layer GPT-2 with random weights (never downloaded) returning logits, in eval mode."""
+def gpt2_module(seed: int = 0, **config_changes):
+    """A 1-layer GPT-2 with random weights (never downloaded) returning logits, in eval mode;
+    ``config_changes`` change its GPT2Config (``n_layer=2, tie_word_embeddings=False``)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(**GPT2_CONFIG, attn_implementation="eager", use_cache=False, bos_token_id=0, eos_token_id=0)
+    settings = {**GPT2_CONFIG, **config_changes}
+    config = GPT2Config(**settings, attn_implementation="eager", use_cache=False, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     _jitter_vectors(model, seed)
 
@@ -113,11 +115,12 @@ def gpt2_module(seed: int = 0):
     return LogitsOnly(model).eval()
 
 
-def export_transformer(path: str | Path, seed: int = 0) -> Path:
-    """Export the 1-layer GPT-2: input ``input_ids`` int64 [batch, seq], output ``logits`` [batch, seq, 64]."""
+def export_transformer(path: str | Path, seed: int = 0, **config_changes) -> Path:
+    """Export the 1-layer GPT-2 (or as ``config_changes`` say): input ``input_ids`` int64
+    [batch, seq], output ``logits`` [batch, seq, 64]."""
     import torch
 
-    module = gpt2_module(seed)
+    module = gpt2_module(seed, **config_changes)
     ids = torch.randint(0, GPT2_CONFIG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(seed))
     axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
     return _export(module, (ids,), Path(path), ["input_ids"], ["logits"], axes)

@@ -37,6 +37,7 @@ CORE = (
     "graphforge.program",
     "graphforge.pipeline",
     "graphforge.cut",
+    "graphforge.stages",
 )
 PASSES = ("graphforge.passes",)
 RUNTIME = ("graphforge.runtime",)

@@ -1,0 +1,195 @@
+"""The pipeline pass: split a training program into stages that run on different processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from graphforge import roles
+from graphforge.analysis import topological_order
+from graphforge.analysis.partition import balanced_cuts
+from graphforge.errors import GraphforgeError, PassError
+from graphforge.graph import Model
+from graphforge.pipeline import Fact, Pass, PassResult, check_number
+from graphforge.program import PipelineRole, ProgramRoles
+from graphforge.stages import (
+    StageError,
+    carried_stages,
+    forward_chain,
+    forward_stages,
+    phases,
+    plan_stages,
+    stage_costs,
+)
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class PipelinePartition(Pass):
+    """Split the training program into ``stages`` pipeline stages run on as many processes,
+    each step as ``microbatches`` micro-batches in the ``schedule`` "1f1b" or "gpipe"
+    (graphforge/distributed/schedules.py).
+
+    Each stage owns the parameters its forward reads, and their accumulation and update;
+    graphforge/stages.py derives every node's stage from the cuts recorded here, so one
+    ``.onnx`` stays the whole artifact and one process still runs it as it is (the
+    micro-batches one after another: ``train.accumulate``'s semantics, the gradients summed).
+
+    - ``cuts=[t1, t2, ...]``: stage k computes what forward tensor ``t(k+1)`` needs (as
+      onnxruntime-training's CutEdge); one tensor per boundary, in forward order.
+    - No cuts: the forward is read as a chain (topological order) whose cut points are where
+      one activation alone crosses, each position weighted by its FLOPs with its backward and
+      its parameters' update (graphforge/analysis/cost.py; symbolic dims from ``dims``, e.g.
+      ``dims=["batch=8", "seq=64"]``, else 1), and a dynamic program picks the cuts that make the
+      slowest stage as fast as possible (graphforge/analysis/partition.py).
+
+    The global gradient norm (and clipping by it) becomes one partial sum per stage, which
+    the stages gather before their updates. Recorded as ``graphforge.pipeline``, with each
+    stage's FLOPs, parameter, state and stash bytes, and the balanced ideal beside them.
+    The program must accumulate gradients (``adamw(..., accumulate=true)``).
+    """
+
+    name = "pipeline"
+    requires = (Fact.GRADIENT_BOUNDARY,)
+    refuses = (Fact.PIPELINE, Fact.ALLREDUCE)
+    ensures = (Fact.PIPELINE,)
+
+    stages: int = 2
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    cuts: tuple[str, ...] = ()
+    dims: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        check_number(self, "stages", at_least=1)
+        check_number(self, "microbatches", at_least=1)
+        if self.schedule.lower() not in SCHEDULES:
+            raise PassError(f"schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if self.cuts and len(self.cuts) != self.stages - 1:
+            raise PassError(
+                f"{self.stages} stages need {self.stages - 1} cuts, got {len(self.cuts)}: {list(self.cuts)}"
+            )
+
+    def run(self, model: Model) -> PassResult:
+        program = ProgramRoles.of_model(model)
+        if not program.accumulates:
+            raise PassError(
+                "pipeline stages accumulate each stage's gradients over the micro-batches: compile the optimizer "
+                "with accumulate=true (e.g. adamw(lr=1e-3, accumulate=true))"
+            )
+        dims = self._dims()
+        try:
+            auto = self._automatic(model, dims) if self.stages > 1 else []
+            cuts = list(self.cuts) if self.cuts else auto
+            partials = _partial_norms(model, cuts, self.stages)
+            plan = plan_stages(model, cuts, partials)
+        except StageError as exc:
+            raise PassError(str(exc)) from None
+        costs = stage_costs(plan, dims)
+        per_stage = [f + u for f, u in zip(costs.flops, costs.update_flops, strict=True)]
+        optimum = max(per_stage)
+        if self.cuts and auto and auto != cuts:  # what the automatic cuts would give, beside
+            try:
+                best = stage_costs(plan_stages(model, auto), dims)
+                optimum = max(f + u for f, u in zip(best.flops, best.update_flops, strict=True))
+            except StageError:
+                pass
+        total = sum(per_stage)
+        report = {
+            **costs.to_json(),
+            "dims": dims,
+            "slowest": max(per_stage),
+            "balanced": total / self.stages,
+            "optimum": optimum,
+            "automatic_cuts": auto,
+        }
+        role = PipelineRole(
+            self.stages,
+            self.microbatches,
+            self.schedule.lower(),
+            tuple(cuts),
+            tuple(partials),
+            tuple(tuple(plan.parameters(s)) for s in range(self.stages)),
+            report,
+        )
+        roles.set_json(model, roles.PIPELINE, role.to_json())
+        shares = ", ".join(f"{c / total:.0%}" if total else "0%" for c in per_stage)
+        note = f"{self.stages} stages after {', '.join(cuts) or '(none)'}; FLOPs {shares}"
+        if max(per_stage) > optimum * 1.0001:
+            note += f" (the automatic cuts {', '.join(auto)} would give the slowest stage {optimum / total:.0%})"
+        return PassResult(model, True, note=note)
+
+    def _dims(self) -> dict[str, int]:
+        out = {}
+        for entry in self.dims:
+            name, sep, value = entry.partition("=")
+            if not sep or not value.strip().isdigit() or int(value) < 1:
+                raise PassError(f"dims entry {entry!r}: write name=size, e.g. batch=8")
+            out[name.strip()] = int(value)
+        return out
+
+    def _automatic(self, model: Model, dims: dict[str, int]) -> list[str]:
+        """The chain cut that makes the slowest stage fastest (by the chain's weights), or
+        none when there are too few cut points and the cuts are named."""
+        _, weights, points = forward_chain(plan_stages(model, []), dims)
+        try:
+            best = balanced_cuts(weights, self.stages, list(points))
+        except GraphforgeError as exc:  # fewer cut points than stages
+            if self.cuts:
+                return []
+            raise PassError(str(exc)) from None
+        return [points[p] for p in best]
+
+
+def _partial_norms(model: Model, cuts: list[str], stages: int) -> list[tuple[int, str]]:
+    """Rewrite the global gradient norm's sum of squares into one partial sum per stage
+    (``pipeline::norm/stage<k>``), summed in stage order; returns (stage, partial)."""
+    program = ProgramRoles.of_model(model)
+    if program.grad_norm is None or stages == 1:
+        return []
+    tensors = model.graph.tensors()
+    node = tensors[program.grad_norm].inputs[0] if tensors[program.grad_norm].inputs else None
+    while node is not None and node.op in ("Identity", "Sqrt"):
+        node = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
+    if node is None or node.op != "Sum":
+        raise PassError(
+            f"cannot find the sum of squares behind {program.grad_norm!r}: the pipeline pass must come right "
+            "after the optimizer pass"
+        )
+    graph = model.graph
+    order = [graph.nodes[i] for i in topological_order(graph)]
+    phase = phases(model, order)
+    stage_of = forward_stages(model, cuts, order, phase)
+    carried = carried_stages(model, order, phase, stage_of, stages)
+    boundary = {name: p for p, name in program.gradient_boundary.items()}
+
+    def stage_of_square(tensor: gs.Tensor) -> int:
+        stack, seen = [tensor], set()
+        while stack:
+            t = stack.pop()
+            if t.name in boundary:
+                return carried[boundary[t.name]]
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            for producer in t.inputs:
+                stack.extend(x for x in producer.inputs if not isinstance(x, gs.Constant))
+        raise PassError(f"the gradient norm term {tensor.name!r} reads no parameter's gradient")
+
+    groups: dict[int, list[gs.Tensor]] = {}
+    for term in node.inputs:
+        groups.setdefault(stage_of_square(term), []).append(term)
+    partials, inputs = [], []
+    for s in sorted(groups):
+        out = gs.Variable(f"{roles.PIPELINE_PREFIX}norm/stage{s}", dtype=np.float32, shape=[])
+        graph.nodes.append(
+            gs.Node("Sum", name=f"{roles.PIPELINE_PREFIX}norm/Sum_stage{s}", inputs=groups[s], outputs=[out])
+        )
+        partials.append((s, out.name))
+        inputs.append(out)
+    node.inputs = inputs
+    graph.toposort()
+    return partials
