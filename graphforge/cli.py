@@ -24,6 +24,8 @@ from rich.table import Table
 import graphforge
 from graphforge import golden, roles, train
 from graphforge.diff.command import run_diff
+from graphforge.distributed.schedules import make_schedule
+from graphforge.distributed.simulate import Costs, simulate, timeline
 from graphforge.errors import GraphforgeError
 from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
@@ -482,9 +484,6 @@ def schedule_command(
     """Simulate a pipeline schedule: its timeline, makespan, bubble and the activations each stage stashes."""
     import json
 
-    from graphforge.distributed.schedules import make_schedule
-    from graphforge.distributed.simulate import simulate, timeline
-
     schedule = make_schedule(name, stages, microbatches)
     simulation = simulate(schedule, _stage_costs(costs, stages, comm))
     if as_json:
@@ -511,9 +510,7 @@ def schedule_command(
     )
 
 
-def _stage_costs(text: str, stages: int, comm: float):
-    from graphforge.distributed.simulate import Costs
-
+def _stage_costs(text: str, stages: int, comm: float) -> Costs:
     pairs = [p.strip() for p in text.split(",") if p.strip()]
     if len(pairs) not in (1, stages):
         raise UsageFailure(f"--costs has {len(pairs)} entries; give one for every stage or one per stage ({stages})")

@@ -1,17 +1,37 @@
-"""One rank of a data-parallel test run: ``python _worker.py SPEC.json`` under the environment
-torchrun sets. For each case of the spec it trains a program on its share of the global
-batches (rows rank::N of each) and writes its final carried state and the losses it
-reported to ``<out>/<case>-rank<r>.npz``."""
+"""One rank of a data-parallel or pipeline test run: ``python _worker.py SPEC.json`` under the
+environment torchrun sets. For each case of the spec it trains a program, data-parallel on
+its share of the global batches (rows rank::N of each), or as one pipeline stage (a case
+with ``"pipeline": true``: every micro-batch whole), and writes its final carried state and
+the losses it reported to ``<out>/<case>-rank<r>.npz``."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
 
 from graphforge.distributed import DataParallel, World
-from graphforge.runtime import Module, Optimizer
+from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTransport
+from graphforge.runtime import CheckpointState, Module, Optimizer
+
+
+def stage(case: dict, world: World) -> None:
+    batches = np.load(case["batches"])
+    state = CheckpointState.from_program(case["program"])
+    pipeline = PipelineStage(case["program"], state, TorchTransport(world), device="cpu", intra_op_threads=1)
+    m = pipeline.microbatches
+    losses = []
+    for step in range(case["steps"]):
+        if case.get("die_at_step") == step and world.rank == case.get("die_rank", 1):
+            os._exit(17)  # a stage that dies mid-run: the others must fail, not hang
+        micro = [{n: batches[n][step * m + i] for n in batches.files} for i in range(m)]
+        losses.append(pipeline.train_step(micro).loss)
+    gathered = pipeline.gathered_tensors()
+    np.savez(f"{case['out']}-rank{world.rank}.npz", __losses__=np.array(losses), **pipeline.tensors())
+    if gathered is not None:
+        np.savez(f"{case['out']}-gathered.npz", **gathered)
 
 
 def train(case: dict, world: World) -> None:
@@ -43,7 +63,7 @@ def main() -> None:
     world = World.join(timeout_s=spec.get("timeout_s", 60))
     try:
         for case in spec["cases"]:
-            train(case, world)
+            (stage if case.get("pipeline") else train)(case, world)
     finally:
         world.leave()
 

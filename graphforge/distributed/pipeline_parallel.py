@@ -1,0 +1,409 @@
+"""Pipeline parallelism: one process per stage, each running its stage's segments of the
+program in the order a schedule's action list gives, with the activations and their
+gradients sent between neighbouring stages.
+
+The program says where the stages are (passes/pipeline_partition.py); graphforge/stages.py
+cuts it into each stage's forward, backward and update segments and names the tensors of
+every message. A :class:`PipelineStage` holds only its own stage's parameters and states
+(on onnxruntime's device, in the runner's ping-pong buffers) and follows its action list
+(graphforge/distributed/schedules.py) step by step:
+
+- ``RECV_F`` / ``RECV_B``: the tensors of micro-batch m's forward (backward) message, from
+  the previous (next) stage; ``SEND_F`` / ``SEND_B``: the same to the next (previous) one,
+  without waiting for the receiver (the sends are waited for at the end of the step);
+- ``F`` / ``B``: the stage's forward or backward segment on micro-batch m; the backward
+  adds the micro-batch's gradients into the stage's accumulators (the first overwrites);
+- after the last action, the update: the stages gather their partial sums of squared
+  gradients (one all_reduce of a vector, exact: every slot but one is zero), and each
+  computes the same global norm and clipping and updates its own parameters.
+
+A message is two point-to-point transfers: a header of the tensors' shapes, then one flat
+buffer of their bytes (their dtypes are the program's). Every receive runs under the
+group's timeout, so a stage that died or hangs ends the run with an error naming it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from graphforge.distributed.data_parallel import ortvalue_of, tensor_of
+from graphforge.distributed.schedules import (
+    BACKWARD,
+    FORWARD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    make_schedule,
+)
+from graphforge.errors import GraphforgeError
+from graphforge.graph import ModelSource
+from graphforge.program import ProgramRoles, program_proto
+from graphforge.runtime.checkpoint import CheckpointState
+from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
+from graphforge.runtime.runner import BoundSession, Runner, SegmentRun, resolve_device, to_numpy
+from graphforge.stages import StageSegments, stage_segments
+
+#: the most dims a tensor of a message may have (the header's room per tensor)
+MAX_RANK = 8
+
+
+class Transport(Protocol):
+    """How a stage talks to the others: point-to-point messages of tensors between
+    neighbours, and the two collectives of a step (the partial norms, the loss)."""
+
+    stage: int
+    stages: int
+
+    def send(self, peer: int, values: Sequence[ort.OrtValue], what: str) -> None:
+        """Start sending ``values`` to stage ``peer`` (done by :meth:`flush`)."""
+
+    def receive(self, peer: int, dtypes: Sequence[np.dtype], what: str) -> list[ort.OrtValue]:
+        """The next message from stage ``peer``: tensors of ``dtypes``, waited for."""
+
+    def gather(self, value: float, what: str) -> list[float]:
+        """Every stage's ``value`` (float32), by stage."""
+
+    def broadcast(self, values: Sequence[float], source: int, what: str) -> list[float]:
+        """Stage ``source``'s ``values`` on every stage (float64)."""
+
+    def flush(self) -> None:
+        """Wait until every message sent so far has left."""
+
+
+@dataclass
+class ActionTime:
+    """When one action of a step ran on this stage (seconds since the step started)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class StepResult:
+    """What one pipelined step gives: the mean loss over its micro-batches (every stage
+    gets the last stage's), the global gradient norm, and, when timed, each action's span."""
+
+    loss: float
+    grad_norm: float | None
+    seconds: float
+    times: list[ActionTime] = field(default_factory=list)
+
+
+class PipelineStage:
+    """Stage ``transport.stage`` of a program the pipeline pass split::
+
+        world = World.join()                                  # torchrun, one process per stage
+        stage = PipelineStage("program.onnx", state, TorchTransport(world))
+        for step_batches in batches:                          # M micro-batches per step
+            result = stage.train_step(step_batches)           # every stage gets the loss
+
+    ``state``: the program's CheckpointState (every stage reads its own tensors from it;
+    :meth:`tensors` gives them back). ``schedule``: the program's unless given ("gpipe",
+    "1f1b"). Dropout masks are seeded as Module's, per micro-batch, so a pipelined step
+    draws exactly the masks of one process running the same micro-batches.
+    """
+
+    def __init__(
+        self,
+        program: ModelSource,
+        state: CheckpointState,
+        transport: Transport,
+        *,
+        device: str | None = None,
+        intra_op_threads: int | None = None,
+        schedule: str | None = None,
+        timed: bool = False,
+    ):
+        proto = program_proto(program)
+        roles = ProgramRoles.of_proto(proto).require_training_program()
+        role = roles.pipeline
+        if role is None:
+            raise GraphforgeError(
+                "the program has no pipeline stages: compile it with the pipeline pass "
+                '(e.g. "..., adamw(lr=1e-3, accumulate=true), pipeline(stages=2, microbatches=4)")'
+            )
+        if transport.stages != role.stages:
+            raise GraphforgeError(
+                f"the program has {role.stages} pipeline stages but {transport.stages} processes run it; "
+                f"start it with torchrun --nproc-per-node={role.stages}"
+            )
+        state.check(roles.carried)
+        self.roles, self.role, self.transport, self.state = roles, role, transport, state
+        self.stage, self.stages, self.microbatches = transport.stage, role.stages, role.microbatches
+        self.timed = timed
+        runner_device = resolve_device(device)
+        carried_inputs = {c.input for c in roles.carried}
+        shift = "div" if runner_device.type == "cuda" else "bitshift"
+        train_program, seeded = seeded_dropout(proto, shift, bound=carried_inputs)
+        self._key = KEY_INPUT if seeded else None
+        self.parts: StageSegments = stage_segments(train_program, self.stage)
+        specs = [roles.carried_spec(name) for name in self.parts.carried]
+        self.runner = Runner(
+            [s for s in specs if s is not None],
+            runner_device,
+            batch_inputs=roles.batch_input_names(),
+            intra_op_threads=intra_op_threads,
+        )
+        self.runner.write_tensors({name: state.tensors[name] for name in self.parts.carried})
+        self.actions = make_schedule(schedule or role.schedule, role.stages, role.microbatches)[self.stage]
+        # a segment that computes nothing (the backward of a first stage without parameters) is not run
+        self._sessions = {
+            label: self._session(seg.model, label)
+            for label, seg in (("forward", self.parts.forward), ("backward", self.parts.backward))
+            if seg.model.graph.node
+        }
+        self._updates = [
+            self._session(seg.model, f"update {i}") for i, seg in enumerate(self.parts.update) if seg.model.graph.node
+        ]
+        types = self.parts.dtypes
+        self._dtypes = {
+            "receive_forward": [types[n] for n in self.parts.receive_forward],
+            "receive_backward": [types[n] for n in self.parts.receive_backward],
+        }
+        self.loss_name = roles.loss or "loss"
+
+    def _session(self, model: onnx.ModelProto, label: str) -> BoundSession:
+        return self.runner.session(("stage", label), lambda: model, f"stage {self.stage}'s {label} segment")
+
+    # ------------------------------------------------------------------ a step
+
+    def train_step(self, microbatches: Sequence[Mapping[str, Any]]) -> StepResult:
+        """One optimizer step over ``microbatches`` (as many as the program's micro-batches;
+        each maps batch input names to arrays; a stage feeds the ones its segments read)."""
+        if len(microbatches) != self.microbatches:
+            raise GraphforgeError(
+                f"a step of this pipeline takes {self.microbatches} micro-batches, got {len(microbatches)}"
+            )
+        started = time.perf_counter()
+        lr = self.state.learning_rate if self.state.learning_rate is not None else self.roles.default_lr
+        if lr is None or not math.isfinite(lr):
+            raise GraphforgeError("no learning rate: the program has none and the state sets none")
+        values: list[dict[str, Any]] = [{} for _ in range(self.microbatches)]
+        losses: list[float] = []
+        times: list[ActionTime] = []
+        parts, transport, last = self.parts, self.transport, self.microbatches - 1
+        step = int(self.state.step)
+        for action in self.actions:
+            begun = time.perf_counter()
+            m = action.microbatch
+            what = f"step {step + 1} micro-batch {m}"
+            if action.kind == RECV_F:
+                got = transport.receive(self.stage - 1, self._dtypes["receive_forward"], f"{what}: activations")
+                values[m].update(zip(parts.receive_forward, got, strict=True))
+            elif action.kind == RECV_B:
+                got = transport.receive(self.stage + 1, self._dtypes["receive_backward"], f"{what}: gradients")
+                values[m].update(zip(parts.receive_backward, got, strict=True))
+            elif action.kind == SEND_F:
+                transport.send(self.stage + 1, [values[m][n] for n in parts.send_forward], f"{what}: activations")
+            elif action.kind == SEND_B:
+                transport.send(self.stage - 1, [values[m][n] for n in parts.send_backward], f"{what}: gradients")
+            elif action.kind == FORWARD:
+                feeds = {**microbatches[m], **values[m], **self._scalars(lr, step, m)}
+                host = self._run("forward", feeds, values[m])
+                if self.loss_name in host:
+                    losses.append(float(host[self.loss_name]))
+            elif action.kind == BACKWARD:
+                self._run("backward", {**microbatches[m], **values[m], **self._scalars(lr, step, m)}, values[m])
+            if action.kind in (BACKWARD, SEND_B) and m != last and self._done_with(action):
+                values[m] = {}  # the stash of micro-batch m is not needed any more
+            if self.timed:
+                times.append(ActionTime(action, begun - started, time.perf_counter() - started))
+        transport.flush()
+        grad_norm = self._update(values[last], lr, step)
+        loss = sum(losses) / len(losses) if losses else math.nan
+        (loss,) = transport.broadcast([loss], self.stages - 1, f"step {step + 1}: the loss")
+        self.state.step = step + 1
+        self.state.micro_batch = 0
+        return StepResult(loss, grad_norm, time.perf_counter() - started, times)
+
+    def _done_with(self, action: Action) -> bool:
+        """Whether ``action`` is the last one of its micro-batch on this stage."""
+        return action.kind == SEND_B or self.stage == 0
+
+    def _run(self, label: str, feeds: dict[str, Any], into: dict[str, Any]) -> dict[str, np.ndarray]:
+        bound = self._sessions.get(label)
+        if bound is None:
+            return {}
+        loss = [self.loss_name] if self.loss_name in bound.outputs else []
+        sends = [o for o in bound.outputs if o not in self.runner.by_output and o not in loss]
+        done = self.runner.execute([SegmentRun(bound, loss, sends)], feeds)
+        into.update(done.device)
+        return done.host
+
+    def _update(self, last: dict[str, Any], lr: float, step: int) -> float | None:
+        """The update segment(s): with partial norms, this stage's partial, the gathering
+        (every stage takes part, one without parameters with 0), then the rest."""
+        feeds = {**last, **self._scalars(lr, step, 0)}
+        updates = list(self._updates)
+        results: dict[str, np.ndarray] = {}
+        if self.role.partial_norms:
+            mine = 0.0
+            if self.parts.partial_norm is not None:
+                results.update(self._run_update(updates.pop(0), feeds))
+                mine = float(results[self.parts.partial_norm])
+            gathered = self.transport.gather(mine, f"step {step + 1}: the gradient norm")
+            for s, name in self.role.partial_norms:
+                feeds[name] = np.array(gathered[s], np.float32)
+        for bound in updates:
+            results.update(self._run_update(bound, feeds))
+        name = self.roles.grad_norm
+        return float(results[name]) if name in results else None
+
+    def _run_update(self, bound: BoundSession, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        fetch = [n for n in (self.roles.grad_norm, self.parts.partial_norm) if n in bound.outputs]
+        sends = [o for o in bound.outputs if o not in self.runner.by_output and o not in fetch]
+        done = self.runner.execute([SegmentRun(bound, fetch, sends)], feeds)
+        feeds.update(done.device)
+        return done.host
+
+    def _scalars(self, lr: float, step: int, microbatch: int) -> dict[str, np.ndarray]:
+        roles = self.roles
+        scalars = {roles.lr_input: np.array(lr, np.float32), roles.step_input: np.array(step, np.int64)}
+        if roles.reset_input is not None:
+            scalars[roles.reset_input] = np.array(microbatch == 0, np.bool_)
+        if self._key is not None:
+            scalars[self._key] = run_key(int(self.state.seeds.get("dropout", 0)), step, microbatch)
+        return scalars
+
+    # ------------------------------------------------------------------ state
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """This stage's carried tensors (copies), by name."""
+        return self.runner.read_tensors()
+
+    def gathered_tensors(self) -> dict[str, np.ndarray] | None:
+        """Every stage's carried tensors on stage 0 (None on the others); every stage must call it."""
+        mine = self.tensors()
+        if self.stage != 0:
+            self.transport.send(0, [ort.OrtValue.ortvalue_from_numpy(v) for v in mine.values()], "the state")
+            self.transport.flush()
+            return None
+        gathered = dict(mine)
+        for s in range(1, self.stages):
+            names = [n for n, owner in self.parts.owners.items() if owner == s]
+            dtypes = [np.dtype(self.roles.carried_spec(n).dtype) for n in names]
+            got = self.transport.receive(s, dtypes, f"stage {s}'s state")
+            gathered.update({n: to_numpy(v) for n, v in zip(names, got, strict=True)})
+        return gathered
+
+
+class TorchTransport:
+    """Messages between the stages of one pipeline over torch.distributed (gloo on the CPU,
+    NCCL on CUDA): each is a header of the tensors' shapes and one flat byte buffer, sent
+    with ``isend`` (waited for at :meth:`flush`) and received with ``irecv`` under the
+    group's timeout. Stage s is rank ``first + s`` (``first``: 0 for a run of one pipeline)."""
+
+    def __init__(self, world, *, first: int = 0, stages: int | None = None):
+        self.world = world
+        self.first = first
+        self.stages = stages if stages is not None else world.size
+        self.stage = world.rank - first
+        if not 0 <= self.stage < self.stages:
+            raise GraphforgeError(
+                f"rank {world.rank} is not in the pipeline of ranks {first}..{first + self.stages - 1}"
+            )
+        self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive until sent)
+
+    def send(self, peer: int, values: Sequence[ort.OrtValue], what: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not values:  # both sides know the message is empty: nothing goes
+            return
+        tensors = [tensor_of(v) for v in values]
+        header = torch.tensor(_header([tuple(t.shape) for t in tensors]), dtype=torch.int64)
+        payload = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+        device = self.world.device
+        buffers = [header.to(device)] + ([payload.to(device)] if payload.numel() else [])
+        with self.world.collective(f"sending {what} to stage {peer}"):
+            for buffer in buffers:
+                self._pending.append((dist.isend(buffer, self.first + peer), buffer))
+
+    def receive(self, peer: int, dtypes: Sequence[np.dtype], what: str) -> list[ort.OrtValue]:
+        import torch
+        import torch.distributed as dist
+
+        if not dtypes:
+            return []
+        device = self.world.device
+        header = torch.empty(len(dtypes) * (MAX_RANK + 1), dtype=torch.int64, device=device)
+        with self.world.collective(f"receiving {what} from stage {peer}"):
+            dist.irecv(header, self.first + peer).wait(timeout=_timeout(self.world))
+            shapes = _shapes(header.cpu().tolist(), len(dtypes))
+            sizes = [math.prod(s) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True)]
+            payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            if payload.numel():
+                dist.irecv(payload, self.first + peer).wait(timeout=_timeout(self.world))
+        out, offset = [], 0
+        for shape, dtype, size in zip(shapes, dtypes, sizes, strict=True):
+            chunk = payload[offset : offset + size].view(_torch_dtype(dtype)).reshape(shape)
+            out.append(ortvalue_of(chunk))
+            offset += size
+        return out
+
+    def gather(self, value: float, what: str) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        slots = torch.zeros(self.stages, dtype=torch.float32, device=self.world.device)
+        slots[self.stage] = value  # every other slot is 0: the sum is exactly each stage's value
+        with self.world.collective(what):
+            dist.all_reduce(slots)
+        return slots.cpu().tolist()
+
+    def broadcast(self, values: Sequence[float], source: int, what: str) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.world.device)
+        with self.world.collective(what):
+            dist.broadcast(tensor, self.first + source)
+        return tensor.cpu().tolist()
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        with self.world.collective("waiting for the messages sent to the next stages"):
+            for work, _ in pending:
+                work.wait(timeout=_timeout(self.world))
+
+
+def _header(shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    out = []
+    for shape in shapes:
+        if len(shape) > MAX_RANK:
+            raise GraphforgeError(f"a tensor of rank {len(shape)} crosses a pipeline stage; at most {MAX_RANK}")
+        out += [len(shape), *shape, *[0] * (MAX_RANK - len(shape))]
+    return out
+
+
+def _shapes(header: list[int], count: int) -> list[tuple[int, ...]]:
+    shapes = []
+    for i in range(count):
+        entry = header[i * (MAX_RANK + 1) : (i + 1) * (MAX_RANK + 1)]
+        shapes.append(tuple(entry[1 : 1 + entry[0]]))
+    return shapes
+
+
+def _timeout(world):
+    from datetime import timedelta
+
+    return timedelta(seconds=world.timeout_s)
+
+
+def _torch_dtype(dtype: np.dtype):
+    import torch
+
+    if np.dtype(dtype) == np.bool_:
+        return torch.bool
+    return torch.from_numpy(np.zeros(0, dtype)).dtype

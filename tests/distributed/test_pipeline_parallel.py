@@ -1,0 +1,137 @@
+"""Pipeline parallelism with real processes (gloo on loopback): S stage processes following
+GPipe or 1F1B give the losses and parameters of one process running the same program on
+the same micro-batches one after another (module(...) per micro-batch, then the update)."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import _launch
+import models
+
+import graphforge as gf
+from graphforge.program import ProgramRoles
+from graphforge.runtime import Module, Optimizer
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_worker.py")
+STEPS = 4
+#: the tolerance the issue states; the runs agree bit for bit today (same kernels, same order)
+RTOL = 1e-5
+
+DIGITS = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2, clip_grad_norm=0.5, accumulate=true)"
+GPT = "loss(kind=mse, output=logits), autodiff, adamw(lr=3e-3, clip_grad_norm=0.5, accumulate=true)"
+CASES = {
+    # name: (model, pipeline, stages, microbatches, schedule)
+    "digits-2-1f1b": ("digits", DIGITS, 2, 4, "1f1b"),
+    "digits-2-gpipe": ("digits", DIGITS, 2, 3, "gpipe"),
+    "gpt-2-1f1b": ("gpt", GPT, 2, 4, "1f1b"),
+    "gpt-4-1f1b": ("gpt", GPT, 4, 4, "1f1b"),
+    "gpt-4-gpipe": ("gpt", GPT, 4, 2, "gpipe"),
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("pipeline")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpt = models.export_transformer(root / "gpt2x2.onnx", n_layer=2, tie_word_embeddings=False)
+    forward = {"digits": REPO / "examples" / "digits" / "model.onnx", "gpt": gpt}
+    rng = np.random.default_rng(0)
+    for name, (model, pipeline, stages, micro, schedule) in CASES.items():
+        text = f'{pipeline}, pipeline(stages={stages}, microbatches={micro}, schedule="{schedule}")'
+        gf.save(gf.compile(forward[model], text).model, root / f"{name}.onnx")
+        count = STEPS * micro
+        if model == "digits":
+            batches = {"images": rng.integers(0, 17, (count, 8, 8, 8)).astype(np.uint8)}
+            batches["labels"] = rng.integers(0, 10, (count, 8))
+        else:
+            batches = {"input_ids": rng.integers(0, 64, (count, 2, 8))}
+            batches["labels"] = rng.standard_normal((count, 2, 8, 64)).astype(np.float32)
+        np.savez(root / f"{name}-batches.npz", **batches)
+    return root
+
+
+def _reference(program: Path, batches: Path) -> tuple[list[float], dict[str, np.ndarray]]:
+    """One process, the micro-batches one after another: the oracle."""
+    module = Module(program, device="cpu")
+    optimizer = Optimizer(module)
+    micro = ProgramRoles.read(program).pipeline.microbatches
+    data = np.load(batches)
+    losses = []
+    for step in range(STEPS):
+        step_losses = [float(module(**{n: data[n][step * micro + i] for n in data.files})) for i in range(micro)]
+        optimizer.step()
+        module.lazy_reset_grad()
+        losses.append(sum(step_losses) / micro)
+    return losses, module.runner.read_tensors()
+
+
+def _run(workspace: Path, names: list[str], *, timeout: float = 240, **extra) -> list[_launch.Finished]:
+    stages = {CASES[n][2] for n in names}
+    assert len(stages) == 1
+    cases = [
+        {
+            "pipeline": True,
+            "program": str(workspace / f"{n}.onnx"),
+            "batches": str(workspace / f"{n}-batches.npz"),
+            "steps": STEPS,
+            "out": str(workspace / n),
+            **extra,
+        }
+        for n in names
+    ]
+    spec = workspace / f"spec-{'-'.join(names)}.json"
+    spec.write_text(json.dumps({"cases": cases, "timeout_s": extra.pop("timeout_s", 60)}))
+    return _launch.run_ranks(stages.pop(), [str(WORKER), str(spec)], timeout=timeout)
+
+
+def _close(ours: np.ndarray, theirs: np.ndarray) -> bool:
+    scale = max(float(np.max(np.abs(theirs))), 1e-12)
+    return float(np.max(np.abs(ours - theirs))) <= RTOL * scale
+
+
+@pytest.mark.parametrize("group", [["digits-2-1f1b", "digits-2-gpipe", "gpt-2-1f1b"], ["gpt-4-1f1b", "gpt-4-gpipe"]])
+def test_stages_equal_one_process_running_the_microbatches_in_turn(workspace, group):
+    finished = _run(workspace, group)
+    for f in finished:
+        assert f.returncode == 0, f.output
+    for name in group:
+        stages = CASES[name][2]
+        losses, state = _reference(workspace / f"{name}.onnx", workspace / f"{name}-batches.npz")
+        seen: set[str] = set()
+        for rank in range(stages):
+            got = np.load(workspace / f"{name}-rank{rank}.npz")
+            np.testing.assert_allclose(got["__losses__"], losses, rtol=RTOL)  # every stage reports the loss
+            for key in got.files:
+                if key == "__losses__":
+                    continue
+                assert key not in seen, f"{key} is held by two stages"
+                seen.add(key)
+                assert _close(got[key], state[key]), f"{name}: {key} on stage {rank}"
+        assert seen == set(state), f"{name}: stages hold {sorted(seen)}, the program carries {sorted(state)}"
+        gathered = np.load(workspace / f"{name}-gathered.npz")
+        assert set(gathered.files) == set(state)
+        for key in state:
+            assert _close(gathered[key], state[key]), key
+
+
+def test_a_dead_stage_ends_the_run_with_an_error_not_a_hang(workspace):
+    started = time.monotonic()
+    finished = _run(workspace, ["gpt-2-1f1b"], die_at_step=2, timeout_s=20, timeout=120)
+    took = time.monotonic() - started
+    by_rank = {f.rank: f for f in finished}
+    assert by_rank[1].returncode == 17
+    assert by_rank[0].returncode != 0
+    assert "stage 1" in by_rank[0].output and "rank 0" in by_rank[0].output, by_rank[0].output
+    assert took < 90
