@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from graphforge.distributed.data_parallel import ortvalue_of, tensor_of
@@ -158,23 +157,27 @@ class PipelineStage:
         self.runner.write_tensors({name: state.tensors[name] for name in self.parts.carried})
         self.actions = make_schedule(schedule or role.schedule, role.stages, role.microbatches)[self.stage]
         # a segment that computes nothing (the backward of a first stage without parameters) is not run
-        self._sessions = {
-            label: self._session(seg.model, label)
-            for label, seg in (("forward", self.parts.forward), ("backward", self.parts.backward))
-            if seg.model.graph.node
-        }
-        self._updates = [
-            self._session(seg.model, f"update {i}") for i, seg in enumerate(self.parts.update) if seg.model.graph.node
-        ]
+        segments = [("forward", self.parts.forward), ("backward", self.parts.backward)]
+        segments += [(f"update {i}", seg) for i, seg in enumerate(self.parts.update)]
+        self._models = {label: seg.model for label, seg in segments if seg.model.graph.node}
+        self._update_labels = [label for label in self._models if label.startswith("update")]
+        for label in self._models:  # sessions made now: a load error shows before the first step
+            self._session(label)
         types = self.parts.dtypes
         self._dtypes = {
             "receive_forward": [types[n] for n in self.parts.receive_forward],
             "receive_backward": [types[n] for n in self.parts.receive_backward],
         }
         self.loss_name = roles.loss or "loss"
+        self.last_grad_norm: float | None = None
+        self._written: list = []  # what the last step's update wrote (undo_last_run brings it back)
 
-    def _session(self, model: onnx.ModelProto, label: str) -> BoundSession:
-        return self.runner.session(("stage", label), lambda: model, f"stage {self.stage}'s {label} segment")
+    def _session(self, label: str) -> BoundSession:
+        """The session of one segment (its profiled twin while profiling)."""
+        model = self._models[label]
+        return self.runner.session(
+            ("stage", label), lambda: model, f"stage {self.stage}'s {label} segment", profile=True
+        )
 
     # ------------------------------------------------------------------ a step
 
@@ -220,7 +223,9 @@ class PipelineStage:
             if self.timed:
                 times.append(ActionTime(action, begun - started, time.perf_counter() - started))
         transport.flush()
+        self._written = []
         grad_norm = self._update(values[last], lr, step)
+        self.last_grad_norm = grad_norm
         loss = sum(losses) / len(losses) if losses else math.nan
         (loss,) = transport.broadcast([loss], self.stages - 1, f"step {step + 1}: the loss")
         self.state.step = step + 1
@@ -232,9 +237,9 @@ class PipelineStage:
         return action.kind == SEND_B or self.stage == 0
 
     def _run(self, label: str, feeds: dict[str, Any], into: dict[str, Any]) -> dict[str, np.ndarray]:
-        bound = self._sessions.get(label)
-        if bound is None:
+        if label not in self._models:
             return {}
+        bound = self._session(label)
         loss = [self.loss_name] if self.loss_name in bound.outputs else []
         sends = [o for o in bound.outputs if o not in self.runner.by_output and o not in loss]
         done = self.runner.execute([SegmentRun(bound, loss, sends)], feeds)
@@ -245,7 +250,7 @@ class PipelineStage:
         """The update segment(s): with partial norms, this stage's partial, the gathering
         (every stage takes part, one without parameters with 0), then the rest."""
         feeds = {**last, **self._scalars(lr, step, 0)}
-        updates = list(self._updates)
+        updates = [self._session(label) for label in self._update_labels]
         results: dict[str, np.ndarray] = {}
         if self.role.partial_norms:
             mine = 0.0
@@ -258,12 +263,17 @@ class PipelineStage:
         for bound in updates:
             results.update(self._run_update(bound, feeds))
         name = self.roles.grad_norm
-        return float(results[name]) if name in results else None
+        if name in results:
+            return float(results[name])
+        if self.role.partial_norms:  # a stage without parameters: the norm from the gathered partials
+            return float(np.sqrt(np.sum(np.array(gathered, np.float32), dtype=np.float32)))
+        return None
 
     def _run_update(self, bound: BoundSession, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
         fetch = [n for n in (self.roles.grad_norm, self.parts.partial_norm) if n in bound.outputs]
         sends = [o for o in bound.outputs if o not in self.runner.by_output and o not in fetch]
         done = self.runner.execute([SegmentRun(bound, fetch, sends)], feeds)
+        self._written += done.written
         feeds.update(done.device)
         return done.host
 
@@ -275,6 +285,43 @@ class PipelineStage:
         if self._key is not None:
             scalars[self._key] = run_key(int(self.state.seeds.get("dropout", 0)), step, microbatch)
         return scalars
+
+    def start_profiling(self, prefix) -> None:
+        """Profile this stage's runs from now on (see Module.start_profiling)."""
+        self.runner.start_profiling(prefix)
+
+    def end_profiling(self):
+        return self.runner.end_profiling()
+
+    def undo_last_run(self) -> None:
+        """Put this stage's parameters and states back as they were before the last step's
+        update (the ping-pong buffers still hold them: nothing is copied), and the step count."""
+        if not self._written:
+            raise GraphforgeError("nothing to undo: no step since the stage was made or the last undo")
+        Runner.restore(self._written)
+        self._written = []
+        self.state.step = int(self.state.step) - 1
+        self.last_grad_norm = None
+
+    # ------------------------------------------------------------------ what a training loop asks of it
+
+    @property
+    def device(self) -> str:
+        return self.runner.device.name
+
+    @property
+    def learning_rate(self) -> float:
+        lr = self.state.learning_rate
+        return float(self.roles.default_lr if lr is None else lr)
+
+    def get_learning_rate(self) -> float:
+        return self.learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        """What an LR schedule calls (the stage is its own optimizer: the update is in the program)."""
+        if isinstance(lr, bool) or not isinstance(lr, int | float | np.floating) or not math.isfinite(lr) or lr < 0:
+            raise GraphforgeError(f"the learning rate must be a finite number ≥ 0, got {lr!r}")
+        self.state.learning_rate = float(lr)
 
     # ------------------------------------------------------------------ state
 

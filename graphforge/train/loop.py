@@ -43,6 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from graphforge.distributed import DataParallel, DistributedError, World, digest, launched
+from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTransport
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
 from graphforge.graph import copy_without_initializers, load, save
 from graphforge.pass_manager import PassManager, parse_pipeline
@@ -136,7 +137,7 @@ class Plan:
     total_steps: int
     state: CheckpointState
     resumed_from: Path | None
-    module: Module
+    module: Module | None
     schedule_options: dict
     notes: list[str]
     #: the settings that fix the data order and the schedule, saved in every checkpoint
@@ -145,6 +146,8 @@ class Plan:
     changed: dict = dataclasses.field(default_factory=dict)
     #: the data-parallel group this process is one rank of (None: a single process)
     world: World | None = None
+    #: this process's stage of a pipeline-parallel run (then ``module`` is None)
+    pipeline: PipelineStage | None = None
 
 
 def run(
@@ -220,12 +223,16 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     notes: list[str] = []
     out = config.out if config.out is not None else Path("runs") / (config.source.stem if config.source else "train")
     program, compiled_from = _program(config)
-    if world is not None and ProgramRoles.of_proto(program).allreduce is None:
+    staged = ProgramRoles.of_proto(program).pipeline
+    if staged is not None:
+        config = _pipeline_config(config, staged, world)
+    if world is not None and staged is None and ProgramRoles.of_proto(program).allreduce is None:
         bucket_mb = config.distributed.bucket_mb
         program = PassManager([AllReduce(bucket_mb=bucket_mb)]).run(program).model
         compiled_from += f", + allreduce(bucket_mb={bucket_mb:g})"
     program_roles = ProgramRoles.of_proto(program)
-    shard = Shard(world.size, world.rank) if world is not None else ALL
+    # pipeline stages all read every micro-batch (the first its inputs, the last its labels)
+    shard = Shard(world.size, world.rank) if world is not None and staged is None else ALL
 
     accumulate = config.train.accumulate
     if accumulate > 1 and not program_roles.accumulates:
@@ -286,7 +293,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         changed = _changed_settings(config, state, settings, resumed_from)
         for key, (old, new) in changed.items():
             note(f"resuming with {key} = {_setting(new)} instead of the checkpoint's {_setting(old)} (allowed)")
-        processes = world.size if world is not None else 1
+        processes = world.size if world is not None and staged is None else 1
         if _world_size(state) != processes:
             note(
                 f"resuming a checkpoint of {_world_size(state)} process(es) on {processes}: the global batch "
@@ -294,8 +301,12 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             )
     device = config.train.device if world is None else world.device
     threads = _threads_per_process() if world is not None and world.device == "cpu" else None
+    module, pipeline = None, None
     try:
-        module = Module(program, state, device=device, dropout=config.train.dropout, intra_op_threads=threads)
+        if staged is not None and world is not None:
+            pipeline = PipelineStage(program, state, TorchTransport(world), device=device, intra_op_threads=threads)
+        else:
+            module = Module(program, state, device=device, dropout=config.train.dropout, intra_op_threads=threads)
     except DeviceError as exc:
         raise ConfigError(f"{where}: train.device: {exc}") from None
     if world is not None:
@@ -309,10 +320,11 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             "eval samples": getattr(eval_source, "samples", None),
             "eval.every": config.eval.every,
             "checkpoint.every": config.checkpoint.every,
-            "train.device": module.runner.device.type,
+            "train.device": (module or pipeline).runner.device.type,
         }
         world.agree("program and config", agreed)
-        DataParallel(module, world, overlap=config.distributed.overlap)
+        if module is not None:
+            DataParallel(module, world, overlap=config.distributed.overlap)
     return Plan(
         config=config,
         out=out,
@@ -331,7 +343,27 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         settings=settings,
         changed=changed,
         world=world,
+        pipeline=pipeline,
     )
+
+
+def _pipeline_config(config: Config, staged, world: World | None) -> Config:
+    """A pipeline program's step is its micro-batches (``data.batch_size`` each): on one
+    process they run in turn (``train.accumulate`` = micro-batches), under torchrun one
+    process per stage."""
+    where, micro = config.where, staged.microbatches
+    if config.train.accumulate not in (1, micro):
+        raise ConfigError(
+            f"{where}: train.accumulate = {config.train.accumulate}, but the program's pipeline runs "
+            f"{micro} micro-batches per step; leave train.accumulate out"
+        )
+    if world is not None and world.size != staged.stages:
+        raise ConfigError(
+            f"{where}: the program has {staged.stages} pipeline stages, but {world.size} processes were started; "
+            f"start one per stage (torchrun --nproc-per-node={staged.stages}); data and pipeline parallelism "
+            "together are not supported yet"
+        )
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, accumulate=micro))
 
 
 def _threads_per_process() -> int:
@@ -561,6 +593,10 @@ class Run:
         self.config = plan.config
         self.console = console
         self.module = plan.module
+        self.pipeline = plan.pipeline
+        #: what trains here: the Module, or this process's pipeline stage
+        self.trainer = plan.pipeline if plan.pipeline is not None else plan.module
+        self._eval_module: Module | None = None  # a pipeline's evaluation, on rank 0
         self.state = plan.state
         self.world = plan.world
         #: the process that writes the output folder (and prints): the only one, or rank 0
@@ -583,7 +619,8 @@ class Run:
             plan.out.mkdir(parents=True, exist_ok=True)
             save(plan.program, program_path)
         self._describe(program_path)
-        optimizer = Optimizer(self.module)
+        # a pipeline stage is its own optimizer (the update is in its segments): the schedule sets its rate
+        optimizer = self.pipeline if self.pipeline is not None else Optimizer(self.module)
         schedule = self._schedule(optimizer)
         self._say(f"[bold]schedule[/] {escape(_describe_schedule(schedule))}")
         if isinstance(plan.train, ArraySource) and plan.resumed_from is not None and "data.seed" not in plan.changed:
@@ -656,12 +693,14 @@ class Run:
         the profiling, and its sessions' first runs)."""
         module, accumulate = self.module, self.config.train.accumulate
         if profiler is not None and profiler.wants(self.state.step + 1):
-            profiler.start(module)  # this step's runs go through profiled twin sessions
+            profiler.start(self.trainer)  # this step's runs go through profiled twin sessions
         started = time.perf_counter()
+        if self.pipeline is not None:
+            return self._pipeline_step(schedule, stream, started)
         losses, samples = [], 0
         for _ in range(accumulate):
             batch = stream.next()
-            samples += len(next(iter(batch.values()))) * (self.world.size if self.world is not None else 1)
+            samples += len(next(iter(batch.values()))) * self._replicas()
             # one micro-batch per step: the fused step, one session.run; else accumulate, then update
             losses.append(float(module.train_step(**batch) if accumulate == 1 else module(**batch)))
             _check_finite(module, "loss", losses[-1])
@@ -673,9 +712,42 @@ class Run:
         schedule.step()
         return sum(losses) / len(losses), samples, time.perf_counter() - started
 
+    def _pipeline_step(self, schedule: LRSchedule, stream: Stream, started: float) -> tuple[float, int, float]:
+        """One step of this process's pipeline stage over the step's micro-batches."""
+        pipeline = self.pipeline
+        batches = [stream.next() for _ in range(pipeline.microbatches)]
+        result = pipeline.train_step(batches)
+        _check_finite(pipeline, "loss", result.loss)
+        if pipeline.last_grad_norm is not None:
+            _check_finite(pipeline, "gradient norm", pipeline.last_grad_norm)
+        schedule.step()
+        samples = sum(len(next(iter(b.values()))) for b in batches)
+        return result.loss, samples, time.perf_counter() - started
+
+    def _evaluate(self) -> dict[str, float]:
+        """The evaluation: the Module's; a pipeline's on rank 0, with every stage's parameters
+        gathered there (the others get {})."""
+        plan = self.plan
+        if self.pipeline is None:
+            return evaluate(
+                self.module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels, across=self.world
+            )
+        gathered = self.pipeline.gathered_tensors()
+        if gathered is None:
+            return {}
+        if self._eval_module is None:
+            snapshot = self.state.copy()
+            snapshot.tensors.update(gathered)
+            self._eval_module = Module(
+                plan.program, snapshot, device=self.trainer.device, dropout=self.config.train.dropout
+            )
+        else:
+            self._eval_module.runner.write_tensors(gathered)
+        return evaluate(self._eval_module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels)
+
     def _after_step(self, loss, samples, seconds, lr, schedule, stream: Stream, profiler, log: RunLog) -> None:
         """Log, evaluate, print and save as the config asks at this step."""
-        plan, config, state, module = self.plan, self.config, self.state, self.module
+        plan, config, state = self.plan, self.config, self.state
         step, total = state.step, plan.total_steps
         self.last_loss = loss
         log.step(step, loss, samples, seconds)
@@ -686,14 +758,12 @@ class Run:
             "epoch": round(stream.fractional_epoch(), 4),
             "samples": state.properties["samples"],
             "lr": lr,
-            "grad_norm": module.last_grad_norm,
+            "grad_norm": self.trainer.last_grad_norm,
         }
         every_eval = config.eval.every
         evaluated = plan.eval is not None and ((every_eval and step % every_eval == 0) or step == total)
         if evaluated:
-            self.last_eval = evaluate(
-                module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels, across=self.world
-            )
+            self.last_eval = self._evaluate()
             values.update(self.last_eval)
         if evaluated or step % config.log.every == 0 or step == total:
             record = log.record(step, values)
@@ -707,6 +777,10 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints and Ctrl-C
 
+    def _replicas(self) -> int:
+        """How many processes share each global batch: data-parallel ranks (pipeline stages all read all of it)."""
+        return self.world.size if self.world is not None and self.pipeline is None else 1
+
     def _resumed_position(self) -> dict | None:
         """Where the data stream of a resumed run starts: the checkpoint's position, or with
         a changed global batch (data.batch_size, or the number of processes), the batch of
@@ -718,7 +792,7 @@ class Run:
         size = self.config.data.batch_size if isinstance(plan.train, ArraySource) else 1  # a Python source: batches
         old_size, new_size = plan.changed.get("data.batch_size", (size, size))
         old = int(old_size) * _world_size(self.state)
-        new = int(new_size) * (self.world.size if self.world is not None else 1)
+        new = int(new_size) * self._replicas()
         if old != new:
             consumed = int(position.get("batch", 0)) * old
             position = {"epoch": int(position.get("epoch", 0)), "batch": consumed // new}
@@ -741,8 +815,12 @@ class Run:
         state.scheduler = schedule.state_dict()
         state.seeds = {**state.seeds, "data": int(getattr(stream.source, "seed", self.config.data.seed))}
         state.properties[SETTINGS] = self.plan.settings
-        state.properties[WORLD_SIZE] = self.world.size if self.world is not None else 1
+        state.properties[WORLD_SIZE] = self._replicas()
         state.data_position = position if position is not None else stream.position
+        if self.pipeline is not None:  # rank 0 writes every stage's tensors, gathered
+            gathered = self.pipeline.gathered_tensors()
+            if gathered is not None:
+                state.tensors.update(gathered)
         path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
         if self.world is not None:
             self.world.barrier(f"waiting for rank 0 to write the checkpoint of step {state.step}")
@@ -774,13 +852,19 @@ class Run:
         state = self.state
         failed = state.step + 1
         log.step(failed, exc.value if exc.what == "loss" else math.nan, 0, 0.0)
-        log.record(failed, {"lr": self.module.learning_rate, "stopped": f"{exc.what} is {exc.value}"})
+        log.record(failed, {"lr": self.trainer.learning_rate, "stopped": f"{exc.what} is {exc.value}"})
         log.close()
         if profiler is not None:
             profiler.finish()
         state.grad_reset_pending = True  # the failed step's partial accumulation is dropped
         state.micro_batch = 0
-        bad = [name for name, value in state.tensors.items() if not _all_finite(value)]
+        if self.pipeline is not None:  # each stage looks at its own tensors; the stages agree
+            bad = [name for name, value in self.pipeline.tensors().items() if not _all_finite(value)]
+            (elsewhere,) = self.world.sum([len(bad)], f"checking the state after step {state.step}")
+            if elsewhere and not bad:
+                bad = [f"{int(elsewhere)} tensor(s) of other stages"]
+        else:
+            bad = [name for name, value in state.tensors.items() if not _all_finite(value)]
         saved = None
         if bad:
             kept = f"; the newest checkpoint is {self.last_saved}" if self.last_saved is not None else ""
@@ -856,7 +940,7 @@ class Run:
         self._say(f"[bold]model[/]    {escape(plan.compiled_from)} → {escape(str(program_path))}")
         train = plan.train
         text = f"train {escape(train.describe())}"
-        processes = self.world.size if self.world is not None else 1
+        processes = self._replicas()
         if train.batches_per_epoch is not None and hasattr(train, "batch_size"):
             size = f"{processes}×{train.batch_size}" if processes > 1 else str(train.batch_size)
             text += f", {train.batches_per_epoch} batches of {size} per epoch"
@@ -870,8 +954,14 @@ class Run:
             what += f" ({config.train.epochs} epochs)"
         if config.train.accumulate > 1:
             what += f" of {config.train.accumulate} micro-batches"
-        what += f" on {self.module.device}, {optimizer}"
-        if self.world is not None:
+        what += f" on {self.trainer.device}, {optimizer}"
+        if self.pipeline is not None:
+            role = ProgramRoles.of_proto(plan.program).pipeline
+            what += (
+                f"; pipeline of {role.stages} stages × {role.microbatches} micro-batches ({role.schedule}, "
+                f"{self.world.backend})"
+            )
+        elif self.world is not None:
             what += f"; data-parallel on {self.world.size} processes ({self.world.backend})"
         self._say(f"[bold]run[/]      {what} → {escape(str(plan.out))}")
         if plan.resumed_from is not None:
@@ -905,7 +995,7 @@ def _describe_schedule(schedule: LRSchedule) -> str:
     return text
 
 
-def _check_finite(module: Module, what: str, value: float) -> None:
+def _check_finite(module: Module | PipelineStage, what: str, value: float) -> None:
     """Undo the run that gave a non-finite ``value`` and stop the loop."""
     if not math.isfinite(value):
         module.undo_last_run()

@@ -1,0 +1,88 @@
+"""``graphforge train`` with a pipeline program: under torchrun, one process per stage, it
+ends with the model one process training the same config ends with (the micro-batches in
+turn), its checkpoints hold every stage's tensors and resume on another stage count, and
+starting the wrong number of processes is refused in one line."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from _launch import REPO, torchrun
+from onnx import numpy_helper
+
+import graphforge.train
+from graphforge.train.logs import read_jsonl
+
+pytest.importorskip("torch")
+
+TIMEOUT_S = 180
+STEPS = 16
+EXAMPLE = REPO / "examples" / "digits" / "train_pipeline.toml"
+
+
+def _config(folder: Path) -> Path:
+    """The shipped example with absolute paths and a checkpoint every 8 steps."""
+    text = EXAMPLE.read_text()
+    text = text.replace('"model.onnx"', f'"{EXAMPLE.parent / "model.onnx"}"')
+    text = text.replace('"../../data/', f'"{REPO / "data"}/').replace("every = 45\nkeep_last", "every = 8\nkeep_last")
+    path = folder / "train_pipeline.toml"
+    path.write_text(text)
+    return path
+
+
+def _train(config: Path, out: Path, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
+    args = ["--standalone", f"--nproc-per-node={processes}", "-m", "graphforge", "train", str(config)]
+    done = torchrun([*args, "--out", str(out), *extra], timeout=TIMEOUT_S)
+    return done
+
+
+def _export(out: Path) -> dict[str, np.ndarray]:
+    path = out.parent / f"{out.name}.onnx"
+    graphforge.train.export(out / "program.onnx", path, checkpoint=out)
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(out / "log.jsonl") if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pp-train")
+    config = _config(root)
+    done = _train(config, root / "stages", "--steps", str(STEPS))
+    assert done.returncode == 0, done.stdout[-4000:]
+    graphforge.train.run(config, steps=STEPS, out=root / "one", quiet=True)
+    return root
+
+
+def test_the_stages_export_the_model_one_process_exports(runs):
+    theirs, ours = _export(runs / "one"), _export(runs / "stages")
+    assert set(ours) == set(theirs)
+    for name, value in theirs.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_losses(runs / "stages"), _losses(runs / "one"), rtol=1e-5)
+
+
+def test_the_checkpoint_resumes_on_another_stage_count(runs, tmp_path):
+    """The stages' checkpoint of step 8 holds every tensor: one process goes on from it to
+    step 16 and ends where the stages (and one process) did."""
+    out = tmp_path / "resumed"
+    shutil.copytree(runs / "stages", out)
+    (out / "checkpoints" / f"checkpoint-{STEPS:08d}.safetensors").unlink()
+    graphforge.train.run(runs / "train_pipeline.toml", steps=STEPS, out=out, quiet=True)
+    theirs, ours = _export(runs / "one"), _export(out)
+    for name, value in theirs.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-5, atol=1e-7)
+
+
+def test_the_wrong_number_of_processes_is_refused(tmp_path):
+    done = _train(EXAMPLE, tmp_path / "three", "--steps", "2", processes=3)
+    assert done.returncode != 0
+    assert "the program has 2 pipeline stages, but 3 processes were started" in done.stdout
+    assert "graphforge/" not in done.stdout  # no traceback of ours (torchrun prints its launcher's own)
