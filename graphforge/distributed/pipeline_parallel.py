@@ -25,6 +25,8 @@ group's timeout, so a stage that died or hangs ends the run with an error naming
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ from graphforge.distributed.schedules import (
     Action,
     make_schedule,
 )
+from graphforge.distributed.world import DistributedError
 from graphforge.errors import GraphforgeError
 from graphforge.graph import ModelSource
 from graphforge.program import ProgramRoles, program_proto
@@ -97,6 +100,8 @@ class StepResult:
     grad_norm: float | None
     seconds: float
     times: list[ActionTime] = field(default_factory=list)
+    #: the wall-clock time (time.time()) the step started at: the stages' times on one clock
+    started_at: float = 0.0
 
 
 class PipelineStage:
@@ -123,6 +128,7 @@ class PipelineStage:
         intra_op_threads: int | None = None,
         schedule: str | None = None,
         timed: bool = False,
+        replicas: StageReplicas | None = None,
     ):
         proto = program_proto(program)
         roles = ProgramRoles.of_proto(proto).require_training_program()
@@ -141,6 +147,9 @@ class PipelineStage:
         self.roles, self.role, self.transport, self.state = roles, role, transport, state
         self.stage, self.stages, self.microbatches = transport.stage, role.stages, role.microbatches
         self.timed = timed
+        #: data parallelism: this stage's replicas in the other pipelines (None: one pipeline)
+        self.replicas = replicas
+        self.replica = replicas.index if replicas is not None else 0
         runner_device = resolve_device(device)
         carried_inputs = {c.input for c in roles.carried}
         shift = "div" if runner_device.type == "cuda" else "bitshift"
@@ -155,6 +164,9 @@ class PipelineStage:
             intra_op_threads=intra_op_threads,
         )
         self.runner.write_tensors({name: state.tensors[name] for name in self.parts.carried})
+        self._buffers = [n for n in self.parts.carried if roles.carried_spec(n).role == "buffer"]
+        if replicas is not None:  # as DDP: every replica starts from replica 0's state
+            replicas.broadcast(self.runner, list(self.parts.carried), "broadcasting replica 0's state")
         self.actions = make_schedule(schedule or role.schedule, role.stages, role.microbatches)[self.stage]
         # a segment that computes nothing (the backward of a first stage without parameters) is not run
         segments = [("forward", self.parts.forward), ("backward", self.parts.backward)]
@@ -188,7 +200,7 @@ class PipelineStage:
             raise GraphforgeError(
                 f"a step of this pipeline takes {self.microbatches} micro-batches, got {len(microbatches)}"
             )
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         lr = self.state.learning_rate if self.state.learning_rate is not None else self.roles.default_lr
         if lr is None or not math.isfinite(lr):
             raise GraphforgeError("no learning rate: the program has none and the state sets none")
@@ -197,6 +209,14 @@ class PipelineStage:
         times: list[ActionTime] = []
         parts, transport, last = self.parts, self.transport, self.microbatches - 1
         step = int(self.state.step)
+        if self.replicas is not None and self._buffers:  # DDP's broadcast_buffers: replica 0's statistics
+            self.replicas.broadcast(self.runner, self._buffers, f"broadcasting the buffers before step {step + 1}")
+        if hasattr(transport, "expect"):  # the step's receives, posted ahead
+            for kind, peer, dtypes in (
+                (RECV_F, self.stage - 1, self._dtypes["receive_forward"]),
+                (RECV_B, self.stage + 1, self._dtypes["receive_backward"]),
+            ):
+                transport.expect(peer, [dtypes] * sum(1 for a in self.actions if a.kind == kind))
         for action in self.actions:
             begun = time.perf_counter()
             m = action.microbatch
@@ -228,9 +248,11 @@ class PipelineStage:
         self.last_grad_norm = grad_norm
         loss = sum(losses) / len(losses) if losses else math.nan
         (loss,) = transport.broadcast([loss], self.stages - 1, f"step {step + 1}: the loss")
+        if self.replicas is not None:
+            loss = self.replicas.mean(loss, f"step {step + 1}: the loss over the replicas")
         self.state.step = step + 1
         self.state.micro_batch = 0
-        return StepResult(loss, grad_norm, time.perf_counter() - started, times)
+        return StepResult(loss, grad_norm, time.perf_counter() - started, times, started_at)
 
     def _done_with(self, action: Action) -> bool:
         """Whether ``action`` is the last one of its micro-batch on this stage."""
@@ -249,6 +271,10 @@ class PipelineStage:
     def _update(self, last: dict[str, Any], lr: float, step: int) -> float | None:
         """The update segment(s): with partial norms, this stage's partial, the gathering
         (every stage takes part, one without parameters with 0), then the rest."""
+        if self.replicas is not None:  # the accumulated gradients, averaged over the replicas
+            boundary = self.roles.gradient_boundary
+            names = [boundary[p] for p in self.parts.carried if p in boundary and boundary[p] in last]
+            self.replicas.average([last[n] for n in names], f"step {step + 1}: the gradient allreduce")
         feeds = {**last, **self._scalars(lr, step, 0)}
         updates = [self._session(label) for label in self._update_labels]
         results: dict[str, np.ndarray] = {}
@@ -283,7 +309,8 @@ class PipelineStage:
         if roles.reset_input is not None:
             scalars[roles.reset_input] = np.array(microbatch == 0, np.bool_)
         if self._key is not None:
-            scalars[self._key] = run_key(int(self.state.seeds.get("dropout", 0)), step, microbatch)
+            seed = int(self.state.seeds.get("dropout", 0))
+            scalars[self._key] = run_key(seed, step, microbatch, self.replica)
         return scalars
 
     def start_profiling(self, prefix) -> None:
@@ -345,6 +372,66 @@ class PipelineStage:
         return gathered
 
 
+class StageReplicas:
+    """One stage's copies in the data-parallel pipelines (DP × PP): the ranks holding the same
+    stage in each pipeline, as a torch.distributed group. The world's ranks are laid out
+    pipeline by pipeline, rank = replica × stages + stage (a pipeline's stages are neighbours,
+    on one machine when a machine runs whole pipelines). Every rank makes every stage's group
+    (torch requires it of all ranks, in the same order) and keeps its own."""
+
+    def __init__(self, world, stages: int):
+        import torch.distributed as dist
+
+        if world.size % stages:
+            raise GraphforgeError(f"{world.size} processes cannot run pipelines of {stages} stages")
+        self.world, self.stages = world, stages
+        self.count = world.size // stages
+        self.index, self.stage = divmod(world.rank, stages)
+        self.ranks = [d * stages + self.stage for d in range(self.count)]
+        with world.collective("making the stages' data-parallel groups"):
+            groups = [dist.new_group([d * stages + s for d in range(self.count)]) for s in range(stages)]
+        self.group = groups[self.stage]
+
+    def average(self, values: Sequence[ort.OrtValue], what: str) -> None:
+        """Each of ``values`` replaced in place by its mean over the replicas (one flat all_reduce)."""
+        import torch
+        import torch.distributed as dist
+
+        if not values:
+            return
+        tensors = [tensor_of(v) for v in values]
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        with self.world.collective(what):
+            dist.all_reduce(flat, group=self.group)
+        flat.div_(self.count)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+
+    def broadcast(self, runner: Runner, names: Sequence[str], what: str) -> None:
+        """Replica 0's current values of the carried tensors ``names``, in place on every replica."""
+        import torch
+        import torch.distributed as dist
+
+        views = [tensor_of(runner.carried[n].value).reshape(-1).view(torch.uint8) for n in names]
+        if not views:
+            return
+        flat = torch.cat(views)
+        with self.world.collective(what):
+            dist.broadcast(flat, self.ranks[0], group=self.group)
+        if self.index != 0:
+            offset = 0
+            for view in views:
+                view.copy_(flat[offset : offset + view.numel()])
+                offset += view.numel()
+
+    def mean(self, value: float, what: str) -> float:
+        """``value``'s mean over the replicas (every rank of a pipeline holds the same value)."""
+        (total,) = self.world.sum([value], what)
+        return total / self.world.size
+
+
 class TorchTransport:
     """Messages between the stages of one pipeline over torch.distributed (gloo on the CPU,
     NCCL on CUDA): each is a header of the tensors' shapes and one flat byte buffer, sent
@@ -360,7 +447,21 @@ class TorchTransport:
             raise GraphforgeError(
                 f"rank {world.rank} is not in the pipeline of ranks {first}..{first + self.stages - 1}"
             )
+        # with several pipelines side by side, each pipeline's collectives (the partial norms,
+        # the loss) stay among its stages: every rank makes every pipeline's group, in order
+        self.group = None
+        if self.stages < world.size:
+            import torch.distributed as dist
+
+            with world.collective("making the pipelines' groups"):
+                groups = {
+                    start: dist.new_group(list(range(start, start + self.stages)))
+                    for start in range(0, world.size, self.stages)
+                }
+            self.group = groups[first]
         self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive until sent)
+        #: per peer: the prefetching receives under way (queue, messages still to take, thread)
+        self._inboxes: dict[int, list[tuple[queue.Queue, int, threading.Thread]]] = {}
 
     def send(self, peer: int, values: Sequence[ort.OrtValue], what: str) -> None:
         import torch
@@ -377,7 +478,45 @@ class TorchTransport:
             for buffer in buffers:
                 self._pending.append((dist.isend(buffer, self.first + peer), buffer))
 
+    def expect(self, peer: int, messages: Sequence[Sequence[np.dtype]]) -> None:
+        """Receive the next ``messages`` (their dtypes) from ``peer`` in a thread from now on,
+        so each transfer runs while this stage computes: gloo moves a message only once its
+        receive is posted. :meth:`receive` then takes them in order."""
+        if not messages:
+            return
+        inbox: queue.Queue = queue.Queue()
+
+        def fetch() -> None:
+            for dtypes in messages:
+                try:
+                    inbox.put(self._receive_now(peer, dtypes, "a prefetched message"))
+                except BaseException as exc:  # handed to the receive that wanted this message
+                    inbox.put(exc)
+                    return
+
+        thread = threading.Thread(target=fetch, name=f"graphforge-receive-{peer}", daemon=True)
+        self._inboxes.setdefault(peer, []).append((inbox, len(messages), thread))
+        thread.start()
+
     def receive(self, peer: int, dtypes: Sequence[np.dtype], what: str) -> list[ort.OrtValue]:
+        inboxes = self._inboxes.get(peer)
+        if not inboxes:
+            return self._receive_now(peer, dtypes, what)
+        inbox, left, thread = inboxes[0]
+        inboxes[0] = (inbox, left - 1, thread)
+        if left == 1:
+            inboxes.pop(0)
+        try:
+            got = inbox.get(timeout=self.world.timeout_s + self.world.check_in_s + 5)
+        except queue.Empty:
+            got = TimeoutError(f"no message within {self.world.timeout_s:g} s")
+        if isinstance(got, BaseException):
+            if isinstance(got, DistributedError):
+                raise DistributedError(str(got).replace("a prefetched message", what)) from None
+            raise self.world.failure(f"receiving {what} from stage {peer}", got)
+        return got
+
+    def _receive_now(self, peer: int, dtypes: Sequence[np.dtype], what: str) -> list[ort.OrtValue]:
         import torch
         import torch.distributed as dist
 
@@ -406,7 +545,7 @@ class TorchTransport:
         slots = torch.zeros(self.stages, dtype=torch.float32, device=self.world.device)
         slots[self.stage] = value  # every other slot is 0: the sum is exactly each stage's value
         with self.world.collective(what):
-            dist.all_reduce(slots)
+            dist.all_reduce(slots, group=self.group)
         return slots.cpu().tolist()
 
     def broadcast(self, values: Sequence[float], source: int, what: str) -> list[float]:
@@ -415,7 +554,7 @@ class TorchTransport:
 
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.world.device)
         with self.world.collective(what):
-            dist.broadcast(tensor, self.first + source)
+            dist.broadcast(tensor, self.first + source, group=self.group)
         return tensor.cpu().tolist()
 
     def flush(self) -> None:

@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from graphforge.distributed import DataParallel, DistributedError, World, digest, launched
-from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTransport
+from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
 from graphforge.graph import copy_without_initializers, load, save
 from graphforge.pass_manager import PassManager, parse_pipeline
@@ -231,8 +231,11 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         program = PassManager([AllReduce(bucket_mb=bucket_mb)]).run(program).model
         compiled_from += f", + allreduce(bucket_mb={bucket_mb:g})"
     program_roles = ProgramRoles.of_proto(program)
-    # pipeline stages all read every micro-batch (the first its inputs, the last its labels)
-    shard = Shard(world.size, world.rank) if world is not None and staged is None else ALL
+    # pipeline stages all read every micro-batch (the first its inputs, the last its labels);
+    # data-parallel pipelines each their share, rank = replica × stages + stage
+    shard = ALL
+    if world is not None:
+        shard = Shard(world.size, world.rank) if staged is None else _pipeline_shard(world, staged.stages)
 
     accumulate = config.train.accumulate
     if accumulate > 1 and not program_roles.accumulates:
@@ -248,7 +251,9 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         if text not in notes:
             notes.append(text)
 
-    def source(location, key: str, *, shuffle: bool, drop_last: bool, batch_size: int, pad: bool) -> Source:
+    def source(
+        location, key: str, *, shuffle: bool, drop_last: bool, batch_size: int, pad: bool, shard: Shard = shard
+    ) -> Source:
         conformer = Conformer(inputs, f"{where}: {key}", note)
         return open_source(
             location,
@@ -268,7 +273,11 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     eval_source = None
     if data.eval is not None:
         eval_batch = config.eval.batch_size or data.batch_size
-        eval_source = source(data.eval, "data.eval", shuffle=False, drop_last=False, batch_size=eval_batch, pad=False)
+        # a pipeline evaluates on rank 0, with every stage's parameters gathered there: all of the data
+        eval_shard = ALL if staged is not None else shard
+        eval_source = source(
+            data.eval, "data.eval", shuffle=False, drop_last=False, batch_size=eval_batch, pad=False, shard=eval_shard
+        )
 
     total_steps = _total_steps(config, train)
     outputs = list(program_roles.forward_outputs)
@@ -293,7 +302,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         changed = _changed_settings(config, state, settings, resumed_from)
         for key, (old, new) in changed.items():
             note(f"resuming with {key} = {_setting(new)} instead of the checkpoint's {_setting(old)} (allowed)")
-        processes = world.size if world is not None and staged is None else 1
+        processes = (world.size // (staged.stages if staged else 1)) if world is not None else 1
         if _world_size(state) != processes:
             note(
                 f"resuming a checkpoint of {_world_size(state)} process(es) on {processes}: the global batch "
@@ -304,7 +313,12 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     module, pipeline = None, None
     try:
         if staged is not None and world is not None:
-            pipeline = PipelineStage(program, state, TorchTransport(world), device=device, intra_op_threads=threads)
+            stages = staged.stages
+            replicas = StageReplicas(world, stages) if world.size > stages else None
+            transport = TorchTransport(world, first=world.rank - world.rank % stages, stages=stages)
+            pipeline = PipelineStage(
+                program, state, transport, device=device, intra_op_threads=threads, replicas=replicas
+            )
         else:
             module = Module(program, state, device=device, dropout=config.train.dropout, intra_op_threads=threads)
     except DeviceError as exc:
@@ -347,6 +361,11 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     )
 
 
+def _pipeline_shard(world: World, stages: int) -> Shard:
+    replicas = world.size // stages
+    return Shard(replicas, world.rank // stages) if replicas > 1 else ALL
+
+
 def _pipeline_config(config: Config, staged, world: World | None) -> Config:
     """A pipeline program's step is its micro-batches (``data.batch_size`` each): on one
     process they run in turn (``train.accumulate`` = micro-batches), under torchrun one
@@ -357,11 +376,11 @@ def _pipeline_config(config: Config, staged, world: World | None) -> Config:
             f"{where}: train.accumulate = {config.train.accumulate}, but the program's pipeline runs "
             f"{micro} micro-batches per step; leave train.accumulate out"
         )
-    if world is not None and world.size != staged.stages:
+    if world is not None and world.size % staged.stages:
         raise ConfigError(
             f"{where}: the program has {staged.stages} pipeline stages, but {world.size} processes were started; "
-            f"start one per stage (torchrun --nproc-per-node={staged.stages}); data and pipeline parallelism "
-            "together are not supported yet"
+            f"start one per stage, or a multiple of that for data-parallel pipelines "
+            f"(torchrun --nproc-per-node={staged.stages} or {2 * staged.stages}, ...)"
         )
     return dataclasses.replace(config, train=dataclasses.replace(config.train, accumulate=micro))
 
@@ -721,7 +740,7 @@ class Run:
         if pipeline.last_grad_norm is not None:
             _check_finite(pipeline, "gradient norm", pipeline.last_grad_norm)
         schedule.step()
-        samples = sum(len(next(iter(b.values()))) for b in batches)
+        samples = sum(len(next(iter(b.values()))) for b in batches) * self._replicas()
         return result.loss, samples, time.perf_counter() - started
 
     def _evaluate(self) -> dict[str, float]:
@@ -733,7 +752,7 @@ class Run:
                 self.module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels, across=self.world
             )
         gathered = self.pipeline.gathered_tensors()
-        if gathered is None:
+        if gathered is None or not self.lead:
             return {}
         if self._eval_module is None:
             snapshot = self.state.copy()
@@ -778,8 +797,10 @@ class Run:
     # ------------------------------------------------------------------ checkpoints and Ctrl-C
 
     def _replicas(self) -> int:
-        """How many processes share each global batch: data-parallel ranks (pipeline stages all read all of it)."""
-        return self.world.size if self.world is not None and self.pipeline is None else 1
+        """How many processes share each global batch: data-parallel ranks, or pipelines."""
+        if self.world is None:
+            return 1
+        return self.world.size // self.pipeline.stages if self.pipeline is not None else self.world.size
 
     def _resumed_position(self) -> dict | None:
         """Where the data stream of a resumed run starts: the checkpoint's position, or with
@@ -961,6 +982,8 @@ class Run:
                 f"; pipeline of {role.stages} stages × {role.microbatches} micro-batches ({role.schedule}, "
                 f"{self.world.backend})"
             )
+            if self._replicas() > 1:
+                what += f", data-parallel × {self._replicas()}"
         elif self.world is not None:
             what += f"; data-parallel on {self.world.size} processes ({self.world.backend})"
         self._say(f"[bold]run[/]      {what} → {escape(str(plan.out))}")

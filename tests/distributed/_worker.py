@@ -13,20 +13,26 @@ import sys
 import numpy as np
 
 from graphforge.distributed import DataParallel, World
-from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTransport
+from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
 from graphforge.runtime import CheckpointState, Module, Optimizer
 
 
 def stage(case: dict, world: World) -> None:
+    """One stage of one pipeline; with more ranks than stages, pipelines side by side (rank =
+    replica × stages + stage), replica d taking rows d::D of every micro-batch."""
     batches = np.load(case["batches"])
     state = CheckpointState.from_program(case["program"])
-    pipeline = PipelineStage(case["program"], state, TorchTransport(world), device="cpu", intra_op_threads=1)
+    stages = case["stages"]
+    replicas = StageReplicas(world, stages) if world.size > stages else None
+    transport = TorchTransport(world, first=world.rank - world.rank % stages, stages=stages)
+    pipeline = PipelineStage(case["program"], state, transport, device="cpu", intra_op_threads=1, replicas=replicas)
+    share = slice(world.rank // stages, None, world.size // stages)
     m = pipeline.microbatches
     losses = []
     for step in range(case["steps"]):
         if case.get("die_at_step") == step and world.rank == case.get("die_rank", 1):
             os._exit(17)  # a stage that dies mid-run: the others must fail, not hang
-        micro = [{n: batches[n][step * m + i] for n in batches.files} for i in range(m)]
+        micro = [{n: batches[n][step * m + i][share] for n in batches.files} for i in range(m)]
         losses.append(pipeline.train_step(micro).loss)
     gathered = pipeline.gathered_tensors()
     np.savez(f"{case['out']}-rank{world.rank}.npz", __losses__=np.array(losses), **pipeline.tensors())

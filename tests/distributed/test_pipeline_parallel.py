@@ -77,23 +77,27 @@ def _reference(program: Path, batches: Path) -> tuple[list[float], dict[str, np.
     return losses, module.runner.read_tensors()
 
 
-def _run(workspace: Path, names: list[str], *, timeout: float = 240, **extra) -> list[_launch.Finished]:
+def _run(
+    workspace: Path, names: list[str], *, timeout: float = 240, replicas: int = 1, **extra
+) -> list[_launch.Finished]:
     stages = {CASES[n][2] for n in names}
     assert len(stages) == 1
+    count = stages.pop()
     cases = [
         {
             "pipeline": True,
+            "stages": count,
             "program": str(workspace / f"{n}.onnx"),
             "batches": str(workspace / f"{n}-batches.npz"),
             "steps": STEPS,
-            "out": str(workspace / n),
+            "out": str(workspace / (n if replicas == 1 else f"{n}-dp{replicas}")),
             **extra,
         }
         for n in names
     ]
-    spec = workspace / f"spec-{'-'.join(names)}.json"
+    spec = workspace / f"spec-{'-'.join(names)}-{replicas}.json"
     spec.write_text(json.dumps({"cases": cases, "timeout_s": extra.pop("timeout_s", 60)}))
-    return _launch.run_ranks(stages.pop(), [str(WORKER), str(spec)], timeout=timeout)
+    return _launch.run_ranks(count * replicas, [str(WORKER), str(spec)], timeout=timeout)
 
 
 def _close(ours: np.ndarray, theirs: np.ndarray) -> bool:
@@ -135,3 +139,25 @@ def test_a_dead_stage_ends_the_run_with_an_error_not_a_hang(workspace):
     assert by_rank[0].returncode != 0
     assert "stage 1" in by_rank[0].output and "rank 0" in by_rank[0].output, by_rank[0].output
     assert took < 90
+
+
+@pytest.mark.parametrize("name", ["gpt-2-1f1b", "digits-2-gpipe"])
+def test_two_data_parallel_pipelines_equal_one_process_with_the_doubled_microbatches(workspace, name):
+    """2 × 2 on 4 processes: two pipelines of two stages, each taking every other row of each
+    micro-batch, their accumulated gradients averaged per stage: one process running the whole
+    micro-batches in turn computes the same."""
+    finished = _run(workspace, [name], replicas=2)
+    for f in finished:
+        assert f.returncode == 0, f.output
+    losses, state = _reference(workspace / f"{name}.onnx", workspace / f"{name}-batches.npz")
+    # each replica's accumulators hold its own sums (the averaging is applied at the update)
+    scratch = {c.input for c in ProgramRoles.read(workspace / f"{name}.onnx").carried_with_role("accumulator")}
+    for rank in range(4):
+        got = np.load(workspace / f"{name}-dp2-rank{rank}.npz")
+        np.testing.assert_allclose(got["__losses__"], losses, rtol=RTOL)
+        for key in got.files:
+            if key != "__losses__" and key not in scratch:
+                # norm-wise: averaging over replicas sums in another order, and AdamW divides by
+                # the square root of tiny second moments (data_parallel's tests measure the same)
+                error = np.linalg.norm(got[key] - state[key]) / max(np.linalg.norm(state[key]), 1e-12)
+                assert error <= RTOL, f"{name}: {key} on rank {rank}: {error:.2e}"
