@@ -57,3 +57,19 @@ def test_data_parallel_benchmark_runs_every_configuration(tmp_path):
     for label, *_ in dp_bench.RUNS:
         assert f"| {label} | " in report
     assert "graphforge DP / torch DDP:" in report and "(agree)" in report
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_measures_and_simulates_every_row(tmp_path):
+    """Two stage processes per run; every row has a measured and a simulated bubble."""
+    sys.path.insert(0, str(BENCH.parent))
+    import pp_bench
+
+    measured = pp_bench.benchmark(quick=True, cache=tmp_path)
+    report = pp_bench.report(measured)
+    for schedule, micro in pp_bench.QUICK_RUNS:
+        assert f"| {schedule} | {micro} | " in report
+    for result in measured.values():
+        for row in result["rows"]:
+            assert 0 <= row["measured"] < 1 and 0 <= row["simulated"] < 1
+    assert "More stages, simulated" in report

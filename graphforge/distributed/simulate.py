@@ -53,12 +53,22 @@ class ScheduleError(GraphforgeError):
 
 @dataclass(frozen=True)
 class Costs:
-    """Time per action: ``forward[s]`` / ``backward[s]`` for stage s, and ``comm`` for a
-    message from its send to its arrival."""
+    """Time per action: ``forward[s]`` / ``backward[s]`` for stage s (or one action's own
+    in ``actions``), and ``comm`` for a message from its send to its arrival (or one
+    message's own in ``messages``)."""
 
     forward: Sequence[float]
     backward: Sequence[float]
     comm: float = 0.0
+    #: the time of particular actions, (stage, "F" or "B", micro-batch) → time, overriding
+    #: the stage's forward/backward (a measured run replayed action by action)
+    actions: Mapping[tuple[int, str, int], float] = field(default_factory=dict)
+    #: the delay of particular messages, (sending stage, "SEND_F" or "SEND_B", micro-batch) → time
+    messages: Mapping[tuple[int, str, int], float] = field(default_factory=dict)
+
+    def of(self, stage: int, action: Action) -> float:
+        default = (self.forward if action.kind == FORWARD else self.backward)[stage]
+        return self.actions.get((stage, action.kind, action.microbatch), default)
 
     @classmethod
     def uniform(cls, stages: int, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0) -> Costs:
@@ -139,7 +149,8 @@ def simulate(schedule: Schedule, costs: Costs, microbatches: int | None = None) 
                 action = schedule[s][position[s]]
                 if action.kind in _MATCH:
                     key = (s, action.peer, action.kind)
-                    channels.setdefault(key, deque()).append((action.microbatch, clock[s] + costs.comm))
+                    delay = costs.messages.get((s, action.kind, action.microbatch), costs.comm)
+                    channels.setdefault(key, deque()).append((action.microbatch, clock[s] + delay))
                 elif action.kind in _MATCH.values():
                     sender = {RECV_F: SEND_F, RECV_B: SEND_B}[action.kind]
                     channel = channels.get((action.peer, s, sender))
@@ -154,7 +165,7 @@ def simulate(schedule: Schedule, costs: Costs, microbatches: int | None = None) 
                     channel.popleft()
                     clock[s] = max(clock[s], arrival)
                 else:
-                    cost = (costs.forward if action.kind == FORWARD else costs.backward)[s]
+                    cost = costs.of(s, action)
                     spans.append(Span(s, action, clock[s], clock[s] + cost))
                     clock[s] += cost
                     busy[s] += cost
