@@ -23,6 +23,7 @@ from rich.table import Table
 
 import graphforge
 from graphforge import golden, roles, train
+from graphforge.analysis.size import human_bytes
 from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
@@ -192,6 +193,9 @@ def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to descr
             highlight=False,
         )
 
+    if program_roles.pipeline is not None:
+        out.print(_stages_table(program_roles.pipeline))
+
     # the golden summaries' count: subgraphs and local functions included, domain::op outside ai.onnx
     histogram = Counter(op_histogram(proto))
     ops = Table(title=f"ops ({histogram.total()} nodes)", title_justify="left")
@@ -202,6 +206,43 @@ def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to descr
     out.print(ops)
     for warning in tied_initializer_warnings(proto):
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+
+
+def _stages_table(role) -> Table:
+    """The pipeline pass's stages: where each ends, its parameters, and what it costs."""
+    costs = role.costs
+    flops = [f + u for f, u in zip(costs.get("flops", []), costs.get("update_flops", []), strict=False)]
+    total = sum(flops) or 1.0
+    table = Table(
+        title=f"pipeline: {role.stages} stages × {role.microbatches} micro-batches, {role.schedule}",
+        title_justify="left",
+    )
+    for column, justify in (
+        ("stage", "right"),
+        ("ends with", "left"),
+        ("parameters", "right"),
+        ("FLOPs share", "right"),
+        ("parameters' size", "right"),
+        ("states, accumulators", "right"),
+        ("stash per micro-batch", "right"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for s in range(role.stages):
+
+        def size(key: str, s: int = s) -> str:
+            values = costs.get(key, [])
+            return human_bytes(values[s]) if s < len(values) else "?"
+
+        table.add_row(
+            str(s),
+            escape(role.cuts[s]) if s < len(role.cuts) else "(the rest)",
+            str(len(role.parameters[s])) if s < len(role.parameters) else "?",
+            f"{flops[s] / total:.0%}" if s < len(flops) else "?",
+            size("parameter_bytes"),
+            size("state_bytes"),
+            size("stash_bytes"),
+        )
+    return table
 
 
 def _brief(value: str, limit: int = 60) -> str:

@@ -26,7 +26,8 @@ DEFAULT_DIM = 8
 
 
 def concrete(shape, dims: Mapping[str, int] | None = None) -> tuple[int, ...] | None:
-    """``shape`` with each symbolic dim replaced by ``dims[name]`` (else 1); None if the rank is unknown."""
+    """``shape`` with each symbolic dim replaced by ``dims[name]`` (else DEFAULT_DIM; an
+    unnamed one by 1); None if the rank is unknown."""
     if shape is None:
         return None
     dims = dims or {}
@@ -35,7 +36,7 @@ def concrete(shape, dims: Mapping[str, int] | None = None) -> tuple[int, ...] | 
         if isinstance(d, int | np.integer) and d >= 0:
             out.append(int(d))
         else:
-            out.append(int(dims.get(str(d), 1)) if isinstance(d, str) else 1)
+            out.append(int(dims.get(d, DEFAULT_DIM)) if isinstance(d, str) else 1)
     return tuple(out)
 
 
@@ -45,7 +46,7 @@ def elements(tensor: gs.Tensor, dims: Mapping[str, int] | None = None) -> int:
 
 
 def tensor_bytes(tensor: gs.Tensor, dims: Mapping[str, int] | None = None) -> int:
-    """Bytes of ``tensor`` with its symbolic dims bound as ``dims`` says (else 1); 0 if its type is unknown."""
+    """Bytes of ``tensor`` with its symbolic dims bound as ``concrete`` does; 0 if its type is unknown."""
     shape = concrete(tensor.shape, dims)
     size = nbytes(shape, tensor.dtype) if shape is not None else None
     return size or 0

@@ -1,5 +1,5 @@
-"""The README's data-parallel commands, run as written: torchrun on the digits example, and
-the Python script under torchrun."""
+"""The README's data- and pipeline-parallel commands, run as written: torchrun on the digits
+examples, the Python script under torchrun, and graphforge schedule's timeline."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def workspace(tmp_path) -> Path:
 
 
 def test_the_torchrun_command_trains_the_digits_on_two_processes(workspace):
-    (block,) = [b for b in _blocks("sh") if "--standalone" in b]
+    (block,) = [b for b in _blocks("sh") if "--standalone" in b and "train.toml" in b]
     done = shell(block, cwd=workspace, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:]
     assert done.stdout.count("data-parallel on 2 processes (gloo)") == 1  # rank 0 alone prints
@@ -47,3 +47,22 @@ def test_the_python_example_runs_under_torchrun(workspace):
     (line,) = [x for x in done.stdout.splitlines() if x.startswith("loss ")]
     assert line.endswith("after 100 steps on 2 processes")
     assert float(line.split()[1]) < 1.0
+
+
+def test_the_pipeline_commands_train_two_stages_and_export(workspace):
+    (block,) = [b for b in _blocks("sh") if "train_pipeline.toml" in b]
+    done = shell(block, cwd=workspace, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert done.stdout.count("pipeline of 2 stages × 4 micro-batches (1f1b, gloo)") == 1
+    accuracy = float(re.search(r"done .*accuracy (\d\.\d+)", done.stdout).group(1))
+    assert accuracy >= 0.9
+    assert (workspace / "out" / "digits-pp.onnx").is_file()
+
+
+def test_the_schedule_command_prints_the_timeline_shown(workspace):
+    (command,) = [b for b in _blocks("sh") if "graphforge schedule" in b]
+    done = shell(command, cwd=workspace, timeout=60)
+    assert done.returncode == 0, done.stdout
+    (shown,) = [b for b in _blocks("") if b.startswith("stage 0 F0")]
+    assert done.stdout.startswith(shown)
+    assert "makespan 33, bubble 27.3% ((p-1)/(m+p-1) = 27.3% for balanced stages)" in done.stdout
