@@ -230,7 +230,7 @@ class CheckpointState:
 
     # ------------------------------------------------------------------ files
 
-    def _document(self, tensors: Mapping[str, np.ndarray]) -> str:
+    def _document(self, tensors: Mapping[str, np.ndarray], shards: Sequence[str] = ()) -> str:
         roles_by_name = {s.name: s.role for s in self.specs}
         document = {
             "format": FORMAT,
@@ -248,6 +248,8 @@ class CheckpointState:
                 for n, t in tensors.items()
             ],
         }
+        if shards:
+            document["shards"] = list(shards)
         if isinstance(self.step, bool) or not isinstance(self.step, int | np.integer) or self.step < 0:
             raise CheckpointError(f"state.step must be a whole number ≥ 0, got {self.step!r}")
         document["step"] = int(self.step)
@@ -267,18 +269,24 @@ class CheckpointState:
                 raise CheckpointError(f"state.{key} cannot be saved as JSON: {exc}") from None
         return json.dumps(document, allow_nan=False)
 
-    def save(self, path: str | os.PathLike) -> Path:
+    def save(self, path: str | os.PathLike, *, names: Sequence[str] | None = None, shards: Sequence[str] = ()) -> Path:
         """Write the checkpoint atomically (temp file beside ``path``, fsync, rename).
 
         On any failure the previous file at ``path`` is left as it was and no temp file stays.
+        A sharded checkpoint (pipeline stages, each writing its own tensors): ``names``, the
+        tensors this file holds (default all), and ``shards``, the files beside it holding
+        the others (written before it: this file, the last, makes the checkpoint whole), which
+        :meth:`load` reads with it.
         """
         path = Path(path)
         if path.is_dir():
             raise CheckpointError(f"{path}: is a folder, expected a checkpoint file path")
         if not path.parent.is_dir():
             raise CheckpointError(f"{path}: folder {path.parent} does not exist")
-        tensors = {name: np.asarray(value, order="C") for name, value in self.tensors.items()}
-        metadata = {METADATA_KEY: self._document(tensors)}
+        held = self.tensors
+        chosen = held if names is None else {n: held[n] for n in names}
+        tensors = {name: np.asarray(value, order="C") for name, value in chosen.items()}
+        metadata = {METADATA_KEY: self._document(tensors, shards)}
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         tmp = Path(tmp_name)
@@ -335,6 +343,19 @@ class CheckpointState:
             raise
         except Exception as exc:  # safetensors' own errors: truncated, bad header, not a safetensors file
             raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt: {exc})") from None
+        for shard in document.get("shards", []):  # a pipeline's checkpoint: the other stages' files
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise CheckpointError(f"{path}: malformed shard entry {str(shard)[:80]!r} (a file name beside it)")
+            other = cls.load(path.parent / shard)
+            if other.step != document["step"]:
+                raise CheckpointError(
+                    f"{path}: its shard {shard} is of step {other.step}, not {document['step']} (a stale file?)"
+                )
+            twice = sorted(set(other._tensors) & set(tensors))
+            if twice:
+                raise CheckpointError(f"{path}: tensor {twice[0]!r} is in it and in its shard {shard}")
+            tensors.update(other._tensors)
+            manifest += other.specs
         state = cls(
             tensors,
             manifest,
@@ -499,6 +520,15 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.directory / f"{self.prefix}-{step:08d}.safetensors"
 
+    def shard_path(self, step: int, stage: int, stages: int) -> Path:
+        """Where pipeline stage ``stage`` (of ``stages``, not 0: it writes ``path_for``) writes its shard."""
+        return self.directory / f"{self.prefix}-{step:08d}.stage{stage}-of-{stages}.safetensors"
+
+    def save_shard(self, state: CheckpointState, names: Sequence[str], stage: int, stages: int) -> Path:
+        """Write one pipeline stage's tensors ``names`` for ``state.step`` (before stage 0 writes the checkpoint)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return state.save(self.shard_path(int(state.step), stage, stages), names=names)
+
     def checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint in the folder, oldest first."""
         if not self.directory.is_dir():
@@ -518,11 +548,15 @@ class CheckpointManager:
         path = self.latest()
         return None if path is None else CheckpointState.load(path, program)
 
-    def save(self, state: CheckpointState) -> Path:
+    def save(self, state: CheckpointState, *, names: Sequence[str] | None = None, shards: Sequence[Path] = ()) -> Path:
+        """Write ``state`` for its step (with ``names``/``shards``: the last file of a sharded
+        checkpoint, see CheckpointState.save), then delete the oldest beyond ``keep_last``."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = state.save(self.path_for(int(state.step)))
+        path = state.save(self.path_for(int(state.step)), names=names, shards=[Path(p).name for p in shards])
         if self.keep_last is not None:
-            for _, old in self.checkpoints()[: -self.keep_last]:
+            for step, old in self.checkpoints()[: -self.keep_last]:
                 if old != path:
-                    old.unlink(missing_ok=True)
+                    old.unlink(missing_ok=True)  # the checkpoint first: a shard alone is never taken for one
+                    for shard in self.directory.glob(f"{self.prefix}-{step:08d}.stage*.safetensors"):
+                        shard.unlink(missing_ok=True)
         return path

@@ -838,15 +838,34 @@ class Run:
         state.properties[SETTINGS] = self.plan.settings
         state.properties[WORLD_SIZE] = self._replicas()
         state.data_position = position if position is not None else stream.position
-        if self.pipeline is not None:  # rank 0 writes every stage's tensors, gathered
-            gathered = self.pipeline.gathered_tensors()
-            if gathered is not None:
-                state.tensors.update(gathered)
-        path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
+        if self.pipeline is not None:
+            path = self._save_stages(state)
+        else:
+            path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
         if self.world is not None:
             self.world.barrier(f"waiting for rank 0 to write the checkpoint of step {state.step}")
         self.saved_step = state.step
         return path
+
+    def _save_stages(self, state: CheckpointState) -> Path:
+        """A pipeline's checkpoint: each stage of the first pipeline writes its own tensors
+        (stage s > 0 a shard beside the checkpoint), then rank 0 writes the checkpoint file
+        itself, with stage 0's tensors and the list of shards: that file, the last written,
+        makes the checkpoint whole. Loading it reads the shards too (any stage count resumes)."""
+        pipeline, step = self.pipeline, int(state.step)
+        mine = pipeline.tensors()
+        state.tensors.update(mine)  # the state's other tensors are stale here: only ``mine`` is written
+        if self.world.rank < pipeline.stages and pipeline.stage > 0 and mine:
+            self.checkpoints.save_shard(state, list(mine), pipeline.stage, pipeline.stages)
+        holding = 1.0 if mine else 0.0
+        counts = self.world.sum(
+            [holding if self.world.rank == s else 0.0 for s in range(pipeline.stages)],
+            f"waiting for the stages' shards of the checkpoint of step {step}",
+        )
+        if not self.lead:
+            return self.checkpoints.path_for(step)
+        shards = [self.checkpoints.shard_path(step, s, pipeline.stages) for s in range(1, pipeline.stages) if counts[s]]
+        return self.checkpoints.save(state, names=list(mine), shards=shards)
 
     def _interrupt(self, schedule, stream, unfinished, log: RunLog, profiler) -> Interrupted:
         """Save the checkpoint of the last finished step; the Interrupted to raise."""

@@ -69,6 +69,34 @@ def test_the_stages_export_the_model_one_process_exports(runs):
     np.testing.assert_allclose(_losses(runs / "stages"), _losses(runs / "one"), rtol=1e-5)
 
 
+def test_each_stage_writes_its_own_tensors_and_the_checkpoint_reads_them_all(runs, tmp_path):
+    import safetensors
+
+    from graphforge.errors import CheckpointError
+    from graphforge.program import ProgramRoles
+    from graphforge.runtime import CheckpointState
+
+    folder = runs / "stages" / "checkpoints"
+    main, shard = (
+        folder / f"checkpoint-{STEPS:08d}.safetensors",
+        folder / f"checkpoint-{STEPS:08d}.stage1-of-2.safetensors",
+    )
+    role = ProgramRoles.read(runs / "stages" / "program.onnx").pipeline
+    with safetensors.safe_open(str(main), framework="numpy") as f:
+        first = set(f.keys())
+    with safetensors.safe_open(str(shard), framework="numpy") as f:
+        second = set(f.keys())
+    assert set(role.parameters[0]) <= first and not set(role.parameters[1]) & first
+    assert set(role.parameters[1]) <= second and not first & second
+    state = CheckpointState.load(main, runs / "stages" / "program.onnx")  # checks every tensor is there
+    assert set(state.tensors) == first | second
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / shard.name).unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name}: no such checkpoint file"):
+        CheckpointState.load(broken / main.name)
+
+
 def test_the_checkpoint_resumes_on_another_stage_count(runs, tmp_path):
     """The stages' checkpoint of step 8 holds every tensor: one process goes on from it to
     step 16 and ends where the stages (and one process) did."""
