@@ -23,16 +23,20 @@ from graphforge.runtime import Module, Optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_worker.py")
-STEPS = 4
-#: the tolerance the issue states; the runs agree bit for bit today (same kernels, same order)
+STEPS = 20
+#: the tolerance the issue states (the digits runs agree bit for bit)
 RTOL = 1e-5
 
 DIGITS = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2, clip_grad_norm=0.5, accumulate=true)"
-GPT = "loss(kind=mse, output=logits), autodiff, adamw(lr=3e-3, clip_grad_norm=0.5, accumulate=true)"
+#: SGD on the transformer: its key bias has a zero gradient in exact arithmetic, and AdamW turns
+#: the rounding noise there into full-size steps, so two segmentations that round differently
+#: drift apart on that one tensor (2e-5 after 20 steps) while everything else agrees to 1e-8
+GPT = "loss(kind=mse, output=logits), autodiff, sgd(lr=0.05, momentum=0.9, clip_grad_norm=0.5, accumulate=true)"
 CASES = {
     # name: (model, pipeline, stages, microbatches, schedule)
     "digits-2-1f1b": ("digits", DIGITS, 2, 4, "1f1b"),
     "digits-2-gpipe": ("digits", DIGITS, 2, 3, "gpipe"),
+    "digits-4-1f1b": ("digits", DIGITS, 4, 4, "1f1b"),
     "gpt-2-1f1b": ("gpt", GPT, 2, 4, "1f1b"),
     "gpt-4-1f1b": ("gpt", GPT, 4, 4, "1f1b"),
     "gpt-4-gpipe": ("gpt", GPT, 4, 2, "gpipe"),
@@ -105,7 +109,9 @@ def _close(ours: np.ndarray, theirs: np.ndarray) -> bool:
     return float(np.max(np.abs(ours - theirs))) <= RTOL * scale
 
 
-@pytest.mark.parametrize("group", [["digits-2-1f1b", "digits-2-gpipe", "gpt-2-1f1b"], ["gpt-4-1f1b", "gpt-4-gpipe"]])
+@pytest.mark.parametrize(
+    "group", [["digits-2-1f1b", "digits-2-gpipe", "gpt-2-1f1b"], ["digits-4-1f1b", "gpt-4-1f1b", "gpt-4-gpipe"]]
+)
 def test_stages_equal_one_process_running_the_microbatches_in_turn(workspace, group):
     finished = _run(workspace, group)
     for f in finished:
