@@ -291,9 +291,10 @@ def report(measured: dict) -> str:
         "to about a point: the executor runs the schedule as the simulator models it. On the issue's model the "
         "head (a 256 × 50,257 MatMul and its softmax) is 88% of the work and cannot be split at a single "
         "activation, so the second stage bounds the step and the first idles whatever m is; on the model whose "
-        "blocks dominate, the bubble follows (p−1)/(m+p−1) from above: the rest is the stages' imbalance "
-        "(48/52) and the messages' delay (loopback gloo on the two busy cores, about half a millisecond "
-        "each), which weigh more as micro-batches get shorter relative to them.",
+        "blocks dominate, the bubble follows (p−1)/(m+p−1) from above: without the messages' delay the "
+        "simulator is left with the stages' imbalance (the column before theory), and the delay (loopback gloo "
+        f"with both cores busy, {comm * 1e3:.2f} ms per message here) weighs more as micro-batches get shorter "
+        "relative to it, and as stages get more (the line above).",
     ]
     return "\n".join(lines) + "\n"
 
