@@ -182,14 +182,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(job: dict, folder: Path) -> dict:
-    """Run one configuration (its processes) and return rank 0's results."""
+def run_workers(script: str, job: dict, folder: Path, count: int, threads: int, timeout: float) -> None:
+    """Start ``python script --worker JOB`` ``count`` times as ranks of one group on loopback
+    (``threads`` each); wait for all, or kill them all past ``timeout`` seconds."""
     path = folder / "job.json"
     path.write_text(json.dumps(job))
-    port, count = _free_port(), job["processes"]
+    port = _free_port()
     procs = []
     for rank in range(count):
-        env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         if count > 1:
             env.update(
                 RANK=str(rank),
@@ -200,7 +201,7 @@ def _launch(job: dict, folder: Path) -> dict:
             )
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(path)],
+                [sys.executable, script, "--worker", str(path)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -210,14 +211,19 @@ def _launch(job: dict, folder: Path) -> dict:
     outputs = []
     for proc in procs:
         try:
-            outputs.append(proc.communicate(timeout=RUN_TIMEOUT_S)[0])
+            outputs.append(proc.communicate(timeout=timeout)[0])
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise RuntimeError(f"{job['label']}: still running after {RUN_TIMEOUT_S} s") from None
+            raise RuntimeError(f"{job['label']}: still running after {timeout} s") from None
     for proc, output in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
             raise RuntimeError(f"{job['label']} failed:\n{output[-3000:]}")
+
+
+def _launch(job: dict, folder: Path) -> dict:
+    """Run one configuration (its processes) and return rank 0's results."""
+    run_workers(__file__, job, folder, job["processes"], job["threads"], RUN_TIMEOUT_S)
     return json.loads(Path(job["out"]).read_text())
 
 

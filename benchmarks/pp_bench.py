@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +42,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import dp_bench as dp  # noqa: E402  (its launcher of rank processes)
 import train_bench as tb  # noqa: E402  (the GPT-2 builder, export and optimizer settings)
 
 TITLE = "Pipeline-parallel training"
@@ -99,39 +98,8 @@ def worker_main(job: dict) -> int:
 # --------------------------------------------------------------------------- the runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(job: dict, folder: Path) -> list[dict]:
-    path = folder / "job.json"
-    path.write_text(json.dumps(job))
-    port = _free_port()
-    procs = []
-    for rank in range(STAGES):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(STAGES), MASTER_ADDR="127.0.0.1")
-        env["MASTER_PORT"] = str(port)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    for proc in procs:
-        try:
-            output = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"{job['label']}: still running after {RUN_TIMEOUT_S} s") from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"{job['label']} failed:\n{output[-3000:]}")
+    dp.run_workers(__file__, job, folder, STAGES, 1, RUN_TIMEOUT_S)
     return [json.loads(Path(f"{job['out']}-stage{r}.json").read_text()) for r in range(STAGES)]
 
 

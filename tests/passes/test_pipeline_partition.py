@@ -224,6 +224,33 @@ class _Channels:
         return Transport()
 
 
+def _skip_steps(rng, count: int, micro: int) -> list[list[dict[str, np.ndarray]]]:
+    """``count`` steps of ``micro`` micro-batches of 4 rows for ``_skip_model`` under mse."""
+    return [
+        [
+            {
+                "x": rng.standard_normal((4, 6)).astype(np.float32),
+                "labels": rng.standard_normal((4, 6)).astype(np.float32),
+            }
+            for _ in range(micro)
+        ]
+        for _ in range(count)
+    ]
+
+
+def _one_process(program, steps) -> tuple[Module, list[float]]:
+    """The oracle: one process running each step's micro-batches in turn, then the update;
+    the module and each step's mean loss."""
+    module = Module(program, device="cpu")
+    optimizer = Optimizer(module)
+    losses = []
+    for step in steps:
+        losses.append(float(np.mean([float(module(**mb)) for mb in step])))
+        optimizer.step()
+        module.lazy_reset_grad()
+    return module, losses
+
+
 def _in_threads(program, steps):
     from graphforge.distributed.pipeline_parallel import PipelineStage
 
@@ -255,23 +282,8 @@ def test_a_connection_that_skips_a_stage_is_relayed(schedule):
         _skip_model(), f'{MSE}, pipeline(stages=3, microbatches=3, cuts=[h1, h2], schedule="{schedule}")'
     ).model
     rng = np.random.default_rng(0)
-    steps = [
-        [
-            {
-                "x": rng.standard_normal((4, 6)).astype(np.float32),
-                "labels": rng.standard_normal((4, 6)).astype(np.float32),
-            }
-            for _ in range(3)
-        ]
-        for _ in range(3)
-    ]
-    module = Module(program, device="cpu")
-    optimizer = Optimizer(module)
-    losses = []
-    for step in steps:
-        losses.append(np.mean([float(module(**mb)) for mb in step]))
-        optimizer.step()
-        module.lazy_reset_grad()
+    steps = _skip_steps(rng, 3, 3)
+    module, losses = _one_process(program, steps)
     results = _in_threads(program, steps)
     expected = module.runner.read_tensors()
     for stage_losses, tensors in results:
@@ -288,23 +300,8 @@ def test_a_stage_without_parameters_takes_part():
     program = graphforge.compile(_skip_model(), f"{MSE}, pipeline(stages=2, microbatches=2, cuts=[y])").model
     assert _role(program).parameters[1] == ()
     rng = np.random.default_rng(1)
-    steps = [
-        [
-            {
-                "x": rng.standard_normal((4, 6)).astype(np.float32),
-                "labels": rng.standard_normal((4, 6)).astype(np.float32),
-            }
-            for _ in range(2)
-        ]
-        for _ in range(2)
-    ]
-    module = Module(program, device="cpu")
-    optimizer = Optimizer(module)
-    for step in steps:
-        for mb in step:
-            module(**mb)
-        optimizer.step()
-        module.lazy_reset_grad()
+    steps = _skip_steps(rng, 2, 2)
+    module, _ = _one_process(program, steps)
     (_, first), (_, last) = _in_threads(program, steps)
     assert last == {}
     for name, value in first.items():
@@ -328,13 +325,7 @@ def test_a_first_stage_without_parameters_runs_no_backward():
         ]
         for _ in range(2)
     ]
-    module = Module(program, device="cpu")
-    optimizer = Optimizer(module)
-    for step in steps:
-        for mb in step:
-            module(**mb)
-        optimizer.step()
-        module.lazy_reset_grad()
+    module, _ = _one_process(program, steps)
     (_, first), (_, last) = _in_threads(program, steps)
     assert first == {}
     for name, value in last.items():
