@@ -5,9 +5,11 @@ The pipeline pass records only the forward tensors the stages are cut after
 pass and in the runtime:
 
 - **Phases.** A node the gradient boundary (or an output the update does not write: the
-  loss, accumulators, buffers) needs runs once per micro-batch: in the *forward* when it is
-  the model's or the loss's, in the *backward* when autodiff or the optimizer's
-  accumulation made it. The rest is the *update*, once per step.
+  loss, accumulators, buffers) needs runs once per micro-batch: in the *backward* when
+  autodiff made it or it reads the backward (the optimizer's accumulation), else in the
+  *forward* (the model's, the loss's, the BatchNorm buffers' update, so that the next
+  micro-batch's forward reads the statistics as one process would). The rest is the
+  *update*, once per step.
 - **Forward stages.** Stage k runs the forward nodes ``cuts[k]`` needs that no earlier stage
   runs; the last stage runs the rest (the head, the loss).
 - **Backward stages.** A node autodiff made for forward node n runs on n's stage. Any other
@@ -42,8 +44,6 @@ from graphforge.program import ProgramRoles
 from graphforge.shapes import infer_shapes
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
-#: node roles (their name's prefix) autodiff and the optimizer generate: the backward phase
-_BACKWARD_ROLES = ("grad", "optim")
 
 
 class StageError(GraphforgeError):
@@ -69,6 +69,12 @@ def _value_reads(node: gs.Node, overridable: frozenset[str]) -> list[gs.Tensor]:
     """What ``node``'s output values depend on (``Shape(x)`` does not depend on x's values)."""
     shape_only = {id(t) for i, t in enumerate(node.inputs) if (node.op, i) in _SHAPE_ONLY}
     return [t for t in _reads(node, overridable) if id(t) not in shape_only]
+
+
+def _models_node(node: gs.Node) -> bool:
+    """Whether ``node`` is the model's or the loss pass's (not another pass's)."""
+    origin = roles.node_origin(node.name or "")
+    return origin is None or origin[0] == "loss"
 
 
 def _floating(tensor: gs.Tensor) -> bool:
@@ -145,11 +151,14 @@ def phases(model: Model, nodes: list[gs.Node] | None = None) -> dict[int, str]:
             phase[id(node)] = UPDATE
             continue
         origin = roles.node_origin(node.name or "")
-        if origin is not None and origin[0] in _BACKWARD_ROLES:
+        if origin is not None and origin[0] == "grad":
             phase[id(node)] = BACKWARD
         elif origin is None or origin[0] == "loss":
             phase[id(node)] = FORWARD
-        else:  # another pass's node: backward when it reads the backward
+        else:
+            # the optimizer's (or another pass's) node: backward when it reads the backward (the
+            # accumulation), else forward: the BatchNorm statistics a forward hands to its
+            # buffers are written by that forward, so the next micro-batch's forward reads them
             reads_backward = any(phase.get(id(producer.get(id(t)))) == BACKWARD for t in _reads(node, ov))
             phase[id(node)] = BACKWARD if reads_backward else FORWARD
     return phase
@@ -188,8 +197,25 @@ def forward_stages(model: Model, cuts: Sequence[str], nodes=None, phase=None) ->
             stage[id(node)] = k
             stack.extend(producer[id(t)] for t in _reads(node, ov) if id(t) in producer)
     last = len(cuts)
+    # where the cuts put the readers of each parameter or buffer (a buffer's update goes there)
+    read_at: dict[str, int] = {}
     for node in forward:
-        stage.setdefault(id(node), last)
+        if id(node) in stage:
+            for t in _reads(node, ov):
+                if id(t) not in producer:
+                    read_at.setdefault(t.name, stage[id(node)])
+    for node in forward:  # in order: what a node reads is placed before it
+        if id(node) in stage:
+            continue
+        placed = [
+            stage[id(producer[id(t)])] if id(t) in producer else read_at[t.name]
+            for t in _reads(node, ov)
+            if id(t) in producer or t.name in read_at
+        ]
+        if not _models_node(node) and placed:
+            stage[id(node)] = max(placed)  # a pass's node (a buffer's update) stays with what it reads
+        else:
+            stage[id(node)] = last  # the head, the loss, and what no cut needs
     if cuts and not any(s == last for s in stage.values()):
         raise StageError(f"the last stage would be empty: nothing of the forward comes after {cuts[-1]!r}")
     return stage
@@ -514,7 +540,8 @@ def forward_chain(plan: StagePlan, dims=None) -> tuple[list[gs.Node], list[float
     positions where one tensor that depends on a parameter alone crosses (position → that
     tensor), the cut points."""
     ov = _overridable(plan.model)
-    forward = [n for n in plan.nodes if plan.phase[id(n)] == FORWARD]
+    # the model's and the loss's nodes; a pass's forward nodes (buffer updates) go with what they read
+    forward = [n for n in plan.nodes if plan.phase[id(n)] == FORWARD and _models_node(n)]
     index = {id(n): i for i, n in enumerate(forward)}
     program = ProgramRoles.of_model(plan.model)
     carried_of = {c.input: c for c in program.carried}

@@ -330,3 +330,56 @@ def test_a_first_stage_without_parameters_runs_no_backward():
     assert first == {}
     for name, value in last.items():
         np.testing.assert_allclose(value, module.runner.read_tensors()[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_batchnorm_statistics_and_dropout_masks_follow_one_process(tmp_path, stages):
+    """A CNN with BatchNorm and Dropout: each micro-batch's forward updates the running
+    statistics the next micro-batch's forward reads, on whichever stage; the dropout masks
+    are the ones one process draws. Parameters, states and buffers all equal."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 8 * 8, 10),
+    ).train()
+    path = tmp_path / "cnn.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net,
+            (torch.randn(4, 3, 8, 8),),
+            str(path),
+            dynamo=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            do_constant_folding=False,
+            input_names=["x"],
+            output_names=["logits"],
+            dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
+        )
+    text = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2, clip_grad_norm=1.0, accumulate=true)"
+    program = graphforge.compile(path, f"{text}, pipeline(stages={stages}, microbatches=3)").model
+    rng = np.random.default_rng(0)
+    steps = [
+        [
+            {"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32), "labels": rng.integers(0, 10, 4)}
+            for _ in range(3)
+        ]
+        for _ in range(3)
+    ]
+    module, losses = _one_process(program, steps)
+    results = _in_threads(program, steps)
+    expected = module.runner.read_tensors()
+    assert any("running_mean" in n for n in expected)
+    for stage_losses, tensors in results:
+        np.testing.assert_allclose(stage_losses, losses, rtol=1e-6)
+        for name, value in tensors.items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    assert sorted(n for _, t in results for n in t) == sorted(expected)
