@@ -500,15 +500,15 @@ class StageCosts:
         }
 
 
-def stage_costs(plan: StagePlan, dims=None) -> StageCosts:
+def stage_costs(plan: StagePlan, dims=None, per_node: dict[int, float] | None = None) -> StageCosts:
     """What each stage of ``plan`` computes and holds (graphforge.analysis.cost; symbolic
     dims as ``dims`` binds them, else 1)."""
     s_count = plan.stages
     flops, update = [0.0] * s_count, [0.0] * s_count
-    costs = model_flops(plan.model, dims)
+    costs = per_node if per_node is not None else model_flops(plan.model, dims)
     for node in plan.nodes:
         s = plan.stage[id(node)]
-        cost = costs[id(node)]
+        cost = costs.get(id(node), 0.0)  # a node added since ``flops`` was taken: a scalar's
         targets = range(s_count) if s is None else [s]
         for k in targets:
             (update if plan.phase[id(node)] == UPDATE else flops)[k] += cost
@@ -534,7 +534,9 @@ def stage_costs(plan: StagePlan, dims=None) -> StageCosts:
     return StageCosts(flops, update, params, states, stash)
 
 
-def forward_chain(plan: StagePlan, dims=None) -> tuple[list[gs.Node], list[float], dict[int, str]]:
+def forward_chain(
+    plan: StagePlan, dims=None, per_node: dict[int, float] | None = None
+) -> tuple[list[gs.Node], list[float], dict[int, str]]:
     """The forward as a chain for the partition: its nodes in order, each one's weight (its
     FLOPs, its backward's and the update of the parameters it reads first), and the
     positions where one tensor that depends on a parameter alone crosses (position → that
@@ -552,11 +554,11 @@ def forward_chain(plan: StagePlan, dims=None) -> tuple[list[gs.Node], list[float
     position = {c.input: first_reader.get(c.like or c.input, 0) for c in program.carried}
     place = _spread(plan.model, plan.nodes, plan.phase, index, position, set(), strict=False)
     weight = [0.0] * len(forward)
-    costs = model_flops(plan.model, dims)
+    costs = per_node if per_node is not None else model_flops(plan.model, dims)
     for node in plan.nodes:
         at = place[id(node)]
         if at is not None:
-            weight[at] += costs[id(node)]
+            weight[at] += costs.get(id(node), 0.0)
     # which tensors depend on a parameter (activations); the rest (masks from the batch) are relayed
     parameters = {c.input for c in carried_of.values() if c.role in ("parameter", "buffer")}
     depends: set[int] = set()

@@ -9,6 +9,7 @@ import onnx_graphsurgeon as gs
 
 from graphforge import roles
 from graphforge.analysis import topological_order
+from graphforge.analysis.cost import model_flops
 from graphforge.analysis.partition import balanced_cuts
 from graphforge.errors import GraphforgeError, PassError
 from graphforge.graph import Model
@@ -82,18 +83,20 @@ class PipelinePartition(Pass):
             )
         dims = self._dims()
         try:
-            auto = self._automatic(model, dims) if self.stages > 1 else []
+            # FLOPs per node once (shape inference with the dims bound): every plan below shares the nodes
+            flops = model_flops(model, dims)
+            auto = self._automatic(model, dims, flops) if self.stages > 1 else []
             cuts = list(self.cuts) if self.cuts else auto
             partials = _partial_norms(model, cuts, self.stages)
             plan = plan_stages(model, cuts, partials)
         except StageError as exc:
             raise PassError(str(exc)) from None
-        costs = stage_costs(plan, dims)
+        costs = stage_costs(plan, dims, flops)
         per_stage = [f + u for f, u in zip(costs.flops, costs.update_flops, strict=True)]
         optimum = max(per_stage)
         if self.cuts and auto and auto != cuts:  # what the automatic cuts would give, beside
             try:
-                best = stage_costs(plan_stages(model, auto), dims)
+                best = stage_costs(plan_stages(model, auto), dims, flops)
                 optimum = max(f + u for f, u in zip(best.flops, best.update_flops, strict=True))
             except StageError:
                 pass
@@ -131,10 +134,10 @@ class PipelinePartition(Pass):
             out[name.strip()] = int(value)
         return out
 
-    def _automatic(self, model: Model, dims: dict[str, int]) -> list[str]:
+    def _automatic(self, model: Model, dims: dict[str, int], flops: dict[int, float]) -> list[str]:
         """The chain cut that makes the slowest stage fastest (by the chain's weights), or
         none when there are too few cut points and the cuts are named."""
-        _, weights, points = forward_chain(plan_stages(model, []), dims)
+        _, weights, points = forward_chain(plan_stages(model, []), dims, flops)
         try:
             best = balanced_cuts(weights, self.stages, list(points))
         except GraphforgeError as exc:  # fewer cut points than stages

@@ -103,7 +103,7 @@ class DataParallel:
         for index, parameters in enumerate(role.buckets):
             names = tuple(boundary[p] for p in parameters)
             specs = [carried[p] for p in parameters]
-            dtype = _torch_dtype(specs[0].dtype)
+            dtype = torch_dtype(specs[0].dtype)
             flat = torch.zeros(sum(int(np.prod(c.shape)) for c in specs), dtype=dtype, device=world.device)
             bucket = _Bucket(index, names, flat)
             offset = 0
@@ -153,23 +153,9 @@ class DataParallel:
     # ------------------------------------------------------------------ the pieces
 
     def broadcast(self, names: list[str], what: str) -> None:
-        """Rank 0's current values of the carried tensors ``names`` on every rank (in place,
-        as one flat byte buffer: one collective)."""
-        import torch
-        import torch.distributed as dist
-
-        if self.world.size == 1:
-            return
-        carried = self.module.runner.carried
-        views = [tensor_of(carried[n].value).reshape(-1).view(torch.uint8) for n in names]
-        flat = torch.cat(views) if views else torch.empty(0, dtype=torch.uint8, device=self.world.device)
-        with self.world.collective(what):
-            dist.broadcast(flat, 0)
-        if self.world.rank != 0:
-            offset = 0
-            for view in views:
-                view.copy_(flat[offset : offset + view.numel()])
-                offset += view.numel()
+        """Rank 0's current values of the carried tensors ``names`` on every rank."""
+        if self.world.size > 1:
+            broadcast_carried(self.world, self.module.runner, names, 0, what)
 
     def _cut_step(self, key: Any, keep: list[str]) -> list[SegmentRun]:
         """The training step cut after each bucket: segment k makes bucket k's gradients
@@ -272,7 +258,27 @@ def _dlpack(value: ort.OrtValue) -> bool:
     return hasattr(value, "__dlpack__")
 
 
-def _torch_dtype(dtype: np.dtype):
+def broadcast_carried(world: World, runner, names, source: int, what: str, group=None) -> None:
+    """Rank ``source``'s current values of the runner's carried tensors ``names`` on every
+    rank of ``group`` (default: all), in place, as one flat byte buffer: one collective."""
+    import torch
+    import torch.distributed as dist
+
+    views = [tensor_of(runner.carried[n].value).reshape(-1).view(torch.uint8) for n in names]
+    if not views:
+        return
+    flat = torch.cat(views)
+    with world.collective(what):
+        dist.broadcast(flat, source, group=group)
+    if world.rank != source:
+        offset = 0
+        for view in views:
+            view.copy_(flat[offset : offset + view.numel()])
+            offset += view.numel()
+
+
+def torch_dtype(dtype: np.dtype):
+    """The torch dtype of a NumPy one."""
     import torch
 
     return torch.from_numpy(np.zeros(0, dtype)).dtype

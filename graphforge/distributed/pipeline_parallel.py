@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from graphforge.distributed.data_parallel import ortvalue_of, tensor_of
+from graphforge.distributed.data_parallel import broadcast_carried, ortvalue_of, tensor_of, torch_dtype
 from graphforge.distributed.schedules import (
     BACKWARD,
     FORWARD,
@@ -411,20 +411,7 @@ class StageReplicas:
 
     def broadcast(self, runner: Runner, names: Sequence[str], what: str) -> None:
         """Replica 0's current values of the carried tensors ``names``, in place on every replica."""
-        import torch
-        import torch.distributed as dist
-
-        views = [tensor_of(runner.carried[n].value).reshape(-1).view(torch.uint8) for n in names]
-        if not views:
-            return
-        flat = torch.cat(views)
-        with self.world.collective(what):
-            dist.broadcast(flat, self.ranks[0], group=self.group)
-        if self.index != 0:
-            offset = 0
-            for view in views:
-                view.copy_(flat[offset : offset + view.numel()])
-                offset += view.numel()
+        broadcast_carried(self.world, runner, names, self.ranks[0], what, group=self.group)
 
     def mean(self, value: float, what: str) -> float:
         """``value``'s mean over the replicas (every rank of a pipeline holds the same value)."""
@@ -533,7 +520,7 @@ class TorchTransport:
                 dist.irecv(payload, self.first + peer).wait(timeout=_timeout(self.world))
         out, offset = [], 0
         for shape, dtype, size in zip(shapes, dtypes, sizes, strict=True):
-            chunk = payload[offset : offset + size].view(_torch_dtype(dtype)).reshape(shape)
+            chunk = payload[offset : offset + size].view(torch_dtype(dtype)).reshape(shape)
             out.append(ortvalue_of(chunk))
             offset += size
         return out
@@ -585,11 +572,3 @@ def _timeout(world):
     from datetime import timedelta
 
     return timedelta(seconds=world.timeout_s)
-
-
-def _torch_dtype(dtype: np.dtype):
-    import torch
-
-    if np.dtype(dtype) == np.bool_:
-        return torch.bool
-    return torch.from_numpy(np.zeros(0, dtype)).dtype
