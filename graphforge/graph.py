@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,6 +208,19 @@ def copy_leaving_values_out(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     return out
 
 
+def without_values(proto: onnx.ModelProto, names: Collection[str]) -> onnx.ModelProto:
+    """A copy of ``proto`` whose main-graph initializers named in ``names`` are stand-ins
+    (``is_stand_in``: name, type and shape, no values), for a holder that gets their values
+    elsewhere; the others are copied."""
+    out = copy_without_initializers(proto)
+    for tensor in proto.graph.initializer:
+        if tensor.name in names:
+            out.graph.initializer.append(_stand_in(tensor.name, tensor.data_type, tensor.dims))
+        else:
+            out.graph.initializer.add().CopyFrom(tensor)
+    return out
+
+
 def stand_ins_long_enough(proto: onnx.ModelProto, model: Model) -> bool:
     """Whether the values that ``proto`` (``model.to_proto(values=False)``) left out hold enough
     bytes for their shapes, as the checker requires (NumPy arrays always do)."""
@@ -295,15 +308,28 @@ def _values_left_out(graph: gs.Graph, *, values: bool) -> Iterator[dict[str, gs.
     """While exporting, the main graph's constants that ``_stand_in_for`` picks hold their
     stand-ins; yields them by name, and gives them their values back on exit."""
     swapped: list[tuple[gs.Constant, object]] = []
+    private: list[tuple[gs.Constant, object]] = []
     try:
         for constant in _constants(graph):
             stand_in = _stand_in_for(constant, values)
             if stand_in is not None:
                 swapped.append((constant, constant._values))
                 constant._values = LazyValues(stand_in)
+        # a tensor attribute (a Constant's value, ConstantOfShape's) still read from the file
+        # is exported from a copy: onnx-graphsurgeon sets the name of the TensorProto it reads,
+        # which would change the source model (its bytes) behind the caller's back
+        for g in (graph, *graph.subgraphs(recursive=True)):
+            for node in g.nodes:
+                for value in node.attrs.values():
+                    tensor = _lazy_tensor(value) if isinstance(value, gs.Constant) else None
+                    if tensor is not None:
+                        copy = onnx.TensorProto()
+                        copy.CopyFrom(tensor)
+                        private.append((value, value._values))
+                        value._values = LazyValues(copy)
         yield {constant.name: constant for constant, _ in swapped}
     finally:
-        for constant, original in swapped:
+        for constant, original in [*swapped, *private]:
             constant._values = original
 
 

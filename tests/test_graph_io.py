@@ -68,6 +68,27 @@ def test_load_of_a_modelproto_returns_a_copy_and_leaves_the_caller_alone():
     assert model.SerializeToString() == before
 
 
+def test_exporting_a_model_leaves_the_proto_it_was_imported_from_alone():
+    """Tensor attributes (ConstantOfShape's value, a Constant's) are exported from copies:
+    onnx-graphsurgeon names the TensorProto it exports, which set a field in the source."""
+    value = TensorProto(data_type=TensorProto.FLOAT, dims=[1], raw_data=np.float32(1).tobytes())  # no name set
+    fill = helper.make_node("ConstantOfShape", ["shape"], ["y"])
+    fill.attribute.add(name="value", type=onnx.AttributeProto.TENSOR).t.CopyFrom(value)
+    graph = helper.make_graph(
+        [fill],
+        "g",
+        [helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert not proto.graph.node[0].attribute[0].t.HasField("name")
+    before = proto.SerializeToString()
+    model = Model.from_proto(proto)
+    model.to_proto()
+    model.to_proto(values=False)
+    assert proto.SerializeToString() == before
+
+
 def test_load_of_a_missing_file_names_it(tmp_path):
     path = tmp_path / "nope.onnx"
     with pytest.raises(ModelLoadError) as info:
