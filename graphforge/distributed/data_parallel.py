@@ -94,6 +94,9 @@ class DataParallel:
                 f"rank {world.rank}: the Module runs on {module.device} but the group's collectives on "
                 f"{world.device} ({world.backend}); make both the same device"
             )
+        # a data-parallel step keeps two buffers per carried tensor: its update is cut into
+        # several segments, and the train loop undoes a step whose loss is not finite
+        module.runner.disable_in_place()
         self.module, self.world, self.overlap = module, world, overlap
         self.average = role.average
         self.stats = CommStats()

@@ -20,13 +20,17 @@ from graphforge.program import ProgramRoles
 from graphforge.verify import verify_model
 
 
-def eval_model(program: ModelSource | Model, outputs: Sequence[str] | None = None) -> onnx.ModelProto:
+def eval_model(
+    program: ModelSource | Model, outputs: Sequence[str] | None = None, *, verify: bool = True
+) -> onnx.ModelProto:
     """The evaluation step of a training program: ``outputs`` (default: the forward
     outputs) and the loss, with Dropout off and BatchNorm on its running statistics.
 
     The labels input stays, and every parameter and buffer stays an overridable graph
     input of the same name (an initializer holding the program's value), so a runtime
     can bind the current training values without copying them into the model.
+    ``verify=False``: no check of the result, for a runtime that binds values the program
+    leaves out (``graph.without_values``): onnxruntime checks the model it loads.
     """
     model = _as_model(program)
     program_roles = ProgramRoles.of_model(model)
@@ -36,7 +40,8 @@ def eval_model(program: ModelSource | Model, outputs: Sequence[str] | None = Non
         wanted.append(loss)
     labels = program_roles.labels
     keep = [labels] if labels in {t.name for t in model.graph.inputs} else []
-    return _pruned(model, Prune(outputs=tuple(wanted), keep_inputs=tuple(keep), parameters_as_inputs=True))
+    prune = Prune(outputs=tuple(wanted), keep_inputs=tuple(keep), parameters_as_inputs=True)
+    return _pruned(model, prune, verify=verify)
 
 
 def export_inference_model(
@@ -68,13 +73,14 @@ def _as_model(program: ModelSource | Model) -> Model:
     return Model.from_proto(load(program))
 
 
-def _pruned(model: Model, prune) -> onnx.ModelProto:
+def _pruned(model: Model, prune, *, verify: bool = True) -> onnx.ModelProto:
     try:
         result = prune.run(model)
     except ValueError as exc:  # the pass's own parameter check
         raise GraphforgeError(f"prune: {exc}") from None
     proto = result.model.to_proto()
-    verify_model(proto, where="the inference model")
+    if verify:
+        verify_model(proto, where="the inference model")
     return proto
 
 
@@ -101,6 +107,7 @@ def _set_values(model: Model, values: Mapping[str, np.ndarray]) -> None:
         updates.append((tensor, array))
     for tensor, array in updates:
         tensor.values = array
+        tensor.data_location = None  # it may have been a stand-in (graph.without_values): the values are here now
 
 
 def _dtype_name(dtype) -> str:

@@ -30,6 +30,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from graphforge.analysis.memory import in_place_safety
 from graphforge.cut import Segment
 from graphforge.errors import DeviceError, GraphforgeError, one_line
 from graphforge.program import CarriedSpec
@@ -42,6 +43,7 @@ from graphforge.runtime.sessions import (
     node_reads,
     provider_works,
     session_options,
+    share_cpu_arena,
 )
 
 #: host outputs of a fixed shape up to this many elements get a preallocated buffer
@@ -125,7 +127,9 @@ class _Binding:
 @dataclass
 class BoundSession:
     """A session for one model (a whole program, a segment of one, an eval model) and its
-    IOBindings, cached by which buffer each carried tensor is bound to and what is fetched."""
+    IOBindings, cached by which buffer each carried tensor is bound to and what is fetched.
+    ``in_place``: the carried tensors this model writes into the buffer it reads them from
+    (see Runner: proven safe for this model)."""
 
     session: ort.InferenceSession
     where: str
@@ -140,7 +144,11 @@ class BoundSession:
     carried_in: list[Carried]
     carried_out: list[Carried]
     free_inputs: list[str]
+    in_place: frozenset[str] = frozenset()
     bindings: dict[tuple, _Binding] = field(default_factory=dict)
+
+    def writes_in_place(self, c: Carried) -> bool:
+        return c.name in self.in_place
 
 
 @dataclass(frozen=True)
@@ -176,12 +184,14 @@ Hook = Callable[[int, dict[str, ort.OrtValue]], "Mapping[str, ort.OrtValue] | Pe
 @dataclass
 class Execution:
     """What an execution produced: the host outputs fetched, the device values the segments
-    sent (after the hook), and the carried tensors it wrote (their other buffer still holds
-    the value before, which ``Runner.restore`` brings back)."""
+    sent (after the hook), the carried tensors it wrote into their other buffer (which
+    still holds the value before: ``Runner.restore`` brings it back), and those it
+    ``overwritten`` in place (the value before is gone)."""
 
     host: dict[str, np.ndarray]
     device: dict[str, ort.OrtValue]
     written: list[Carried]
+    overwritten: list[Carried] = field(default_factory=list)
 
 
 class Runner:
@@ -191,6 +201,13 @@ class Runner:
     feeds, named when one is missing. ``threads``: intra/inter-op thread counts for every
     session. Values come in with :meth:`write_tensors` and go out with :meth:`read_tensors`
     (a CheckpointState reads through that, see checkpoint.TensorHolder).
+
+    ``in_place``: carried tensors (by input name) that may be updated in place, in one buffer
+    instead of two: a session writes one of them into the buffer it reads it from wherever
+    its model proves that safe (``in_place_safety``: every other node that reads the old
+    value runs before the node that writes the new one, in any order onnxruntime may choose,
+    and that node is elementwise), and into the other buffer where it does not. A run that
+    wrote a tensor in place cannot be taken back (``Execution.overwritten``).
     """
 
     def __init__(
@@ -201,6 +218,7 @@ class Runner:
         batch_inputs: Sequence[str] = (),
         intra_op_threads: int | None = None,
         inter_op_threads: int | None = None,
+        in_place: Collection[str] = (),
     ):
         self.device = device
         self.batch_inputs = list(batch_inputs)
@@ -211,10 +229,24 @@ class Runner:
             slot = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device.type, device.id)
             self.carried[spec.input] = Carried(spec, dtype, shape, [slot])
         self.by_output = {c.output: c for c in self.carried.values()}
+        unknown = sorted(set(in_place) - set(self.carried))
+        if unknown:
+            raise GraphforgeError(f"in_place names {unknown[0]!r}, which is not a carried tensor")
+        self.in_place = frozenset(in_place)
+        #: carried tensor -> why a session's model could not update it in place (the last reason)
+        self.in_place_refused: dict[str, str] = {}
         self._sessions: dict[Any, BoundSession] = {}
         #: while profiling: where traces go, and the profiled twin sessions by key
         self._profile_prefix: str | None = None
         self._profiled: dict[Any, BoundSession] = {}
+
+    def disable_in_place(self) -> None:
+        """From now on every carried tensor is written into its other buffer (sessions made
+        before are made again, without in-place writes)."""
+        if self.in_place:
+            self.in_place = frozenset()
+            self._sessions.clear()
+            self._profiled.clear()
 
     # ------------------------------------------------------------------ carried values
 
@@ -283,6 +315,8 @@ class Runner:
         # more block beside the arena that the first run filled: for a training step that
         # nearly doubles the peak memory (GPT-2 2x256: 1.8 GiB instead of 1.2), for no speed
         options.enable_mem_pattern = False
+        if self.device.type == "cpu":
+            share_cpu_arena(options)
         if profiled:
             options.enable_profiling = True
             options.profile_file_prefix = self._profile_prefix
@@ -303,6 +337,14 @@ class Runner:
                 shapes[o.name] = tuple(d.dim_value for d in dims)
         inputs = [i.name for i in model.graph.input]
         outputs = [o.name for o in model.graph.output]
+        in_place = set()
+        if self.in_place:
+            pairs = {
+                c.name: c.output for n in inputs if n in self.in_place and (c := self.carried[n]).output in outputs
+            }
+            refused = in_place_safety(model, pairs)
+            in_place = set(pairs) - set(refused)
+            self.in_place_refused.update(refused)
         return BoundSession(
             session=session,
             where=where,
@@ -315,6 +357,7 @@ class Runner:
             carried_in=[self.carried[n] for n in inputs if n in self.carried],
             carried_out=[self.by_output[o] for o in outputs if o in self.by_output],
             free_inputs=[n for n in inputs if n not in self.carried],
+            in_place=frozenset(in_place),
         )
 
     def _take_defaults(self, model: onnx.ModelProto) -> dict[str, ort.OrtValue]:
@@ -374,6 +417,7 @@ class Runner:
         pending: list[tuple[set[str], Pending]] = []
         host: dict[str, np.ndarray] = {}
         written: list[Carried] = []
+        overwritten: list[Carried] = []
 
         def settle(handle: Pending, names: set[str]) -> None:
             replaced = handle.wait()
@@ -384,7 +428,7 @@ class Runner:
 
         try:
             for k, segment in enumerate(segments):
-                stale = [c.name for c in segment.session.carried_in if any(c is w for w in written)]
+                stale = [c.name for c in segment.session.carried_in if any(c is w for w in [*written, *overwritten])]
                 if stale:  # its buffer flipped: the segment would read the value after the update
                     raise GraphforgeError(
                         f"segment {k} ({segment.session.where}) reads {stale[0]!r}, which an earlier segment of "
@@ -396,7 +440,8 @@ class Runner:
                     settle(entry[1], entry[0])
                 fetched, out = self.run(segment.session, available, segment.fetch, segment.sends, segment.into)
                 host.update(fetched)
-                written += segment.session.carried_out
+                for c in segment.session.carried_out:
+                    (overwritten if segment.session.writes_in_place(c) else written).append(c)
                 available.update(out)
                 sent.update(out)
                 if hook is None or not out:
@@ -415,7 +460,7 @@ class Runner:
         except BaseException:  # nothing half-done: the carried state is as before the execution
             Runner.restore(written)
             raise
-        return Execution(host, sent, written)
+        return Execution(host, sent, written, overwritten)
 
     def run(
         self,
@@ -429,18 +474,19 @@ class Runner:
         outputs to the other ones (which then become current), feeds bound as given. Returns
         the host fetches and the device ones. A carried output fetched to the device is its
         new current buffer (valid until the run after next writes it again); one in ``into``
-        is written into the value given there."""
+        is written into the value given there. A carried tensor the session writes in place is
+        read and written in its current buffer."""
         into = {n: v for n, v in (into or {}).items() if n in fetch_device}
         carried_in, carried_out = bound.carried_in, bound.carried_out
         for c in carried_out:
-            if len(c.slots) == 1:
+            if len(c.slots) == 1 and not bound.writes_in_place(c):
                 c.slots.append(
                     ort.OrtValue.ortvalue_from_shape_and_type(c.shape, c.dtype, self.device.type, self.device.id)
                 )
         fetch_host, fetch_device = list(dict.fromkeys(fetch_host)), list(dict.fromkeys(fetch_device))
         key = (
             tuple(c.current for c in carried_in),
-            tuple(c.current for c in carried_out),
+            tuple(_write_slot(bound, c) for c in carried_out),
             tuple(fetch_host),
             tuple(fetch_device),
             tuple(n for n in fetch_device if n in into),
@@ -482,7 +528,7 @@ class Runner:
             device = {n: values[offset + i] for i, n in enumerate(bound_device)}
             host.update({n: to_numpy(device[n]) for n in cached.via_device})
         for c in carried_out:
-            c.current = 1 - c.current
+            c.current = _write_slot(bound, c)
         host.update({n: to_numpy(in_buffers[n].value) for n in fetch_host if n in in_buffers})
         device.update({n: in_buffers[n].value for n in fetch_device if n in in_buffers})
         device.update({n: into[n] for n in fetch_device if n in into and n not in in_buffers})
@@ -501,7 +547,7 @@ class Runner:
         for c in bound.carried_in:
             binding.bind_ortvalue_input(c.name, c.slots[c.current])
         for c in bound.carried_out:
-            binding.bind_ortvalue_output(c.output, c.slots[1 - c.current])
+            binding.bind_ortvalue_output(c.output, c.slots[_write_slot(bound, c)])
         preallocated, allocated = {}, []
         via_device = [n for n in dict.fromkeys(fetch_host) if n in fetch_device]
         for name in dict.fromkeys(n for n in fetch_host if n not in via_device):
@@ -529,6 +575,11 @@ class Runner:
                 )
             array = array.astype(expected)
         binding.bind_cpu_input(name, array)
+
+
+def _write_slot(bound: BoundSession, c: Carried) -> int:
+    """The buffer a run of ``bound`` writes ``c``'s new value into."""
+    return c.current if bound.writes_in_place(c) else 1 - c.current
 
 
 def to_numpy(value: ort.OrtValue) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import Any
 
 import onnx
 import onnxruntime as ort
-from onnx import external_data_helper
+from onnx import external_data_helper, helper
 
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelSaveError, one_line
 from graphforge.graph import (
@@ -158,6 +158,29 @@ def _provider_name(entry: Any) -> str:
     return entry[0] if isinstance(entry, tuple) else entry
 
 
+_shared_cpu_arena: bool | None = None  # registered in onnxruntime's environment (None: not tried yet)
+
+
+def share_cpu_arena(options: ort.SessionOptions) -> bool:
+    """Make ``options``' session allocate CPU tensors from one arena that every session of
+    this process sharing it uses (onnxruntime's environment allocator), instead of an arena
+    of its own. A training step of two or more sessions (forward/backward, then the update;
+    data-parallel or pipeline segments) then reuses one peak's worth of memory, where each
+    arena of its own would keep its session's peak for good. Returns False where this
+    onnxruntime cannot register one (the session keeps its own arena)."""
+    global _shared_cpu_arena
+    if _shared_cpu_arena is None:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        try:
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))
+            _shared_cpu_arena = True
+        except (AttributeError, RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail):
+            _shared_cpu_arena = False
+    if _shared_cpu_arena:
+        options.add_session_config_entry("session.use_env_allocators", "1")
+    return _shared_cpu_arena
+
+
 def session_options(*, intra_op_threads: int | None = None, inter_op_threads: int | None = None) -> ort.SessionOptions:
     """Session options with thread counts (``$GRAPHFORGE_THREADS`` sets the intra-op default).
 
@@ -268,6 +291,10 @@ def lean_model(
        it copies the tensor into the bound output buffer on every run.
     3. The initializers of the inputs in ``bound`` go (the caller always binds them):
        onnxruntime would otherwise hold a second copy of every parameter and state.
+    4. A training-mode BatchNormalization reads a copy of a running statistic in ``bound``:
+       its onnxruntime kernel aliases each running-statistic output to that input and writes
+       it there, which would overwrite the caller's buffer (the value before the step, which
+       other nodes may still read and an undone step brings back).
 
     The inputs, and the values of the outputs kept, are unchanged.
     """
@@ -286,6 +313,7 @@ def lean_model(
         graph.output.extend(kept_outputs)
     _drop_dead_nodes(graph)
     _fold_output_identities(graph)
+    _copy_inputs_written_in_place(graph, set(bound))
     used = {name for node in graph.node for name in node_reads(node)} | {o.name for o in graph.output}
     graph.initializer.extend(
         t for t in source.initializer if t.name not in dropped and (t.name in used or t.name in inputs)
@@ -305,6 +333,27 @@ def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
         alive.reverse()
         del graph.node[:]
         graph.node.extend(alive)
+
+
+def _copy_inputs_written_in_place(graph: onnx.GraphProto, bound: set[str]) -> None:
+    """Case 4 of lean_model: BatchNormalization's inputs 3 and 4 (declared Alias(3, 1) and
+    Alias(4, 2) by onnxruntime) read through Max(x, x), an exact copy no onnxruntime
+    optimization removes (an Identity would be removed), when they are bound inputs."""
+    nodes = []
+    for node in graph.node:
+        training = any(a.name == "training_mode" and a.i for a in node.attribute)
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and training:
+            for index in (3, 4):
+                written = len(node.output) > index - 2 and node.output[index - 2]
+                if index < len(node.input) and node.input[index] in bound and written:
+                    source = node.input[index]
+                    copy = f"{source}/lean_copy_{len(nodes)}"
+                    nodes.append(helper.make_node("Max", [source, source], [copy], name=copy))
+                    node.input[index] = copy
+        nodes.append(node)
+    if len(nodes) > len(graph.node):
+        del graph.node[:]
+        graph.node.extend(nodes)
 
 
 def _fold_output_identities(graph: onnx.GraphProto) -> None:

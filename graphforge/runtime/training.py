@@ -16,15 +16,23 @@ one ``session.run`` of the whole program.
 
 How it runs. The program is one functional training step (passes/optimizers.py). The
 Module is a client of the runner (runner.py), which keeps every carried tensor (parameter,
-optimizer state, accumulator, buffer) in two device buffers that a run reads and writes in
-turn, so parameters and states never leave onnxruntime between steps and nothing is copied
-per step; they come back to numpy only when asked (``state.tensors``, ``module.parameters``,
-``state.save``).
+optimizer state, accumulator, buffer) on the device, so parameters and states never leave
+onnxruntime between steps and nothing is copied per step; they come back to numpy only
+when asked (``state.tensors``, ``module.parameters``, ``state.save``).
 
-``train_step`` executes the program as one segment. The split path (``module(...)`` then
-``optimizer.step()``) cuts it (graphforge.cut) at the optimizer's gradient boundary into
-segment 0, forward + backward (+ accumulate), and segment 1, the update; the gradients (or
-accumulated gradients) cross between them as device OrtValues. Eval mode runs
+The program is cut (graphforge.cut) at the optimizer's gradient boundary into segment 0,
+forward + backward (+ accumulate, + the gradient norm), and segment 1, the update; the
+gradients (or accumulated gradients) cross between them as device OrtValues. ``module(...)``
+runs segment 0, ``optimizer.step()`` segment 1, and ``train_step`` both in turn.
+
+In place (``in_place=True``, the default): segment 1 writes the parameters and optimizer
+states into the buffers it reads them from (the runner proves each safe), so they are held
+once, as torch holds them. Such an update cannot be taken back, so it is applied only when
+the step's loss and gradient norm are finite: otherwise the step is skipped
+(``module.last_update_skipped``) and ``undo_last_run()`` puts back what segment 0 changed.
+Accumulators and buffers stay in two buffers each. With ``in_place=False`` every carried
+tensor lives in two buffers that runs write in turn (ping-pong), ``train_step`` is one
+``session.run`` of the whole program, and any last run can be undone. Eval mode runs
 ``eval_model(program, ...)`` (dropout off, BatchNorm on its running statistics) with the
 current parameters bound.
 """
@@ -44,7 +52,7 @@ import onnxruntime as ort
 
 from graphforge.cut import cut
 from graphforge.errors import GraphforgeError
-from graphforge.graph import Model, ModelSource, save
+from graphforge.graph import Model, ModelSource, save, without_values
 from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
@@ -53,6 +61,10 @@ from graphforge.runtime.runner import BoundSession, Carried, Hook, Runner, Segme
 
 #: Module(dropout=...): counter-based masks, or onnxruntime's own Dropout
 DROPOUT_MODES = ("seeded", "onnxruntime")
+#: what Module(in_place=True) updates in one buffer: the large carried tensors whose update is
+#: the last thing a step does (accumulators and BatchNorm buffers are written by segment 0,
+#: which a skipped update must be able to take back)
+IN_PLACE_ROLES = ("parameter", "optimizer")
 
 
 class GradientReducer(Protocol):
@@ -81,6 +93,7 @@ class _Undo:
     norm before it."""
 
     written: list[Carried]
+    overwritten: list[Carried]
     step: int
     micro_batch: int
     grad_reset_pending: bool
@@ -97,6 +110,8 @@ class _Split:
     optim: onnx.ModelProto
     grad_outputs: list[str]
     sends: list[str]
+    #: what segment 0 fetches to decide whether the update may be applied (loss, grad_norm)
+    checks: list[str]
 
 
 class Module:
@@ -110,6 +125,7 @@ class Module:
     function of (``state.seeds["dropout"]``, step, micro-batch, node, element), so runs
     repeat and resume bit-identically (graphforge/runtime/dropout.py); "onnxruntime" keeps
     onnxruntime's own Dropout, whose generator is unseeded and cannot be checkpointed.
+    ``in_place``: update parameters and optimizer states in place (see the module docstring).
     """
 
     def __init__(
@@ -121,6 +137,7 @@ class Module:
         intra_op_threads: int | None = None,
         inter_op_threads: int | None = None,
         dropout: str = "seeded",
+        in_place: bool = True,
     ):
         if dropout not in DROPOUT_MODES:
             raise GraphforgeError(f"dropout={dropout!r}: use one of {', '.join(map(repr, DROPOUT_MODES))}")
@@ -132,6 +149,9 @@ class Module:
 
         state = state if state is not None else CheckpointState.from_program(self._program)
         state.check(roles.carried)
+        # the runner holds the carried tensors: the Module's copy of the program keeps their
+        # types and shapes only (else a second copy of every weight, for good)
+        self._program = without_values(self._program, {s.input for s in roles.carried})
         device_ = resolve_device(device)
         # what training runs: the program with reproducible dropout masks (eval and export use
         # the program), without the initial values of the carried tensors, which are always bound
@@ -153,6 +173,7 @@ class Module:
             batch_inputs=self.input_names,
             intra_op_threads=intra_op_threads,
             inter_op_threads=inter_op_threads,
+            in_place=[s.input for s in roles.carried if s.role in IN_PLACE_ROLES] if in_place else (),
         )
         # a state trains in one Module at a time: attach refuses one another Module holds
         self.runner.write_tensors(state.attach(self.runner))
@@ -164,6 +185,10 @@ class Module:
         self._eval_model: onnx.ModelProto | None = None
         self._optimizer: Optimizer | None = None
         self.last_grad_norm: float | None = None
+        #: whether the last training run's update was skipped (in place, not finite)
+        self.last_update_skipped = False
+        self._checked: dict[str, np.ndarray] = {}  # segment 0's loss and grad_norm, for the update
+        self._grad_buffers: dict[str, ort.OrtValue] | None = None
         self._undo: _Undo | None = None  # what undo_last_run() restores
         #: data parallelism: this replica's index (its dropout masks) and what reduces its gradients
         self.replica = 0
@@ -210,15 +235,25 @@ class Module:
         split = self._split_models()
         self._check_outputs(outputs, split.grad_outputs, "from module(...) (the forward/backward segment)")
         extra = tuple(sorted({o for o in outputs if o != self.loss_name}))
-        grad = self._segment_session(0, extra)
-        fetch = [self.loss_name, *outputs]
         if self.reducer is not None:
             self.reducer.before_forward()
-        done = self._execute([SegmentRun(grad, fetch, split.sends)], feeds)
+        done = self._forward_backward(feeds, extra, outputs)
+        return self._reported(done.host, outputs)
+
+    def _forward_backward(
+        self, feeds: dict[str, Any], extra: tuple[str, ...], outputs: list[str], into: dict | None = None
+    ):
+        """Segment 0 on a batch: forward, backward, accumulate (and the gradient norm);
+        ``into``: buffers to write the gradients it sends into."""
+        split = self._split_models()
+        grad = self._segment_session(0, extra)
+        fetch = list(dict.fromkeys([self.loss_name, *split.checks, *outputs]))
+        done = self._execute([SegmentRun(grad, fetch, split.sends, into or {})], feeds)
         self.state.grad_reset_pending = False
         self.state.micro_batch += 1  # the next forward of this step draws other dropout masks
         self._received = done.device
-        return self._reported(done.host, outputs)
+        self._checked = {n: done.host[n] for n in split.checks}
+        return done
 
     def train_step(self, *batch: Any, outputs: Sequence[str] = (), **feeds: Any):
         """One whole training step in one session.run: forward, backward, (accumulate,) and
@@ -230,6 +265,8 @@ class Module:
         outputs = list(outputs)
         if outputs:
             self._check_outputs(outputs, self.roles.outputs, "from train_step")
+        if self.runner.in_place and self.reducer is None:
+            return self._train_step_in_place(feeds, outputs)
         extra, keep = self._fused_outputs(outputs)
         fetch = [self.loss_name, *outputs]
         grad_norm = self.roles.grad_norm
@@ -248,6 +285,43 @@ class Module:
         self._received = None
         self.state.grad_reset_pending = True
         return self._reported(done.host, outputs)
+
+    def _train_step_in_place(self, feeds: dict[str, Any], outputs: list[str]):
+        """train_step as segment 0, then segment 1 unless the update is skipped."""
+        split = self._split_models()
+        first = [o for o in outputs if o in split.grad_outputs]
+        extra = tuple(sorted(o for o in first if o != self.loss_name))
+        done = self._forward_backward(feeds, extra, first, self._gradient_buffers(split))
+        host = dict(done.host)
+        undo = self._undo
+        self.state.micro_batch -= 1  # one step, not a micro-batch: the update resets it, a skip keeps it
+        update = self._update([o for o in outputs if o not in split.grad_outputs])
+        if update is not None:
+            host.update(update.host)
+            undo.written += update.written
+            undo.overwritten += update.overwritten
+        self._undo = undo
+        self._received = None  # the gradients go now, not when the next step's replace them
+        self.state.grad_reset_pending = True
+        return self._reported(host, outputs)
+
+    def _gradient_buffers(self, split: _Split) -> dict[str, ort.OrtValue]:
+        """One buffer for each gradient train_step hands from segment 0 to the update (those
+        of a fixed shape), made on first use and written by every step, as a torch module's
+        ``.grad``: the same memory each step, so that the allocator's pattern repeats."""
+        if self._grad_buffers is None:
+            shapes = {}
+            for value in split.grad.graph.output:
+                dims = value.type.tensor_type.shape.dim
+                if value.name in split.sends and all(d.HasField("dim_value") for d in dims):
+                    dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+                    shapes[value.name] = (tuple(d.dim_value for d in dims), dtype)
+            device = self.runner.device
+            self._grad_buffers = {
+                name: ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device.type, device.id)
+                for name, (shape, dtype) in shapes.items()
+            }
+        return self._grad_buffers
 
     def lazy_reset_grad(self) -> None:
         """Make the next ``module(...)`` call overwrite the accumulated gradients instead of adding to them."""
@@ -271,12 +345,18 @@ class Module:
         """Put the state back as it was before the last training run (``train_step``,
         ``module(...)`` or ``optimizer.step()``; eval runs change nothing and do not count):
         carried tensors, step count, micro-batch count, the reset-grad flag and the gradient
-        norm. The ping-pong buffers still hold the values the run read, so nothing is copied;
-        only the last run can be undone. ``graphforge train`` uses it to keep the last finite
-        state when a step's loss is not finite."""
+        norm. The other buffer of each tensor the run wrote still holds the value it read, so
+        nothing is copied; only the last run can be undone, and not one that updated
+        parameters in place (a skipped update can). ``graphforge train`` uses it to keep the
+        last finite state when a step's loss is not finite."""
         undo = self._undo
         if undo is None:
             raise GraphforgeError("nothing to undo: no run since the module was made or the last undo")
+        if undo.overwritten:
+            raise GraphforgeError(
+                f"the last run updated {len(undo.overwritten)} tensors in place (e.g. {undo.overwritten[0].name!r}), "
+                "so it cannot be undone; make the Module with in_place=False to keep every state until the next run"
+            )
         Runner.restore(undo.written)
         self.state.step = undo.step
         self.state.micro_batch = undo.micro_batch
@@ -290,14 +370,27 @@ class Module:
             raise GraphforgeError("optimizer.step() in eval mode: call module.train() first")
         if self._received is None:
             raise GraphforgeError("no gradients to apply: call the module on a batch (in train mode) first")
-        optim = self._segment_session(1)
+        self._update([])
+
+    def _update(self, outputs: list[str]):
+        """Segment 1 with the gradients segment 0 sent (reduced across replicas when
+        data-parallel); returns its execution, or None when the update is skipped: in place,
+        a loss or gradient norm that is not finite leaves the state as it is."""
+        self.last_update_skipped = False
+        checked = {n: float(np.asarray(v)) for n, v in self._checked.items()}
+        if self.runner.in_place and not all(math.isfinite(v) for v in checked.values()):
+            self.last_update_skipped = True
+            self.last_grad_norm = checked.get(self.roles.grad_norm, self.last_grad_norm)
+            return None
+        optim = self._segment_session(1, tuple(sorted(outputs)))
         grad_norm = self.roles.grad_norm
-        fetch = [grad_norm] if grad_norm in optim.outputs else []
+        fetch = [n for n in [grad_norm, *outputs] if n in optim.outputs]
         received = dict(self._received)
         if self.reducer is not None:
             received = self.reducer.reduce(received)
         done = self._execute([SegmentRun(optim, fetch)], received)
-        self._after_update(done.host)
+        self._after_update({**{n: np.asarray(v) for n, v in self._checked.items()}, **done.host})
+        return done
 
     def _after_update(self, host: dict[str, np.ndarray]) -> None:
         self.state.step = int(self.state.step) + 1
@@ -308,9 +401,11 @@ class Module:
     def _execute(self, segments: list[SegmentRun], feeds: dict[str, Any], hook: Hook | None = None):
         """One training execution, with the step's scalars fed, recorded for undo_last_run."""
         state = self.state
-        before = _Undo([], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm)
+        before = _Undo(
+            [], [], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm
+        )
         done = self.runner.execute(segments, {**feeds, **self._scalars()}, hook=hook)
-        before.written = done.written
+        before.written, before.overwritten = list(done.written), list(done.overwritten)
         self._undo = before  # the counters, flag and gradients are the callers' to change, after this
         return done
 
@@ -355,12 +450,8 @@ class Module:
         """What train_step computes: the loss, grad_norm, the carried tensors' updates and
         ``outputs``; returns the requested outputs beyond the loss and grad_norm (a key: one
         session per set), and the whole list."""
-        roles = self.roles
-        extra = tuple(sorted({o for o in outputs if o not in (self.loss_name, roles.grad_norm)}))
-        produced = set(roles.outputs)
-        keep = [self.loss_name, *([roles.grad_norm] if roles.grad_norm in produced else []), *extra]
-        keep += [c.output for c in roles.carried if c.output in produced]
-        return extra, keep
+        extra = tuple(sorted({o for o in outputs if o not in (self.loss_name, self.roles.grad_norm)}))
+        return extra, fused_outputs(self.roles, extra)
 
     @property
     def train_program(self) -> onnx.ModelProto:
@@ -368,47 +459,22 @@ class Module:
         return self._train_program
 
     def _split_models(self) -> _Split:
-        """Segment 0 (forward + backward + accumulate) and segment 1 (the optimizer update),
-        cut at the gradient boundary and at every output the update does not write."""
         if self._split is None:
-            roles = self.roles
-            update = roles.update_outputs
-            boundary = list(roles.gradient_boundary.values())
-            boundary += [o.name for o in self._train_program.graph.output if o.name not in update]
-            grad, optim = cut(self._train_program, [list(dict.fromkeys(boundary))])
-            for name in optim.inputs:
-                spec = roles.carried_spec(name)
-                if spec is not None and spec.output in grad.outputs:
-                    raise GraphforgeError(
-                        f"cannot split this program: its optimizer segment reads {name!r}, which the "
-                        f"forward/backward segment already updates; use module.train_step(...)"
-                    )
-            produced = [o.name for o in grad.model.graph.output]
-            self._split = _Split(
-                grad=grad.model,
-                optim=optim.model,
-                grad_outputs=produced,
-                sends=[n for n in optim.inputs if n in produced and n not in self.runner.carried],
-            )
+            self._split = split_program(self._train_program, self.roles, norm_first=bool(self.runner.in_place))
         return self._split
 
     def _segment_session(self, index: int, extra: tuple[str, ...] = ()) -> BoundSession:
-        """Segment ``index``'s session, computing only what the run hands on: the loss,
-        ``extra`` outputs and the gradients (segment 0), grad_norm (segment 1), and the
-        carried tensors' updates."""
+        """Segment ``index``'s session, computing what ``segment_outputs`` says."""
         split = self._split_models()
         model = split.grad if index == 0 else split.optim
-        produced = {o.name for o in model.graph.output}
-        keep = [self.loss_name, *extra, *split.sends] if index == 0 else [self.roles.grad_norm]
-        keep = [o for o in keep if o in produced]
-        keep += [c.output for c in self.roles.carried if c.output in produced]
+        keep = segment_outputs(split, index, self.roles, extra)
         where = "the program's forward/backward segment" if index == 0 else "the program's optimizer segment"
         return self.runner.session(("segment", index, extra), lambda: model, where, keep, profile=True)
 
     def _eval_session(self, outputs: tuple[str, ...] = ()) -> BoundSession:
         """The eval model's session (loss and forward outputs), or one computing only ``outputs``."""
         if self._eval_model is None:
-            self._eval_model = eval_model(self._program, [self.loss_name, *self.output_names])
+            self._eval_model = eval_model(self._program, [self.loss_name, *self.output_names], verify=False)
         if outputs:
             return self.runner.session(
                 ("eval", outputs), lambda: self._eval_model, "the eval model", list(outputs), only_read_inputs=True
@@ -457,6 +523,62 @@ class Module:
             seed = int(state.seeds.get("dropout", 0))
             scalars[self._key_input] = run_key(seed, state.step, state.micro_batch, self.replica)
         return scalars
+
+
+def split_program(program: onnx.ModelProto, roles: ProgramRoles, *, norm_first: bool) -> _Split:
+    """Segment 0 (forward + backward + accumulate) and segment 1 (the optimizer update) of a
+    training program, cut at the gradient boundary and at every output the update does not
+    write. ``norm_first``: segment 0 computes the gradient norm too, so that an update that
+    is not finite is known before it overwrites anything in place (not for data-parallel
+    programs, whose norm is of the reduced gradients, after the boundary)."""
+    loss = roles.loss or "loss"
+    update = roles.update_outputs
+    # the segments are made without the carried tensors' values (their sessions bind them):
+    # each segment would otherwise hold a copy of every weight it reads
+    program = without_values(program, {spec.input for spec in roles.carried})
+    boundary = list(roles.gradient_boundary.values())
+    checks = [loss]
+    if norm_first and roles.grad_norm is not None and roles.allreduce is None:
+        checks.append(roles.grad_norm)
+    boundary += checks[1:]
+    boundary += [o.name for o in program.graph.output if o.name not in update]
+    grad, optim = cut(program, [list(dict.fromkeys(boundary))])
+    for name in optim.inputs:
+        spec = roles.carried_spec(name)
+        if spec is not None and spec.output in grad.outputs:
+            raise GraphforgeError(
+                f"cannot split this program: its optimizer segment reads {name!r}, which the "
+                f"forward/backward segment already updates; use module.train_step(...)"
+            )
+    produced = [o.name for o in grad.model.graph.output]
+    carried = {spec.input for spec in roles.carried}
+    return _Split(
+        grad=grad.model,
+        optim=optim.model,
+        grad_outputs=produced,
+        sends=[n for n in optim.inputs if n in produced and n not in carried],
+        checks=[n for n in checks if n in produced],
+    )
+
+
+def segment_outputs(split: _Split, index: int, roles: ProgramRoles, extra: Sequence[str] = ()) -> list[str]:
+    """What a run of segment ``index`` computes: the loss, the checks, ``extra`` outputs and
+    the gradients it sends (segment 0), grad_norm and ``extra`` (segment 1), and the carried
+    tensors' updates it makes."""
+    model = split.grad if index == 0 else split.optim
+    produced = {o.name for o in model.graph.output}
+    loss = roles.loss or "loss"
+    keep = [loss, *extra, *split.sends, *split.checks] if index == 0 else [roles.grad_norm, *extra]
+    keep = [o for o in dict.fromkeys(keep) if o in produced]
+    return keep + [c.output for c in roles.carried if c.output in produced]
+
+
+def fused_outputs(roles: ProgramRoles, extra: Sequence[str] = ()) -> list[str]:
+    """What one run of the whole program computes for train_step: the loss, grad_norm,
+    ``extra`` outputs and the carried tensors' updates."""
+    produced = set(roles.outputs)
+    keep = [roles.loss or "loss", *([roles.grad_norm] if roles.grad_norm in produced else []), *extra]
+    return keep + [c.output for c in roles.carried if c.output in produced]
 
 
 class Optimizer:

@@ -55,7 +55,7 @@ def test_forward_outputs_and_gradients_on_request(program):
 def test_parameters_stay_in_onnxruntime_and_are_read_back_as_copies(program):
     state = CheckpointState.from_program(program)
     initial = state.tensors["0.weight"].copy()
-    module = Module(program, state, device="cpu")
+    module = Module(program, state, device="cpu", in_place=False)
     assert np.array_equal(state.tensors["0.weight"], initial)
     snapshot = module.parameters["0.weight"]
     x, target = tm.batches(1)[0]
@@ -71,6 +71,20 @@ def test_parameters_stay_in_onnxruntime_and_are_read_back_as_copies(program):
     assert not np.array_equal(module.parameters["0.weight"], initial)
     assert not np.array_equal(state.tensors["0.weight"], initial)  # the state is live
     assert len(module.runner._sessions[("fused", ())].bindings) == 2  # one IOBinding per ping-pong parity, reused
+
+
+def test_in_place_holds_parameters_and_states_once(program):
+    module = Module(program, device="cpu")
+    x, target = tm.batches(1)[0]
+    module.train_step(x, target)
+    slots = {name: list(c.slots) for name, c in module.runner.carried.items()}
+    for _ in range(3):
+        module.train_step(x, target)
+    for name, c in module.runner.carried.items():
+        expected = 1 if c.spec.role in ("parameter", "optimizer") else 2
+        assert len(c.slots) == expected, name
+        assert all(a is b for a, b in zip(slots[name], c.slots, strict=True)), name  # nothing allocated per step
+    assert module.runner.in_place_refused == {}
 
 
 def test_batch_size_may_change_between_steps(program):
@@ -183,7 +197,7 @@ def _assert_same_tensors(a: dict, b: dict) -> None:
 
 
 def test_undo_last_run_restores_the_state_before_it(program):
-    module = Module(program, device="cpu")
+    module = Module(program, device="cpu", in_place=False)
     Optimizer(module)
     x, target = tm.batches(1)[0]
     module.train_step(x, target)
@@ -206,7 +220,7 @@ def test_undo_of_the_split_path_restores_counters_and_gradients():
     micro-batch count, so the step runs again to the same result; undoing a module(...) call
     takes its gradients out of the accumulators."""
     program = tm.compile_program(tm.mlp_onnx(), "adamw(lr=0.01, accumulate=true)")
-    module = Module(program, device="cpu")
+    module = Module(program, device="cpu", in_place=False)
     optimizer = Optimizer(module)
     (x, target), (x2, target2) = tm.batches(2)
     module(x, target)

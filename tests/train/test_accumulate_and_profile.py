@@ -60,7 +60,7 @@ def test_profile_traces_exactly_the_chosen_steps_and_leaves_training_alone(tmp_p
     assert sorted(p.name for p in b.profile.parent.iterdir()) == ["steps-3-4.json"]
     trace = json.loads(b.profile.read_text())
     runs = [e for e in trace if e.get("cat") == "Session" and e["name"] == "model_run"]
-    assert len(runs) == 2
+    assert len(runs) == 2 * 2  # each step: the forward/backward segment, then the update (in place)
     kernels = {e["args"]["op_name"] for e in trace if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
     assert "Softmax" in kernels or "LogSoftmax" in kernels  # the loss
     assert any("Gemm" in kernel for kernel in kernels)  # the forward (onnxruntime may fuse Gemm + Tanh)
@@ -96,10 +96,12 @@ def test_profile_summary_splits_kernel_time_by_part_and_op(tmp_path):
     result = graphforge.train.run(th.write_config(folder, config, "profiled.toml"), out=folder / "out", quiet=True)
     summary = summarize_traces([result.profile])
     assert set(summary.by_part) == {"forward", "loss", "backward", "optimizer"}
-    assert summary.runs == 2  # three runs in the merged trace, the first one left out
+    # three steps of two segments each (forward/backward, then the update in place) in the
+    # merged trace, its first run left out
+    assert summary.runs == 3 * 2 - 1
     assert sum(summary.by_op.values()) == summary.total > 0
     everything = summarize_traces([result.profile], skip_first_run=False)
-    assert everything.runs == 3 and everything.total > summary.total
+    assert everything.runs == 3 * 2 and everything.total > summary.total
     assert part_of("fused grad::/fc/Gemm") == "backward" and part_of("fused /fc/Gemm") == "forward"
     assert part_of("optim::w/Mul_3") == "optimizer" and part_of("loss::cross_entropy/LogSoftmax") == "loss"
     assert summary.line(top=2).startswith(tuple(f"{p} " for p in summary.by_part))

@@ -1,0 +1,591 @@
+"""Peak memory of one onnxruntime run of a model: liveness in the order onnxruntime runs it.
+
+The order. onnxruntime's sequential executor runs a session's nodes in its graph viewer's
+default order (``ExecutionOrder::DEFAULT``, core/graph/graph_viewer.cc): a depth-first walk
+up from the nodes no other node reads, the walk starting at the leaf of the highest node
+index and, at each node, going first to the producer of the highest index; a node runs once
+every producer it reads has run (post-order). A node's index is its position in the file.
+So the order is lazy: a node runs just before the first node that needs it in that walk,
+which is what lets a recomputed activation be made late, next to its backward reader.
+(onnxruntime's own graph optimizations fuse a few nodes first; the walk is made on the
+model as written, and ``tests/analysis/test_memory.py`` checks it against onnxruntime's
+profile.)
+
+What is live. A tensor a node makes is allocated when the node runs and freed after the
+last node that reads it, as onnxruntime's allocation planner does; a graph output stays
+to the end. Ops whose kernels alias their input (Reshape, Squeeze, Unsqueeze, Flatten,
+Identity) allocate nothing: their output extends their input's life. Persistent memory
+comes on top: the carried tensors the runtime binds (one or two buffers each, see
+``slots``), the model's own constants, and the batch inputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from graphforge.analysis.cost import DEFAULT_DIM
+from graphforge.analysis.size import nbytes
+from graphforge.errors import InvalidModelError
+from graphforge.graph import copy_leaving_values_out, copy_without_initializers, is_stand_in
+from graphforge.ir import node_reads
+from graphforge.program import CarriedSpec, ProgramRoles
+from graphforge.roles import node_origin
+
+#: the parts a peak is split into, in the order reports show them
+CATEGORIES = (
+    "parameters",
+    "optimizer states",
+    "gradients",
+    "saved activations",
+    "temporaries",
+    "inputs",
+    "constants",
+)
+#: ops whose onnxruntime kernels give the output the input's buffer (declared Alias(0, 0))
+ALIASING_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+#: ops whose kernels read and write each element at the same index, so that the output may
+#: be the buffer of an input of the same shape (onnxruntime declares them MayInplace)
+ELEMENTWISE_OPS = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Neg", "Abs", "Sqrt", "Reciprocal", "Where", "Max", "Min", "Sum", "Clip", "Relu"}
+)
+#: carried roles and the part of the peak they are
+_CARRIED_CATEGORY = {
+    "parameter": "parameters",
+    "buffer": "parameters",
+    "optimizer": "optimizer states",
+    "accumulator": "gradients",
+}
+
+
+def execution_order(graph: onnx.GraphProto) -> list[int]:
+    """Indices of ``graph.node`` in the order onnxruntime's sequential executor runs them
+    (see the module docstring)."""
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    producers: list[list[int]] = []
+    consumed = [False] * len(graph.node)
+    for node in graph.node:
+        found = sorted({producer[name] for name in node_reads(node) if name in producer})
+        for j in found:
+            consumed[j] = True
+        producers.append(found)
+    stack: list[tuple[int, bool]] = [(i, False) for i in range(len(graph.node)) if not consumed[i]]
+    visited = [False] * len(graph.node)
+    order: list[int] = []
+    while stack:
+        index, leaving = stack.pop()
+        if leaving:
+            order.append(index)
+            continue
+        if visited[index]:
+            continue
+        visited[index] = True
+        stack.append((index, True))
+        stack.extend((j, False) for j in producers[index] if not visited[j])
+    return order
+
+
+def in_place_safety(model: onnx.ModelProto, pairs: Mapping[str, str]) -> dict[str, str]:
+    """Which of ``pairs`` (graph input -> the graph output that replaces it) may NOT share one
+    buffer in a run of ``model``, each with the reason. One buffer is safe when the node
+    writing the output (1) is elementwise (ELEMENTWISE_OPS) wherever it reads the input,
+    the output having the input's shape, and (2) is a descendant of every other node that
+    reads the input or a view of it (ALIASING_OPS): then any topological order, the one
+    onnxruntime picks included, runs those readers before the buffer is overwritten."""
+    graph = model.graph
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    readers: dict[str, list[int]] = defaultdict(list)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(graph.node)))
+    for i, node in enumerate(graph.node):
+        for name in node_reads(node):
+            readers[name].append(i)
+            if name in producer:
+                dag.add_edge(producer[name], i)
+    refused = {}
+    for source, target in pairs.items():
+        writer = producer.get(target)
+        if writer is None:
+            refused[source] = f"no node of the model writes {target!r}"
+            continue
+        views, todo = {source}, [source]
+        while todo:
+            for i in readers[todo.pop()]:
+                node = graph.node[i]
+                if _aliases(node) and node.input[0] in views:
+                    todo += [o for o in node.output if o and o not in views]
+                    views.update(o for o in node.output if o)
+        node = graph.node[writer]
+        if views & set(node_reads(node)) and (
+            node.op_type not in ELEMENTWISE_OPS or node.domain not in ("", "ai.onnx")
+        ):
+            refused[source] = f"{node.name or node.op_type} ({node.op_type}) reads it while writing {target!r}"
+            continue
+        others = {i for name in views for i in readers[name]} - {writer}
+        if others:
+            before = nx.ancestors(dag, writer)
+            late = sorted(others - before)
+            if late:
+                reader = graph.node[late[0]]
+                refused[source] = (
+                    f"{reader.name or reader.op_type} reads it and need not run before "
+                    f"{node.name or node.op_type}, which writes {target!r}"
+                )
+    return refused
+
+
+#: ops whose onnxruntime kernels may write their output over an input they read for the last
+#: time, of the same size (declared MayInplace): the planner then allocates nothing for it
+MAY_IN_PLACE = {
+    **{op: (0,) for op in ("Relu", "LeakyRelu", "Elu", "Sigmoid", "Tanh", "Exp", "Log", "Neg", "Abs", "Sqrt")},
+    **{op: (0,) for op in ("Reciprocal", "Erf", "Softplus", "ScatterElements")},
+    **{op: (0, 1) for op in ("Add", "Sub", "Mul", "Div")},
+}
+
+
+def _reusable_input(node, owner, last_read, transient, sizes, outputs, step) -> str | None:
+    """The buffer ``node``'s output may take over (MAY_IN_PLACE), or None: never for a graph output."""
+    slots = MAY_IN_PLACE.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    if not slots or not node.output or node.output[0] not in sizes or node.output[0] in outputs:
+        return None
+    for slot in slots:
+        name = node.input[slot] if slot < len(node.input) else ""
+        root = owner.get(name)
+        last = root in transient and last_read.get(root, -1) <= step
+        if last and sizes.get(root) == sizes[node.output[0]] and sum(owner.get(n) == root for n in node.input) == 1:
+            return root
+    return None
+
+
+def _same_type_cast(node: onnx.NodeProto, elem: Mapping[str, int]) -> bool:
+    """A Cast to the type its input has: onnxruntime's CastElimination removes it."""
+    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.input:
+        return False
+    to = next((a.i for a in node.attribute if a.name == "to"), None)
+    return to is not None and elem.get(node.input[0]) == to
+
+
+def _aliases(node: onnx.NodeProto) -> bool:
+    return node.op_type in ALIASING_OPS and node.domain in ("", "ai.onnx") and bool(node.input) and bool(node.input[0])
+
+
+def tensor_sizes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Bytes of every tensor of ``model``'s main graph whose shape ONNX inference finds once
+    the inputs' symbolic dims are bound (``dims`` by name, else DEFAULT_DIM)."""
+    return {name: size for name, (size, _) in tensor_types(model, dims).items() if size is not None}
+
+
+def tensor_types(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> dict[str, tuple[int | None, int]]:
+    """(bytes or None, ONNX element type) of every tensor of ``model``'s main graph whose
+    type ONNX inference finds, the inputs' symbolic dims bound as ``tensor_sizes`` does."""
+    dims = dict(dims or {})
+    proto = copy_leaving_values_out(model)
+    if proto is None:
+        proto = copy_without_initializers(model)
+        proto.graph.initializer.extend(model.graph.initializer)
+    for value in proto.graph.input:
+        for d in value.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") or not d.HasField("dim_value"):
+                size = int(dims.get(d.dim_param, DEFAULT_DIM)) if d.dim_param else 1
+                d.Clear()
+                d.dim_value = size
+    inferred = _infer(proto)
+    for _ in range(SHAPE_ROUNDS):
+        folded = _fold_shape_values(proto, inferred)
+        if not folded:
+            break
+        inferred = _infer(proto)
+    graph = inferred.graph
+    types = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        if value.type.HasField("tensor_type"):
+            types[value.name] = (_value_bytes(value.type), value.type.tensor_type.elem_type)
+    for tensor in [*proto.graph.initializer, *model.graph.initializer]:  # folded values too
+        types[tensor.name] = (nbytes(list(tensor.dims), tensor.data_type), tensor.data_type)
+    return types
+
+
+def dims_of(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """The size of each symbolic dim of ``model``'s inputs in the arrays ``feeds`` gives them."""
+    dims = {}
+    for value in model.graph.input:
+        array = feeds.get(value.name)
+        if array is None:
+            continue
+        for d, size in zip(value.type.tensor_type.shape.dim, np.shape(array), strict=False):
+            if d.dim_param:
+                dims[d.dim_param] = int(size)
+    return dims
+
+
+#: how many times shape values are folded and shapes inferred again (a Range of a folded
+#: Shape, then a Reshape of its result, ...)
+SHAPE_ROUNDS = 4
+#: the ops whose small integer results are folded when their inputs are known
+_SHAPE_OPS = frozenset(
+    {
+        "Shape", "Size", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Cast", "Range", "Add",
+        "Sub", "Mul", "Div", "Equal", "Less", "Greater", "Where", "Not", "ConstantOfShape", "Expand",
+        "Reshape", "Min", "Max", "Neg", "Abs", "ReduceProd", "Identity", "Constant",
+    }
+)  # fmt: skip
+#: a folded value larger than this many elements is left to shape inference
+_SHAPE_VALUE_MAX = 4096
+
+
+def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
+    del proto.graph.value_info[:]
+    try:
+        return onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except onnx.shape_inference.InferenceError as exc:
+        raise InvalidModelError(f"shape inference failed: {str(exc).strip().splitlines()[0]}") from None
+
+
+def _fold_shape_values(proto: onnx.ModelProto, inferred: onnx.ModelProto) -> int:
+    """Replace, in ``proto``, the nodes that compute small integer values from shapes that
+    are now concrete (``Shape`` of a tensor of known shape, and what is computed from such
+    values: a Range of positions, a Reshape's target) by initializers of their values, which
+    ONNX's inference then reads (its data propagation stops at Range, for one); returns how
+    many nodes went. Values are computed with onnx's reference evaluator, one node at a time."""
+    known_shapes = {
+        v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
+        if v.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)
+    }
+    values = {
+        t.name: numpy_helper.to_array(t)
+        for t in proto.graph.initializer
+        if not is_stand_in(t) and t.data_type != onnx.TensorProto.FLOAT and math.prod(t.dims) <= _SHAPE_VALUE_MAX
+    }
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+    kept, folded = [], {}
+    for node in proto.graph.node:
+        value = None
+        if node.domain in ("", "ai.onnx") and node.op_type in _SHAPE_OPS and len(node.output) == 1:
+            if node.op_type == "Shape" and node.input[0] in known_shapes:
+                value = _evaluate(node, {node.input[0]: np.zeros(known_shapes[node.input[0]], np.int8)}, opset)
+            elif node.op_type != "Shape" and all(not name or name in values for name in node.input):
+                value = _evaluate(node, {name: values[name] for name in node.input if name}, opset)
+        if value is not None and value.size <= _SHAPE_VALUE_MAX and value.dtype != np.float32:
+            values[node.output[0]] = folded[node.output[0]] = value
+        else:
+            kept.append(node)
+    if folded:
+        del proto.graph.node[:]
+        proto.graph.node.extend(kept)
+        proto.graph.initializer.extend(numpy_helper.from_array(v, name) for name, v in folded.items())
+    return len(folded)
+
+
+def _evaluate(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> np.ndarray | None:
+    graph = helper.make_graph(
+        [node],
+        "fold",
+        [
+            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in inputs.items()
+        ],
+        [helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    try:
+        return np.asarray(ReferenceEvaluator(model).run(None, inputs)[0])
+    except Exception:  # an op the reference evaluator cannot run here: left to shape inference
+        return None
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    name: str
+    bytes: int
+    category: str
+
+
+@dataclass
+class MemoryReport:
+    """The predicted memory of one run: what persists (carried buffers, constants,
+    inputs), the transient bytes live after each node in execution order, split by
+    category, and the peak with the tensors live there (largest first)."""
+
+    order: list[str]
+    persistent: dict[str, int]
+    timeline: list[dict[str, int]]
+    peak: int
+    peak_node: str | None
+    at_peak: list[LiveTensor]
+    #: tensors whose size is unknown (counted as 0)
+    unknown: list[str] = field(default_factory=list)
+    #: each transient allocation: (the step it is made at, the step after which it is freed, bytes)
+    allocations: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def persistent_bytes(self) -> int:
+        return sum(self.persistent.values())
+
+    @property
+    def transient_peak(self) -> int:
+        return self.peak - self.persistent_bytes
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes per category at the peak, persistent memory included."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for category, size in self.persistent.items():
+            out[category] += size
+        for tensor in self.at_peak:
+            out[tensor.category] += tensor.bytes
+        return out
+
+
+def predict(
+    model: onnx.ModelProto,
+    *,
+    dims: Mapping[str, int] | None = None,
+    carried: Sequence[CarriedSpec] = (),
+    slots: Mapping[str, int] | None = None,
+    held: Sequence[str] = (),
+    external: Sequence[str] = (),
+    types: Mapping[str, tuple[int | None, int]] | None = None,
+) -> MemoryReport:
+    """The memory one run of ``model`` needs on onnxruntime (see the module docstring).
+
+    ``carried``: the tensors the runtime binds to buffers of its own, persistent across runs;
+    ``slots``: how many buffers each has (default 2, the ping-pong; 1 when updated in place).
+    ``held``: inputs that are another run's outputs, held by the caller for this run (a
+    segment's gradients, say): counted as live from the start, as gradients.
+    ``external``: inputs and outputs in buffers the caller holds for good (counted by the caller).
+    ``types``: ``tensor_types`` when the caller has them (else inferred with ``dims``)."""
+    graph = model.graph
+    types = dict(types) if types is not None else tensor_types(model, dims)
+    sizes = {name: size for name, (size, _) in types.items() if size is not None}
+    elem = {name: code for name, (_, code) in types.items()}
+    slots = dict(slots or {})
+    by_input = {spec.input: spec for spec in carried}
+    by_output = {spec.output: spec for spec in carried}
+    initializers = {t.name for t in graph.initializer}
+    gradient_like = _gradient_names(model)
+
+    persistent = dict.fromkeys(CATEGORIES, 0)
+    for spec in carried:
+        size = nbytes(spec.shape, np.dtype(spec.dtype)) or 0
+        persistent[_CARRIED_CATEGORY.get(spec.role, "parameters")] += size * slots.get(spec.input, 2)
+    for name in initializers - set(by_input):
+        persistent["constants"] += sizes.get(name, 0)
+    for value in graph.input:
+        if value.name not in by_input and value.name not in initializers and value.name not in {*held, *external}:
+            persistent["inputs"] += sizes.get(value.name, 0)
+
+    order = execution_order(graph)
+    position = {index: step for step, index in enumerate(order)}
+    phase = [_phase(node) for node in graph.node]
+    outputs = {o.name for o in graph.output}
+
+    # pass 1: the last step that reads each tensor
+    reads_at: dict[str, int] = dict.fromkeys(outputs, len(order))  # a graph output lives to the end
+    for index in order:
+        for name in node_reads(graph.node[index]):
+            reads_at[name] = max(reads_at.get(name, -1), position[index])
+    # pass 2: whose buffer each tensor is (a view's is its input's; an in-place result's its
+    # input's, when that input is a buffer of this run read for the last time), and the
+    # last step that reads each buffer
+    owner: dict[str, str] = {}
+    last_read: dict[str, int] = {}
+    read_in_backward: set[str] = set()
+    transient: set[str] = set()  # buffers this run allocates
+    for index in order:
+        node, step = graph.node[index], position[index]
+        for name in node_reads(node):
+            root = owner.get(name, name)
+            if phase[index] in ("grad", "optim"):
+                read_in_backward.add(root)
+        reuse = _reusable_input(node, owner, last_read, transient, sizes, outputs, step)
+        if _aliases(node) or _same_type_cast(node, elem):
+            reuse = owner.get(node.input[0], node.input[0])
+        for out in node.output:
+            if not out:
+                continue
+            if reuse is not None and out == node.output[0]:
+                owner[out] = reuse
+            else:
+                owner[out] = out
+                if out not in by_output and out not in external:
+                    transient.add(out)
+            root = owner[out]
+            last_read[root] = max(last_read.get(root, step), reads_at.get(out, step))
+        for name in node_reads(node):
+            root = owner.get(name, name)
+            last_read[root] = max(last_read.get(root, -1), step)
+
+    end = len(order)
+    allocations: dict[str, tuple[int, int, str, int]] = {}  # root -> (start, stop, category, bytes)
+    unknown = []
+    for index in order:
+        node = graph.node[index]
+        for out in node.output:
+            if not out or owner.get(out) != out:
+                continue
+            if out in by_output or out in external:  # written into the runtime's buffer
+                continue
+            size = sizes.get(out)
+            if size is None:
+                unknown.append(out)
+                size = 0
+            aliases_out = any(owner.get(o) == out for o in outputs)
+            stop = end if out in outputs or aliases_out else last_read.get(out, position[index])
+            allocations[out] = (
+                position[index],
+                stop,
+                _category(out, phase[index], gradient_like, read_in_backward),
+                size,
+            )
+    for name in held:
+        allocations[name] = (
+            0,
+            last_read.get(name, end) if name not in outputs else end,
+            "gradients",
+            sizes.get(name, 0),
+        )
+
+    # a sweep over starts and stops: live bytes after each step, per category
+    delta = [dict.fromkeys(CATEGORIES, 0) for _ in range(end + 2)]
+    for start, stop, category, size in allocations.values():
+        delta[start][category] += size
+        delta[min(stop, end) + 1][category] -= size
+    live = dict.fromkeys(CATEGORIES, 0)
+    timeline, peak_step, peak_transient = [], -1, 0
+    for step in range(max(end, 1)):
+        for category in CATEGORIES:
+            live[category] += delta[step][category]
+        timeline.append(dict(live))
+        total = sum(live.values())
+        if total > peak_transient or peak_step < 0:
+            peak_step, peak_transient = step, total
+    at_peak = sorted(
+        (
+            LiveTensor(name, size, category)
+            for name, (start, stop, category, size) in allocations.items()
+            if start <= peak_step <= stop and size
+        ),
+        key=lambda t: -t.bytes,
+    )
+    names = [graph.node[i].name or f"{graph.node[i].op_type}#{i}" for i in order]
+    return MemoryReport(
+        order=names,
+        persistent={k: v for k, v in persistent.items() if v},
+        timeline=timeline,
+        peak=sum(persistent.values()) + peak_transient,
+        peak_node=names[peak_step] if names else None,
+        at_peak=at_peak,
+        unknown=unknown,
+        allocations=[(start, min(stop, end), size) for start, stop, _, size in allocations.values() if size],
+    )
+
+
+#: onnxruntime's BFC arena (core/framework/bfc_arena.cc), as configured by default: every
+#: allocation rounded up to a multiple of 256 bytes; regions of 1 MiB, then each twice the
+#: last (kNextPowerOfTwo) or the request if larger; a free chunk handed out whole unless it is
+#: at least twice the request or would leave 128 MiB or more (max_dead_bytes_per_chunk)
+ARENA_ALIGNMENT = 256
+ARENA_FIRST_REGION = 2**20
+ARENA_MAX_DEAD = 128 * 2**20
+
+
+def arena_high_water(runs: Sequence[Sequence[tuple[int, int, int]]], *, rounds: int = 2) -> int:
+    """The memory onnxruntime's arena touches serving ``runs`` one after another, ``rounds``
+    times (the arena outlives a step): each run's allocations (``MemoryReport.allocations``)
+    made and freed in step order, placed in the smallest free chunk that fits (coalesced with
+    freed neighbours, split by the arena's rule, see ARENA_*), a new region when none fits.
+    Freed memory stays touched (resident), so the sum of each region's high-water mark is
+    what the arena holds: the live peak where later tensors fit the holes earlier ones left,
+    more where they do not."""
+    chunks: list[list[int]] = []  # free chunks: [region, offset, size], by region and offset
+    touched: list[int] = []  # per region: the highest byte ever handed out
+    sizes: list[int] = []  # per region: its size
+    next_region = ARENA_FIRST_REGION
+    for _ in range(rounds):
+        for allocations in runs:
+            steps = max((stop for _, stop, _ in allocations), default=-1) + 1
+            made: list[list[int]] = [[] for _ in range(steps)]
+            freed: list[list[int]] = [[] for _ in range(steps)]
+            for index, (start, stop, _) in enumerate(allocations):
+                made[start].append(index)
+                freed[stop].append(index)
+            where: dict[int, tuple[int, int, int]] = {}
+            for step in range(steps):
+                for index in made[step]:
+                    size = -(-allocations[index][2] // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
+                    fits = [chunk for chunk in chunks if chunk[2] >= size]
+                    if not fits:  # a new region
+                        region_size = max(next_region, size)
+                        next_region *= 2
+                        sizes.append(region_size)
+                        touched.append(0)
+                        chunk = [len(sizes) - 1, 0, region_size]
+                        chunks.append(chunk)
+                    else:
+                        chunk = min(fits, key=lambda c: (c[2], c[0], c[1]))
+                    region, offset, available = chunk
+                    chunks.remove(chunk)
+                    if available >= 2 * size or available - size >= ARENA_MAX_DEAD:
+                        _release(chunks, region, offset + size, available - size)
+                        available = size
+                    touched[region] = max(touched[region], offset + size)
+                    where[index] = (region, offset, available)
+                for index in freed[step]:
+                    _release(chunks, *where.pop(index))
+            for held in where.values():  # what a run hands out is freed by its end
+                _release(chunks, *held)
+    return sum(touched)
+
+
+def _release(chunks: list[list[int]], region: int, offset: int, size: int) -> None:
+    """Give back a chunk, merged with the free chunks beside it in its region."""
+    position = bisect.bisect_left(chunks, [region, offset, 0])
+    chunks.insert(position, [region, offset, size])
+    after = position + 1
+    if after < len(chunks) and chunks[after][0] == region and offset + size == chunks[after][1]:
+        chunks[position][2] += chunks.pop(after)[2]
+    before = position - 1
+    if position and chunks[before][0] == region and chunks[before][1] + chunks[before][2] == offset:
+        chunks[before][2] += chunks.pop(position)[2]
+
+
+def _phase(node: onnx.NodeProto) -> str:
+    origin = node_origin(node.name)
+    return origin[0] if origin else "forward"
+
+
+def _category(name: str, phase: str, gradients: set[str], read_in_backward: set[str]) -> str:
+    if name in gradients:
+        return "gradients"
+    if phase in ("forward", "recompute") and name in read_in_backward:
+        return "saved activations"
+    return "temporaries"
+
+
+def _gradient_names(model: onnx.ModelProto) -> set[str]:
+    """The parameter gradients the program names: its ``<P>_grad`` outputs and what they
+    copy, and the tensors at the optimizer's gradient boundary."""
+    roles = ProgramRoles.of_proto(model)
+    names = set(roles.gradients.values()) | set(roles.gradient_boundary.values())
+    for node in model.graph.node:  # a gradient output is often an Identity of the tensor backward made
+        if node.op_type == "Identity" and node.output and node.output[0] in names and node.input:
+            names.add(node.input[0])
+    return names
+
+
+def _value_bytes(type_proto: onnx.TypeProto) -> int | None:
+    if not type_proto.HasField("tensor_type") or not type_proto.tensor_type.HasField("shape"):
+        return None
+    dims = type_proto.tensor_type.shape.dim
+    if not all(d.HasField("dim_value") for d in dims):
+        return None
+    return nbytes([d.dim_value for d in dims], type_proto.tensor_type.elem_type)
