@@ -28,6 +28,7 @@ from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
 from graphforge.errors import GraphforgeError
+from graphforge.inspect_memory import memory_tables, parse_dims
 from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
 from graphforge.program import ProgramRoles
@@ -147,8 +148,29 @@ def print_report(result: CompileResult, console: Console) -> None:
 
 
 @app.command()
-def inspect(model: Annotated[Path, typer.Argument(help="The .onnx model to describe.")]) -> None:
+def inspect(
+    model: Annotated[Path, typer.Argument(help="The .onnx model to describe.")],
+    memory: Annotated[
+        bool,
+        typer.Option(
+            "--memory",
+            help="Predict the peak memory of a training step (a program) or an inference run, and its parts.",
+        ),
+    ] = False,
+    dim: Annotated[
+        list[str] | None, typer.Option("--dim", help="With --memory: a symbolic dim's size, NAME=SIZE (repeatable).")
+    ] = None,
+    two_buffers: Annotated[
+        bool,
+        typer.Option("--two-buffers", help="With --memory: as Module(in_place=False) runs it (undoable steps)."),
+    ] = False,
+) -> None:
     """Describe MODEL: inputs, outputs, parameters and their size, op histogram, opsets."""
+    if memory:
+        proto = graphforge.load(model, load_external_data=False)
+        for part in memory_tables(proto, parse_dims(dim or []), in_place=not two_buffers):
+            out.print(part, highlight=False, soft_wrap=True)
+        return
     proto = graphforge.load(model, load_external_data=False)  # dims and types are all it shows
     graph = proto.graph
     out.print(

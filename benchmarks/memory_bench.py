@@ -1,0 +1,177 @@
+"""Peak memory of a training step: graphforge (parameters and optimizer states in place, and
+with two buffers each) beside PyTorch eager, each measured in a process of its own, and
+graphforge's prediction (graphforge.runtime.memory.step_memory) beside its measurement.
+
+What is measured: the peak resident memory (VmHWM) of a fresh child process during model
+setup and training steps, above its resident memory after its imports (the peak is reset
+there through /proc/self/clear_refs). onnxruntime's Python API exposes no allocator
+statistics, and its CPU arena reserves address space in doubling regions of which only the
+touched pages are resident, so resident memory is what the step uses, and what a user
+sees. The same window for torch: its module, AdamW, the steps.
+
+    python benchmarks/run.py memory
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import train_bench as tb  # noqa: E402  (the models, their export and the optimizer settings)
+
+TITLE = "Memory"
+CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "memory"
+STEPS = 4  # the first step makes the sessions and fills the arena; the peak is over all
+TIMEOUT_S = 1200
+MIB = 2**20
+
+FULL = [
+    tb.Spec("gpt2", "GPT-2 2×256, vocab 50257", 8, tb.FULL[2].config, steps=STEPS),
+    tb.Spec(
+        "gpt2",
+        "GPT-2 small 12×768, vocab 50257",
+        8,
+        {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "seq": 64},
+        steps=STEPS,
+    ),
+]
+QUICK = [tb.QUICK[2]]
+
+
+def _resident_mib(key: str = "VmRSS") -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def child(job: dict) -> dict:
+    """In the child: set up, train ``steps`` steps, and report the peak above the mark."""
+    import torch  # imported before the mark on both sides: its libraries are not the step's
+
+    import graphforge.runtime as runtime
+
+    threads = job["threads"]
+    torch.set_num_threads(threads)
+    data = np.load(job["batches"])
+    batches = [(data[f"x{i}"], data[f"y{i}"]) for i in range(len(data.files) // 2)]
+    Path("/proc/self/clear_refs").write_text("5")
+    mark = _resident_mib()
+    if job["side"] == "torch":
+        spec = tb.Spec(**job["spec"])
+        module = tb.build_torch(spec).train()
+        optimizer = torch.optim.AdamW(
+            module.parameters(), lr=tb.LR, betas=tb.BETAS, eps=tb.EPS, weight_decay=tb.WEIGHT_DECAY
+        )
+
+        def step(x, y):
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y))
+            loss.backward()
+            optimizer.step()
+            return float(loss)
+    else:
+        module = runtime.Module(
+            job["program"], device="cpu", intra_op_threads=threads, inter_op_threads=1, in_place=job["in_place"]
+        )
+
+        def step(x, y):
+            return float(module.train_step(x, y))
+
+    times, losses = [], []
+    for i in range(job["steps"]):
+        x, y = batches[i % len(batches)]
+        start = time.perf_counter()
+        losses.append(step(x, y))
+        times.append(time.perf_counter() - start)
+    return {"peak_mib": _resident_mib("VmHWM") - mark, "step_s": statistics.median(times[1:]), "losses": losses}
+
+
+def measure(job: dict, timeout: float = TIMEOUT_S) -> dict:
+    """Run ``job`` (see ``child``) in a fresh process and return what it reports."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=timeout
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the measuring process failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(lines[-1][2:])
+
+
+def graphforge_job(program: Path, batches: Path, *, in_place: bool, threads: int = 2, steps: int = STEPS) -> dict:
+    return {
+        "side": "graphforge",
+        "program": str(program),
+        "batches": str(batches),
+        "in_place": in_place,
+        "threads": threads,
+        "steps": steps,
+    }
+
+
+def run(quick: bool = False) -> str:
+    from dataclasses import asdict
+
+    import onnx
+
+    import graphforge
+    from graphforge.analysis.memory import dims_of
+    from graphforge.runtime.memory import step_memory
+
+    started = time.time()
+    rows, notes = [], []
+    for spec in QUICK if quick else FULL:
+        folder = CACHE / f"{spec.label.split(',')[0].replace(' ', '_').replace('×', 'x')}-b{spec.batch}"
+        _, program, batches, _ = tb.prepare(spec, folder)
+        data = np.load(batches)
+        dims = dims_of(
+            onnx.load(str(program), load_external_data=False), {"input_ids": data["x0"], "labels": data["y0"]}
+        )
+        results = {}
+        for label, in_place in (("graphforge, in place", True), ("graphforge, two buffers", False)):
+            predicted = step_memory(program, dims=dims, in_place=in_place)
+            measured = measure(graphforge_job(program, batches, in_place=in_place))
+            results[label] = (measured, predicted.peak / MIB)
+        torch_job = {"side": "torch", "spec": asdict(spec), "batches": str(batches), "threads": 2, "steps": STEPS}
+        results["torch eager"] = (measure(torch_job), None)
+        torch_peak = results["torch eager"][0]["peak_mib"]
+        for label, (measured, predicted) in results.items():
+            error = "—" if predicted is None else f"{predicted:.0f} ({predicted / measured['peak_mib'] - 1:+.0%})"
+            rows.append(
+                f"| {spec.label} | {label} | {measured['peak_mib']:.0f} | {error} | "
+                f"{measured['peak_mib'] / torch_peak:.2f}× | {measured['step_s'] * 1000:.0f} |"
+            )
+        first = {label: r[0]["losses"][0] for label, r in results.items()}
+        notes.append(f"- {spec.label}: first losses " + ", ".join(f"{k} {v:.4f}" for k, v in first.items()))
+    body = [
+        "Peak resident memory of a process setting up and training "
+        f"{STEPS} steps (batch 8 × sequence 64, AdamW, 2 threads), above the process's memory after its "
+        "imports; graphforge's prediction (`graphforge inspect --memory`) beside it. Each side in a fresh process.",
+        "",
+        "| model | side | peak MiB | predicted MiB (error) | × torch eager | step ms (median) |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        *notes,
+        "",
+        f"Machine: {tb.platform.processor() or tb.platform.machine()}, graphforge {graphforge.__version__}; "
+        f"this benchmark took {time.time() - started:.0f} s.",
+    ]
+    return "\n".join(body)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        result = child(json.loads(sys.argv[2]))
+        sys.stdout.write("@@" + json.dumps(result) + "\n")
+    else:
+        print(run(quick="--quick" in sys.argv))
