@@ -665,3 +665,21 @@ def test_readme_pass_objects_are_reachable_from_import_graphforge(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "fold_constants(size_limit_mb=4)"
+
+
+def test_readme_memory_block_runs_as_written(tmp_path):
+    """The Memory section's commands: the in-place step predicted below the two-buffer one."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    (block,) = [b for b in _readme_blocks("sh") if "inspect out/digits_program.onnx --memory" in b]
+    (tmp_path / "out").mkdir()
+    proc = ok(subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=300))  # fmt: skip
+    peaks = re.findall(r"memory of a training step \(([^)]*)\): peak ([\d.]+) KiB", proc.stdout)
+    assert [mode for mode, _ in peaks] == ["parameters and optimizer states in place", "two buffers per carried tensor"]
+    assert float(peaks[0][1]) < float(peaks[1][1])
+    for part in ("parameters", "optimizer states", "gradients", "saved activations", "temporaries"):
+        assert part in proc.stdout
+    wrong = subprocess.run([str(tmp_path / ".venv/bin/graphforge"), "inspect", "out/digits_program.onnx", "--memory",
+                            "--dim", "batch=x"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert wrong.returncode == 2 and "--dim 'batch=x': write NAME=SIZE" in wrong.stderr and "Traceback" not in wrong.stderr
