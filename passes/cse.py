@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
+from graphforge import roles
 from graphforge.graph import Model
 from graphforge.ir import (
     NONDETERMINISTIC_OPS,
@@ -57,6 +59,8 @@ def _eliminate(graph: gs.Graph) -> int:
     for node in graph.nodes:
         if node.op in NONDETERMINISTIC_OPS or any(True for _ in node.subgraphs()):
             continue
+        if (node.name or "").startswith(roles.RECOMPUTE_PREFIX):  # a copy made to be computed again, late
+            continue
         inputs = tuple(None if t.is_empty() else id(t) for t in node.inputs)
         outputs = tuple(t.is_empty() for t in node.outputs)
         key = (node.domain, node.op, inputs, outputs, _attrs_key(node))
@@ -88,6 +92,8 @@ def _value_key(value) -> object:
         return ("object", id(value))
     if isinstance(value, gs.Node.AttributeRef):  # a function attribute: equal if it names the same one
         return ("ref", value.name)
+    if isinstance(value, onnx.TensorProto):  # a tensor attribute onnx-graphsurgeon left as a proto
+        return ("proto", value.SerializeToString())
     return value
 
 

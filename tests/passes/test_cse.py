@@ -8,6 +8,8 @@ import pytest
 from _util import apply, assert_same_outputs, branch, check_on_cnn, feeds_for, names, op_list, ops, parse, run_pass
 from graphforge.passes import CommonSubexpressionElimination
 
+import graphforge
+
 CHAIN = """
 <ir_version: 10, opset_import: ["" : 18]>
 g (float[2,3] x) => (float[2,3] y) {
@@ -317,3 +319,9 @@ def test_dead_code_it_did_not_make_is_left_for_dce():
     assert dce.delta == {"Neg": -3}
     for cond in (True, False):
         assert_same_outputs(model, result.model, feeds_for(model, seed=7) | {"c": np.array(cond)})
+
+
+def test_cse_runs_after_an_optimizer_on_a_transformer(transformer_path):
+    """The optimizer's nodes hold tensor attributes onnx-graphsurgeon keeps as TensorProtos
+    (they are unhashable): cse keys them by their bytes instead of failing."""
+    graphforge.compile(transformer_path, "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-3), cse")
