@@ -23,12 +23,13 @@ from rich.table import Table
 
 import graphforge
 from graphforge import golden, roles, train
+from graphforge.analysis.cost import parse_dims
 from graphforge.analysis.size import human_bytes
 from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
 from graphforge.errors import GraphforgeError
-from graphforge.inspect_memory import memory_tables, parse_dims
+from graphforge.inspect_memory import memory_tables
 from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
 from graphforge.program import ProgramRoles

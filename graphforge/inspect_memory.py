@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import onnx
 from rich.markup import escape
 from rich.table import Table
 
 from graphforge.analysis.memory import CATEGORIES, predict
 from graphforge.analysis.size import human_bytes
-from graphforge.errors import GraphforgeError
 from graphforge.program import ProgramRoles
 from graphforge.runtime.memory import step_memory
 
 #: the tensors listed as live at the peak
 LARGEST = 10
-
-
-def parse_dims(texts: Sequence[str]) -> dict[str, int]:
-    """``["batch=8", "seq=64"]`` -> ``{"batch": 8, "seq": 64}``."""
-    dims = {}
-    for text in texts:
-        name, sep, value = text.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
-            raise GraphforgeError(f"--dim {text!r}: write NAME=SIZE with a whole number ≥ 1 (e.g. --dim batch=8)")
-        dims[name.strip()] = int(value)
-    return dims
 
 
 def memory_tables(proto: onnx.ModelProto, dims: dict[str, int], *, in_place: bool = True) -> list[Table | str]:

@@ -31,6 +31,9 @@ ALLREDUCE = "graphforge.allreduce"
 #: "cuts": [tensor after stage k, ...], "partial_norms": [[stage, tensor], ...], "parameters":
 #: [[parameter, ...] per stage], "costs": {...}}
 PIPELINE = "graphforge.pipeline"
+#: JSON: what the recompute pass did (budget, level, nodes recomputed, saved bytes before/after);
+#: a runtime keeps onnxruntime from merging the recomputed copies back into the forward
+RECOMPUTE = "graphforge.recompute"
 STATE = "graphforge.state"  # JSON list: every tensor carried from step to step (see passes/optimizers.py)
 LR = "graphforge.lr"  # name of the learning-rate input
 DEFAULT_LR = "graphforge.default_lr"  # the learning rate the pipeline asked for
@@ -50,7 +53,8 @@ GRAD_PREFIX = "grad::"
 OPTIM_PREFIX = "optim::"
 ALLREDUCE_PREFIX = "allreduce::"
 PIPELINE_PREFIX = "pipeline::"
-GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX, ALLREDUCE_PREFIX, PIPELINE_PREFIX)
+RECOMPUTE_PREFIX = "recompute::"
+GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX, ALLREDUCE_PREFIX, PIPELINE_PREFIX, RECOMPUTE_PREFIX)
 #: what each generated part computes, as profiles name it (the rest is the forward)
 PROGRAM_PARTS = {
     LOSS_PREFIX: "loss",
@@ -58,6 +62,7 @@ PROGRAM_PARTS = {
     OPTIM_PREFIX: "optimizer",
     ALLREDUCE_PREFIX: "allreduce",
     PIPELINE_PREFIX: "optimizer",
+    RECOMPUTE_PREFIX: "backward",  # the backward's own work: it runs among the backward's nodes
 }
 
 #: the model-local function marking a gradient's reduction across replicas: its body is an

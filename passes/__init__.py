@@ -14,6 +14,7 @@ from graphforge.passes.loss import Loss
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
 from graphforge.passes.pipeline_partition import PipelinePartition
 from graphforge.passes.prune import Prune
+from graphforge.passes.recompute import Recompute
 from graphforge.passes.topo_sort import TopologicalSort
 
 from graphforge.pipeline import PassRegistry
@@ -28,6 +29,7 @@ REGISTRY = PassRegistry(
         AdamW,
         Lamb,
         PipelinePartition,
+        Recompute,
         DeadCodeElimination,
         CommonSubexpressionElimination,
         ExpandGradient,

@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 
 from graphforge import roles
 from graphforge.analysis import topological_order
-from graphforge.analysis.cost import model_flops
+from graphforge.analysis.cost import model_flops, parse_dims
 from graphforge.analysis.partition import balanced_cuts
 from graphforge.errors import GraphforgeError, PassError
 from graphforge.graph import Model
@@ -126,13 +126,7 @@ class PipelinePartition(Pass):
         return PassResult(model, True, note=note)
 
     def _dims(self) -> dict[str, int]:
-        out = {}
-        for entry in self.dims:
-            name, sep, value = entry.partition("=")
-            if not sep or not value.strip().isdigit() or int(value) < 1:
-                raise PassError(f"dims entry {entry!r}: write name=size, e.g. batch=8")
-            out[name.strip()] = int(value)
-        return out
+        return parse_dims(self.dims)
 
     def _automatic(self, model: Model, dims: dict[str, int], flops: dict[int, float]) -> list[str]:
         """The chain cut that makes the slowest stage fastest (by the chain's weights), or

@@ -682,4 +682,4 @@ def test_readme_memory_block_runs_as_written(tmp_path):
         assert part in proc.stdout
     wrong = subprocess.run([str(tmp_path / ".venv/bin/graphforge"), "inspect", "out/digits_program.onnx", "--memory",
                             "--dim", "batch=x"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert wrong.returncode == 2 and "--dim 'batch=x': write NAME=SIZE" in wrong.stderr and "Traceback" not in wrong.stderr
+    assert wrong.returncode == 2 and "dims entry 'batch=x': write name=size" in wrong.stderr and "Traceback" not in wrong.stderr

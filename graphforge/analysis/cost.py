@@ -17,12 +17,24 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge.analysis.size import nbytes
-from graphforge.errors import InvalidModelError
+from graphforge.errors import InvalidModelError, PassError
 from graphforge.graph import Model
 from graphforge.shapes import infer_shapes
 
 #: the size a symbolic input dim takes when ``dims`` does not name it
 DEFAULT_DIM = 8
+
+
+def parse_dims(entries) -> dict[str, int]:
+    """``["batch=8", "seq=64"]`` -> ``{"batch": 8, "seq": 64}``: the sizes of symbolic dims
+    a pass or a command is given."""
+    out = {}
+    for entry in entries:
+        name, sep, value = str(entry).partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
+            raise PassError(f"dims entry {entry!r}: write name=size, e.g. batch=8")
+        out[name.strip()] = int(value)
+    return out
 
 
 def concrete(shape, dims: Mapping[str, int] | None = None) -> tuple[int, ...] | None:

@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 from onnx import external_data_helper, helper
 
+from graphforge import roles
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelSaveError, one_line
 from graphforge.graph import (
     ModelSource,
@@ -232,11 +233,11 @@ def create_session(
         # but only after the same checks load() applies, and with a readable IR version.
         proto = load(model, load_external_data=False)
         if is_runtime_compatible(proto):
-            return _session(str(model), options, providers, where)
+            return _session(str(model), options, providers, where, proto)
         _make_compatible(proto, where)
         if any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(proto)):
             options.add_session_config_entry(_EXTERNAL_DATA_FOLDER, str(Path(model).resolve().parent))
-        return _session(proto.SerializeToString(), options, providers, where)
+        return _session(proto.SerializeToString(), options, providers, where, proto)
     if isinstance(model, bytes | bytearray):
         where = where or "<bytes>"
         proto = load(model)  # parsed here, so ours to convert in place
@@ -247,13 +248,13 @@ def create_session(
     if exceeds_protobuf_limit(proto):
         with tempfile.TemporaryDirectory(prefix="graphforge-session-") as tmp:
             path = save(proto, Path(tmp) / "model.onnx", external_data=True)
-            return _session(str(path), options, providers, where)
+            return _session(str(path), options, providers, where, proto)
     if not is_runtime_compatible(proto):
         if proto is model:
             proto = onnx.ModelProto()
             proto.CopyFrom(model)
         _make_compatible(proto, where)
-    return _session(proto.SerializeToString(), options, providers, where)
+    return _session(proto.SerializeToString(), options, providers, where, proto)
 
 
 def check_loads(model: ModelSource, *, where: str) -> None:
@@ -269,10 +270,24 @@ def _make_compatible(proto: onnx.ModelProto, where: str) -> None:
         raise InvalidModelError(f"onnxruntime cannot load {where}: {exc}") from None
 
 
-def _session(source: str | bytes, options: ort.SessionOptions, providers: list[Any], where: str):
+#: onnxruntime graph optimizations a program with recomputed nodes is run without:
+#: CommonSubexpressionElimination would merge the recompute pass's copies back into the forward
+#: nodes they copy (keeping the activations alive after all); FastGeluFusion (onnxruntime 1.31)
+#: fuses a forward GELU whose inner tensor a recomputed copy reads and drops the node that makes
+#: it, leaving a model onnxruntime then refuses
+RECOMPUTE_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination", "FastGeluFusion")
+
+
+def _session(
+    source: str | bytes, options: ort.SessionOptions, providers: list[Any], where: str, proto: onnx.ModelProto | None
+):
+    recomputes = proto is not None and any(n.name.startswith(roles.RECOMPUTE_PREFIX) for n in proto.graph.node)
+    disabled = list(RECOMPUTE_DISABLED_OPTIMIZERS) if recomputes else None
     try:
         # no fallback: onnxruntime would print to stdout and quietly continue on the CPU
-        return ort.InferenceSession(source, options, providers=providers, enable_fallback=0)
+        return ort.InferenceSession(
+            source, options, providers=providers, enable_fallback=0, disabled_optimizers=disabled
+        )
     except Exception as exc:
         raise InvalidModelError(f"onnxruntime cannot load {where}: {one_line(exc)}") from None
 
