@@ -672,6 +672,7 @@ def test_readme_memory_block_runs_as_written(tmp_path):
     (tmp_path / "examples").symlink_to(REPO / "examples")
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
     (block,) = [b for b in _readme_blocks("sh") if "inspect out/digits_program.onnx --memory" in b]
+    (recompute,) = [b for b in _readme_blocks("sh") if "recompute(budget" in b]
     (tmp_path / "out").mkdir()
     proc = ok(subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=_env(),
                              capture_output=True, text=True, timeout=300))  # fmt: skip
@@ -683,3 +684,8 @@ def test_readme_memory_block_runs_as_written(tmp_path):
     wrong = subprocess.run([str(tmp_path / ".venv/bin/graphforge"), "inspect", "out/digits_program.onnx", "--memory",
                             "--dim", "batch=x"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert wrong.returncode == 2 and "dims entry 'batch=x': write name=size" in wrong.stderr and "Traceback" not in wrong.stderr
+    proc = ok(subprocess.run(["bash", "-euo", "pipefail", "-c", recompute], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=300))  # fmt: skip
+    program = onnx.load(tmp_path / "out/digits_recompute.onnx")
+    assert any(n.name.startswith("recompute::") for n in program.graph.node)
+    assert "memory of a training step" in proc.stdout
