@@ -683,7 +683,11 @@ def test_readme_memory_block_runs_as_written(tmp_path):
         assert part in proc.stdout
     wrong = subprocess.run([str(tmp_path / ".venv/bin/graphforge"), "inspect", "out/digits_program.onnx", "--memory",
                             "--dim", "batch=x"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert wrong.returncode == 2 and "dims entry 'batch=x': write name=size" in wrong.stderr and "Traceback" not in wrong.stderr
+    assert (
+        wrong.returncode == 2
+        and "dims entry 'batch=x': write name=size" in wrong.stderr
+        and "Traceback" not in wrong.stderr
+    )
     proc = ok(subprocess.run(["bash", "-euo", "pipefail", "-c", recompute], cwd=tmp_path, env=_env(),
                              capture_output=True, text=True, timeout=300))  # fmt: skip
     program = onnx.load(tmp_path / "out/digits_recompute.onnx")
