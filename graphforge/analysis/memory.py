@@ -351,7 +351,6 @@ def predict(
     dims: Mapping[str, int] | None = None,
     carried: Sequence[CarriedSpec] = (),
     slots: Mapping[str, int] | None = None,
-    held: Sequence[str] = (),
     external: Sequence[str] = (),
     types: Mapping[str, tuple[int | None, int]] | None = None,
 ) -> MemoryReport:
@@ -359,8 +358,6 @@ def predict(
 
     ``carried``: the tensors the runtime binds to buffers of its own, persistent across runs;
     ``slots``: how many buffers each has (default 2, the ping-pong; 1 when updated in place).
-    ``held``: inputs that are another run's outputs, held by the caller for this run (a
-    segment's gradients, say): counted as live from the start, as gradients.
     ``external``: inputs and outputs in buffers the caller holds for good (counted by the caller).
     ``types``: ``tensor_types`` when the caller has them (else inferred with ``dims``)."""
     graph = model.graph
@@ -380,7 +377,7 @@ def predict(
     for name in initializers - set(by_input):
         persistent["constants"] += sizes.get(name, 0)
     for value in graph.input:
-        if value.name not in by_input and value.name not in initializers and value.name not in {*held, *external}:
+        if value.name not in by_input and value.name not in initializers and value.name not in external:
             persistent["inputs"] += sizes.get(value.name, 0)
 
     order = execution_order(graph)
@@ -446,13 +443,6 @@ def predict(
                 _category(out, phase[index], gradient_like, read_in_backward),
                 size,
             )
-    for name in held:
-        allocations[name] = (
-            0,
-            last_read.get(name, end) if name not in outputs else end,
-            "gradients",
-            sizes.get(name, 0),
-        )
 
     # a sweep over starts and stops: live bytes after each step, per category
     delta = [dict.fromkeys(CATEGORIES, 0) for _ in range(end + 2)]

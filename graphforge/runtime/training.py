@@ -256,8 +256,8 @@ class Module:
         return done
 
     def train_step(self, *batch: Any, outputs: Sequence[str] = (), **feeds: Any):
-        """One whole training step in one session.run: forward, backward, (accumulate,) and
-        the optimizer update. Returns the loss (or ``(loss, *outputs)``; ``grad_norm`` and
+        """One whole training step: forward, backward, (accumulate,) and the optimizer update
+        (segment 0 then the update in place; with ``in_place=False``, one session.run). Returns the loss (or ``(loss, *outputs)``; ``grad_norm`` and
         gradients may be requested too). With an accumulating program, the gradients
         accumulated by earlier ``module(...)`` calls are included, and reset afterwards.
         """
