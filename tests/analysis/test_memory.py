@@ -123,9 +123,11 @@ def test_predicted_peak_is_within_tolerance_of_the_measured_one(name, bench, tmp
         {"input_ids": data["x0"], "x": data["x0"], "labels": data["y0"]},
     )
     peaks = {}
-    for in_place in (True, False):
+    # in place (the default) on every model; two buffers too on one (CI's time)
+    for in_place in (True, False) if name == "gpt2" else (True,):
         predicted = step_memory(program, dims=dims, in_place=in_place).peak / 2**20
         measured = bench.measure(bench.graphforge_job(program, batches, in_place=in_place, steps=3))["peak_mib"]
         assert abs(predicted - measured) <= TOLERANCE * measured, (in_place, predicted, measured)
         peaks[in_place] = measured
-    assert peaks[True] < peaks[False]  # one buffer for parameters and optimizer states, not two
+    if len(peaks) == 2:
+        assert peaks[True] < peaks[False]  # one buffer for parameters and optimizer states, not two
