@@ -89,9 +89,7 @@ class Recompute(Pass):
         forward = forward_nodes(graph)
         needed = needed_activations(graph, forward)
         sizes = tensor_sizes(model.to_proto(values=False), parse_dims(self.dims))
-        size = {name: max(sizes.get(name, 1), 1) for name in needed} | {
-            t.name: max(sizes.get(t.name, 1), 1) for n in forward for t in n.outputs
-        }
+        size = {t.name: max(sizes.get(t.name, 1), 1) for n in forward for t in n.outputs}  # needed among them
         before = sum(size[name] for name in needed)
         if (self.level == 0 and self.budget >= 1.0) or not needed:
             return PassResult(model, False)

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from graphforge.analysis.memory import (
-    CATEGORIES,
     LiveTensor,
     MemoryReport,
     arena_high_water,
@@ -93,6 +92,3 @@ def step_memory(
     persistent = dict(runs[peak_run].persistent)
     arena = arena_high_water([report.allocations for report in runs.values()])
     return StepMemory(in_place, persistent, runs, sum(persistent.values()) + arena, peak_run, arena)
-
-
-__all__ = ["CATEGORIES", "StepMemory", "step_memory"]
