@@ -110,7 +110,28 @@ class Builder:
         return self.op("MatMul", a, b)
 
     def sum(self, tensors: Sequence[gs.Tensor]) -> gs.Tensor:
-        return tensors[0] if len(tensors) == 1 else self.op("Sum", *tensors)
+        """The sum of ``tensors`` (of one shape). A scatter-add into zeros among them (a
+        Gather's gradient) scatters into the sum of the others instead: an embedding tied to
+        an output head then gets its gradient without a zero-filled copy of the table."""
+        if len(tensors) == 1:
+            return tensors[0]
+        for i, t in enumerate(tensors):
+            scatter = self._unread_product(t, ("ScatterElements", "ScatterND"))
+            if scatter is not None and scatter.attrs.get("reduction") == "add" and _is_zeros(scatter.inputs[0]):
+                rest = self.sum([u for j, u in enumerate(tensors) if j != i])
+                return self.op(scatter.op, rest, *scatter.inputs[1:], **scatter.attrs)
+        return self.op("Sum", *tensors)
+
+    def _unread_product(self, x: gs.Tensor, ops: Sequence[str]) -> gs.Node | None:
+        """The standard-domain node of an op in ``ops`` that made ``x``, if nothing reads
+        ``x`` yet and it is no graph output: a fold may then replace the node (the old one
+        is left without readers, for cleanup)."""
+        if not isinstance(x, gs.Variable) or len(x.inputs) != 1 or x.outputs:
+            return None
+        node = x.inputs[0]
+        if node.op not in ops or node.domain not in (None, "", "ai.onnx") or len(node.outputs) != 1:
+            return None
+        return None if any(o is x for o in self.graph.outputs) else node
 
     # ------------------------------------------------------------------ shapes
 
@@ -143,7 +164,25 @@ class Builder:
         return self.op("Slice", x, self.ints([start]), self.ints([end]), self.ints([axis]))
 
     def transpose(self, x, perm: Sequence[int]):
-        return self.op("Transpose", x, perm=list(perm))
+        """``x`` with its axes permuted. A transpose of a Transpose is one transpose of its
+        source, or the source itself (the backward of ``MatMul(x, Transpose(W))``, how
+        exporters write a Linear layer, reads W, not a copy of it); the 2-D transpose of a
+        Gemm product nothing else reads is that Gemm with its operands swapped
+        ((op(A) op(B))ᵀ = op(B)ᵀ op(A)ᵀ), so a transposed weight's gradient is made once."""
+        perm = [int(p) for p in perm]
+        producer = x.inputs[0] if isinstance(x, gs.Variable) and len(x.inputs) == 1 else None
+        if producer is not None and producer.op == "Transpose" and producer.domain in (None, "", "ai.onnx"):
+            inner = producer.attrs.get("perm") or list(reversed(range(len(perm))))
+            composed = [int(inner[p]) for p in perm]
+            source = producer.inputs[0]
+            return source if composed == list(range(len(perm))) else self.op("Transpose", source, perm=composed)
+        gemm = self._unread_product(x, ("Gemm",)) if perm == [1, 0] else None
+        if gemm is not None and (len(gemm.inputs) < 3 or gemm.inputs[2].is_empty()):
+            a, b = gemm.inputs[:2]
+            attrs = {k: v for k, v in gemm.attrs.items() if k not in ("transA", "transB")}
+            flags = {"transA": 1 - int(gemm.attrs.get("transB", 0)), "transB": 1 - int(gemm.attrs.get("transA", 0))}
+            return self.op("Gemm", b, a, **attrs, **{k: v for k, v in flags.items() if v})
+        return self.op("Transpose", x, perm=perm)
 
     def cast(self, x, dtype) -> gs.Tensor:
         from onnx import helper
@@ -151,6 +190,11 @@ class Builder:
         return self.op("Cast", x, to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
 
     def cast_like(self, x, like: gs.Tensor) -> gs.Tensor:
+        """``x`` cast to ``like``'s type: a Cast where that type is known, so that the run
+        does not read ``like`` (a CastLike would keep a large tensor alive until it runs)."""
+        if like.dtype is not None:
+            with contextlib.suppress(TypeError):  # onnx-only types (bfloat16): CastLike
+                return self.cast(x, like.dtype)
         return self.op("CastLike", x, like) if self.opset >= 15 else self.cast(x, like.dtype)
 
     def expand(self, x, shape):
@@ -315,6 +359,20 @@ def _result_dtype(op_type: str, inputs: Sequence[gs.Tensor], attrs: dict) -> np.
     if op_type in _SAME_AS_FIRST and inputs and not inputs[0].is_empty():
         return inputs[0].dtype
     return None  # unknown here: leave it to shape inference rather than guess wrong
+
+
+def _is_zeros(x: gs.Tensor) -> bool:
+    """Whether ``x`` is made by a ConstantOfShape of zeros (``Builder.zeros_like``)."""
+    if not isinstance(x, gs.Variable) or len(x.inputs) != 1 or x.inputs[0].op != "ConstantOfShape":
+        return False
+    value = x.inputs[0].attrs.get("value")
+    if value is None:
+        return True  # ConstantOfShape's default: a float 0
+    if isinstance(value, gs.Constant):
+        return not np.any(value.values)
+    from onnx import numpy_helper
+
+    return not np.any(numpy_helper.to_array(value))
 
 
 def static_shape(x: gs.Tensor) -> tuple[int, ...] | None:
