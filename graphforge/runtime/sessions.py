@@ -310,6 +310,11 @@ def lean_model(
        its onnxruntime kernel aliases each running-statistic output to that input and writes
        it there, which would overwrite the caller's buffer (the value before the step, which
        other nodes may still read and an undone step brings back).
+    5. The node that makes the first of ``outputs`` (a training run's loss) comes last in the
+       file, when nothing reads it: onnxruntime's default order starts at the last node
+       nothing reads and runs what it needs first, so the loss is made right after the
+       forward. Elsewhere it would be made after the whole backward, which holds what it
+       reads (the log-probabilities, vocabulary-wide for a language model) alive till then.
 
     The inputs, and the values of the outputs kept, are unchanged.
     """
@@ -329,11 +334,27 @@ def lean_model(
     _drop_dead_nodes(graph)
     _fold_output_identities(graph)
     _copy_inputs_written_in_place(graph, set(bound))
+    if outputs:
+        _make_first(graph, outputs[0])
     used = {name for node in graph.node for name in node_reads(node)} | {o.name for o in graph.output}
     graph.initializer.extend(
         t for t in source.initializer if t.name not in dropped and (t.name in used or t.name in inputs)
     )
     return lean
+
+
+def _make_first(graph: onnx.GraphProto, output: str) -> None:
+    """Case 5 of lean_model: the node making ``output``, if nothing reads it, moves to the end."""
+    index = next((i for i, node in enumerate(graph.node) if output in node.output), None)
+    if index is None or index == len(graph.node) - 1:
+        return
+    made = set(graph.node[index].output)
+    if any(made & node_reads(node) for node in graph.node):
+        return
+    node = onnx.NodeProto()
+    node.CopyFrom(graph.node[index])
+    del graph.node[index]
+    graph.node.append(node)
 
 
 def _drop_dead_nodes(graph: onnx.GraphProto) -> None:

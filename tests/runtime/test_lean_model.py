@@ -8,6 +8,7 @@ import onnx
 import onnx.parser
 import pytest
 
+from graphforge.analysis.memory import execution_order
 from graphforge.errors import GraphforgeError
 from graphforge.runtime.sessions import create_session, lean_model
 
@@ -32,6 +33,11 @@ def _ops(model: onnx.ModelProto) -> list[str]:
 def _run(model: onnx.ModelProto, names: list[str], **feeds) -> dict[str, np.ndarray]:
     session = create_session(model, providers=["CPUExecutionProvider"])
     return dict(zip(names, session.run(names, feeds), strict=True))
+
+
+def _made_in_order(model: onnx.ModelProto) -> list[str]:
+    """Each node's first output, in the order onnxruntime runs the nodes."""
+    return [model.graph.node[i].output[0] for i in execution_order(model.graph)]
 
 
 @pytest.fixture
@@ -74,3 +80,25 @@ def test_bound_initializers_go_and_other_defaults_stay(model):
 def test_an_unknown_output_is_refused(model):
     with pytest.raises(GraphforgeError, match="no output 'nope'"):
         lean_model(model, ["a", "nope"])
+
+
+def test_the_first_output_is_made_as_soon_as_onnxruntime_can():
+    """A training step's loss reads the forward's last activation; made last (onnxruntime's
+    default order reaches it from its own node, visited after the backward's), it would keep
+    that activation alive through the whole backward."""
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4] x) => (float loss, float[4] grad) {
+        big = Exp(x)
+        loss = ReduceSum(big)
+        scaled = Mul(big, x)
+        grad = Neg(scaled)
+    }
+    """)
+    assert _made_in_order(lean_model(model, ["grad", "loss"])) == ["big", "scaled", "grad", "loss"]
+    lean = lean_model(model, ["loss", "grad"])
+    assert _made_in_order(lean) == ["big", "loss", "scaled", "grad"]
+    x = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    expected, got = _run(model, ["loss", "grad"], x=x), _run(lean, ["loss", "grad"], x=x)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name])
