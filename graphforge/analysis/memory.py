@@ -174,6 +174,19 @@ def _same_type_cast(node: onnx.NodeProto, elem: Mapping[str, int]) -> bool:
     return to is not None and elem.get(node.input[0]) == to
 
 
+def _fused_into_matmul(node: onnx.NodeProto, readers: Mapping[str, list[onnx.NodeProto]], outputs: set[str]) -> bool:
+    """A Transpose of the last two axes read only by MatMuls: onnxruntime's
+    MatmulTransposeFusion (CPU and CUDA) folds it into their FusedMatMul, so its result is
+    never made (how ``MatMul(h, Transpose(W))``, an exported Linear layer, runs)."""
+    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or not node.input or node.output[0] in outputs:
+        return False
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    if not perm or perm[-2:] != [len(perm) - 1, len(perm) - 2] or perm[:-2] != list(range(len(perm) - 2)):
+        return False
+    users = readers.get(node.output[0], [])
+    return bool(users) and all(u.op_type == "MatMul" and u.domain in ("", "ai.onnx") for u in users)
+
+
 def _aliases(node: onnx.NodeProto) -> bool:
     return node.op_type in ALIASING_OPS and node.domain in ("", "ai.onnx") and bool(node.input) and bool(node.input[0])
 
@@ -385,11 +398,13 @@ def predict(
     phase = [_phase(node) for node in graph.node]
     outputs = {o.name for o in graph.output}
 
-    # pass 1: the last step that reads each tensor
+    # pass 1: the last step that reads each tensor, and who reads it
     reads_at: dict[str, int] = dict.fromkeys(outputs, len(order))  # a graph output lives to the end
+    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for index in order:
         for name in node_reads(graph.node[index]):
             reads_at[name] = max(reads_at.get(name, -1), position[index])
+            readers[name].append(graph.node[index])
     # pass 2: whose buffer each tensor is (a view's is its input's; an in-place result's its
     # input's, when that input is a buffer of this run read for the last time), and the
     # last step that reads each buffer
@@ -404,7 +419,7 @@ def predict(
             if phase[index] in ("grad", "optim"):
                 read_in_backward.add(root)
         reuse = _reusable_input(node, owner, last_read, transient, sizes, outputs, step)
-        if _aliases(node) or _same_type_cast(node, elem):
+        if _aliases(node) or _same_type_cast(node, elem) or _fused_into_matmul(node, readers, outputs):
             reuse = owner.get(node.input[0], node.input[0])
         for out in node.output:
             if not out:

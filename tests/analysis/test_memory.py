@@ -91,6 +91,38 @@ def test_liveness_frees_after_the_last_reader_and_views_share_a_buffer():
     assert set(report.breakdown()) == set(CATEGORIES)
 
 
+@pytest.mark.parametrize("also_read", [False, True], ids=["matmul only", "read elsewhere too"])
+def test_a_transposed_matmul_operand_is_fused_as_onnxruntime_fuses_it(also_read, tmp_path):
+    """MatMul(h, Transpose(W)), an exported Linear layer: onnxruntime folds the Transpose into
+    a FusedMatMul and never makes it, unless something else reads it; checked on the model
+    onnxruntime optimizes."""
+    nodes = [
+        helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0], name="t"),
+        helper.make_node("MatMul", ["h", "Wt"], ["y"], name="mm"),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 64])]
+    if also_read:
+        nodes.append(helper.make_node("Relu", ["Wt"], ["r"], name="relu"))
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [32, 64]))
+    graph = helper.make_graph(
+        nodes,
+        "linear",
+        [
+            helper.make_tensor_value_info("h", TensorProto.FLOAT, [8, 32]),
+            helper.make_tensor_value_info("W", TensorProto.FLOAT, [64, 32]),
+        ],
+        outputs,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    kept = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    assert ("Transpose" in kept) is also_read, kept
+    made = [a for a in predict(model).allocations if a[2] == 64 * 32 * 4]
+    assert len(made) == (2 if also_read else 0)  # Wt (and r): y is 8 x 64 floats, as large as neither
+
+
 @pytest.fixture(scope="module")
 def bench():
     return _bench()
