@@ -366,13 +366,16 @@ def predict(
     slots: Mapping[str, int] | None = None,
     external: Sequence[str] = (),
     types: Mapping[str, tuple[int | None, int]] | None = None,
+    specialized: bool = False,
 ) -> MemoryReport:
     """The memory one run of ``model`` needs on onnxruntime (see the module docstring).
 
     ``carried``: the tensors the runtime binds to buffers of its own, persistent across runs;
     ``slots``: how many buffers each has (default 2, the ping-pong; 1 when updated in place).
     ``external``: inputs and outputs in buffers the caller holds for good (counted by the caller).
-    ``types``: ``tensor_types`` when the caller has them (else inferred with ``dims``)."""
+    ``types``: ``tensor_types`` when the caller has them (else inferred with ``dims``).
+    ``specialized``: the session is made for these dims (Runner.session), so onnxruntime folds
+    a Shape or Size of a tensor of known shape into a constant, which then reads nothing."""
     graph = model.graph
     types = dict(types) if types is not None else tensor_types(model, dims)
     sizes = {name: size for name, (size, _) in types.items() if size is not None}
@@ -401,8 +404,15 @@ def predict(
     # pass 1: the last step that reads each tensor, and who reads it
     reads_at: dict[str, int] = dict.fromkeys(outputs, len(order))  # a graph output lives to the end
     readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    folded = set()  # Shape and Size nodes that are constants in a specialized session
+    if specialized:
+        folded = {
+            i
+            for i, node in enumerate(graph.node)
+            if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and node.input[0] in sizes
+        }
     for index in order:
-        for name in node_reads(graph.node[index]):
+        for name in node_reads(graph.node[index]) if index not in folded else ():
             reads_at[name] = max(reads_at.get(name, -1), position[index])
             readers[name].append(graph.node[index])
     # pass 2: whose buffer each tensor is (a view's is its input's; an in-place result's its
@@ -414,7 +424,8 @@ def predict(
     transient: set[str] = set()  # buffers this run allocates
     for index in order:
         node, step = graph.node[index], position[index]
-        for name in node_reads(node):
+        reads = node_reads(node) if index not in folded else set()
+        for name in reads:
             root = owner.get(name, name)
             if phase[index] in ("grad", "optim"):
                 read_in_backward.add(root)
@@ -432,7 +443,7 @@ def predict(
                     transient.add(out)
             root = owner[out]
             last_read[root] = max(last_read.get(root, step), reads_at.get(out, step))
-        for name in node_reads(node):
+        for name in reads:
             root = owner.get(name, name)
             last_read[root] = max(last_read.get(root, -1), step)
 

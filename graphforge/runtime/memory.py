@@ -83,7 +83,11 @@ def step_memory(
         models = {"whole step": lean_model(proto, fused_outputs(roles), bound=bound)}
     runs = {}
     for label, model in models.items():
-        report = predict(model, types=types, carried=roles.carried, slots=slots, external=gradients)
+        # the runner specializes a run with batch inputs to the batch's dims (Runner.session)
+        specialized = bool(dims) and label != "update"
+        report = predict(
+            model, types=types, carried=roles.carried, slots=slots, external=gradients, specialized=specialized
+        )
         held = sum(sizes[n] for n in gradients)
         report.persistent["gradients"] = report.persistent.get("gradients", 0) + held
         report.peak += held

@@ -57,7 +57,7 @@ from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
 from graphforge.runtime.inference import eval_model, export_inference_model
-from graphforge.runtime.runner import BoundSession, Carried, Hook, Runner, SegmentRun, resolve_device
+from graphforge.runtime.runner import BoundSession, Carried, Hook, Runner, SegmentRun, batch_dims, resolve_device
 
 #: Module(dropout=...): counter-based masks, or onnxruntime's own Dropout
 DROPOUT_MODES = ("seeded", "onnxruntime")
@@ -246,7 +246,7 @@ class Module:
         """Segment 0 on a batch: forward, backward, accumulate (and the gradient norm);
         ``into``: buffers to write the gradients it sends into."""
         split = self._split_models()
-        grad = self._segment_session(0, extra)
+        grad = self._segment_session(0, extra, batch_dims(split.grad, feeds))
         fetch = list(dict.fromkeys([self.loss_name, *split.checks, *outputs]))
         done = self._execute([SegmentRun(grad, fetch, split.sends, into or {})], feeds)
         self.state.grad_reset_pending = False
@@ -274,7 +274,12 @@ class Module:
             fetch.append(grad_norm)
         if self.reducer is None:
             bound = self.runner.session(
-                ("fused", extra), lambda: self._train_program, "the program", keep, profile=True
+                ("fused", extra),
+                lambda: self._train_program,
+                "the program",
+                keep,
+                profile=True,
+                dims=batch_dims(self._train_program, feeds),
             )
             done = self._execute([SegmentRun(bound, fetch)], feeds)
         else:
@@ -463,13 +468,16 @@ class Module:
             self._split = split_program(self._train_program, self.roles, norm_first=bool(self.runner.in_place))
         return self._split
 
-    def _segment_session(self, index: int, extra: tuple[str, ...] = ()) -> BoundSession:
-        """Segment ``index``'s session, computing what ``segment_outputs`` says."""
+    def _segment_session(
+        self, index: int, extra: tuple[str, ...] = (), dims: dict[str, int] | None = None
+    ) -> BoundSession:
+        """Segment ``index``'s session, computing what ``segment_outputs`` says (specialized
+        to the batch's ``dims``, see Runner.session)."""
         split = self._split_models()
         model = split.grad if index == 0 else split.optim
         keep = segment_outputs(split, index, self.roles, extra)
         where = "the program's forward/backward segment" if index == 0 else "the program's optimizer segment"
-        return self.runner.session(("segment", index, extra), lambda: model, where, keep, profile=True)
+        return self.runner.session(("segment", index, extra), lambda: model, where, keep, profile=True, dims=dims)
 
     def _eval_session(self, outputs: tuple[str, ...] = ()) -> BoundSession:
         """The eval model's session (loss and forward outputs), or one computing only ``outputs``."""

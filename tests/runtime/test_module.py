@@ -70,7 +70,8 @@ def test_parameters_stay_in_onnxruntime_and_are_read_back_as_copies(program):
     assert np.array_equal(snapshot, initial)  # a read-back is a copy, not a view of a live buffer
     assert not np.array_equal(module.parameters["0.weight"], initial)
     assert not np.array_equal(state.tensors["0.weight"], initial)  # the state is live
-    assert len(module.runner._sessions[("fused", ())].bindings) == 2  # one IOBinding per ping-pong parity, reused
+    (session,) = module.runner._sessions.values()  # the one session, for this batch's dims
+    assert len(session.bindings) == 2  # one IOBinding per ping-pong parity, reused
 
 
 def test_in_place_holds_parameters_and_states_once(program):
@@ -246,3 +247,41 @@ def test_cuda_without_a_usable_gpu_is_one_clear_error(program):
         Module(program, device="cuda")
     with pytest.raises(DeviceError, match="device 'cuda:1'"):
         Module(program, state=CheckpointState.from_program(program), device="cuda:1")
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "two buffers"])
+def test_sessions_are_specialized_to_the_batch_dims_up_to_a_cap(program, in_place, monkeypatch):
+    """Each batch size gets a session made for its dims (onnxruntime folds the shape
+    computations), up to MAX_SPECIALIZED sizes; further sizes share the session for any
+    dims. The oracle: a Module whose every run is that session for any dims."""
+    from graphforge.runtime import runner as runner_module
+
+    sizes = [2, 3, 4, 5, 6, 7, 2, 7]
+    data = [tm.batches(1, batch=n, seed=i)[0] for i, n in enumerate(sizes)]
+    specialized = Module(program, device="cpu", in_place=in_place)
+    specialized_losses = [float(specialized.train_step(x, t)) for x, t in data]
+    monkeypatch.setattr(runner_module, "MAX_SPECIALIZED", 0)
+    generic = Module(program, device="cpu", in_place=in_place)
+    generic_losses = [float(generic.train_step(x, t)) for x, t in data]
+    np.testing.assert_allclose(specialized_losses, generic_losses, rtol=1e-6)
+    for name, value in generic.state.tensors.items():
+        np.testing.assert_allclose(specialized.state.tensors[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    keys = [key for key in specialized.runner._sessions if key[0] in (("segment", 0, ()), ("fused", ()))]
+    dims = sorted(dict(key[1])["batch"] for key in keys if isinstance(key[1], tuple) and key[1])
+    assert dims == [2, 3, 4, 5]  # the first MAX_SPECIALIZED (4) sizes; 6 and 7 ran the session for any dims
+    assert any(key in (("segment", 0, ()), ("fused", ())) for key in specialized.runner._sessions)
+
+
+def test_batch_dims_reads_the_symbolic_dims_from_the_feeds():
+    import onnx.parser
+
+    from graphforge.runtime.runner import batch_dims
+
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[batch, 3] x, int64[batch] y, float[2] w) => (float[batch, 3] z) { z = Identity(x) }
+    """)
+    x, w = np.zeros((5, 3), np.float32), np.zeros(2, np.float32)
+    assert batch_dims(model, {"x": x, "y": np.zeros(5, np.int64), "w": w}) == {"batch": 5}
+    assert batch_dims(model, {"x": x, "y": np.zeros(4, np.int64)}) is None  # the feeds disagree
+    assert batch_dims(model, {"w": w}) is None  # no symbolic dim fed
