@@ -221,7 +221,9 @@ def run(quick: bool = False) -> str:
         f"{STEPS} steps (AdamW, 2 threads; batch 8 × sequence 64 in the full run), above the process's memory "
         "after its imports; graphforge's prediction (`graphforge inspect --memory`) beside it. Each side in a "
         "fresh process. Activations: the peak less what every side holds for good (parameters, AdamW's two "
-        "states, gradients). Step time: the median of the steps after the first.",
+        "states, gradients). Step time: the median of the steps after the first, in a process that also "
+        "measures memory: it moves by up to 2× between runs on a shared 2-core machine (the Training step "
+        "section times steps properly).",
         "",
         "| model | side | peak MiB | predicted MiB (error) | × torch eager | activations MiB | step ms (median) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
