@@ -1,6 +1,7 @@
-"""Peak memory of a training step: graphforge (parameters and optimizer states in place, and
-with two buffers each) beside PyTorch eager, each measured in a process of its own, and
-graphforge's prediction (graphforge.runtime.memory.step_memory) beside its measurement.
+"""Peak memory of a training step: graphforge (parameters and optimizer states in place, with
+two buffers each, and in place with each RECOMPUTE setting) beside PyTorch eager (plain and
+with a checkpoint per block), each measured in a process of its own, and graphforge's
+prediction (graphforge.runtime.memory.step_memory) beside its measurement.
 
 What is measured: the peak resident memory (VmHWM) of a fresh child process during model
 setup and training steps, above its resident memory after its imports (the peak is reset
@@ -151,12 +152,12 @@ def run(quick: bool = False) -> str:
             onnx.load(str(program), load_external_data=False), {"input_ids": data["x0"], "labels": data["y0"]}
         )
         results = {}  # label -> (measured, predicted MiB or None)
+        predictions = {in_place: step_memory(program, dims=dims, in_place=in_place) for in_place in (True, False)}
         for label, in_place in (("graphforge, in place", True), ("graphforge, two buffers", False)):
-            predicted = step_memory(program, dims=dims, in_place=in_place)
             measured = measure(graphforge_job(program, batches, in_place=in_place))
-            results[label] = (measured, predicted.peak / MIB)
-            if in_place:
-                held = sum(predicted.persistent.get(k, 0) for k in ("parameters", "optimizer states", "gradients"))
+            results[label] = (measured, predictions[in_place].peak / MIB)
+        persistent = predictions[True].persistent  # one copy of each tensor, as torch holds them
+        held_mib = sum(persistent.get(k, 0) for k in ("parameters", "optimizer states", "gradients")) / MIB
         sized = ", ".join(f'"{k}={v}"' for k, v in dims.items())
         for setting in RECOMPUTE:
             compiled = graphforge.compile(
@@ -179,7 +180,6 @@ def run(quick: bool = False) -> str:
             }
             results[label] = (measure(torch_job), None)
         torch_peak = results["torch eager"][0]["peak_mib"]
-        held_mib = held / MIB
         base = results["graphforge, in place"][0]
         base_activations = base["peak_mib"] - held_mib
         for label, (measured, predicted) in results.items():
@@ -198,15 +198,12 @@ def run(quick: bool = False) -> str:
                     f"| {spec.label} | {label.removeprefix('in place, ').removeprefix('graphforge, ')} | "
                     f"{saved:.0%} | {slower:+.0%} | {'**yes**' if met else 'no'} |"
                 )
-        for side in ("torch eager, checkpoint per block",):
-            eager = results["torch eager"][0]
-            measured = results[side][0]
-            eager_activations = eager["peak_mib"] - held_mib
-            notes.append(
-                f"- {spec.label}: torch's checkpoint per block saves "
-                f"{1 - (measured['peak_mib'] - held_mib) / eager_activations:.0%} of torch's activation memory "
-                f"for {measured['step_s'] / eager['step_s'] - 1:+.0%} step time"
-            )
+        eager, checkpointed = results["torch eager"][0], results["torch eager, checkpoint per block"][0]
+        notes.append(
+            f"- {spec.label}: torch's checkpoint per block saves "
+            f"{1 - (checkpointed['peak_mib'] - held_mib) / (eager['peak_mib'] - held_mib):.0%} of torch's activation "
+            f"memory for {checkpointed['step_s'] / eager['step_s'] - 1:+.0%} step time"
+        )
         first = {label: r[0]["losses"][0] for label, r in results.items()}
         notes.append(f"- {spec.label}: first losses " + ", ".join(f"{k} {v:.4f}" for k, v in first.items()))
         notes.append(f"- {spec.label}: held for good by every side: {held_mib:.0f} MiB")

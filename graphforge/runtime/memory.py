@@ -83,10 +83,10 @@ def step_memory(
         models = {"whole step": lean_model(proto, fused_outputs(roles), bound=bound)}
     runs = {}
     for label, model in models.items():
-        # the runner specializes a run with batch inputs to the batch's dims (Runner.session)
-        specialized = bool(dims) and label != "update"
+        # the runner specializes a run to the batch's dims (Runner.session); the update's
+        # shapes are all static, so onnxruntime folds its Shapes without being told
         report = predict(
-            model, types=types, carried=roles.carried, slots=slots, external=gradients, specialized=specialized
+            model, types=types, carried=roles.carried, slots=slots, external=gradients, specialized=bool(dims)
         )
         held = sum(sizes[n] for n in gradients)
         report.persistent["gradients"] = report.persistent.get("gradients", 0) + held
