@@ -37,13 +37,7 @@ MIB = 2**20
 
 FULL = [
     tb.Spec("gpt2", "GPT-2 2×256, vocab 50257", 8, tb.FULL[2].config, steps=STEPS),
-    tb.Spec(
-        "gpt2",
-        "GPT-2 small 12×768, vocab 50257",
-        8,
-        {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "seq": 64},
-        steps=STEPS,
-    ),
+    tb.Spec("gpt2", "GPT-2 small 12×768, vocab 50257", 8, tb.GPT2_SMALL, steps=STEPS),
 ]
 QUICK = [tb.QUICK[2]]
 

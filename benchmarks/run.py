@@ -3,7 +3,9 @@
 A benchmark is a module ``benchmarks/<name>_bench.py`` with a ``TITLE`` and a function
 ``run(quick: bool) -> str`` returning the markdown body of its section. Each run replaces that
 module's ``## TITLE`` section in docs/benchmarks.md (other sections are kept) and records the
-exact command that produced it.
+exact command that produced it. A module may also have ``unavailable() -> str | None``: where it
+says why the benchmark cannot run on this machine (no GPU, say), the run skips it and keeps the
+section recorded elsewhere.
 
     python benchmarks/run.py               # every benchmark
     python benchmarks/run.py autodiff      # only benchmarks/autodiff_bench.py
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "make bench" if from_make else _command()
     for name in args.names or list(available):
         module = load(available[name])
+        why_not = module.unavailable() if hasattr(module, "unavailable") else None
+        if why_not:
+            print(f"{name}: skipped: {why_not}; docs keep the section from where it ran", flush=True)
+            continue
         print(f"{name}: {module.TITLE}", flush=True)
         start = time.perf_counter()
         body = module.run(quick=args.quick)

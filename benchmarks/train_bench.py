@@ -127,6 +127,8 @@ FULL = [
         warmup=CHECK_STEPS + 1,
     ),
 ]
+#: GPT-2 small (124M parameters) at sequence 64, for the memory and CUDA sections
+GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "seq": 64}
 QUICK = [
     Spec("mlp", "MLP 784-128-10", 16, {"sizes": [784, 128, 10]}, steps=30),
     Spec("cnn", "CNN 2×conv 3×16×16", 8, {"channels": [3, 8, 16], "image": 16, "hidden": 32}, steps=20),

@@ -73,3 +73,29 @@ def test_pipeline_benchmark_measures_and_simulates_every_row(tmp_path):
         for row in result["rows"]:
             assert 0 <= row["measured"] < 1 and 0 <= row["simulated"] < 1
     assert "More stages, simulated" in report
+
+
+@pytest.mark.slow
+def test_cuda_benchmark_sides_train_alike(tmp_path, monkeypatch):
+    """The CUDA benchmark's two measuring processes, run on the CPU (its trial mode): both
+    train the same model to the same losses and report a step time; without a working CUDA
+    provider the benchmark says why it is skipped."""
+    from dataclasses import asdict
+
+    from graphforge.runtime.sessions import CUDA, provider_works
+
+    monkeypatch.setenv("GRAPHFORGE_BENCH_DEVICE", "cpu")
+    sys.path.insert(0, str(BENCH.parent))
+    import cuda_bench
+    import train_bench
+
+    tiny = train_bench.Spec("mlp", "MLP 8-4-3", 4, {"sizes": [8, 4, 3]}, steps=4)
+    _, program, batches, _ = train_bench.prepare(tiny, tmp_path)
+    common = {"spec": asdict(tiny), "batches": str(batches), "device": "cpu"}
+    ours = cuda_bench.measure({**common, "side": "graphforge", "program": str(program)})
+    torch_side = cuda_bench.measure({**common, "side": "torch"})
+    assert "error" not in ours and "error" not in torch_side, (ours, torch_side)
+    assert ours["losses"] == pytest.approx(torch_side["losses"], rel=1e-5)
+    assert ours["step_s"] > 0 and ours["peak_mib"] is None  # no device memory on the CPU
+    monkeypatch.setattr(cuda_bench, "DEVICE", "cuda")
+    assert (cuda_bench.unavailable() is None) == provider_works(CUDA)

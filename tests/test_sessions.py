@@ -167,6 +167,49 @@ def test_explicit_providers_win_over_the_override(monkeypatch):
     assert create_session(relu_model(), providers=["cpu"]).get_providers() == [CPU]
 
 
+# --------------------------------------------------------------------------- CUDA provider options
+
+
+def test_cuda_defaults_fill_in_what_the_entry_leaves_out(monkeypatch):
+    monkeypatch.delenv(sessions.ENV_TF32, raising=False)
+    given = [CUDA, (CUDA, {"device_id": "1", "use_tf32": "1"}), CPU, (CPU, {})]
+    assert sessions.cuda_defaults(given) == [
+        (CUDA, {"use_tf32": "0", "arena_extend_strategy": "kSameAsRequested"}),
+        (CUDA, {"use_tf32": "1", "arena_extend_strategy": "kSameAsRequested", "device_id": "1"}),
+        CPU,
+        (CPU, {}),
+    ]
+    assert given[1] == (CUDA, {"device_id": "1", "use_tf32": "1"})  # the caller's entry is not changed
+
+
+@pytest.mark.parametrize("value, expected", [("1", "1"), ("0", "0"), ("yes", "0"), ("", "0")])
+def test_tf32_is_turned_on_only_by_the_variable_set_to_1(monkeypatch, value, expected):
+    monkeypatch.setenv(sessions.ENV_TF32, value)
+    assert sessions.cuda_defaults([CUDA]) == [
+        (CUDA, {"use_tf32": expected, "arena_extend_strategy": "kSameAsRequested"})
+    ]
+
+
+@pytest.mark.skipif(NO_CUDA_DEVICE or not sessions.provider_works(CUDA), reason="no working CUDA provider here")
+def test_a_cuda_session_runs_in_full_float32_precision():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 256, 256)).astype(np.float32)
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("MatMul", ["a", "b"], ["c"])],
+            "mm",
+            [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [256, 256]) for n in "ab"],
+            [onnx.helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [256, 256])],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", 17)],
+    )
+    session = create_session(model, providers=[CUDA, CPU])
+    assert session.get_provider_options()[CUDA]["use_tf32"] == "0"
+    (c,) = session.run(None, {"a": a, "b": b})
+    reference = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.linalg.norm(c - reference) / np.linalg.norm(reference) < 1e-6  # TF32 gives about 3e-4
+
+
 # --------------------------------------------------------------------------- threads
 
 

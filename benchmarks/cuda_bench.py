@@ -1,0 +1,331 @@
+"""Training on a CUDA GPU: graphforge's step (``Module`` on onnxruntime's CUDA provider) beside
+PyTorch eager on the same GPU, with the models, batches and AdamW of the Training step section,
+plus GPT-2 small and recomputation on the GPT-2 models. Each side runs in a fresh process.
+
+Step time: the median over the timed steps after the warm-up; a step ends when its loss is a
+Python float, which waits for the GPU on both sides. The batch starts on the host for both.
+
+Device memory: what the GPU has in use (NVML, for the whole device: the measured process is its
+only user) at its highest during setup and the steps, above what it had once the process's CUDA
+context was made (torch: a one-element tensor; graphforge: a one-node session on the CUDA
+provider). Both allocators keep what they take (torch's caching allocator, onnxruntime's BFC
+arena), so this is what each side holds, slack included, as ``nvidia-smi`` shows it; torch's
+``max_memory_allocated`` (its live tensors alone) is given beside it.
+
+TF32: graphforge asks onnxruntime's CUDA provider for full float32 (``use_tf32=0``, its default
+there; see graphforge.runtime.sessions.cuda_defaults), as torch's matmuls are by default (torch's
+cuDNN convolutions may use TF32); the row "TF32" is graphforge with ``GRAPHFORGE_TF32=1``. The
+first losses of every side are printed, so the difference shows.
+
+    python benchmarks/run.py cuda     # where onnxruntime's CUDA provider works; elsewhere it is skipped
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import train_bench as tb  # noqa: E402  (the models, their export and the optimizer settings)
+
+TITLE = "CUDA"
+CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "cuda"
+TIMEOUT_S = 600
+MIB = 2**20
+#: the recompute settings measured on the GPT-2 models, beside none
+RECOMPUTE = ("budget=0", "level=1")
+#: $GRAPHFORGE_BENCH_DEVICE=cpu runs the same measurement on the CPU (to try the script out)
+DEVICE = os.environ.get("GRAPHFORGE_BENCH_DEVICE", "cuda")
+
+#: (model, whether recomputation is measured on it): the recompute rows on GPT-2 small alone,
+#: where activations are large enough to matter and the compiles fit one GPU lease
+FULL = [
+    (replace(tb.FULL[0], steps=200), False),
+    (replace(tb.FULL[1], steps=200), False),
+    (replace(tb.FULL[2], steps=50), False),
+    (tb.Spec("gpt2", "GPT-2 small 12×768, vocab 50257", 8, tb.GPT2_SMALL, steps=30, warmup=tb.CHECK_STEPS + 1), True),
+]
+QUICK = [(spec, spec.key == "gpt2") for spec in tb.QUICK]
+
+
+def unavailable() -> str | None:
+    """Why this benchmark cannot run here (None when it can)."""
+    if DEVICE != "cuda":
+        return None
+    from graphforge.runtime.sessions import CUDA, provider_works
+
+    return None if provider_works(CUDA) else "onnxruntime's CUDA provider does not work on this machine"
+
+
+class DeviceMemory:
+    """The GPU's memory in use (NVML, else ``nvidia-smi``), and its highest value while ``watch`` runs."""
+
+    def __init__(self):
+        try:
+            import pynvml  # nvidia-ml-py: present where a CUDA torch is
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self.used = lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        except Exception:  # no NVML binding: the allocators keep what they take, so a slower poll sees the peak
+            self.used = _smi_used
+        self.base = self.highest = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, every_s: float = 0.002) -> None:
+        def poll():
+            while not self._stop.is_set():
+                self.highest = max(self.highest, self.used())
+                time.sleep(every_s)
+
+        self.base = self.highest = self.used()
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.highest = max(self.highest, self.used())
+        return self.highest
+
+
+def _watch(device: str) -> DeviceMemory | None:
+    """The device's memory, marked now (the CUDA context made) and watched from here on."""
+    if device != "cuda":
+        return None
+    memory = DeviceMemory()
+    memory.watch()
+    return memory
+
+
+def _smi_used() -> int:
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout.strip()) * MIB
+
+
+def _relu_model() -> bytes:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "context",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+def child(job: dict) -> dict:
+    """In the child: make the CUDA context, mark the device's memory, set up, train, report."""
+    device = job["device"]
+    data = np.load(job["batches"])
+    batches = [(data[f"x{i}"], data[f"y{i}"]) for i in range(len(data.files) // 2)]
+    spec = tb.Spec(**job["spec"])
+    extra = {}
+    if job["side"] == "torch":
+        import torch
+
+        torch.zeros(1, device=device)
+        memory = _watch(device)
+        module = tb.build_torch(spec).to(device).train()
+        extra["state_mib"] = (memory.used() - memory.base) / MIB if memory else None
+        if job.get("checkpoint"):  # torch.utils.checkpoint around each block, as transformers does it
+            module.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = torch.optim.AdamW(
+            module.parameters(), lr=tb.LR, betas=tb.BETAS, eps=tb.EPS, weight_decay=tb.WEIGHT_DECAY
+        )
+
+        def step(x, y):
+            optimizer.zero_grad(set_to_none=True)
+            logits = module(torch.from_numpy(x).to(device))
+            loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y).to(device))
+            loss.backward()
+            optimizer.step()
+            return loss.item()
+
+        def finish():
+            if device == "cuda":
+                extra["torch_allocated_mib"] = torch.cuda.max_memory_allocated() / MIB
+    else:
+        import graphforge.runtime as runtime
+        from graphforge.runtime import sessions
+        from graphforge.runtime.sessions import CPU, CUDA, create_session
+
+        sessions.CUDA_DEFAULT_OPTIONS.update(job.get("cuda_options", {}))
+
+        context = create_session(_relu_model(), providers=[CUDA, CPU] if device == "cuda" else [CPU])
+        context.run(None, {"x": np.ones(4, np.float32)})
+        memory = _watch(device)
+        module = runtime.Module(job["program"], device=device, in_place=True)
+        extra["state_mib"] = (memory.used() - memory.base) / MIB if memory else None
+
+        def step(x, y):
+            return float(module.train_step(x, y))
+
+        def finish():
+            extra["providers"] = module.runner.device.providers[0]
+
+    losses, times = [], []
+    start = time.perf_counter()
+    for i in range(spec.warmup):
+        x, y = batches[i % len(batches)]
+        losses.append(step(x, y))
+    extra["setup_s"] = time.perf_counter() - start
+    for i in range(spec.steps):
+        x, y = batches[i % len(batches)]
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    finish()
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    peak = (memory.stop() - memory.base) / MIB if memory else None
+    return {"peak_mib": peak, "step_s": statistics.median(times), "iqr_s": q3 - q1, "losses": losses, **extra}
+
+
+def measure(job: dict, timeout: float = TIMEOUT_S) -> dict:
+    """Run ``job`` (see ``child``) in a fresh process and return what it reports."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GRAPHFORGE_PROVIDERS", "GRAPHFORGE_TF32")}
+    if job.get("tf32"):
+        env["GRAPHFORGE_TF32"] = "1"
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr.strip() or done.stdout.strip())[-1500:]}
+    return json.loads(lines[-1][2:])
+
+
+def _sides(spec: tb.Spec, recompute: bool) -> list[tuple[str, dict]]:
+    sides = [
+        ("graphforge, in place", {"side": "graphforge"}),
+        ("graphforge, in place, TF32", {"side": "graphforge", "tf32": True}),
+        ("torch eager", {"side": "torch"}),
+    ]
+    if recompute:
+        sides += [(f"graphforge, recompute({s})", {"side": "graphforge", "recompute": s}) for s in RECOMPUTE]
+        sides.append(("torch eager, checkpoint per block", {"side": "torch", "checkpoint": True}))
+    return sides
+
+
+def _program(spec: tb.Spec, folder: Path, model: Path, program: Path, setting: str | None) -> Path:
+    if setting is None:
+        return program
+    import graphforge
+    from graphforge.analysis.memory import dims_of
+
+    data = np.load(folder / "batches.npz")
+    proto = graphforge.load(program, load_external_data=False)
+    feeds = {"input_ids" if spec.key == "gpt2" else "x": data["x0"], "labels": data["y0"]}
+    sized = ", ".join(f'"{k}={v}"' for k, v in dims_of(proto, feeds).items())
+    compiled = graphforge.compile(str(model), f"{tb.PIPELINE}, recompute({setting}, dims=[{sized}])").model
+    return graphforge.save(compiled, folder / f"program-recompute-{setting.replace('=', '')}.onnx")
+
+
+def run(quick: bool = False) -> str:
+    import graphforge
+
+    # the compiles here verify their passes on the CPU: the GPU is left to the measured processes
+    os.environ["GRAPHFORGE_PROVIDERS"] = "cpu"
+    rows, notes = [], []
+    for spec, recompute in QUICK if quick else FULL:
+        folder = CACHE / f"{spec.label.split(',')[0].replace(' ', '_').replace('×', 'x')}-b{spec.batch}"
+        print(f"  {spec.label}: export and compile", flush=True)
+        model, program, batches, _ = tb.prepare(spec, folder)
+        results = {}
+        for label, side in _sides(spec, recompute):
+            job = {**side, "spec": asdict(spec), "batches": str(batches), "device": DEVICE}
+            if side["side"] == "graphforge":
+                job["program"] = str(_program(spec, folder, model, program, side.get("recompute")))
+            results[label] = measure(job)
+            print(f"  {spec.label}: {label}: {json.dumps(results[label])[:300]}", flush=True)
+        torch_side, ours = results["torch eager"], results["graphforge, in place"]
+        for label, r in results.items():
+            if "error" in r:
+                rows.append(f"| {spec.label} | {label} | failed: {' '.join(r['error'].split())[-200:]} | | | | |")
+                continue
+            speed = f"{torch_side['step_s'] / r['step_s']:.2f}×" if "step_s" in torch_side else "—"
+            peak = "—" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+            vs = (
+                f"{r['peak_mib'] / torch_side['peak_mib']:.2f}×"
+                if r["peak_mib"] is not None and torch_side.get("peak_mib")
+                else "—"
+            )
+            allocated = f"{r['torch_allocated_mib']:.0f}" if "torch_allocated_mib" in r else "—"
+            rows.append(
+                f"| {spec.label} | {label} | {r['step_s'] * 1000:.2f} ± {r['iqr_s'] * 1000 / 2:.2f} | {speed} | "
+                f"{peak} | {vs} | {allocated} |"
+            )
+        first = {label: r["losses"][0] for label, r in results.items() if "losses" in r}
+        notes.append(f"- {spec.label}: first losses " + ", ".join(f"{k} {v:.5f}" for k, v in first.items()))
+        if "setup_s" in ours:
+            notes.append(
+                f"- {spec.label}: setup and {spec.warmup} warm-up steps took {ours['setup_s']:.1f} s (graphforge, "
+                f"{ours.get('providers')}), {torch_side.get('setup_s', float('nan')):.1f} s (torch)"
+            )
+    body = [
+        f"Training steps on {_device_name()}: graphforge's `Module.train_step` on onnxruntime's CUDA provider "
+        "beside PyTorch eager on the same GPU (AdamW, the Training step section's models and batches; "
+        "GPT-2 small at batch 8 × sequence 64). Device memory: the GPU's memory in use (NVML) at its highest, "
+        "above its use once the process's CUDA context was made; torch's `max_memory_allocated` beside it. "
+        "Each side in a fresh process.",
+        "",
+        "| model | side | step ms (median ± IQR/2) | × torch eager speed | device MiB | × torch eager | "
+        "torch allocated MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        *notes,
+        "",
+        f"graphforge {graphforge.__version__}, onnxruntime {_version('onnxruntime')}, torch {_version('torch')}.",
+    ]
+    return "\n".join(body)
+
+
+def _version(package: str) -> str:
+    try:
+        return __import__(package).__version__
+    except ImportError:
+        return "absent"
+
+
+def _device_name() -> str:
+    if DEVICE != "cuda":
+        return "the CPU (a trial run: GRAPHFORGE_BENCH_DEVICE=cpu)"
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        name, driver = done.stdout.strip().splitlines()[0].rsplit(", ", 1)
+        return f"one {name} (driver {driver})"
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        return "one CUDA GPU"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        result = child(json.loads(sys.argv[2]))
+        sys.stdout.write("@@" + json.dumps(result) + "\n")
+    else:
+        print(run(quick="--quick" in sys.argv))
