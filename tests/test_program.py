@@ -86,3 +86,18 @@ def test_metadata_that_is_not_json_is_one_clear_error(program):
     entry.value = "[{not json"
     with pytest.raises(graphforge.GraphforgeError, match=r"metadata 'graphforge.state' is not valid JSON"):
         ProgramRoles.read(broken)
+
+
+def test_an_optimizer_state_name_the_model_already_uses_is_one_clear_error():
+    """The optimizer names W's states ``W.exp_avg`` and ``W.exp_avg_sq``: a model tensor of
+    that name makes the pass refuse, naming it (checked against the names the model had, and
+    those the pass added, without walking the graph once per state)."""
+    model = models.linear_model()
+    for node in model.graph.node:
+        node.output[:] = ["W.exp_avg" if o == "xw" else o for o in node.output]
+        node.input[:] = ["W.exp_avg" if i == "xw" else i for i in node.input]
+    with pytest.raises(graphforge.PipelineError, match=r"cannot add input 'W.exp_avg': the model already has a tensor"):
+        graphforge.compile(model, "loss(kind=mse, output=y), autodiff, adamw")
+    renamed = graphforge.compile(models.linear_model(), "loss(kind=mse, output=y), autodiff, adamw").model
+    inputs = {i.name for i in renamed.graph.input}
+    assert {"W.exp_avg", "W.exp_avg_sq", "b.exp_avg", "b.exp_avg_sq"} <= inputs
