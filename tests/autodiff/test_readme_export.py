@@ -32,3 +32,19 @@ def test_readme_export_block_runs(tmp_path, monkeypatch):
     assert {"0.weight", "0.bias", "2.weight", "2.bias"} <= params
     program = namespace["program"]  # the last one compiled: the dynamo export's
     assert {o.name for o in program.graph.output} >= {"loss", "0.weight_grad", "2.bias_grad"}
+
+
+def test_readme_train_program_block_runs(tmp_path, monkeypatch):
+    """The README's train_program block, run after the export block it continues (its net, x)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (export,) = [b for b in blocks if "torch.onnx.export" in b and "TrainingMode" in b]
+    (block,) = [b for b in blocks if "train_program(" in b]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(export, "README.md", "exec", dont_inherit=True), namespace)
+        exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
+    module = namespace["module"]
+    assert sorted(module.parameters) == sorted(name for name, _ in namespace["net"].named_parameters())
+    assert sorted(module.buffers) == ["1.running_mean", "1.running_var"]
