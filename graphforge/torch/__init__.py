@@ -2,5 +2,6 @@
 ``pip install graphforge[torch]``; importing ``graphforge`` alone never imports torch)."""
 
 from graphforge.torch.export import export_for_training, train_program
+from graphforge.torch.module import GraphforgeModule
 
-__all__ = ["export_for_training", "train_program"]
+__all__ = ["GraphforgeModule", "export_for_training", "train_program"]

@@ -50,13 +50,16 @@ def export_for_training(
     output_names: Sequence[str] = ("logits",),
     dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
     opset: int = OPSET,
+    training: bool = True,
 ) -> onnx.ModelProto:
     """``module`` exported as a training graphforge can compile (see the module docstring).
 
     ``example_inputs``: one tensor or a sequence of them, as the forward takes them.
     ``input_names``: default ``x`` for one input, ``x0``, ``x1``, ... for several.
     ``dynamic_axes``: as ``torch.onnx.export`` takes them; default: dim 0 of every input and
-    output is the dynamic ``batch``. The module is left as it was (values and mode)."""
+    output is the dynamic ``batch``. ``training=False`` exports the module in eval mode
+    (BatchNorm reads its running statistics, Dropout is gone). The module is left as it was
+    (values and mode)."""
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise GraphforgeError("example_inputs must be a tensor or a non-empty sequence of tensors")
@@ -82,12 +85,12 @@ def export_for_training(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
             torch.onnx.export(
-                module.train(),
+                module.train(training),
                 inputs,
                 buffer,
                 dynamo=False,
                 do_constant_folding=False,
-                training=torch.onnx.TrainingMode.TRAINING,
+                training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
                 opset_version=opset,
                 input_names=input_names,
                 output_names=output_names,
@@ -99,7 +102,9 @@ def export_for_training(
     except GraphforgeError:
         raise
     except Exception as exc:
-        raise GraphforgeError(f"torch.onnx.export failed: {type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 400 else text[:400] + " ..."
+        raise GraphforgeError(f"torch.onnx.export failed: {type(exc).__name__}: {text}") from exc
     finally:
         with torch.no_grad():
             for name, value in saved.items():

@@ -1,0 +1,393 @@
+"""GraphforgeModule: an ``nn.Module`` whose forward and backward run as graphforge programs on
+onnxruntime, inside an unchanged PyTorch training loop.
+
+On the first call with a new input signature (each input's dtype and rank, whether it needs a
+gradient, and the module's train/eval mode) the wrapped module is exported in that mode
+(``export_for_training``), its parameters and buffers become graph inputs, and the gradient of
+``sum(output * seed)`` over every output (the seeds are the output gradients torch hands the
+backward) is built by graphforge's ``autodiff`` with respect to the parameters that require a
+gradient and the inputs that do. The result is cut (``graphforge.cut``) into a forward
+segment, which computes the outputs and BatchNorm's new running statistics, and a backward
+segment, which receives what the forward stashed and computes the gradients. Both run in a
+``torch.autograd.Function``: ``loss.backward()`` fills each parameter's ``.grad``, so any
+``torch.optim`` optimizer, scheduler or clipping works as before; the parameters stay the
+module's, read at every call. Under ``torch.no_grad()`` only the forward segment runs.
+
+Dims are symbolic in the export, so another batch size or sequence length reuses the compiled
+program. Tensors cross as NumPy views of CPU tensors (no copies); CUDA tensors are not taken
+yet (the fallback runs them in torch).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from graphforge.cut import cut
+from graphforge.errors import GraphforgeError
+from graphforge.graph import save
+from graphforge.ir import TORCH_KINDS
+from graphforge.pass_manager import PassManager
+from graphforge.passes.autodiff import Autodiff
+from graphforge.roles import grad_name
+from graphforge.runtime.sessions import CPU, create_session
+from graphforge.torch.export import export_for_training
+
+#: the name of the scalar whose gradient is the vector-Jacobian product torch asks for
+_LOSS = "graphforge.vjp"
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+
+
+@dataclass
+class _Compiled:
+    """One input signature's programs: the forward and backward sessions and what they exchange."""
+
+    inputs: list[str]
+    outputs: list[str]
+    trained: list[str]  # parameters that get a gradient, in the order the Function takes them
+    differentiated: list[str]  # inputs that get a gradient
+    fed: list[str]  # parameters and buffers the programs read, by torch name
+    statistics: dict[str, str]  # buffer -> the forward output holding its new value
+    forward: Any  # onnxruntime session
+    forward_outputs: list[str]
+    stash: list[str]  # what the forward hands the backward
+    backward: Any | None
+    backward_inputs: list[str] = field(default_factory=list)
+
+
+class GraphforgeModule(torch.nn.Module):
+    """Run ``module``'s forward and backward as graphforge programs (see the module docstring).
+
+    ``fallback``: when the module cannot be exported or compiled, or gets inputs this wrapper
+    does not take (keyword or non-tensor arguments, CUDA tensors): ``"warn"`` runs the plain
+    module with one warning naming the reason, ``"error"`` raises it.
+    ``debug_dir``: a folder where each signature's exported, compiled and cut models are saved.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, fallback: Literal["warn", "error"] = "warn", debug_dir=None):
+        super().__init__()
+        if fallback not in ("warn", "error"):
+            raise GraphforgeError(f"fallback must be 'warn' or 'error', got {fallback!r}")
+        self.module = module
+        self.fallback = fallback
+        self.debug_dir = Path(debug_dir) if debug_dir is not None else None
+        self._compiled: dict[tuple, _Compiled] = {}
+        #: per (dtype, rank, needs a gradient) of the inputs: which dims of each are symbolic.
+        #: The batch (dim 0) starts so; a dim seen with a second size becomes so too, when the
+        #: export with it symbolic compiles (some exports, such as TorchScript's attention
+        #: with a symbolic embedding width, do not: those dims stay fixed, one program a size)
+        self._dynamic: dict[tuple, tuple[frozenset[int], ...]] = {}
+        self._fixed: dict[tuple, tuple[frozenset[int], ...]] = {}
+        self._fallen_back: str | None = None
+        #: how many times a signature was compiled (a test and a user can see re-exports)
+        self.compiles = 0
+
+    def forward(self, *args, **kwargs):
+        if self._fallen_back is not None:
+            return self.module(*args, **kwargs)
+        why = _unsupported(args, kwargs)
+        if why is not None:
+            return self._fall_back(why, args, kwargs)
+        kind = _signature(args, self.module.training)
+        dynamic = self._dynamic.setdefault(kind, tuple(frozenset({0}) if a.dim() else frozenset() for a in args))
+        key = (kind, _sizes(args, dynamic))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            try:
+                compiled, key = self._compile_for(args, kind, key)
+            except GraphforgeError as exc:
+                return self._fall_back(str(exc), args, kwargs)
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        trained = [tensors[name] for name in compiled.trained]
+        grad_wanted = torch.is_grad_enabled() and (
+            any(t.requires_grad for t in trained) or any(args[i].requires_grad for i in _indices(compiled, args))
+        )
+        if grad_wanted:
+            outputs = _Run.apply(compiled, tensors, len(args), *args, *trained)
+        else:
+            outputs = _run_forward(compiled, tensors, args)[0]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _fall_back(self, why: str, args, kwargs):
+        if self.fallback == "error":
+            raise GraphforgeError(f"GraphforgeModule cannot run {type(self.module).__name__}: {why}")
+        warnings.warn(
+            f"GraphforgeModule runs {type(self.module).__name__} in plain PyTorch from now on: {why}", stacklevel=3
+        )
+        self._fallen_back = why
+        return self.module(*args, **kwargs)
+
+    def _compile_for(self, args, kind, key) -> tuple[_Compiled, tuple]:
+        """Compile for a signature seen for the first time: where programs of the same dtypes
+        and ranks exist, the dims whose sizes differ from theirs become symbolic (when that
+        compiles; else they stay fixed)."""
+        dynamic = self._dynamic[kind]
+        fixed = self._fixed.setdefault(kind, tuple(frozenset() for _ in args))
+        seen = [sizes for (k, sizes) in self._compiled if k == kind]
+        if seen:
+            changed = tuple(
+                frozenset(d for d in range(a.dim()) if any(s[i][d] not in (None, a.shape[d]) for s in seen)) - fixed[i]
+                for i, a in enumerate(args)
+            )
+            if any(changed):
+                wider = tuple(d | c for d, c in zip(dynamic, changed, strict=True))
+                try:
+                    compiled = self._compile(args, wider)
+                except GraphforgeError:
+                    self._fixed[kind] = tuple(f | c for f, c in zip(fixed, changed, strict=True))
+                else:
+                    self._dynamic[kind] = wider
+                    key = (kind, _sizes(args, wider))
+                    self._compiled = {k: v for k, v in self._compiled.items() if k[0] != kind}
+                    self._compiled[key] = compiled
+                    return compiled, key
+        compiled = self._compile(args, dynamic)
+        self._compiled[key] = compiled
+        return compiled, key
+
+    def _compile(self, args, dynamic) -> _Compiled:
+        self.compiles += 1
+        folder = None
+        if self.debug_dir is not None:
+            folder = self.debug_dir / f"signature{self.compiles - 1}"
+            folder.mkdir(parents=True, exist_ok=True)
+            shapes = [
+                [None if d in dims else n for d, n in enumerate(a.shape)] for a, dims in zip(args, dynamic, strict=True)
+            ]
+            (folder / "signature.json").write_text(
+                json.dumps({"shapes": shapes, "dtypes": [str(a.dtype) for a in args]}) + "\n"
+            )
+        return _compile(self.module, args, dynamic, folder)
+
+
+def _unsupported(args, kwargs) -> str | None:
+    if kwargs:
+        return f"keyword arguments ({', '.join(kwargs)}) are not taken; pass them positionally"
+    if not args:
+        return "a forward without inputs"
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            return f"input {i} is a {type(a).__name__}, not a tensor"
+        if a.device.type != "cpu":
+            return f"input {i} is on {a.device}; GraphforgeModule runs CPU tensors (CUDA is still to come)"
+    return None
+
+
+def _signature(args, training: bool) -> tuple:
+    return tuple((a.dtype, a.dim(), a.requires_grad and a.is_floating_point()) for a in args), training
+
+
+def _sizes(args, dynamic) -> tuple:
+    """Each input's dims, None where symbolic."""
+    return tuple(
+        tuple(None if d in dims else n for d, n in enumerate(a.shape)) for a, dims in zip(args, dynamic, strict=True)
+    )
+
+
+def _indices(compiled: _Compiled, args) -> list[int]:
+    return [compiled.inputs.index(name) for name in compiled.differentiated]
+
+
+def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Compiled:
+    names = [f"input{i}" for i in range(len(args))]
+    exported = export_for_training(
+        module,
+        tuple(a.detach() for a in args),
+        input_names=names,
+        output_names=["output"],  # the export names any further outputs
+        dynamic_axes={
+            name: {d: f"{name}_dim{d}" for d in sorted(dims)} for name, dims in zip(names, dynamic, strict=True)
+        },
+        training=module.training,
+    )
+    for i, value in enumerate(exported.graph.output):  # symbolic: another batch gives other output dims
+        for d, dim in enumerate(value.type.tensor_type.shape.dim):
+            dim.Clear()
+            dim.dim_param = f"output{i}_dim{d}"
+    outputs = [o.name for o in exported.graph.output]
+    floating = [o.name for o in exported.graph.output if o.type.tensor_type.elem_type in _FLOAT_TYPES]
+    kinds = json.loads({p.key: p.value for p in exported.metadata_props}.get(TORCH_KINDS, "{}"))
+    trained = sorted(name for name, kind in kinds.items() if kind == "PARAMETER")
+    differentiated = [n for n, a in zip(names, args, strict=True) if a.requires_grad and a.is_floating_point()]
+    if folder is not None:
+        save(exported, folder / "exported.onnx")
+    statistics = _parameters_as_inputs(exported, kinds)
+    if not floating:
+        trained, differentiated = [], []
+    if not trained and not differentiated:
+        compiled_model, segments = None, cut(exported, [])
+    else:
+        _seeded_loss(exported, floating)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # parameters the outputs do not depend on get no gradient
+            result = PassManager(
+                [Autodiff(loss=_LOSS, trainable=(), inputs=(*trained, *differentiated))], verify=False
+            ).run(exported)
+        compiled_model = result.model
+        gradients = {o.name for o in compiled_model.graph.output}
+        trained = [n for n in trained if grad_name(n) in gradients]
+        differentiated = [n for n in differentiated if grad_name(n) in gradients]
+        segments = cut(compiled_model, [[*outputs, *statistics.values()]])
+    if folder is not None:
+        if compiled_model is not None:
+            save(compiled_model, folder / "compiled.onnx")
+        for segment in segments:
+            save(segment.model, folder / f"segment{segment.index}.onnx")
+    first, second = segments[0], segments[-1] if len(segments) > 1 else None
+    fed = sorted(kinds)
+    compiled = _Compiled(
+        inputs=names,
+        outputs=outputs,
+        trained=trained,
+        differentiated=differentiated,
+        fed=fed,
+        statistics=statistics,
+        forward=create_session(first.model, providers=[CPU]),
+        forward_outputs=[o.name for o in first.model.graph.output],
+        stash=[s for s in first.sends if s not in outputs and s not in statistics.values()],
+        backward=create_session(second.model, providers=[CPU]) if second is not None else None,
+        backward_inputs=[i.name for i in second.model.graph.input] if second is not None else [],
+    )
+    return compiled
+
+
+def _parameters_as_inputs(model: onnx.ModelProto, kinds: dict[str, str]) -> dict[str, str]:
+    """Every parameter and buffer initializer becomes a graph input (the module's tensors are fed
+    at each call); each training-mode BatchNormalization's running statistics become outputs, the
+    variance made unbiased as torch keeps it. Returns buffer -> output name."""
+    graph = model.graph
+    moved = [t for t in graph.initializer if t.name in kinds]
+    for t in moved:
+        graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    kept = [t for t in graph.initializer if t.name not in kinds]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    statistics: dict[str, str] = {}
+    extra: list[onnx.NodeProto] = []
+    for node in graph.node:
+        training = any(a.name == "training_mode" and a.i == 1 for a in node.attribute)
+        if node.op_type != "BatchNormalization" or not training or len(node.output) < 3:
+            continue
+        mean, var = node.input[3], node.input[4]
+        if mean not in kinds or var not in kinds:
+            continue
+        momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
+        statistics[mean] = node.output[1]
+        statistics[var] = _unbiased(extra, node, var, node.output[2], momentum)
+    graph.node.extend(extra)
+    for name in statistics.values():
+        graph.output.append(helper.make_empty_tensor_value_info(name))
+    return statistics
+
+
+def _unbiased(nodes: list, bn: onnx.NodeProto, previous: str, running: str, momentum: float) -> str:
+    """torch's running variance from ONNX's: running + (running - momentum * previous) / (N - 1),
+    N the elements per channel (the same as graphforge's optimizer passes write)."""
+    x, out = bn.input[0], f"{previous}.next"
+
+    def node(op, *inputs, **attrs):
+        name = f"{out}/{op}_{len(nodes)}"
+        nodes.append(helper.make_node(op, list(inputs), [name], name=name, **attrs))
+        return name
+
+    def const(value, dtype=np.float32):
+        name = f"{out}/const_{len(nodes)}"
+        nodes.append(
+            helper.make_node(
+                "Constant", [], [name], name=name, value=onnx.numpy_helper.from_array(np.array(value, dtype))
+            )
+        )
+        return name
+
+    per_channel = node("Div", node("Size", x), node("Gather", node("Shape", x), const(1, np.int64)))
+    n_minus_1 = node("Max", node("Sub", node("Cast", per_channel, to=onnx.TensorProto.FLOAT), const(1.0)), const(1.0))
+    share = node("Sub", running, node("Mul", previous, const(momentum)))
+    nodes.append(helper.make_node("Add", [running, node("Div", share, n_minus_1)], [out], name=f"{out}/Add"))
+    return out
+
+
+def _seeded_loss(model: onnx.ModelProto, outputs: Sequence[str]) -> None:
+    """``_LOSS = sum over outputs of ReduceSum(output * seed)``, each seed a new input typed like
+    its output: autodiff's gradient of it is the vector-Jacobian product with the seeds."""
+    graph, terms = model.graph, []
+    typed = {o.name: o for o in graph.output}
+    for name in outputs:
+        seed = f"{name}.seed"
+        value = onnx.ValueInfoProto()
+        value.CopyFrom(typed[name])
+        value.name = seed
+        graph.input.append(value)
+        product, total = f"{seed}/product", f"{seed}/sum"
+        graph.node.extend(
+            [
+                helper.make_node("Mul", [name, seed], [product], name=product),
+                helper.make_node("ReduceSum", [product], [total], name=total, keepdims=0),
+            ]
+        )
+        terms.append(total)
+    graph.node.append(helper.make_node("Sum", terms, [_LOSS], name=_LOSS))
+    graph.output.append(helper.make_tensor_value_info(_LOSS, typed[outputs[0]].type.tensor_type.elem_type, []))
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+def _run_forward(compiled: _Compiled, tensors: dict[str, torch.Tensor], args) -> tuple[list[torch.Tensor], dict]:
+    feeds = {name: _numpy(a) for name, a in zip(compiled.inputs, args, strict=True)}
+    feeds.update({name: _numpy(tensors[name]) for name in compiled.fed})
+    wanted = {i.name for i in compiled.forward.get_inputs()}
+    values = compiled.forward.run(compiled.forward_outputs, {k: v for k, v in feeds.items() if k in wanted})
+    done = dict(zip(compiled.forward_outputs, values, strict=True))
+    with torch.no_grad():
+        for buffer, name in compiled.statistics.items():
+            tensors[buffer].copy_(torch.from_numpy(done[name]))
+        for buffer in {b.rsplit(".", 1)[0] + ".num_batches_tracked" for b in compiled.statistics}:
+            if buffer in tensors:
+                tensors[buffer].add_(1)
+    outputs = [torch.from_numpy(done[name]) for name in compiled.outputs]
+    return outputs, {**{k: v for k, v in feeds.items() if k not in compiled.inputs}, **done}
+
+
+class _Run(torch.autograd.Function):
+    """The forward segment in ``forward``, the backward segment in ``backward``."""
+
+    @staticmethod
+    def forward(ctx, compiled: _Compiled, tensors: dict, count: int, *values):
+        args = values[:count]
+        outputs, known = _run_forward(compiled, tensors, args)
+        ctx.compiled, ctx.count, ctx.trained = compiled, count, len(values) - count
+        ctx.known = {k: known[k] for k in compiled.backward_inputs if k in known}
+        ctx.known.update({n: _numpy(a) for n, a in zip(compiled.inputs, args, strict=True)})
+        ctx.outputs = [(o.shape, o.dtype) for o in outputs]
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        compiled = ctx.compiled
+        feeds = dict(ctx.known)
+        for name, grad, (shape, dtype) in zip(compiled.outputs, grads, ctx.outputs, strict=True):
+            if f"{name}.seed" in compiled.backward_inputs:
+                feeds[f"{name}.seed"] = _numpy(grad) if grad is not None else np.zeros(tuple(shape), _np_dtype(dtype))
+        wanted = [grad_name(n) for n in (*compiled.differentiated, *compiled.trained)]
+        values = compiled.backward.run(wanted, {k: v for k, v in feeds.items() if k in compiled.backward_inputs})
+        done = dict(zip(wanted, values, strict=True))
+        input_grads = [
+            torch.from_numpy(done[grad_name(name)]) if name in compiled.differentiated else None
+            for name in compiled.inputs
+        ]
+        param_grads = [torch.from_numpy(done[grad_name(name)]) for name in compiled.trained]
+        return (None, None, None, *input_grads, *param_grads)
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty((), dtype=dtype).numpy().dtype
