@@ -39,7 +39,7 @@ from graphforge.ir import TORCH_KINDS
 from graphforge.pass_manager import PassManager
 from graphforge.passes.autodiff import Autodiff
 from graphforge.roles import grad_name
-from graphforge.runtime.sessions import CPU, create_session
+from graphforge.runtime.sessions import CPU, create_session, session_options
 from graphforge.torch.export import export_for_training
 
 #: the name of the scalar whose gradient is the vector-Jacobian product torch asks for
@@ -251,13 +251,23 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
         differentiated=differentiated,
         fed=fed,
         statistics=statistics,
-        forward=create_session(first.model, providers=[CPU]),
+        forward=create_session(first.model, providers=[CPU], options=_options()),
         forward_outputs=[o.name for o in first.model.graph.output],
         stash=[s for s in first.sends if s not in outputs and s not in statistics.values()],
-        backward=create_session(second.model, providers=[CPU]) if second is not None else None,
+        backward=create_session(second.model, providers=[CPU], options=_options()) if second is not None else None,
         backward_inputs=[i.name for i in second.model.graph.input] if second is not None else [],
     )
     return compiled
+
+
+def _options():
+    """Session options whose threads do not spin after a run: torch's own ops run next (the
+    loss, the optimizer), and onnxruntime's default spinning threads would take their cores
+    (measured: the MLP's torch.optim.AdamW step 6x slower beside spinning threads)."""
+    options = session_options()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return options
 
 
 def _parameters_as_inputs(model: onnx.ModelProto, kinds: dict[str, str]) -> dict[str, str]:

@@ -217,3 +217,14 @@ def test_a_tied_weight_trains_as_one_parameter_and_debug_dir_keeps_the_models(tm
     np.testing.assert_allclose(wrapped.module.embed.weight.detach(), plain.embed.weight.detach(), rtol=RTOL, atol=ATOL)
     saved = sorted(p.name for p in (tmp_path / "signature0").iterdir())
     assert saved == ["compiled.onnx", "exported.onnx", "segment0.onnx", "segment1.onnx", "signature.json"]
+
+
+def test_the_readme_block_runs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "GraphforgeModule(net)" in b]
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
+    assert namespace["model"].compiles == 1 and namespace["net"][0].weight.grad is not None
