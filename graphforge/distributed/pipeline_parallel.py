@@ -162,6 +162,7 @@ class PipelineStage:
             runner_device,
             batch_inputs=roles.batch_input_names(),
             intra_op_threads=intra_op_threads,
+            spin=False,  # a step runs the forward, backward and update segments: see Runner
         )
         self.runner.write_tensors({name: state.tensors[name] for name in self.parts.carried})
         self._buffers = [n for n in self.parts.carried if roles.carried_spec(n).role == "buffer"]

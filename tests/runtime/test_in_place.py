@@ -143,3 +143,32 @@ def test_in_place_safety_on_readers_views_and_writers():
         """
     )
     assert in_place_safety(chained, {"p": "p_next"}) == {}
+
+
+def test_sessions_of_a_step_of_two_runs_do_not_spin():
+    """In place, a step is two runs (forward/backward, then the update): their sessions' threads
+    must not spin for work after a run, or they take the cores the other session runs on. One
+    run a step (two buffers) keeps onnxruntime's spinning; so does a Module whose in-place
+    updates were turned off."""
+    program = compile_program(mlp_onnx(), "adamw(lr=0.01)")
+    x, target = batches(1)[0]
+
+    def spinning(module) -> set[str]:
+        module.train_step(x, target)
+        sessions = [bound.session for bound in module.runner._sessions.values()]
+        assert sessions
+        values = set()
+        for session in sessions:
+            try:
+                values.add(session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning"))
+            except RuntimeError:  # not set: onnxruntime's default, spinning
+                values.add("default")
+        return values
+
+    in_place = Module(program, device="cpu")
+    assert not in_place.runner.spin and spinning(in_place) == {"0"}
+    two_buffers = Module(program, device="cpu", in_place=False)
+    assert two_buffers.runner.spin
+    assert spinning(two_buffers) == {"default"}
+    in_place.runner.disable_in_place()
+    assert in_place.runner.spin and spinning(in_place) == {"default"}
