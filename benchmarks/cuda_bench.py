@@ -149,17 +149,7 @@ def child(job: dict) -> dict:
         extra["state_mib"] = (memory.used() - memory.base) / MIB if memory else None
         if job.get("checkpoint"):  # torch.utils.checkpoint around each block, as transformers does it
             module.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = torch.optim.AdamW(
-            module.parameters(), lr=tb.LR, betas=tb.BETAS, eps=tb.EPS, weight_decay=tb.WEIGHT_DECAY
-        )
-
-        def step(x, y):
-            optimizer.zero_grad(set_to_none=True)
-            logits = module(torch.from_numpy(x).to(device))
-            loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y).to(device))
-            loss.backward()
-            optimizer.step()
-            return loss.item()
+        step = tb.torch_adamw_step(module, device)
 
         def finish():
             if device == "cuda":
@@ -205,13 +195,10 @@ def measure(job: dict, timeout: float = TIMEOUT_S) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("GRAPHFORGE_PROVIDERS", "GRAPHFORGE_TF32")}
     if job.get("tf32"):
         env["GRAPHFORGE_TF32"] = "1"
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
-    if done.returncode != 0 or not lines:
-        return {"error": (done.stderr.strip() or done.stdout.strip())[-1500:]}
-    return json.loads(lines[-1][2:])
+    try:
+        return tb.run_child(__file__, job, timeout=timeout, env=env)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
 
 
 def _sides(spec: tb.Spec, recompute: bool) -> list[tuple[str, dict]]:
@@ -274,8 +261,7 @@ def run(quick: bool = False) -> str:
                 f"| {spec.label} | {label} | {r['step_s'] * 1000:.2f} ± {r['iqr_s'] * 1000 / 2:.2f} | {speed} | "
                 f"{peak} | {vs} | {allocated} |"
             )
-        first = {label: r["losses"][0] for label, r in results.items() if "losses" in r}
-        notes.append(f"- {spec.label}: first losses " + ", ".join(f"{k} {v:.5f}" for k, v in first.items()))
+        notes.append(tb.first_losses(spec.label, results))
         if "setup_s" in ours:
             notes.append(
                 f"- {spec.label}: setup and {spec.warmup} warm-up steps took {ours['setup_s']:.1f} s (graphforge, "
@@ -324,8 +310,4 @@ def _device_name() -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        result = child(json.loads(sys.argv[2]))
-        sys.stdout.write("@@" + json.dumps(result) + "\n")
-    else:
-        print(run(quick="--quick" in sys.argv))
+    tb.child_main(child, run)

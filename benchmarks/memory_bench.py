@@ -15,9 +15,7 @@ sees. The same window for torch: its module, AdamW, the steps.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,16 +64,7 @@ def child(job: dict) -> dict:
         module = tb.build_torch(spec).train()
         if job.get("checkpoint"):  # torch.utils.checkpoint around each block, as transformers does it
             module.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = torch.optim.AdamW(
-            module.parameters(), lr=tb.LR, betas=tb.BETAS, eps=tb.EPS, weight_decay=tb.WEIGHT_DECAY
-        )
-
-        def step(x, y):
-            optimizer.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y))
-            loss.backward()
-            optimizer.step()
-            return float(loss)
+        step = tb.torch_adamw_step(module)
     else:
         module = runtime.Module(
             job["program"], device="cpu", intra_op_threads=threads, inter_op_threads=1, in_place=job["in_place"]
@@ -95,13 +84,7 @@ def child(job: dict) -> dict:
 
 def measure(job: dict, timeout: float = TIMEOUT_S) -> dict:
     """Run ``job`` (see ``child``) in a fresh process and return what it reports."""
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=timeout
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the measuring process failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(lines[-1][2:])
+    return tb.run_child(__file__, job, timeout=timeout)
 
 
 def graphforge_job(program: Path, batches: Path, *, in_place: bool, threads: int = 2, steps: int = STEPS) -> dict:
@@ -236,8 +219,4 @@ def run(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        result = child(json.loads(sys.argv[2]))
-        sys.stdout.write("@@" + json.dumps(result) + "\n")
-    else:
-        print(run(quick="--quick" in sys.argv))
+    tb.child_main(child, run)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,16 +56,7 @@ def child(job: dict) -> dict:
         model = tb.build_torch(spec).train()
         if side == "GraphforgeModule":
             model = GraphforgeModule(model, fallback="error")
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=tb.LR, betas=tb.BETAS, eps=tb.EPS, weight_decay=tb.WEIGHT_DECAY
-        )
-
-        def step(x, y):
-            optimizer.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
-            loss.backward()
-            optimizer.step()
-            return loss.item()
+        step = tb.torch_adamw_step(model)
 
     times, losses = [], []
     for i in range(WARMUP + job["steps"]):
@@ -80,13 +70,10 @@ def child(job: dict) -> dict:
 
 
 def measure(job: dict) -> dict:
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
-    if done.returncode != 0 or not lines:
-        return {"error": " ".join((done.stderr.strip() or done.stdout.strip()).split())[-300:]}
-    return json.loads(lines[-1][2:])
+    try:
+        return tb.run_child(__file__, job, timeout=TIMEOUT_S)
+    except RuntimeError as exc:
+        return {"error": str(exc)[-300:]}
 
 
 def run(quick: bool = False) -> str:
@@ -114,8 +101,7 @@ def run(quick: bool = False) -> str:
                 f"| {spec.label} | {side} | {r['step_s'] * 1000:.1f} ± {r['iqr_s'] * 500:.1f} | {ratio} | "
                 f"{r['first_s']:.2f} |"
             )
-        first = {side: r["losses"][0] for side, r in results.items() if "losses" in r}
-        notes.append(f"- {spec.label}: first losses " + ", ".join(f"{k} {v:.5f}" for k, v in first.items()))
+        notes.append(tb.first_losses(spec.label, results))
     return "\n".join(
         [
             f"A torch training loop (forward, cross-entropy, backward, torch.optim.AdamW) on the plain module and "
@@ -136,8 +122,4 @@ def run(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        result = child(json.loads(sys.argv[2]))
-        sys.stdout.write("@@" + json.dumps(result) + "\n")
-    else:
-        print(run(quick="--quick" in sys.argv))
+    tb.child_main(child, run)

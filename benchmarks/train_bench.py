@@ -379,6 +379,54 @@ def _graphforge_stepper(job: dict):
     return step
 
 
+def torch_adamw_step(model, device: str = "cpu", forward=None):
+    """One torch training step of ``model`` as every benchmark times it: zero_grad, forward
+    (``forward``, default the model), cross-entropy, backward, AdamW with LR/BETAS/EPS/
+    WEIGHT_DECAY; returns a step(x, y) of NumPy batches that gives the loss as a float."""
+    import torch
+
+    forward = forward or model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        logits = forward(torch.from_numpy(x).to(device))
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y).to(device))
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    return step
+
+
+def run_child(script: str, job: dict, *, timeout: float, env: dict | None = None) -> dict:
+    """Run ``script --child JOB`` (JSON) in a fresh Python and return the JSON it prints on its
+    last ``@@`` line; a RuntimeError with the end of its output where it fails."""
+    done = subprocess.run(
+        [sys.executable, script, "--child", json.dumps(job)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(" ".join((done.stderr.strip() or done.stdout.strip()).split())[-1500:])
+    return json.loads(lines[-1][2:])
+
+
+def child_main(child, run) -> None:
+    """A benchmark file's entry: ``--child JOB`` runs one measurement in this fresh process and
+    prints its JSON on an ``@@`` line (what run_child reads); otherwise the section is printed."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        result = child(json.loads(sys.argv[2]))
+        sys.stdout.write("@@" + json.dumps(result) + "\n")
+    else:
+        print(run(quick="--quick" in sys.argv))
+
+
+def first_losses(label: str, results: dict) -> str:
+    """The note line with each side's first loss (the sides computed the same thing)."""
+    first = {side: r["losses"][0] for side, r in results.items() if "losses" in r}
+    return f"- {label}: first losses " + ", ".join(f"{k} {v:.5f}" for k, v in first.items())
+
+
 def _torch_stepper(job: dict):
     import torch
 
