@@ -56,6 +56,7 @@ class _Compiled:
     trained: list[str]  # parameters that get a gradient, in the order the Function takes them
     differentiated: list[str]  # inputs that get a gradient
     fed: list[str]  # parameters and buffers the programs read, by torch name
+    aliases: dict[str, str]  # a second input fed with a parameter (no gradient flows through it) -> its name
     statistics: dict[str, str]  # buffer -> the forward output holding its new value
     forward: Any  # onnxruntime session
     forward_outputs: list[str]
@@ -221,6 +222,7 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
     if folder is not None:
         save(exported, folder / "exported.onnx")
     statistics = _parameters_as_inputs(exported, kinds)
+    aliases = _mask_padding_rows(exported, module, kinds)
     if not floating:
         trained, differentiated = [], []
     if not trained and not differentiated:
@@ -250,6 +252,7 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
         trained=trained,
         differentiated=differentiated,
         fed=fed,
+        aliases=aliases,
         statistics=statistics,
         forward=create_session(first.model, providers=[CPU], options=_options()),
         forward_outputs=[o.name for o in first.model.graph.output],
@@ -297,6 +300,64 @@ def _parameters_as_inputs(model: onnx.ModelProto, kinds: dict[str, str]) -> dict
     for name in statistics.values():
         graph.output.append(helper.make_empty_tensor_value_info(name))
     return statistics
+
+
+def _mask_padding_rows(model: onnx.ModelProto, module: torch.nn.Module, kinds: dict[str, str]) -> dict[str, str]:
+    """torch gives an ``nn.Embedding(padding_idx=p)`` lookup of row p no gradient; the exported
+    Gather does not know p. Each lookup of such a weight becomes ``Where(ids == p, Gather(alias,
+    ids), Gather(weight, ids))``, the alias a second input fed the same weight that autodiff does
+    not differentiate: the values are the same, and the looked-up padding rows give the weight no
+    gradient (what else reads the weight, a tied output layer, still does). Returns alias -> weight."""
+    padding = {id(m.weight): m.padding_idx for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    padding = {
+        name: padding[id(p)]
+        for name, p in module.named_parameters()
+        if padding.get(id(p)) is not None and name in kinds
+    }
+    graph, aliases, nodes = model.graph, {}, []
+    typed = {i.name: i for i in graph.input}
+    for node in graph.node:
+        nodes.append(node)
+        if node.op_type != "Gather" or node.input[0] not in padding or node.domain not in ("", "ai.onnx"):
+            continue
+        weight, ids, looked_up = node.input[0], node.input[1], node.output[0]
+        alias = f"{weight}.padding_lookup"
+        if alias not in aliases:
+            aliases[alias] = weight
+            value = onnx.ValueInfoProto()
+            value.CopyFrom(typed[weight])
+            value.name = alias
+            graph.input.append(value)
+        base = f"{looked_up}/padding_idx"
+        node.output[0] = f"{base}/trained"
+        nodes += [
+            helper.make_node("Gather", [alias, ids], [f"{base}/fixed"], name=f"{base}/Gather", axis=0),
+            helper.make_node(
+                "Constant",
+                [],
+                [f"{base}/index"],
+                name=f"{base}/index",
+                value=onnx.helper.make_tensor("p", onnx.TensorProto.INT64, [], [padding[weight]]),
+            ),
+            helper.make_node("Cast", [ids], [f"{base}/ids"], name=f"{base}/Cast", to=onnx.TensorProto.INT64),
+            helper.make_node("Equal", [f"{base}/ids", f"{base}/index"], [f"{base}/is_padding"], name=f"{base}/Equal"),
+            helper.make_node(
+                "Constant",
+                [],
+                [f"{base}/last"],
+                name=f"{base}/last",
+                value=onnx.helper.make_tensor("a", onnx.TensorProto.INT64, [1], [-1]),
+            ),
+            helper.make_node(
+                "Unsqueeze", [f"{base}/is_padding", f"{base}/last"], [f"{base}/mask"], name=f"{base}/Unsqueeze"
+            ),
+            helper.make_node(
+                "Where", [f"{base}/mask", f"{base}/fixed", f"{base}/trained"], [looked_up], name=f"{base}/Where"
+            ),
+        ]
+    del graph.node[:]
+    graph.node.extend(nodes)  # each mask right after its lookup: the file stays in topological order
+    return aliases
 
 
 def _unbiased(nodes: list, bn: onnx.NodeProto, previous: str, running: str, momentum: float) -> str:
@@ -355,6 +416,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def _run_forward(compiled: _Compiled, tensors: dict[str, torch.Tensor], args) -> tuple[list[torch.Tensor], dict]:
     feeds = {name: _numpy(a) for name, a in zip(compiled.inputs, args, strict=True)}
     feeds.update({name: _numpy(tensors[name]) for name in compiled.fed})
+    feeds.update({alias: feeds[name] for alias, name in compiled.aliases.items()})
     wanted = {i.name for i in compiled.forward.get_inputs()}
     values = compiled.forward.run(compiled.forward_outputs, {k: v for k, v in feeds.items() if k in wanted})
     done = dict(zip(compiled.forward_outputs, values, strict=True))

@@ -228,3 +228,38 @@ def test_the_readme_block_runs():
     namespace: dict = {}
     exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
     assert namespace["model"].compiles == 1 and namespace["net"][0].weight.grad is not None
+
+
+def test_embedding_padding_rows_get_no_gradient_from_the_lookup_as_in_torch():
+    """nn.Embedding(padding_idx=0): torch gives the looked-up padding row no gradient (the
+    exported Gather does not know the row); a tied output layer still trains it, as in torch."""
+
+    class Padded(torch.nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            torch.manual_seed(6)
+            self.embed = torch.nn.Embedding(10, 6, padding_idx=0)
+            self.head = torch.nn.Linear(6, 10, bias=False)
+            if tied:
+                self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.embed(ids)).mean(dim=1))
+
+    for tied in (False, True):
+        net = Padded(tied)
+        plain, wrapped = copy.deepcopy(net), GraphforgeModule(net, fallback="error")
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (wrapped, plain)]
+        rng = np.random.default_rng(7)
+        for _ in range(6):
+            ids = torch.from_numpy(rng.integers(0, 4, (5, 3)))  # many padding ids (0)
+            labels = torch.from_numpy(rng.integers(0, 10, 5))
+            for model, optimizer in zip((wrapped, plain), optimizers, strict=True):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(ids), labels).backward()
+                optimizer.step()
+        if not tied:  # the padding row only decays
+            assert torch.equal(plain.embed.weight[0], Padded(False).embed.weight[0] * (1 - 1e-2 * 1e-2) ** 6)
+        np.testing.assert_allclose(
+            wrapped.module.embed.weight.detach(), plain.embed.weight.detach(), rtol=RTOL, atol=ATOL, err_msg=f"tied={tied}"
+        )
