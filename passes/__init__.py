@@ -5,7 +5,7 @@ happen to have been imported.
 """
 
 from graphforge.passes.allreduce import AllReduce
-from graphforge.passes.autodiff import Autodiff, ExpandGradient
+from graphforge.passes.autodiff import Autodiff, ExpandGradient, VectorJacobian
 from graphforge.passes.cse import CommonSubexpressionElimination
 from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
@@ -23,6 +23,7 @@ REGISTRY = PassRegistry(
     [
         AllReduce,
         Autodiff,
+        VectorJacobian,
         Loss,
         SGD,
         Adam,
@@ -57,4 +58,5 @@ __all__ = [
     "PipelinePartition",
     "Prune",
     "TopologicalSort",
+    "VectorJacobian",
 ]

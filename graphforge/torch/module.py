@@ -3,10 +3,9 @@ onnxruntime, inside an unchanged PyTorch training loop.
 
 On the first call with a new input signature (each input's dtype and rank, whether it needs a
 gradient, and the module's train/eval mode) the wrapped module is exported in that mode
-(``export_for_training``), its parameters and buffers become graph inputs, and the gradient of
-``sum(output * seed)`` over every output (the seeds are the output gradients torch hands the
-backward) is built by graphforge's ``autodiff`` with respect to the parameters that require a
-gradient and the inputs that do. The result is cut (``graphforge.cut``) into a forward
+(``export_for_training``), its parameters and buffers become graph inputs, and the ``vjp`` pass
+builds the backward from the outputs' gradients (the ``<output>_seed`` inputs: what torch hands
+the backward) to the parameters that require a gradient and the inputs that do. The result is cut (``graphforge.cut``) into a forward
 segment, which computes the outputs and BatchNorm's new running statistics, and a backward
 segment, which receives what the forward stashed and computes the gradients. Both run in a
 ``torch.autograd.Function``: ``loss.backward()`` fills each parameter's ``.grad``, so any
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,13 +35,11 @@ from graphforge.errors import GraphforgeError
 from graphforge.graph import save
 from graphforge.ir import TORCH_KINDS
 from graphforge.pass_manager import PassManager
-from graphforge.passes.autodiff import Autodiff
+from graphforge.passes.autodiff import VectorJacobian
 from graphforge.roles import grad_name
 from graphforge.runtime.sessions import CPU, create_session, session_options
 from graphforge.torch.export import export_for_training
 
-#: the name of the scalar whose gradient is the vector-Jacobian product torch asks for
-_LOSS = "graphforge.vjp"
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
 
 
@@ -228,12 +224,10 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
     if not trained and not differentiated:
         compiled_model, segments = None, cut(exported, [])
     else:
-        _seeded_loss(exported, floating)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # parameters the outputs do not depend on get no gradient
-            result = PassManager(
-                [Autodiff(loss=_LOSS, trainable=(), inputs=(*trained, *differentiated))], verify=False
-            ).run(exported)
+            vjp = VectorJacobian(outputs=tuple(floating), trainable=(), inputs=(*trained, *differentiated))
+            result = PassManager([vjp], verify=False).run(exported)
         compiled_model = result.model
         gradients = {o.name for o in compiled_model.graph.output}
         trained = [n for n in trained if grad_name(n) in gradients]
@@ -386,29 +380,6 @@ def _unbiased(nodes: list, bn: onnx.NodeProto, previous: str, running: str, mome
     return out
 
 
-def _seeded_loss(model: onnx.ModelProto, outputs: Sequence[str]) -> None:
-    """``_LOSS = sum over outputs of ReduceSum(output * seed)``, each seed a new input typed like
-    its output: autodiff's gradient of it is the vector-Jacobian product with the seeds."""
-    graph, terms = model.graph, []
-    typed = {o.name: o for o in graph.output}
-    for name in outputs:
-        seed = f"{name}.seed"
-        value = onnx.ValueInfoProto()
-        value.CopyFrom(typed[name])
-        value.name = seed
-        graph.input.append(value)
-        product, total = f"{seed}/product", f"{seed}/sum"
-        graph.node.extend(
-            [
-                helper.make_node("Mul", [name, seed], [product], name=product),
-                helper.make_node("ReduceSum", [product], [total], name=total, keepdims=0),
-            ]
-        )
-        terms.append(total)
-    graph.node.append(helper.make_node("Sum", terms, [_LOSS], name=_LOSS))
-    graph.output.append(helper.make_tensor_value_info(_LOSS, typed[outputs[0]].type.tensor_type.elem_type, []))
-
-
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
@@ -448,8 +419,8 @@ class _Run(torch.autograd.Function):
         compiled = ctx.compiled
         feeds = dict(ctx.known)
         for name, grad, (shape, dtype) in zip(compiled.outputs, grads, ctx.outputs, strict=True):
-            if f"{name}.seed" in compiled.backward_inputs:
-                feeds[f"{name}.seed"] = _numpy(grad) if grad is not None else np.zeros(tuple(shape), _np_dtype(dtype))
+            if f"{name}_seed" in compiled.backward_inputs:
+                feeds[f"{name}_seed"] = _numpy(grad) if grad is not None else np.zeros(tuple(shape), _np_dtype(dtype))
         wanted = [grad_name(n) for n in (*compiled.differentiated, *compiled.trained)]
         values = compiled.backward.run(wanted, {k: v for k, v in feeds.items() if k in compiled.backward_inputs})
         done = dict(zip(wanted, values, strict=True))

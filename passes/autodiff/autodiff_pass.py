@@ -5,11 +5,11 @@ from __future__ import annotations
 import fnmatch
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients, node_inputs
+from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients, build_subgraph_gradients, node_inputs
 from graphforge.passes.autodiff.registry import RULES
 
 from graphforge import roles
@@ -66,7 +66,8 @@ class Autodiff(Pass):
     def _run(self, model: Model) -> PassResult:
         model = infer_shapes(model)
         graph = model.graph
-        loss = self._loss_tensor(graph)
+        targets = self._targets(graph)
+        what = self._what(targets)
         params = self._parameters(graph, recorded_torch_kinds(model.metadata))
         extra_inputs = self._inputs(graph)
         wrt = params + extra_inputs
@@ -74,32 +75,35 @@ class Autodiff(Pass):
             raise PassError(
                 f"no trainable parameters match trainable={list(self.trainable)} frozen={list(self.frozen)}"
             )
-        grads = build_gradients(graph, loss, wrt)
+        grads = self._build(graph, targets, wrt)
         if not grads:
-            raise PassError(f"the loss {loss.name!r} depends on none of the {len(wrt)} trainable tensors")
+            raise PassError(f"{what} depend{'s' * (len(targets) == 1)} on none of the {len(wrt)} trainable tensors")
         without = [t for t in wrt if id(t) not in grads]
         if without:
-            feeding = _feeding(loss)
+            what = self._what(targets, named=False)
+            feeding = set().union(*(_feeding(t) for t, _ in targets))
             unused = [t.name for t in without if id(t) not in feeding]  # case 4
             named = self._named()
             blocked = [t.name for t in without if id(t) in feeding and t.name in named]  # case 2c, asked for
             params = [t for t in params if id(t) in grads or id(t) not in feeding]
             if unused:
                 warnings.warn(
-                    f"autodiff: the loss does not depend on {len(unused)} parameter(s), which get no gradient: "
-                    + ", ".join(unused),
+                    f"{self.name}: {what} do{'es' * (len(targets) == 1)} not depend on {len(unused)} parameter(s), "
+                    "which get no gradient: " + ", ".join(unused),
                     stacklevel=3,  # the caller of run()
                 )
             if blocked:
                 warnings.warn(
-                    f"autodiff: no gradient reaches {', '.join(blocked)} (named in trainable): the loss reads "
-                    "it only where no gradient flows (e.g. BatchNormalization's running statistics, Dropout's ratio)",
+                    f"{self.name}: no gradient reaches {', '.join(blocked)} (named in trainable): {what} read"
+                    f"{'s' * (len(targets) == 1)} it only where no gradient flows (e.g. BatchNormalization's running "
+                    "statistics, Dropout's ratio)",
                     stacklevel=3,
                 )
 
-        outputs = list(graph.outputs) if self.keep_outputs else [loss]
-        if loss not in outputs:
-            outputs.insert(0, loss)
+        outputs = list(graph.outputs) if self.keep_outputs else [t for t, _ in targets]
+        for t, _ in reversed(targets):
+            if t not in outputs:
+                outputs.insert(0, t)
         gradient_names = {}
         taken = set(graph.tensors())
         for t in wrt:
@@ -117,8 +121,22 @@ class Autodiff(Pass):
 
         roles.set_json(model, roles.PARAMETERS, [t.name for t in params])
         roles.set_json(model, roles.GRADIENTS, gradient_names)
-        model.metadata[roles.LOSS] = loss.name
+        self._record(model, targets)
         return PassResult(model, True)
+
+    # The loss and its seed; VectorJacobian replaces these four with outputs seeded by inputs.
+
+    def _targets(self, graph: gs.Graph) -> list[tuple[gs.Tensor, gs.Tensor | None]]:
+        return [(self._loss_tensor(graph), None)]
+
+    def _what(self, targets, *, named: bool = True) -> str:
+        return f"the loss {targets[0][0].name!r}" if named else "the loss"
+
+    def _build(self, graph: gs.Graph, targets, wrt: list[gs.Tensor]) -> dict[int, gs.Tensor]:
+        return build_gradients(graph, targets[0][0], wrt)
+
+    def _record(self, model: Model, targets) -> None:
+        model.metadata[roles.LOSS] = targets[0][0].name
 
     def _loss_tensor(self, graph: gs.Graph) -> gs.Tensor:
         loss = next((t for t in graph.outputs if t.name == self.loss), None)
@@ -161,6 +179,58 @@ class Autodiff(Pass):
         if unknown:
             raise PassError(f"inputs={unknown} are not graph inputs; the graph inputs are: {', '.join(by_name)}")
         return [by_name[n] for n in self.inputs]
+
+
+@dataclass(frozen=True)
+class VectorJacobian(Autodiff):
+    """The gradients of named outputs against gradients given at run time (a vector-Jacobian
+    product): what torch's autograd hands a module's backward.
+
+    1. For each output ``y`` named in ``outputs`` (floating point), a graph input ``y_seed``
+       typed like ``y`` holds dL/dy; the backward starts from these seeds (no loss is
+       computed), so the result is the gradient of sum(y * y_seed) over the outputs.
+    2. Which tensors get gradients, and their names, are autodiff's (``trainable``, ``frozen``,
+       ``inputs``; ``P_grad``); the outputs stay outputs. A parameter no output depends on gets
+       none, with a warning.
+    3. Roles record the parameters and gradients; the model has no loss (``graphforge.torch``'s
+       GraphforgeModule runs the forward and the backward as two segments of it).
+    Only standard ai.onnx operators are emitted.
+    """
+
+    name = "vjp"
+    ensures = (Fact.GRADIENTS,)
+    loss: str = field(default="loss", init=False)  # no loss here: the seeds stand for it
+    outputs: tuple[str, ...] = ()
+
+    def _targets(self, graph: gs.Graph) -> list[tuple[gs.Tensor, gs.Tensor | None]]:
+        if not self.outputs:
+            raise PassError("vjp needs outputs=[...]: the outputs whose gradients come in as <output>_seed inputs")
+        by_name = {t.name: t for t in graph.outputs}
+        unknown = [n for n in self.outputs if n not in by_name]
+        if unknown:
+            raise PassError(f"outputs={unknown} are not graph outputs; the graph outputs are: {', '.join(by_name)}")
+        taken = set(graph.tensors())
+        targets = []
+        for name in dict.fromkeys(self.outputs):
+            y = by_name[name]
+            if y.dtype is None or np.dtype(y.dtype).kind != "f":
+                raise PassError(f"output {name!r} is not floating point ({y.dtype}): it has no gradient to seed")
+            seed_name = f"{name}_seed"
+            if seed_name in taken:
+                raise PassError(f"cannot add the input {seed_name!r}: the model already has a tensor with that name")
+            seed = gs.Variable(seed_name, dtype=y.dtype, shape=list(y.shape) if y.shape is not None else None)
+            graph.inputs.append(seed)
+            targets.append((y, seed))
+        return targets
+
+    def _what(self, targets, *, named: bool = True) -> str:
+        return ", ".join(repr(t.name) for t, _ in targets)
+
+    def _build(self, graph: gs.Graph, targets, wrt: list[gs.Tensor]) -> dict[int, gs.Tensor]:
+        return build_subgraph_gradients(graph, targets, wrt, opset=graph.opset or 1, prefix=GRAD_PREFIX)
+
+    def _record(self, model: Model, targets) -> None:
+        model.metadata.pop(roles.LOSS, None)
 
 
 #: how torch.onnx's dynamo exporter (onnxscript) names the values it creates: lifted and folded constants
