@@ -261,5 +261,9 @@ def test_embedding_padding_rows_get_no_gradient_from_the_lookup_as_in_torch():
         if not tied:  # the padding row only decays
             assert torch.equal(plain.embed.weight[0], Padded(False).embed.weight[0] * (1 - 1e-2 * 1e-2) ** 6)
         np.testing.assert_allclose(
-            wrapped.module.embed.weight.detach(), plain.embed.weight.detach(), rtol=RTOL, atol=ATOL, err_msg=f"tied={tied}"
+            wrapped.module.embed.weight.detach(),
+            plain.embed.weight.detach(),
+            rtol=RTOL,
+            atol=ATOL,
+            err_msg=f"tied={tied}",
         )
