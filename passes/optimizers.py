@@ -262,12 +262,12 @@ def _carry_buffers(program: _Program, batchnorm_variance: str) -> None:
             done.add(stat.name)
             if i == 1 and batchnorm_variance == "unbiased":
                 with b.scope(stat.name):
-                    running = _unbiased_running_var(b, node, stat, running)
+                    running = torch_running_variance(b, node, stat, running)
             program.output(running, roles.next_name(stat.name), stat)
             program.carry_initializer(stat, "buffer")
 
 
-def _unbiased_running_var(b: Builder, node: gs.Node, previous: gs.Tensor, running: gs.Tensor) -> gs.Tensor:
+def torch_running_variance(b: Builder, node: gs.Node, previous: gs.Tensor, running: gs.Tensor) -> gs.Tensor:
     """torch's running variance from the ONNX one. ONNX: running = m * previous + (1 - m) * var
     with var divided by N (the elements per channel); torch divides by N - 1, which adds
     (1 - m) * var / (N - 1) = (running - m * previous) / (N - 1). N = 1 adds nothing (var is 0)."""

@@ -371,13 +371,11 @@ class Runner:
             kept = [i for i in model.graph.input if i.name in read]
             del model.graph.input[:]
             model.graph.input.extend(kept)
-        options = session_options(**self._threads)
+        options = session_options(**self._threads, spin=self.spin)
         # onnxruntime plans a memory pattern after the first run and then allocates it as one
         # more block beside the arena that the first run filled: for a training step that
         # nearly doubles the peak memory (GPT-2 2x256: 1.8 GiB instead of 1.2), for no speed
         options.enable_mem_pattern = False
-        if not self.spin:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         for name, size in (dims or {}).items():
             options.add_free_dimension_override_by_name(name, int(size))
         if self.device.type == "cpu":

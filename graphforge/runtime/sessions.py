@@ -186,10 +186,15 @@ def share_cpu_arena(options: ort.SessionOptions) -> bool:
     return _shared_cpu_arena
 
 
-def session_options(*, intra_op_threads: int | None = None, inter_op_threads: int | None = None) -> ort.SessionOptions:
+def session_options(
+    *, intra_op_threads: int | None = None, inter_op_threads: int | None = None, spin: bool = True
+) -> ort.SessionOptions:
     """Session options with thread counts (``$GRAPHFORGE_THREADS`` sets the intra-op default).
 
-    A thread count is a whole number ≥ 0; 0 lets onnxruntime choose.
+    A thread count is a whole number ≥ 0; 0 lets onnxruntime choose. ``spin=False``: the
+    session's threads do not spin for work after a run (onnxruntime's default is to spin),
+    for a session whose runs alternate with other work on the same cores: another session's,
+    or torch's.
     """
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -210,6 +215,9 @@ def session_options(*, intra_op_threads: int | None = None, inter_op_threads: in
         options.intra_op_num_threads = intra_op_threads
     if inter_op_threads is not None:
         options.inter_op_num_threads = inter_op_threads
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     return options
 
 

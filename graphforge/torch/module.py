@@ -26,21 +26,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import onnx
+import onnx_graphsurgeon as gs
 import torch
-from onnx import helper
 
+from graphforge.builder import Builder
 from graphforge.cut import cut
 from graphforge.errors import GraphforgeError
-from graphforge.graph import save
-from graphforge.ir import TORCH_KINDS
+from graphforge.graph import Model, save
+from graphforge.ir import FLOAT_TYPES, TORCH_KINDS, replace_uses
 from graphforge.pass_manager import PassManager
 from graphforge.passes.autodiff import VectorJacobian
+from graphforge.passes.optimizers import torch_running_variance
 from graphforge.roles import grad_name
 from graphforge.runtime.sessions import CPU, create_session, session_options
 from graphforge.torch.export import export_for_training
 
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+#: the prefix of the nodes this wrapper adds to the export (running statistics, padding masks)
+_PREFIX = "torch::"
 
 
 @dataclass
@@ -54,9 +56,11 @@ class _Compiled:
     fed: list[str]  # parameters and buffers the programs read, by torch name
     aliases: dict[str, str]  # a second input fed with a parameter (no gradient flows through it) -> its name
     statistics: dict[str, str]  # buffer -> the forward output holding its new value
+    counters: list[str]  # BatchNorm's num_batches_tracked buffers, one more each training forward
+    previous: dict[str, str]  # an input fed a copy of a running variance -> its buffer
     forward: Any  # onnxruntime session
+    forward_inputs: set[str]
     forward_outputs: list[str]
-    stash: list[str]  # what the forward hands the backward
     backward: Any | None
     backward_inputs: list[str] = field(default_factory=list)
 
@@ -211,92 +215,96 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
             dim.Clear()
             dim.dim_param = f"output{i}_dim{d}"
     outputs = [o.name for o in exported.graph.output]
-    floating = [o.name for o in exported.graph.output if o.type.tensor_type.elem_type in _FLOAT_TYPES]
+    floating = [o.name for o in exported.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
     kinds = json.loads({p.key: p.value for p in exported.metadata_props}.get(TORCH_KINDS, "{}"))
     trained = sorted(name for name, kind in kinds.items() if kind == "PARAMETER")
     differentiated = [n for n, a in zip(names, args, strict=True) if a.requires_grad and a.is_floating_point()]
     if folder is not None:
         save(exported, folder / "exported.onnx")
-    statistics = _parameters_as_inputs(exported, kinds)
-    aliases = _mask_padding_rows(exported, module, kinds)
+    model = Model.from_proto(exported)
+    b = Builder(model.graph, prefix=_PREFIX)
+    _parameters_as_inputs(model.graph, kinds)
+    statistics, previous = _running_statistics(b, kinds)
+    aliases = _mask_padding_rows(b, module, kinds)
+    model.graph.toposort()  # the masks come after the lookups' readers
     if not floating:
         trained, differentiated = [], []
     if not trained and not differentiated:
-        compiled_model, segments = None, cut(exported, [])
+        segments = cut(model, [])
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # parameters the outputs do not depend on get no gradient
             vjp = VectorJacobian(outputs=tuple(floating), trainable=(), inputs=(*trained, *differentiated))
-            result = PassManager([vjp], verify=False).run(exported)
-        compiled_model = result.model
-        gradients = {o.name for o in compiled_model.graph.output}
+            model = Model.from_proto(PassManager([vjp], verify=False).run(model).model)
+        gradients = {t.name for t in model.graph.outputs}
         trained = [n for n in trained if grad_name(n) in gradients]
         differentiated = [n for n in differentiated if grad_name(n) in gradients]
-        segments = cut(compiled_model, [[*outputs, *statistics.values()]])
+        segments = cut(model, [[*outputs, *statistics.values()]])
+        if folder is not None:
+            save(model, folder / "compiled.onnx")
     if folder is not None:
-        if compiled_model is not None:
-            save(compiled_model, folder / "compiled.onnx")
         for segment in segments:
             save(segment.model, folder / f"segment{segment.index}.onnx")
     first, second = segments[0], segments[-1] if len(segments) > 1 else None
-    fed = sorted(kinds)
-    compiled = _Compiled(
+    options = session_options(spin=False)  # torch's loss and optimizer run next, on the same cores
+    forward = create_session(first.model, providers=[CPU], options=options)
+    return _Compiled(
         inputs=names,
         outputs=outputs,
         trained=trained,
         differentiated=differentiated,
-        fed=fed,
+        fed=sorted(kinds),
         aliases=aliases,
         statistics=statistics,
-        forward=create_session(first.model, providers=[CPU], options=_options()),
+        previous=previous,
+        counters=sorted({f"{b.rsplit('.', 1)[0]}.num_batches_tracked" for b in statistics}),
+        forward=forward,
+        forward_inputs={i.name for i in forward.get_inputs()},
         forward_outputs=[o.name for o in first.model.graph.output],
-        stash=[s for s in first.sends if s not in outputs and s not in statistics.values()],
-        backward=create_session(second.model, providers=[CPU], options=_options()) if second is not None else None,
+        backward=create_session(second.model, providers=[CPU], options=options) if second is not None else None,
         backward_inputs=[i.name for i in second.model.graph.input] if second is not None else [],
     )
-    return compiled
 
 
-def _options():
-    """Session options whose threads do not spin after a run: torch's own ops run next (the
-    loss, the optimizer), and onnxruntime's default spinning threads would take their cores
-    (measured: the MLP's torch.optim.AdamW step 6x slower beside spinning threads)."""
-    options = session_options()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    return options
+def _parameters_as_inputs(graph: gs.Graph, kinds: dict[str, str]) -> None:
+    """Every parameter and buffer initializer becomes a graph input: the module's tensors are
+    fed at each call."""
+    for name, tensor in graph.tensors().items():
+        if name in kinds and isinstance(tensor, gs.Constant):
+            fed = gs.Variable(name, dtype=tensor.dtype, shape=list(tensor.shape))
+            tensor.name = f"{name}/initial"  # read by nothing from here on
+            replace_uses(tensor, fed)
+            graph.inputs.append(fed)
 
 
-def _parameters_as_inputs(model: onnx.ModelProto, kinds: dict[str, str]) -> dict[str, str]:
-    """Every parameter and buffer initializer becomes a graph input (the module's tensors are fed
-    at each call); each training-mode BatchNormalization's running statistics become outputs, the
-    variance made unbiased as torch keeps it. Returns buffer -> output name."""
-    graph = model.graph
-    moved = [t for t in graph.initializer if t.name in kinds]
-    for t in moved:
-        graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    kept = [t for t in graph.initializer if t.name not in kinds]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+def _running_statistics(b: Builder, kinds: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Each training-mode BatchNormalization's running statistics become outputs, the variance
+    made unbiased as torch keeps it (``torch_running_variance``, as the optimizer passes do).
+    The correction reads the previous variance from an input of its own, fed a copy:
+    onnxruntime's BatchNormalization writes its new statistics into the buffer it read them
+    from (seen: a Mul of that input run after it read the new value). Returns (buffer -> output
+    name, that input -> buffer)."""
     statistics: dict[str, str] = {}
-    extra: list[onnx.NodeProto] = []
-    for node in graph.node:
-        training = any(a.name == "training_mode" and a.i == 1 for a in node.attribute)
-        if node.op_type != "BatchNormalization" or not training or len(node.output) < 3:
+    previous: dict[str, str] = {}
+    for node in list(b.graph.nodes):
+        if node.op != "BatchNormalization" or not node.attrs.get("training_mode") or len(node.outputs) < 3:
             continue
-        mean, var = node.input[3], node.input[4]
-        if mean not in kinds or var not in kinds:
+        mean, var = node.inputs[3], node.inputs[4]
+        if mean.name not in kinds or var.name not in kinds:
             continue
-        momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
-        statistics[mean] = node.output[1]
-        statistics[var] = _unbiased(extra, node, var, node.output[2], momentum)
-    graph.node.extend(extra)
-    for name in statistics.values():
-        graph.output.append(helper.make_empty_tensor_value_info(name))
-    return statistics
+        before = gs.Variable(f"{var.name}.previous", dtype=var.dtype, shape=var.shape)
+        b.graph.inputs.append(before)
+        previous[before.name] = var.name
+        with b.scope(var.name):
+            new_var = torch_running_variance(b, node, before, node.outputs[2])
+        for buffer, value in ((mean, node.outputs[1]), (var, new_var)):
+            value.dtype, value.shape = buffer.dtype, buffer.shape
+            b.graph.outputs.append(value)
+            statistics[buffer.name] = value.name
+    return statistics, previous
 
 
-def _mask_padding_rows(model: onnx.ModelProto, module: torch.nn.Module, kinds: dict[str, str]) -> dict[str, str]:
+def _mask_padding_rows(b: Builder, module: torch.nn.Module, kinds: dict[str, str]) -> dict[str, str]:
     """torch gives an ``nn.Embedding(padding_idx=p)`` lookup of row p no gradient; the exported
     Gather does not know p. Each lookup of such a weight becomes ``Where(ids == p, Gather(alias,
     ids), Gather(weight, ids))``, the alias a second input fed the same weight that autodiff does
@@ -308,76 +316,32 @@ def _mask_padding_rows(model: onnx.ModelProto, module: torch.nn.Module, kinds: d
         for name, p in module.named_parameters()
         if padding.get(id(p)) is not None and name in kinds
     }
-    graph, aliases, nodes = model.graph, {}, []
-    typed = {i.name: i for i in graph.input}
-    for node in graph.node:
-        nodes.append(node)
-        if node.op_type != "Gather" or node.input[0] not in padding or node.domain not in ("", "ai.onnx"):
+    graph, aliases = b.graph, {}
+    for node in list(graph.nodes):
+        weight = node.inputs[0] if node.op == "Gather" and node.domain in ("", "ai.onnx", None) else None
+        if weight is None or weight.name not in padding:
             continue
-        weight, ids, looked_up = node.input[0], node.input[1], node.output[0]
-        alias = f"{weight}.padding_lookup"
-        if alias not in aliases:
-            aliases[alias] = weight
-            value = onnx.ValueInfoProto()
-            value.CopyFrom(typed[weight])
-            value.name = alias
-            graph.input.append(value)
-        base = f"{looked_up}/padding_idx"
-        node.output[0] = f"{base}/trained"
-        nodes += [
-            helper.make_node("Gather", [alias, ids], [f"{base}/fixed"], name=f"{base}/Gather", axis=0),
-            helper.make_node(
-                "Constant",
-                [],
-                [f"{base}/index"],
-                name=f"{base}/index",
-                value=onnx.helper.make_tensor("p", onnx.TensorProto.INT64, [], [padding[weight]]),
-            ),
-            helper.make_node("Cast", [ids], [f"{base}/ids"], name=f"{base}/Cast", to=onnx.TensorProto.INT64),
-            helper.make_node("Equal", [f"{base}/ids", f"{base}/index"], [f"{base}/is_padding"], name=f"{base}/Equal"),
-            helper.make_node(
-                "Constant",
-                [],
-                [f"{base}/last"],
-                name=f"{base}/last",
-                value=onnx.helper.make_tensor("a", onnx.TensorProto.INT64, [1], [-1]),
-            ),
-            helper.make_node(
-                "Unsqueeze", [f"{base}/is_padding", f"{base}/last"], [f"{base}/mask"], name=f"{base}/Unsqueeze"
-            ),
-            helper.make_node(
-                "Where", [f"{base}/mask", f"{base}/fixed", f"{base}/trained"], [looked_up], name=f"{base}/Where"
-            ),
-        ]
-    del graph.node[:]
-    graph.node.extend(nodes)  # each mask right after its lookup: the file stays in topological order
-    return aliases
-
-
-def _unbiased(nodes: list, bn: onnx.NodeProto, previous: str, running: str, momentum: float) -> str:
-    """torch's running variance from ONNX's: running + (running - momentum * previous) / (N - 1),
-    N the elements per channel (the same as graphforge's optimizer passes write)."""
-    x, out = bn.input[0], f"{previous}.next"
-
-    def node(op, *inputs, **attrs):
-        name = f"{out}/{op}_{len(nodes)}"
-        nodes.append(helper.make_node(op, list(inputs), [name], name=name, **attrs))
-        return name
-
-    def const(value, dtype=np.float32):
-        name = f"{out}/const_{len(nodes)}"
-        nodes.append(
-            helper.make_node(
-                "Constant", [], [name], name=name, value=onnx.numpy_helper.from_array(np.array(value, dtype))
+        ids, looked_up = node.inputs[1], node.outputs[0]
+        alias = aliases.get(weight.name)
+        if alias is None:
+            alias = gs.Variable(f"{weight.name}.padding_lookup", dtype=weight.dtype, shape=weight.shape)
+            graph.inputs.append(alias)
+            aliases[weight.name] = alias
+        with b.scope(f"{looked_up.name}/padding_idx"):
+            # the lookup autodiff differentiates writes a new tensor; the Where writes the old one
+            trained = gs.Variable(b.fresh_name("trained"), dtype=looked_up.dtype, shape=looked_up.shape)
+            node.outputs[0] = trained
+            is_padding = b.op("Equal", b.cast(ids, np.int64), b.constant(np.int64(padding[weight.name])))
+            fixed = b.op("Gather", alias, ids, axis=0)
+            graph.nodes.append(
+                gs.Node(
+                    "Where",
+                    name=b.fresh_name("Where"),
+                    inputs=[b.unsqueeze(is_padding, [-1]), fixed, trained],
+                    outputs=[looked_up],
+                )
             )
-        )
-        return name
-
-    per_channel = node("Div", node("Size", x), node("Gather", node("Shape", x), const(1, np.int64)))
-    n_minus_1 = node("Max", node("Sub", node("Cast", per_channel, to=onnx.TensorProto.FLOAT), const(1.0)), const(1.0))
-    share = node("Sub", running, node("Mul", previous, const(momentum)))
-    nodes.append(helper.make_node("Add", [running, node("Div", share, n_minus_1)], [out], name=f"{out}/Add"))
-    return out
+    return {alias.name: weight for weight, alias in aliases.items()}
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -387,14 +351,16 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def _run_forward(compiled: _Compiled, tensors: dict[str, torch.Tensor], args) -> tuple[list[torch.Tensor], dict]:
     feeds = {name: _numpy(a) for name, a in zip(compiled.inputs, args, strict=True)}
     feeds.update({name: _numpy(tensors[name]) for name in compiled.fed})
+    feeds.update({previous: feeds[name].copy() for previous, name in compiled.previous.items()})
     feeds.update({alias: feeds[name] for alias, name in compiled.aliases.items()})
-    wanted = {i.name for i in compiled.forward.get_inputs()}
-    values = compiled.forward.run(compiled.forward_outputs, {k: v for k, v in feeds.items() if k in wanted})
+    values = compiled.forward.run(
+        compiled.forward_outputs, {k: v for k, v in feeds.items() if k in compiled.forward_inputs}
+    )
     done = dict(zip(compiled.forward_outputs, values, strict=True))
     with torch.no_grad():
         for buffer, name in compiled.statistics.items():
             tensors[buffer].copy_(torch.from_numpy(done[name]))
-        for buffer in {b.rsplit(".", 1)[0] + ".num_batches_tracked" for b in compiled.statistics}:
+        for buffer in compiled.counters:
             if buffer in tensors:
                 tensors[buffer].add_(1)
     outputs = [torch.from_numpy(done[name]) for name in compiled.outputs]
@@ -408,7 +374,7 @@ class _Run(torch.autograd.Function):
     def forward(ctx, compiled: _Compiled, tensors: dict, count: int, *values):
         args = values[:count]
         outputs, known = _run_forward(compiled, tensors, args)
-        ctx.compiled, ctx.count, ctx.trained = compiled, count, len(values) - count
+        ctx.compiled = compiled
         ctx.known = {k: known[k] for k in compiled.backward_inputs if k in known}
         ctx.known.update({n: _numpy(a) for n, a in zip(compiled.inputs, args, strict=True)})
         ctx.outputs = [(o.shape, o.dtype) for o in outputs]
@@ -420,7 +386,7 @@ class _Run(torch.autograd.Function):
         feeds = dict(ctx.known)
         for name, grad, (shape, dtype) in zip(compiled.outputs, grads, ctx.outputs, strict=True):
             if f"{name}_seed" in compiled.backward_inputs:
-                feeds[f"{name}_seed"] = _numpy(grad) if grad is not None else np.zeros(tuple(shape), _np_dtype(dtype))
+                feeds[f"{name}_seed"] = _numpy(grad if grad is not None else torch.zeros(shape, dtype=dtype))
         wanted = [grad_name(n) for n in (*compiled.differentiated, *compiled.trained)]
         values = compiled.backward.run(wanted, {k: v for k, v in feeds.items() if k in compiled.backward_inputs})
         done = dict(zip(wanted, values, strict=True))
@@ -430,7 +396,3 @@ class _Run(torch.autograd.Function):
         ]
         param_grads = [torch.from_numpy(done[grad_name(name)]) for name in compiled.trained]
         return (None, None, None, *input_grads, *param_grads)
-
-
-def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    return torch.empty((), dtype=dtype).numpy().dtype
