@@ -9,7 +9,13 @@ from a version table, so a newer or older onnxruntime is handled without an edit
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 
 import onnx
 import onnxruntime as ort
@@ -17,6 +23,12 @@ from onnx import helper, version_converter
 
 from graphforge.errors import ModelSaveError, one_line
 from graphforge.ir import model_nodes, nodes_of
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+TENSORRT = "TensorrtExecutionProvider"
+#: providers that need a CUDA device: not even probed when the driver reports none
+_NEED_CUDA_DEVICE = frozenset({CUDA, TENSORRT})
 
 
 @functools.cache
@@ -188,3 +200,129 @@ def _changed_since(op_type: str, old: int, new: int) -> bool:
         return onnx.defs.get_schema(op_type, new, "").since_version > old
     except onnx.defs.SchemaError:
         return True
+
+
+def cuda_driver_has_device() -> bool:
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return False
+    return count.value > 0
+
+
+@contextlib.contextmanager
+def output_silenced() -> Iterator[None]:
+    """Send file descriptors 1 and 2 to /dev/null: a failing provider library logs from C++,
+    past Python's sys.stdout/sys.stderr. Used only around the one-time provider probe."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    try:
+        saved = [os.dup(1), os.dup(2)]
+    except OSError:  # no fd 1 or 2 to silence (a daemon): nothing can be printed anyway
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
+@functools.cache
+def provider_works(name: str) -> bool:
+    """Whether a session on ``name`` really runs on it here (cached: probed once per process)."""
+    if name == CPU:
+        return True
+    if name not in ort.get_available_providers():
+        return False
+    if name in _NEED_CUDA_DEVICE and not cuda_driver_has_device():
+        return False
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    model = make_runtime_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        with output_silenced():
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=[name, CPU], enable_fallback=0)
+    except Exception:
+        return False
+    return session.get_providers()[0] == name
+
+
+#: node_kernel's answers: a kernel of the provider computes the node in the types it has, or
+#: onnxruntime runs it by casting to float32 and back (its InsertCastTransformer, on the CPU)
+NATIVE, EMULATED = "native", "emulated"
+
+
+@functools.cache
+def node_kernel(
+    provider: str, node: bytes, input_types: tuple[int, ...], opsets: tuple[tuple[str, int], ...]
+) -> str | None:
+    """How onnxruntime runs one node (a serialized NodeProto) on ``provider`` with inputs of
+    these element types (0: an omitted optional input): NATIVE, EMULATED (the session loads,
+    but onnxruntime computes the node in float32 between casts it inserts, as its CPU provider
+    does for float16 arithmetic it has no kernel for), or None when no session can be made
+    (without falling back to another provider). Shapes are left unknown, so only what the
+    kernel registry decides counts; cached per node and types."""
+    proto = onnx.NodeProto.FromString(node)
+    outputs = [f"y{i}" if name else "" for i, name in enumerate(proto.output)]
+    names = [f"x{i}" if code else "" for i, code in enumerate(input_types)]
+    del proto.input[:], proto.output[:]
+    proto.input.extend(names)
+    proto.output.extend(outputs)
+    inputs = [helper.make_tensor_value_info(n, code, None) for n, code in zip(names, input_types, strict=True) if n]
+    graph = helper.make_graph(
+        [proto], "probe", inputs, [helper.make_value_info(o, onnx.TypeProto()) for o in outputs if o]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+    with tempfile.TemporaryDirectory() as folder:
+        optimized = os.path.join(folder, "optimized.onnx")
+        try:
+            model = onnx.shape_inference.infer_shapes(make_runtime_compatible(model))
+            typed = {v.name: v for v in model.graph.value_info}
+            for out in model.graph.output:
+                if out.name in typed:
+                    out.type.CopyFrom(typed[out.name].type)
+            options = ort.SessionOptions()
+            options.log_severity_level = 4
+            # no fusions: what is left beside the node is what onnxruntime had to insert
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            options.optimized_model_filepath = optimized
+            if provider != CPU:  # else onnxruntime runs what the provider lacks on the CPU
+                options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+            with output_silenced() if provider != CPU else contextlib.nullcontext():
+                ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
+        except Exception:
+            return None
+        ran = [n.op_type for n in onnx.load(optimized, load_external_data=False).graph.node]
+    return NATIVE if ran == [proto.op_type] else EMULATED
+
+
+def resolve_provider(name: str) -> str:
+    """``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA where it works here, else the CPU) as
+    onnxruntime's provider name; "cuda" where CUDA does not work is a ValueError."""
+    if name == "auto":
+        return CUDA if provider_works(CUDA) else CPU
+    full = {"cpu": CPU, "cuda": CUDA}.get(name, name)
+    if not provider_works(full):
+        raise ValueError(
+            f"provider {name!r} does not work on this machine (onnxruntime offers: {', '.join(ort.get_available_providers())})"
+        )
+    return full

@@ -20,7 +20,7 @@ from graphforge.ort_compat import runtime_limits
 from graphforge.runtime import sessions
 from graphforge.runtime.sessions import CPU, CUDA, available_providers, create_session, session_options
 
-NO_CUDA_DEVICE = not sessions._cuda_driver_has_device()
+NO_CUDA_DEVICE = not ort_compat.cuda_driver_has_device()
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +74,7 @@ def test_failing_provider_probe_prints_nothing(capfd, monkeypatch):
         pytest.skip("CUDA works here: no failing probe to silence")
     if not (out or err):
         pytest.skip("onnxruntime printed nothing for a failing CUDA provider here")
-    monkeypatch.setattr(sessions, "_cuda_driver_has_device", lambda: True)  # get past the driver check
+    monkeypatch.setattr(ort_compat, "cuda_driver_has_device", lambda: True)  # get past the driver check
     assert sessions.provider_works(CUDA) is False
     assert capfd.readouterr() == ("", "")
     print("after the probe")  # fds 1 and 2 are back

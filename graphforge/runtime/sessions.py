@@ -9,13 +9,9 @@ created without onnxruntime's fallback: a provider that fails is an error, not a
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import os
-import sys
 import tempfile
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +30,16 @@ from graphforge.graph import (
     save,
 )
 from graphforge.ir import node_reads
-from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
+from graphforge.ort_compat import (
+    CPU,
+    CUDA,
+    TENSORRT,
+    is_runtime_compatible,
+    make_runtime_compatible,
+    provider_works,
+)
 
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
-TENSORRT = "TensorrtExecutionProvider"
 _SHORT_NAMES = {"cuda": CUDA, "cpu": CPU, "tensorrt": TENSORRT}
-#: providers that need a CUDA device: not even probed when the driver reports none
-_NEED_CUDA_DEVICE = frozenset({CUDA, TENSORRT})
 ENV_PROVIDERS = "GRAPHFORGE_PROVIDERS"
 ENV_THREADS = "GRAPHFORGE_THREADS"
 #: "1" lets onnxruntime's CUDA provider use TF32 for float32 MatMul/Gemm/Conv (see cuda_defaults)
@@ -50,70 +48,6 @@ ENV_TF32 = "GRAPHFORGE_TF32"
 CUDA_DEFAULT_OPTIONS: dict[str, str] = {"use_tf32": "0", "arena_extend_strategy": "kSameAsRequested"}
 #: onnxruntime's session option for the folder of external data when the model comes as bytes
 _EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
-
-
-def _cuda_driver_has_device() -> bool:
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    count = ctypes.c_int(0)
-    if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return False
-    return count.value > 0
-
-
-@contextlib.contextmanager
-def _output_silenced() -> Iterator[None]:
-    """Send file descriptors 1 and 2 to /dev/null: a failing provider library logs from C++,
-    past Python's sys.stdout/sys.stderr. Used only around the one-time provider probe."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    try:
-        saved = [os.dup(1), os.dup(2)]
-    except OSError:  # no fd 1 or 2 to silence (a daemon): nothing can be printed anyway
-        yield
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, devnull):
-            os.close(fd)
-
-
-@functools.cache
-def provider_works(name: str) -> bool:
-    """Whether a session on ``name`` really runs on it here (cached: probed once per process)."""
-    if name == CPU:
-        return True
-    if name not in ort.get_available_providers():
-        return False
-    if name in _NEED_CUDA_DEVICE and not _cuda_driver_has_device():
-        return False
-    from onnx import helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Relu", ["x"], ["y"])],
-        "probe",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
-    )
-    model = make_runtime_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    try:
-        with _output_silenced():
-            session = ort.InferenceSession(model.SerializeToString(), options, providers=[name, CPU], enable_fallback=0)
-    except Exception:
-        return False
-    return session.get_providers()[0] == name
 
 
 def _cuda_works() -> bool:
