@@ -53,6 +53,11 @@ class Fact(enum.Enum):
         roles.ALLREDUCE,
         "put `allreduce` after the optimizer pass in the pipeline",
     )
+    MIXED_PRECISION = (
+        "mixed precision",
+        roles.MIXED_PRECISION,
+        "put `mixed_precision(dtype=float16)` after the optimizer pass in the pipeline",
+    )
     PIPELINE = ("pipeline stages", roles.PIPELINE, "put `pipeline(stages=..., microbatches=...)` in the pipeline")
     GRADIENT_BOUNDARY = (
         "a gradient boundary",

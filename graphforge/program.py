@@ -145,6 +145,52 @@ class PipelineRole:
 
 
 @dataclass(frozen=True)
+class LossScaling:
+    """The loss scaling of the mixed_precision pass: "dynamic" or "static", the carried
+    scale, growth tracker and skipped-update count (inputs), the output saying whether this
+    step's update was skipped, and torch.amp.GradScaler's settings."""
+
+    kind: str
+    scale: str
+    growth_tracker: str
+    skipped: str
+    update_skipped: str
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> LossScaling | None:
+        if entry.get("kind", "none") == "none":
+            return None
+        return cls(
+            str(entry["kind"]),
+            str(entry["scale"]),
+            str(entry["growth_tracker"]),
+            str(entry["skipped"]),
+            str(entry["update_skipped"]),
+            float(entry["init_scale"]),
+            float(entry["growth_factor"]),
+            float(entry["backoff_factor"]),
+            int(entry["growth_interval"]),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "skipped": self.skipped,
+            "update_skipped": self.update_skipped,
+            "init_scale": self.init_scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+        }
+
+
+@dataclass(frozen=True)
 class BatchInput:
     """A program input a batch feeds: name, dtype, dims (int, or a name for a dynamic one)
     and whether the program has a default for it (an initializer)."""
@@ -181,6 +227,10 @@ class ProgramRoles:
     allreduce: AllReduceRole | None
     #: the pipeline stages (the pipeline pass), or None
     pipeline: PipelineRole | None
+    #: the mixed_precision pass's low type ("float16", "bfloat16") and the provider whose
+    #: kernels it checked, or None; its loss scaling, or None
+    mixed_precision: Mapping[str, Any] | None
+    loss_scaling: LossScaling | None
     #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
     optimizer: str | None
     hyperparameters: Mapping[str, Any]
@@ -254,6 +304,7 @@ class ProgramRoles:
                 raise GraphforgeError(f"the model's metadata {key!r} is not valid JSON: {text[:80]!r}") from None
 
         carried = tuple(CarriedSpec.from_json(entry) for entry in json_value(roles.STATE, []))
+        mixed_precision = json_value(roles.MIXED_PRECISION, None)
         optimizer = json_value(roles.OPTIMIZER, None) or {}
         step_input = metadata.get(roles.STEP)
         output_set = set(outputs)
@@ -264,6 +315,8 @@ class ProgramRoles:
         scalars = {metadata.get(k) for k in (roles.LR, roles.STEP, roles.RESET_GRAD)} - {None}
         carried_inputs = {c.input for c in carried}
         not_forward = {loss, grad_norm, step_output, *gradients.values(), *(c.output for c in carried)}
+        if mixed_precision:
+            not_forward.add(mixed_precision.get("loss_scale", {}).get("update_skipped"))
         default_lr = metadata.get(roles.DEFAULT_LR)
         return cls(
             metadata=metadata,
@@ -278,6 +331,8 @@ class ProgramRoles:
             if roles.ALLREDUCE in metadata
             else None,
             pipeline=PipelineRole.from_json(json_value(roles.PIPELINE, None)) if roles.PIPELINE in metadata else None,
+            mixed_precision=mixed_precision,
+            loss_scaling=LossScaling.from_json(mixed_precision.get("loss_scale", {})) if mixed_precision else None,
             optimizer=optimizer.get("kind"),
             hyperparameters=dict(optimizer.get("hyperparameters", {})),
             carried=carried,
@@ -336,10 +391,11 @@ class ProgramRoles:
     @property
     def update_outputs(self) -> set[str]:
         """What the optimizer's update writes: the next parameters and optimizer states,
-        the gradient norm and the step count (not accumulators or buffers, which the
-        forward/backward part writes)."""
+        the gradient norm, the step count and whether loss scaling skipped the update (not
+        accumulators or buffers, which the forward/backward part writes)."""
         updated = {c.output for c in self.carried_with_role("parameter", "optimizer")}
-        return updated | {n for n in (self.grad_norm, self.step_output) if n is not None}
+        skipped = self.loss_scaling.update_skipped if self.loss_scaling else None
+        return updated | {n for n in (self.grad_norm, self.step_output, skipped) if n is not None}
 
     def batch_input_names(self) -> list[str]:
         return [b.name for b in self.batch_inputs]

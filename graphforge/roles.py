@@ -34,6 +34,13 @@ PIPELINE = "graphforge.pipeline"
 #: JSON: what the recompute pass did (budget, level, nodes recomputed, saved bytes before/after);
 #: a runtime keeps onnxruntime from merging the recomputed copies back into the forward
 RECOMPUTE = "graphforge.recompute"
+#: JSON: what the mixed_precision pass did (passes/mixed_precision.py): {"dtype", "provider",
+#: "keep_fp32", "loss_scale": {"kind": "dynamic"|"static"|"none", "scale", "growth_tracker",
+#: "skipped", "update_skipped", "init_scale", "growth_factor", "backoff_factor",
+#: "growth_interval"}, "nodes": {"low", "casts", "fallback"}}
+MIXED_PRECISION = "graphforge.mixed_precision"
+#: the constant the backward starts from (dL/dloss = 1): where loss scaling multiplies in the scale
+LOSS_SEED = "graphforge.loss_seed"
 STATE = "graphforge.state"  # JSON list: every tensor carried from step to step (see passes/optimizers.py)
 LR = "graphforge.lr"  # name of the learning-rate input
 DEFAULT_LR = "graphforge.default_lr"  # the learning rate the pipeline asked for
@@ -54,6 +61,9 @@ OPTIM_PREFIX = "optim::"
 ALLREDUCE_PREFIX = "allreduce::"
 PIPELINE_PREFIX = "pipeline::"
 RECOMPUTE_PREFIX = "recompute::"
+#: the casts of the mixed_precision pass (precision.convert), and its loss scaling (under
+#: ``optim::``): not in GENERATED_PREFIXES, as a cast may produce a forward output
+AMP_PREFIX = "amp::"
 GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX, ALLREDUCE_PREFIX, PIPELINE_PREFIX, RECOMPUTE_PREFIX)
 #: what each generated part computes, as profiles name it (the rest is the forward)
 PROGRAM_PARTS = {

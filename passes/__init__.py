@@ -11,6 +11,7 @@ from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
 from graphforge.passes.identity_elimination import IdentityElimination
 from graphforge.passes.loss import Loss
+from graphforge.passes.mixed_precision import MixedPrecision
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
 from graphforge.passes.pipeline_partition import PipelinePartition
 from graphforge.passes.prune import Prune
@@ -29,6 +30,7 @@ REGISTRY = PassRegistry(
         Adam,
         AdamW,
         Lamb,
+        MixedPrecision,
         PipelinePartition,
         Recompute,
         DeadCodeElimination,
@@ -55,6 +57,7 @@ __all__ = [
     "IdentityElimination",
     "Lamb",
     "Loss",
+    "MixedPrecision",
     "PipelinePartition",
     "Prune",
     "TopologicalSort",

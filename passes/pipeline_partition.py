@@ -55,7 +55,7 @@ class PipelinePartition(Pass):
 
     name = "pipeline"
     requires = (Fact.GRADIENT_BOUNDARY,)
-    refuses = (Fact.PIPELINE, Fact.ALLREDUCE)
+    refuses = (Fact.PIPELINE, Fact.ALLREDUCE, Fact.MIXED_PRECISION)
     ensures = (Fact.PIPELINE,)
 
     stages: int = 2

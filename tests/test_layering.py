@@ -38,6 +38,7 @@ CORE = (
     "graphforge.pipeline",
     "graphforge.cut",
     "graphforge.stages",
+    "graphforge.precision",
 )
 PASSES = ("graphforge.passes",)
 RUNTIME = ("graphforge.runtime",)

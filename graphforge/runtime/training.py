@@ -269,9 +269,9 @@ class Module:
             return self._train_step_in_place(feeds, outputs)
         extra, keep = self._fused_outputs(outputs)
         fetch = [self.loss_name, *outputs]
-        grad_norm = self.roles.grad_norm
-        if grad_norm in keep and grad_norm not in fetch:
-            fetch.append(grad_norm)
+        for name in self._step_reports():
+            if name in keep and name not in fetch:
+                fetch.append(name)
         if self.reducer is None:
             bound = self.runner.session(
                 ("fused", extra),
@@ -383,13 +383,15 @@ class Module:
         a loss or gradient norm that is not finite leaves the state as it is."""
         self.last_update_skipped = False
         checked = {n: float(np.asarray(v)) for n, v in self._checked.items()}
-        if self.runner.in_place and not all(math.isfinite(v) for v in checked.values()):
+        # a program that scales its loss skips an update whose gradients are not finite
+        # itself (and lowers the scale): only a loss that is not finite is the runtime's to skip
+        guarded = [self.loss_name] if self.roles.loss_scaling is not None else list(checked)
+        if self.runner.in_place and not all(math.isfinite(checked[n]) for n in guarded if n in checked):
             self.last_update_skipped = True
             self.last_grad_norm = checked.get(self.roles.grad_norm, self.last_grad_norm)
             return None
         optim = self._segment_session(1, tuple(sorted(outputs)))
-        grad_norm = self.roles.grad_norm
-        fetch = [n for n in [grad_norm, *outputs] if n in optim.outputs]
+        fetch = [n for n in [*self._step_reports(), *outputs] if n in optim.outputs]
         received = dict(self._received)
         if self.reducer is not None:
             received = self.reducer.reduce(received)
@@ -397,11 +399,33 @@ class Module:
         self._after_update({**{n: np.asarray(v) for n, v in self._checked.items()}, **done.host})
         return done
 
+    def _step_reports(self) -> list[str]:
+        """The outputs a step hands back besides the loss: the gradient norm, and whether a
+        program that scales its loss skipped the update."""
+        scaling = self.roles.loss_scaling
+        return [n for n in (self.roles.grad_norm, scaling.update_skipped if scaling else None) if n is not None]
+
     def _after_update(self, host: dict[str, np.ndarray]) -> None:
         self.state.step = int(self.state.step) + 1
         self.state.micro_batch = 0
         if self.roles.grad_norm in host:
             self.last_grad_norm = float(host[self.roles.grad_norm])
+        scaling = self.roles.loss_scaling
+        if scaling is not None and scaling.update_skipped in host:
+            self.last_update_skipped = bool(host[scaling.update_skipped])
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the next step uses (a program compiled with mixed_precision's loss
+        scaling), or None."""
+        scaling = self.roles.loss_scaling
+        return None if scaling is None else float(self.runner.read_tensors([scaling.scale])[scaling.scale])
+
+    @property
+    def skipped_updates(self) -> int | None:
+        """How many updates the program's loss scaling has skipped so far, or None."""
+        scaling = self.roles.loss_scaling
+        return None if scaling is None else int(self.runner.read_tensors([scaling.skipped])[scaling.skipped])
 
     def _execute(self, segments: list[SegmentRun], feeds: dict[str, Any], hook: Hook | None = None):
         """One training execution, with the step's scalars fed, recorded for undo_last_run."""
@@ -548,6 +572,8 @@ def split_program(program: onnx.ModelProto, roles: ProgramRoles, *, norm_first: 
     checks = [loss]
     if norm_first and roles.grad_norm is not None and roles.allreduce is None:
         checks.append(roles.grad_norm)
+    if norm_first and roles.loss_scaling is not None and roles.allreduce is None:
+        checks.append(roles.loss_scaling.update_skipped)
     boundary += checks[1:]
     boundary += [o.name for o in program.graph.output if o.name not in update]
     grad, optim = cut(program, [list(dict.fromkeys(boundary))])
@@ -576,7 +602,8 @@ def segment_outputs(split: _Split, index: int, roles: ProgramRoles, extra: Seque
     model = split.grad if index == 0 else split.optim
     produced = {o.name for o in model.graph.output}
     loss = roles.loss or "loss"
-    keep = [loss, *extra, *split.sends, *split.checks] if index == 0 else [roles.grad_norm, *extra]
+    reports = [roles.grad_norm, roles.loss_scaling.update_skipped if roles.loss_scaling else None]
+    keep = [loss, *extra, *split.sends, *split.checks] if index == 0 else [*reports, *extra]
     keep = [o for o in dict.fromkeys(keep) if o in produced]
     return keep + [c.output for c in roles.carried if c.output in produced]
 
@@ -585,7 +612,8 @@ def fused_outputs(roles: ProgramRoles, extra: Sequence[str] = ()) -> list[str]:
     """What one run of the whole program computes for train_step: the loss, grad_norm,
     ``extra`` outputs and the carried tensors' updates."""
     produced = set(roles.outputs)
-    keep = [roles.loss or "loss", *([roles.grad_norm] if roles.grad_norm in produced else []), *extra]
+    reports = [roles.grad_norm, roles.loss_scaling.update_skipped if roles.loss_scaling else None]
+    keep = [roles.loss or "loss", *(n for n in reports if n in produced), *extra]
     return keep + [c.output for c in roles.carried if c.output in produced]
 
 

@@ -2,9 +2,10 @@
 
 Every logged step is one JSON object on one line of ``log.jsonl`` (step, epoch, samples,
 loss averaged since the previous line, lr, grad_norm, samples_per_s, elapsed_s, and
-eval_loss / eval_accuracy at an evaluation) and the same numbers as TensorBoard scalars
+eval_loss / eval_accuracy at an evaluation; loss_scale and skipped_updates for a program
+with mixed precision's loss scaling) and the same numbers as TensorBoard scalars
 (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/samples_per_s``, ``eval/loss``,
-``eval/accuracy``) in ``tensorboard/``; a number that is not finite (a loss gone nan) is
+``eval/accuracy``, ``train/loss_scale``, ``train/skipped_updates``) in ``tensorboard/``; a number that is not finite (a loss gone nan) is
 ``null`` in the log and left out of TensorBoard. A resumed run first drops what the log holds past
 the checkpoint's step (TensorBoard's purge_step does the same for the event files), so the
 log reads as one run.
@@ -32,6 +33,8 @@ TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
+    "loss_scale": "train/loss_scale",
+    "skipped_updates": "train/skipped_updates",
     "samples_per_s": "train/samples_per_s",
     "eval_loss": "eval/loss",
     "eval_accuracy": "eval/accuracy",

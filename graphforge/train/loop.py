@@ -726,7 +726,9 @@ class Run:
         if accumulate > 1:
             optimizer.step()
             module.lazy_reset_grad()
-        if module.last_grad_norm is not None:
+        # a program that scales its loss skipped the update itself and lowered the scale
+        scaler_skipped = module.roles.loss_scaling is not None and module.last_update_skipped
+        if module.last_grad_norm is not None and not scaler_skipped:
             _check_finite(module, "gradient norm", module.last_grad_norm)
         schedule.step()
         return sum(losses) / len(losses), samples, time.perf_counter() - started
@@ -779,6 +781,9 @@ class Run:
             "lr": lr,
             "grad_norm": self.trainer.last_grad_norm,
         }
+        if self.pipeline is None and self.module.roles.loss_scaling is not None:
+            values["loss_scale"] = self.module.loss_scale
+            values["skipped_updates"] = self.module.skipped_updates
         every_eval = config.eval.every
         evaluated = plan.eval is not None and ((every_eval and step % every_eval == 0) or step == total)
         if evaluated:

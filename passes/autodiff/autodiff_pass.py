@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients, build_subgraph_gradients, node_inputs
+from graphforge.passes.autodiff.driver import (
+    GRAD_PREFIX,
+    build_gradients,
+    build_subgraph_gradients,
+    node_inputs,
+    seed_name,
+)
 from graphforge.passes.autodiff.registry import RULES
 
 from graphforge import roles
@@ -137,6 +143,7 @@ class Autodiff(Pass):
 
     def _record(self, model: Model, targets) -> None:
         model.metadata[roles.LOSS] = targets[0][0].name
+        model.metadata[roles.LOSS_SEED] = seed_name(targets[0][0])
 
     def _loss_tensor(self, graph: gs.Graph) -> gs.Tensor:
         loss = next((t for t in graph.outputs if t.name == self.loss), None)
@@ -231,6 +238,7 @@ class VectorJacobian(Autodiff):
 
     def _record(self, model: Model, targets) -> None:
         model.metadata.pop(roles.LOSS, None)
+        model.metadata.pop(roles.LOSS_SEED, None)
 
 
 #: how torch.onnx's dynamo exporter (onnxscript) names the values it creates: lifted and folded constants

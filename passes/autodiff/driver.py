@@ -191,9 +191,16 @@ def _relevant(
 
 
 def _seed(builder: Builder, loss: gs.Tensor) -> gs.Tensor:
+    """dL/dloss = 1, named ``seed_name(loss)`` (loss scaling multiplies the scale into it)."""
     dtype = loss.dtype if loss.dtype is not None else np.float32
     shape = tuple(d if isinstance(d, int) else 1 for d in (loss.shape or ()))
-    return builder.constant(np.ones(shape, dtype=dtype))
+    seed = builder.constant(np.ones(shape, dtype=dtype))
+    seed.name = seed_name(loss)
+    return seed
+
+
+def seed_name(loss: gs.Tensor) -> str:
+    return f"{GRAD_PREFIX}{loss.name}/seed"
 
 
 def _total(builder: Builder, contributions: list[gs.Tensor] | None) -> gs.Tensor | None:
