@@ -507,9 +507,16 @@ def export_command(
         list[str] | None,
         typer.Option("--output", help="A model output to keep (repeat; default: the forward outputs)."),
     ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            help="float32, or float16 / bfloat16: compute in that type where mixed precision would, weights stored in it.",
+        ),
+    ] = "float32",
 ) -> None:
     """Write the inference model of PROGRAM with a checkpoint's trained values, and compare their sizes."""
-    report = train.export(program, output_file, checkpoint=checkpoint, outputs=output)
+    report = train.export(program, output_file, checkpoint=checkpoint, outputs=output, dtype=dtype)
     table = Table(title="size", title_justify="left")
     for column, justify in (("", "left"), ("program", "right"), ("exported", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Literal
 
 import onnx_graphsurgeon as gs
 from graphforge.passes.dce import DeadCodeElimination
@@ -15,8 +16,11 @@ from graphforge.analysis.size import ModelSize
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import every_graph, fingerprint, inline_marker_calls
+from graphforge.ort_compat import resolve_provider
 from graphforge.pipeline import Pass, PassResult
+from graphforge.precision import LOW_TYPES, convert, kernel_check, program_policy, remove_casts
 from graphforge.program import ProgramRoles
+from graphforge.shapes import infer_shapes
 
 #: metadata keys that stay in a pruned model (everything else under "graphforge." describes training)
 _KEPT_WHILE_TRUE = (roles.LOSS, roles.LABELS)
@@ -49,6 +53,11 @@ class Prune(Pass):
        the optimizer of a program that had one.
     7. graphforge's marker functions (``graphforge.AllReduce``, an Identity on one process)
        are inlined where a kept output still needs a call, and go.
+    8. The casts of ``mixed_precision`` go: the model computes in float32, as its trained
+       float32 weights allow. ``dtype=float16`` (or bfloat16) instead exports it computing
+       in that type by the rules mixed_precision trains with (graphforge.precision; kernels
+       checked on ``provider``), its weights stored in that type; inputs and outputs keep
+       their types.
     Input, output and parameter names never change; dynamic dims stay dynamic. The
     result's note says how much smaller the model became.
     """
@@ -58,6 +67,8 @@ class Prune(Pass):
     keep_inputs: tuple[str, ...] = ()
     inference: bool = True
     parameters_as_inputs: bool = False
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    provider: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self):
         for field_name in ("outputs", "keep_inputs"):
@@ -67,6 +78,12 @@ class Prune(Pass):
             if repeated:
                 raise ValueError(f"{field_name} names {', '.join(map(repr, repeated))} more than once")
             object.__setattr__(self, field_name, names)
+        if self.dtype not in ("float32", *LOW_TYPES):
+            raise ValueError(f"dtype={self.dtype!r}: use float32, {', '.join(LOW_TYPES)}")
+        if self.dtype != "float32" and self.parameters_as_inputs:
+            raise ValueError(
+                "dtype=float16/bfloat16 stores the weights in that type: it cannot keep them as inputs too"
+            )
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph
@@ -77,15 +94,38 @@ class Prune(Pass):
         DeadCodeElimination().run(model)  # case 1
         _inline_markers(graph)  # case 7
         converted = set_inference_mode(graph) if self.inference else 0  # case 4
+        converted += remove_casts(graph, roles.AMP_PREFIX)  # case 8
         IdentityElimination().run(model)  # case 5
         FoldConstants().run(model)
         DeadCodeElimination().run(model)
+        if self.dtype != "float32":
+            model = self._lowered(model)
+            graph = model.graph
         _drop_unread_inputs(graph, keep)  # case 2
         _set_overridable(model, self.parameters_as_inputs)  # case 3
         _strip_training_roles(model)  # case 6
         after = ModelSize.of(model)
         changed = converted > 0 or unchanged != (fingerprint(graph), model.metadata, model.initializer_inputs)
         return PassResult(model, changed, note=after.compared_with(before))
+
+    def _lowered(self, model: Model) -> Model:
+        """Case 8: the model computing in ``dtype`` as mixed_precision would train it, its
+        weights stored in that type under their own names where nothing reads them in float32."""
+        try:
+            provider = resolve_provider(self.provider)
+        except ValueError as exc:
+            raise PassError(str(exc)) from None
+        model = infer_shapes(model)
+        graph = model.graph
+        convert(graph, LOW_TYPES[self.dtype], program_policy(), kernel_check(provider, graph.opset or 13))
+        DeadCodeElimination().run(model)
+        tensors = graph.tensors()
+        for t in list(tensors.values()):
+            if isinstance(t, gs.Constant) and t.name.startswith(roles.AMP_PREFIX):
+                original = t.name[len(roles.AMP_PREFIX) :].rsplit("/", 1)[0]
+                if original not in tensors:
+                    t.name = original
+        return model
 
     def _requested_outputs(self, graph: gs.Graph) -> list[gs.Tensor]:
         by_name = {t.name: t for t in graph.outputs}

@@ -48,10 +48,14 @@ def export_inference_model(
     program: ModelSource | Model,
     values: Mapping[str, np.ndarray] | None = None,
     outputs: Sequence[str] | None = None,
+    *,
+    dtype: str = "float32",
 ) -> onnx.ModelProto:
     """A plain ONNX inference model: ``outputs`` (default: the forward outputs) with
     Dropout off and BatchNorm on its running statistics, holding ``values`` as its
-    parameters and buffers (None: the program's own values).
+    parameters and buffers (None: the program's own values). ``dtype`` "float16" or
+    "bfloat16": computing in that type where mixed_precision would, weights stored in it
+    (prune's ``dtype``).
 
     ``values`` maps initializer names to arrays of the same shape and type; values for
     optimizer states, accumulators or the step (a runtime's whole state) are ignored, as
@@ -61,7 +65,7 @@ def export_inference_model(
     wanted = list(ProgramRoles.of_model(model).forward_outputs) if outputs is None else list(outputs)
     if values:
         _set_values(model, values)
-    return _pruned(model, Prune(outputs=tuple(wanted)))
+    return _pruned(model, Prune(outputs=tuple(wanted), dtype=dtype))
 
 
 def _as_model(program: ModelSource | Model) -> Model:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphforge.analysis.size import ModelSize, human_bytes
-from graphforge.errors import CheckpointError
+from graphforge.errors import CheckpointError, GraphforgeError
 from graphforge.graph import Model, ModelSource, load, save
 from graphforge.runtime import CheckpointManager, CheckpointState
 from graphforge.runtime.inference import export_inference_model
@@ -66,10 +66,14 @@ def export(
     *,
     checkpoint: str | os.PathLike | None = None,
     outputs: Sequence[str] | None = None,
+    dtype: str = "float32",
 ) -> ExportReport:
     """Write the inference model of ``program`` to ``out``: ``outputs`` (default: the forward
     outputs) computed with the trained values of ``checkpoint`` (a file, or a folder: its
-    latest checkpoint; None: the program's own values)."""
+    latest checkpoint; None: the program's own values), in float32 or (``dtype``) float16
+    or bfloat16."""
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise GraphforgeError(f"--dtype {dtype}: use float32, float16 or bfloat16")
     proto = load(program)
     values, step, checkpoint_path = None, None, None
     if checkpoint is not None:
@@ -78,7 +82,7 @@ def export(
         kept = {spec.name for spec in state.specs if spec.role in ("parameter", "buffer")}
         values = {name: value for name, value in state.tensors.items() if name in kept}
         step = state.step
-    model = export_inference_model(proto, values, list(outputs) if outputs else None)
+    model = export_inference_model(proto, values, list(outputs) if outputs else None, dtype=dtype)
     path = save(model, out)
     exported_bytes = path.stat().st_size
     data = path.parent / (path.name + ".data")
