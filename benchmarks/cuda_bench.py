@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,12 @@ def _watch(device: str) -> DeviceMemory | None:
     return memory
 
 
+def _rss() -> int:
+    """The process's resident memory now, in bytes (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _smi_used() -> int:
     done = subprocess.run(
         ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"],
@@ -144,12 +151,13 @@ def child(job: dict) -> dict:
         import torch
 
         torch.zeros(1, device=device)
+        rss_before = _rss()
         memory = _watch(device)
         module = tb.build_torch(spec).to(device).train()
         extra["state_mib"] = (memory.used() - memory.base) / MIB if memory else None
         if job.get("checkpoint"):  # torch.utils.checkpoint around each block, as transformers does it
             module.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        step = tb.torch_adamw_step(module, device)
+        step = tb.torch_adamw_step(module, device, autocast=job.get("autocast"))
 
         def finish():
             if device == "cuda":
@@ -163,6 +171,7 @@ def child(job: dict) -> dict:
 
         context = create_session(_relu_model(), providers=[CUDA, CPU] if device == "cuda" else [CPU])
         context.run(None, {"x": np.ones(4, np.float32)})
+        rss_before = _rss()
         memory = _watch(device)
         module = runtime.Module(job["program"], device=device, in_place=True)
         extra["state_mib"] = (memory.used() - memory.base) / MIB if memory else None
@@ -187,6 +196,8 @@ def child(job: dict) -> dict:
     finish()
     q1, _, q3 = statistics.quantiles(times, n=4)
     peak = (memory.stop() - memory.base) / MIB if memory else None
+    if memory is None:  # the CPU: the process's peak resident memory above what it held before setup
+        extra["peak_rss_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before) / MIB
     return {"peak_mib": peak, "step_s": statistics.median(times), "iqr_s": q3 - q1, "losses": losses, **extra}
 
 

@@ -379,21 +379,33 @@ def _graphforge_stepper(job: dict):
     return step
 
 
-def torch_adamw_step(model, device: str = "cpu", forward=None):
+def torch_adamw_step(model, device: str = "cpu", forward=None, autocast: str | None = None):
     """One torch training step of ``model`` as every benchmark times it: zero_grad, forward
     (``forward``, default the model), cross-entropy, backward, AdamW with LR/BETAS/EPS/
-    WEIGHT_DECAY; returns a step(x, y) of NumPy batches that gives the loss as a float."""
+    WEIGHT_DECAY; returns a step(x, y) of NumPy batches that gives the loss as a float.
+    ``autocast`` ("float16", "bfloat16"): the forward and loss under torch.autocast, and with
+    float16 a torch.amp.GradScaler (its defaults) scaling the loss, as torch's AMP recipe does."""
+    import contextlib
+
     import torch
 
     forward = forward or model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    dtype = getattr(torch, autocast) if autocast else None
+    scaler = torch.amp.GradScaler(device) if autocast == "float16" else None
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
-        logits = forward(torch.from_numpy(x).to(device))
-        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y).to(device))
-        loss.backward()
-        optimizer.step()
+        with torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext():
+            logits = forward(torch.from_numpy(x).to(device))
+            loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y).to(device))
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         return loss.item()
 
     return step

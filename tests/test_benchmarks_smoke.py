@@ -99,3 +99,20 @@ def test_cuda_benchmark_sides_train_alike(tmp_path, monkeypatch):
     assert ours["step_s"] > 0 and ours["peak_mib"] is None  # no device memory on the CPU
     monkeypatch.setattr(cuda_bench, "DEVICE", "cuda")
     assert (cuda_bench.unavailable() is None) == provider_works(CUDA)
+
+
+@pytest.mark.slow
+def test_mixed_precision_benchmark_reports_every_side(tmp_path, monkeypatch):
+    """Each side in its own process on the CPU; the report has a row per side and the losses."""
+    sys.path.insert(0, str(BENCH.parent))
+    import mixed_precision_bench as mp
+    import train_bench as tb
+
+    monkeypatch.setenv("GRAPHFORGE_BENCH_DEVICE", "cpu")
+    tiny = tb.Spec("gpt2", "GPT-2 1×32", 2, {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "seq": 8}, 5)
+    report = mp.table("cpu", [tiny], tmp_path)
+    for label, _ in mp.sides("cpu"):
+        row = next(line for line in report.splitlines() if line.startswith(f"| GPT-2 1×32 | {label} |"))
+        assert "failed" not in row and row.count("|") == 7
+    assert "first losses" in report
+    assert [label for label, _ in mp.sides("cuda")][-1] == "torch eager, autocast(float16) + GradScaler"
