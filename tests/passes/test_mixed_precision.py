@@ -196,6 +196,22 @@ def test_pipeline_stages_are_refused(transformer_path):
         _compile(transformer_path, f"{GPT}, {FP16}, pipeline(stages=2, microbatches=2)")
 
 
+def test_clipping_reads_the_unscaled_gradients(transformer_path):
+    """clip_grad_norm's norm (the output grad_norm) is of the gradients after 1/scale: equal to
+    float32's within float16's precision, and the clipped training follows float32's."""
+    pipeline = "loss(kind=mse, output=logits), autodiff, adamw(lr=3e-3, clip_grad_norm=0.05)"
+    batches = _gpt_batches(30)
+    norms = []
+    for program in (_compile(transformer_path, pipeline), _compile(transformer_path, f"{pipeline}, {FP16}")):
+        module = Module(program, device=DEVICE)
+        losses = [float(module.train_step(**b)) for b in batches]
+        norms.append((module.last_grad_norm, losses[-1]))
+    (norm32, loss32), (norm16, loss16) = norms
+    assert norm32 > 0.05  # the clipping worked on every step
+    assert abs(norm16 - norm32) <= GRADIENT_RELATIVE * norm32
+    assert abs(loss16 - loss32) <= LOSS_RELATIVE * loss32
+
+
 def test_accumulation_composes(transformer_path):
     pipeline = "loss(kind=mse, output=logits), autodiff, adamw(lr=3e-3, accumulate=true)"
     batches = _gpt_batches(40, batch=4)
