@@ -263,4 +263,3 @@ class _LossScaler:
             (roles.next_name(TRACKER), tracker_next, tracker),
             (roles.next_name(SKIPPED), skipped_next, skipped),
         ]
-
