@@ -255,7 +255,9 @@ def _check_conditions(pass_: Pass, model: Model) -> None:
             raise PassError(f"it needs {fact.what}: {fact.hint}")
     for fact in pass_.refuses:
         if fact.holds(model):
-            raise PassError(f"the model already has {fact.what}, and {pass_.name} would add another")
+            if fact in pass_.ensures:
+                raise PassError(f"the model already has {fact.what}, and {pass_.name} would add another")
+            raise PassError(f"{pass_.name} does not work on a model with {fact.what}")
 
 
 def default_registry() -> PassRegistry:
