@@ -267,6 +267,16 @@ def test_an_overflowing_step_is_skipped_exactly_and_the_scale_backs_off(transfor
             np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def test_with_the_default_backoff_a_skip_halves_the_scale(gpt_programs):
+    _, program = gpt_programs
+    module = Module(program, device=DEVICE)
+    state = module.runner.read_tensors()
+    module.runner.write_tensors({**state, "loss_scale": np.array(2.0**40, np.float32)})
+    batch = _gpt_batches(1)[0]
+    module.train_step(**batch)
+    assert module.last_update_skipped and module.loss_scale == 2.0**39 and module.skipped_updates == 1
+
+
 def test_the_scale_grows_after_growth_interval_finite_steps(transformer_path):
     program = _compile(
         transformer_path,
