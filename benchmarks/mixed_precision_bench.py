@@ -99,22 +99,24 @@ def table(device: str, specs, cache: Path) -> str:
     )
 
 
-def run(quick: bool = False) -> str:
+def section(intro: str, body: str) -> str:
+    """A section's text: ``intro``, the table and notes, and the versions that made them."""
     import graphforge
 
+    versions = (
+        f"graphforge {graphforge.__version__}, onnxruntime {cuda_bench._version('onnxruntime')}, "
+        f"torch {cuda_bench._version('torch')}."
+    )
+    return "\n".join([intro, "", body, "", versions])
+
+
+def run(quick: bool = False) -> str:
     os.environ["GRAPHFORGE_BENCH_DEVICE"] = "cpu"
-    body = table("cpu", QUICK if quick else FULL, CACHE)
-    return "\n".join(
-        [
-            f"Training steps on the CPU ({os.cpu_count()} cores, every side with onnxruntime's and torch's "
-            "default threads): graphforge's float16 program against its float32 one and torch eager. "
-            "Ratios above 1 mean the row is faster.",
-            "",
-            body,
-            "",
-            f"graphforge {graphforge.__version__}, onnxruntime {cuda_bench._version('onnxruntime')}, "
-            f"torch {cuda_bench._version('torch')}.",
-        ]
+    return section(
+        f"Training steps on the CPU ({os.cpu_count()} cores, every side with onnxruntime's and torch's "
+        "default threads): graphforge's float16 program against its float32 one and torch eager. "
+        "Ratios above 1 mean the row is faster.",
+        table("cpu", QUICK if quick else FULL, CACHE),
     )
 
 

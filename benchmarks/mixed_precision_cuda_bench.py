@@ -44,21 +44,11 @@ def unavailable() -> str | None:
 
 
 def run(quick: bool = False) -> str:
-    import graphforge
-
-    device = cuda_bench.DEVICE
-    body = mp.table(device, QUICK if quick else FULL, CACHE)
-    return "\n".join(
-        [
-            f"Training steps on {cuda_bench._device_name()}: graphforge's float16 program against its float32 one, "
-            "torch eager in float32 and torch's AMP recipe. The goal (issue 16): graphforge float16 ≥ 1.3× torch AMP "
-            "on GPT-2 small. Ratios above 1 mean the row is faster.",
-            "",
-            body,
-            "",
-            f"graphforge {graphforge.__version__}, onnxruntime {cuda_bench._version('onnxruntime')}, "
-            f"torch {cuda_bench._version('torch')}.",
-        ]
+    return mp.section(
+        f"Training steps on {cuda_bench._device_name()}: graphforge's float16 program against its float32 one, "
+        "torch eager in float32 and torch's AMP recipe. The goal (issue 16): graphforge float16 ≥ 1.3× torch AMP "
+        "on GPT-2 small. Ratios above 1 mean the row is faster.",
+        mp.table(cuda_bench.DEVICE, QUICK if quick else FULL, CACHE),
     )
 
 
