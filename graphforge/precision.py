@@ -35,7 +35,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
 from graphforge import roles
-from graphforge.analysis import topological_order
+from graphforge.analysis import placed_early, topological_order
 from graphforge.analysis.dag import outer_inputs
 from graphforge.ir import onnx_dtype
 from graphforge.ort_compat import EMULATED, node_kernel
@@ -203,7 +203,7 @@ def convert(
     overrides (cast by a node each run); other float constants are converted once, their
     values clipped to the low type's finite range (a mask's -1e9 stays finite)."""
     order = [graph.nodes[i] for i in topological_order(graph)]
-    casts = _Casts(graph, low, frozenset(parameters), prefix)
+    casts = _Casts(low, frozenset(parameters), prefix)
     done = Conversion()
     # tensors a subgraph reads from this scope keep their type: the subgraph is not converted
     pinned = {id(t) for node in order for t in outer_inputs(node) if _has_subgraph(node)}
@@ -298,8 +298,8 @@ def _target(node: gs.Node, policy: Policy, tied_in, casts: _Casts, activations: 
 class _Casts:
     """The casts made so far (one per tensor and type), and the tensors whose type changed."""
 
-    def __init__(self, graph: gs.Graph, low: int, parameters: frozenset[str], prefix: str):
-        self.graph, self.low, self.parameters, self.prefix = graph, low, parameters, prefix
+    def __init__(self, low: int, parameters: frozenset[str], prefix: str):
+        self.low, self.parameters, self.prefix = low, parameters, prefix
         self.made: list[gs.Node] = []
         self.constants = 0
         self._cache: dict[tuple[int, int], gs.Tensor] = {}
@@ -335,26 +335,6 @@ class _Casts:
             original = self.original.get(id(t))
             if original is not None:
                 node.inputs[i] = self.cast(t, original)
-
-
-def placed_early(nodes: list[gs.Node], kept: set[int]) -> list[gs.Node]:
-    """``nodes`` with each one not in ``kept`` (by id) moved to right after the last producer
-    of its inputs, then made topological without moving what already is (onnxruntime runs
-    a graph in about its file's order, so this is when it runs)."""
-    old = [n for n in nodes if id(n) in kept]
-    made_at = {id(t): i for i, n in enumerate(old) for t in n.outputs}
-    after: dict[int, list[gs.Node]] = {}
-    for node in nodes:
-        if id(node) in kept:
-            continue
-        at = max((made_at.get(id(t), -1) for t in node.inputs), default=-1)
-        after.setdefault(at, []).append(node)
-        made_at.update({id(t): at for t in node.outputs})
-    placed = list(after.get(-1, []))
-    for i, node in enumerate(old):
-        placed.append(node)
-        placed.extend(after.get(i, []))
-    return [placed[i] for i in topological_order(gs.Graph(nodes=placed))]
 
 
 def remove_casts(graph: gs.Graph, prefix: str = "amp::") -> int:
@@ -437,10 +417,6 @@ def _has_subgraph(node: gs.Node) -> bool:
 
 def _code(t: gs.Tensor) -> int:
     return 0 if t.is_empty() else (onnx_dtype(t.dtype) or 0)
-
-
-def _is_float(t: gs.Tensor) -> bool:
-    return _code(t) in (FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def _np_type(code: int):

@@ -8,7 +8,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import topological_order
+from graphforge.analysis import placed_early, topological_order
 from graphforge.analysis.size import nbytes
 from graphforge.errors import PassError
 from graphforge.graph import Model
@@ -60,7 +60,7 @@ class AllReduce(Pass):
         for index, bucket in enumerate(buckets):
             for p in bucket:
                 reduced[p], calls[boundary[p].name] = _reduce(boundary[p], parameters[p], index)
-        graph.nodes = _placed_after_producers(graph.nodes, calls)
+        graph.nodes = placed_early([*graph.nodes, *calls.values()], {id(n) for n in graph.nodes})
         graph.functions.append(function)
         roles.set_json(model, roles.ALLREDUCE, AllReduceRole(self.average, self.bucket_mb, buckets, reduced).to_json())
         return PassResult(model, True, note=f"{len(reduced)} gradients in {len(buckets)} bucket(s)")
@@ -99,7 +99,8 @@ def fill_buckets(order: list[str], parameters: dict[str, gs.Tensor], bucket_mb: 
 
 def _reduce(gradient: gs.Tensor, parameter: gs.Tensor, bucket: int) -> tuple[str, gs.Node]:
     """``gradient`` through a marker call; every reader of it reads the call's output
-    instead. Returns that output's name and the call (not yet in the graph)."""
+    instead. Returns that output's name and the call (not yet in the graph: placed right
+    after the gradient's producer, so a runtime can reduce it while backward goes on)."""
     readers = list(gradient.outputs)
     reduced = gs.Variable(f"{roles.ALLREDUCE_PREFIX}{parameter.name}", dtype=parameter.dtype, shape=parameter.shape)
     call = gs.Node(
@@ -113,17 +114,6 @@ def _reduce(gradient: gs.Tensor, parameter: gs.Tensor, bucket: int) -> tuple[str
     for node in readers:
         node.inputs = [reduced if t is gradient else t for t in node.inputs]
     return reduced.name, call
-
-
-def _placed_after_producers(nodes: list[gs.Node], calls: dict[str, gs.Node]) -> list[gs.Node]:
-    """``nodes`` with each call (by the tensor it reads) right after that tensor's producer
-    (first, for one no node makes): the order stays topological and the rest keep theirs."""
-    made = {t.name for n in nodes for t in n.outputs}
-    placed = [call for name, call in calls.items() if name not in made]
-    for node in nodes:
-        placed.append(node)
-        placed.extend(calls[t.name] for t in node.outputs if t.name in calls)
-    return placed
 
 
 def _marker_function(graph: gs.Graph) -> gs.Function:

@@ -10,12 +10,13 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
+from graphforge.analysis import placed_early
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ort_compat import resolve_provider
 from graphforge.pipeline import Fact, Pass, PassResult, check_number
-from graphforge.precision import LOW_TYPES, convert, kernel_check, placed_early, program_policy
+from graphforge.precision import LOW_TYPES, convert, kernel_check, program_policy
 from graphforge.program import CarriedSpec, LossScaling, ProgramRoles
 from graphforge.shapes import infer_shapes
 

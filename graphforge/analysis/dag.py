@@ -69,3 +69,23 @@ def topological_order(graph: gs.Graph) -> list[int]:
         names = " -> ".join(graph.nodes[u].name or graph.nodes[u].op for u, _ in cycle)
         first = graph.nodes[cycle[0][0]]
         raise PassError(f"the graph has a cycle: {names}", node=first.name, op_type=first.op) from None
+
+
+def placed_early(nodes: list[gs.Node], kept: set[int]) -> list[gs.Node]:
+    """``nodes`` with each one not in ``kept`` (by id) moved to right after the last producer
+    of its inputs, then made topological without moving what already is (onnxruntime runs
+    a graph in about its file's order, so this is when it runs)."""
+    old = [n for n in nodes if id(n) in kept]
+    made_at = {id(t): i for i, n in enumerate(old) for t in n.outputs}
+    after: dict[int, list[gs.Node]] = {}
+    for node in nodes:
+        if id(node) in kept:
+            continue
+        at = max((made_at.get(id(t), -1) for t in node.inputs), default=-1)
+        after.setdefault(at, []).append(node)
+        made_at.update({id(t): at for t in node.outputs})
+    placed = list(after.get(-1, []))
+    for i, node in enumerate(old):
+        placed.append(node)
+        placed.extend(after.get(i, []))
+    return [placed[i] for i in topological_order(gs.Graph(nodes=placed))]
