@@ -14,6 +14,7 @@ importing it into onnx-graphsurgeon), instead of parsing ``metadata_props`` itse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -164,30 +165,10 @@ class LossScaling:
     def from_json(cls, entry: Mapping[str, Any]) -> LossScaling | None:
         if entry.get("kind", "none") == "none":
             return None
-        return cls(
-            str(entry["kind"]),
-            str(entry["scale"]),
-            str(entry["growth_tracker"]),
-            str(entry["skipped"]),
-            str(entry["update_skipped"]),
-            float(entry["init_scale"]),
-            float(entry["growth_factor"]),
-            float(entry["backoff_factor"]),
-            int(entry["growth_interval"]),
-        )
+        return cls(**{f.name: entry[f.name] for f in dataclasses.fields(cls)})
 
     def to_json(self) -> dict:
-        return {
-            "kind": self.kind,
-            "scale": self.scale,
-            "growth_tracker": self.growth_tracker,
-            "skipped": self.skipped,
-            "update_skipped": self.update_skipped,
-            "init_scale": self.init_scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -389,13 +370,19 @@ class ProgramRoles:
         return [c for c in self.carried if c.role in wanted]
 
     @property
+    def step_reports(self) -> list[str]:
+        """The outputs a step hands back besides the loss, those the program has: the
+        gradient norm, and whether loss scaling skipped the update."""
+        skipped = self.loss_scaling.update_skipped if self.loss_scaling else None
+        return [n for n in (self.grad_norm, skipped) if n is not None]
+
+    @property
     def update_outputs(self) -> set[str]:
         """What the optimizer's update writes: the next parameters and optimizer states,
         the gradient norm, the step count and whether loss scaling skipped the update (not
         accumulators or buffers, which the forward/backward part writes)."""
         updated = {c.output for c in self.carried_with_role("parameter", "optimizer")}
-        skipped = self.loss_scaling.update_skipped if self.loss_scaling else None
-        return updated | {n for n in (self.grad_norm, self.step_output, skipped) if n is not None}
+        return updated | {*self.step_reports, *([self.step_output] if self.step_output else [])}
 
     def batch_input_names(self) -> list[str]:
         return [b.name for b in self.batch_inputs]

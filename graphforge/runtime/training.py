@@ -269,7 +269,7 @@ class Module:
             return self._train_step_in_place(feeds, outputs)
         extra, keep = self._fused_outputs(outputs)
         fetch = [self.loss_name, *outputs]
-        for name in self._step_reports():
+        for name in self.roles.step_reports:
             if name in keep and name not in fetch:
                 fetch.append(name)
         if self.reducer is None:
@@ -391,19 +391,13 @@ class Module:
             self.last_grad_norm = checked.get(self.roles.grad_norm, self.last_grad_norm)
             return None
         optim = self._segment_session(1, tuple(sorted(outputs)))
-        fetch = [n for n in [*self._step_reports(), *outputs] if n in optim.outputs]
+        fetch = [n for n in [*self.roles.step_reports, *outputs] if n in optim.outputs]
         received = dict(self._received)
         if self.reducer is not None:
             received = self.reducer.reduce(received)
         done = self._execute([SegmentRun(optim, fetch)], received)
         self._after_update({**{n: np.asarray(v) for n, v in self._checked.items()}, **done.host})
         return done
-
-    def _step_reports(self) -> list[str]:
-        """The outputs a step hands back besides the loss: the gradient norm, and whether a
-        program that scales its loss skipped the update."""
-        scaling = self.roles.loss_scaling
-        return [n for n in (self.roles.grad_norm, scaling.update_skipped if scaling else None) if n is not None]
 
     def _after_update(self, host: dict[str, np.ndarray]) -> None:
         self.state.step = int(self.state.step) + 1
@@ -602,8 +596,7 @@ def segment_outputs(split: _Split, index: int, roles: ProgramRoles, extra: Seque
     model = split.grad if index == 0 else split.optim
     produced = {o.name for o in model.graph.output}
     loss = roles.loss or "loss"
-    reports = [roles.grad_norm, roles.loss_scaling.update_skipped if roles.loss_scaling else None]
-    keep = [loss, *extra, *split.sends, *split.checks] if index == 0 else [*reports, *extra]
+    keep = [loss, *extra, *split.sends, *split.checks] if index == 0 else [*roles.step_reports, *extra]
     keep = [o for o in dict.fromkeys(keep) if o in produced]
     return keep + [c.output for c in roles.carried if c.output in produced]
 
@@ -612,8 +605,7 @@ def fused_outputs(roles: ProgramRoles, extra: Sequence[str] = ()) -> list[str]:
     """What one run of the whole program computes for train_step: the loss, grad_norm,
     ``extra`` outputs and the carried tensors' updates."""
     produced = set(roles.outputs)
-    reports = [roles.grad_norm, roles.loss_scaling.update_skipped if roles.loss_scaling else None]
-    keep = [roles.loss or "loss", *(n for n in reports if n in produced), *extra]
+    keep = [roles.loss or "loss", *(n for n in roles.step_reports if n in produced), *extra]
     return keep + [c.output for c in roles.carried if c.output in produced]
 
 

@@ -372,7 +372,7 @@ def test_a_pass_that_cannot_lower_anything_says_so(transformer_path, monkeypatch
         _compile(transformer_path, f"{GPT}, {FP16}")
 
 
-def test_it_needs_an_optimizer_and_refuses_pipeline_stages(transformer_path):
+def test_it_needs_an_optimizer(transformer_path):
     with pytest.raises(graphforge.errors.GraphforgeError, match="optimizer"):
         _compile(transformer_path, f"loss(kind=mse, output=logits), autodiff, {FP16}")
 
