@@ -117,7 +117,7 @@ class Builder:
             return tensors[0]
         for i, t in enumerate(tensors):
             scatter = self._unread_product(t, ("ScatterElements", "ScatterND"))
-            if scatter is not None and scatter.attrs.get("reduction") == "add" and _is_zeros(scatter.inputs[0]):
+            if scatter is not None and scatter.attrs.get("reduction") == "add" and is_zeros(scatter.inputs[0]):
                 rest = self.sum([u for j, u in enumerate(tensors) if j != i])
                 return self.op(scatter.op, rest, *scatter.inputs[1:], **scatter.attrs)
         return self.op("Sum", *tensors)
@@ -361,7 +361,7 @@ def _result_dtype(op_type: str, inputs: Sequence[gs.Tensor], attrs: dict) -> np.
     return None  # unknown here: leave it to shape inference rather than guess wrong
 
 
-def _is_zeros(x: gs.Tensor) -> bool:
+def is_zeros(x: gs.Tensor) -> bool:
     """Whether ``x`` is made by a ConstantOfShape of zeros (``Builder.zeros_like``)."""
     if not isinstance(x, gs.Variable) or len(x.inputs) != 1 or x.inputs[0].op != "ConstantOfShape":
         return False

@@ -41,6 +41,9 @@ RECOMPUTE = "graphforge.recompute"
 MIXED_PRECISION = "graphforge.mixed_precision"
 #: the constant the backward starts from (dL/dloss = 1): where loss scaling multiplies in the scale
 LOSS_SEED = "graphforge.loss_seed"
+#: JSON: what the fuse pass did (passes/fusion): {"provider", "fired": {rule: count}, "refused":
+#: {rule: {reason: count}}}
+FUSION = "graphforge.fusion"
 STATE = "graphforge.state"  # JSON list: every tensor carried from step to step (see passes/optimizers.py)
 LR = "graphforge.lr"  # name of the learning-rate input
 DEFAULT_LR = "graphforge.default_lr"  # the learning rate the pipeline asked for

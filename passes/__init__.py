@@ -9,6 +9,7 @@ from graphforge.passes.autodiff import Autodiff, ExpandGradient, VectorJacobian
 from graphforge.passes.cse import CommonSubexpressionElimination
 from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
+from graphforge.passes.fusion import Fuse
 from graphforge.passes.identity_elimination import IdentityElimination
 from graphforge.passes.loss import Loss
 from graphforge.passes.mixed_precision import MixedPrecision
@@ -37,6 +38,7 @@ REGISTRY = PassRegistry(
         CommonSubexpressionElimination,
         ExpandGradient,
         FoldConstants,
+        Fuse,
         IdentityElimination,
         TopologicalSort,
         Prune,
@@ -54,6 +56,7 @@ __all__ = [
     "DeadCodeElimination",
     "ExpandGradient",
     "FoldConstants",
+    "Fuse",
     "IdentityElimination",
     "Lamb",
     "Loss",

@@ -1,0 +1,58 @@
+"""The fuse pass: apply the fusion rules to a program, for one onnxruntime provider."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from graphforge import roles
+from graphforge.errors import PassError
+from graphforge.graph import Model
+from graphforge.ort_compat import resolve_provider
+from graphforge.pipeline import Pass, PassResult
+
+from .engine import Context, apply
+from .rules import RULES
+
+
+@dataclass(frozen=True)
+class Fuse(Pass):
+    """Rewrite the program's slow formulations into faster ones that compute the same values,
+    in standard ONNX ops (passes/fusion/rules; each rule's documentation gives its measurement):
+
+    - ``relu_backward_mask``: a ReLU's gradient as dy · float(y > 0) instead of a Where (equal
+      wherever the upstream gradient is finite);
+    - ``maxpool_backward_unpool``: a MaxPool's gradient with windows that do not overlap as one
+      MaxUnpool instead of a ScatterElements into zeros (bit for bit the same).
+
+    ``rules``: the rule names to apply (default: all, in the order above). ``provider`` ("auto":
+    CUDA where it works here, else the CPU): a rule emits an op only where onnxruntime's provider
+    has a kernel for it. The note says how often each rule fired and why candidates were
+    refused; the model records it as ``graphforge.fusion``. Run it last: a later pass sees the
+    fused ops like any other.
+    """
+
+    name = "fuse"
+
+    rules: tuple[str, ...] = ()
+    provider: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def __post_init__(self):
+        chosen = (self.rules,) if isinstance(self.rules, str) else tuple(self.rules)
+        known = [r.name for r in RULES]
+        unknown = [r for r in chosen if r not in known]
+        if unknown:
+            raise ValueError(
+                f"rules={list(chosen)}: no rule {', '.join(map(repr, unknown))}; the rules: {', '.join(known)}"
+            )
+        object.__setattr__(self, "rules", chosen)
+
+    def run(self, model: Model) -> PassResult:
+        try:
+            provider = resolve_provider(self.provider)
+        except ValueError as exc:
+            raise PassError(f"{exc}; compile with provider=cpu, or on the machine that trains") from None
+        rules = [r for r in RULES if not self.rules or r.name in self.rules]
+        report = apply(model.graph, rules, Context(provider, model.graph.opset or 13))
+        roles.set_json(model, roles.FUSION, {"provider": provider, **report.to_json()})
+        return PassResult(model, bool(report.fired), note=report.note())

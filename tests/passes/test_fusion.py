@@ -1,0 +1,260 @@
+"""The fuse pass and its engine.
+
+Oracle: the same program compiled without ``fuse``, run by onnxruntime on the same inputs;
+every output (the loss and each gradient) must agree within 1e-6 relative (the rules change
+kernels, not arithmetic: both come out bit for bit equal here, 1e-6 leaves room for a
+kernel that sums in another order). Each rule is also counted: how often it fires where it
+must, and that it refuses, with its reason, where it must not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from graphforge.passes.fusion import Fuse
+from graphforge.passes.fusion.engine import Context, Pattern, Rule, apply
+from onnx import TensorProto, helper, numpy_helper
+
+import graphforge
+from graphforge import roles
+from graphforge.graph import Model
+from tests.models import random_inputs, run, tanh_mlp
+
+CLASSES = 5
+GRADIENTS = "loss(kind=cross_entropy, output=logits), autodiff"
+RTOL = 1e-6
+
+
+def cnn(*pools: dict, seed: int = 0) -> onnx.ModelProto:
+    """x [N, 3, 12, 12] → (Conv 3×3 → Relu → MaxPool(**pool)) per pool → global average →
+    Gemm → logits [N, 5]."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x, channels = [], [], "x", 3
+    for i, pool in enumerate(pools):
+        w = numpy_helper.from_array((rng.standard_normal((4, channels, 3, 3)) * 0.3).astype(np.float32), f"w{i}")
+        inits.append(w)
+        nodes += [
+            helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1], name=f"/conv{i}"),
+            helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"/relu{i}"),
+            helper.make_node("MaxPool", [f"r{i}"], [f"p{i}"], name=f"/pool{i}", **pool),
+        ]
+        x, channels = f"p{i}", 4
+    inits.append(numpy_helper.from_array(rng.standard_normal((CLASSES, 4)).astype(np.float32), "fc"))
+    nodes += [
+        helper.make_node("GlobalAveragePool", [x], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node("Gemm", ["f", "fc"], ["logits"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 12, 12])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+POOL = {"kernel_shape": [2, 2], "strides": [2, 2]}
+
+
+def compiled(model: onnx.ModelProto, pipeline: str):
+    return graphforge.compile(model, pipeline)
+
+
+def fused(model: onnx.ModelProto, pipeline: str = GRADIENTS, fuse: str = "fuse(provider=cpu)"):
+    """(program without fuse, program with it, fuse's report from the model's metadata)."""
+    plain = compiled(model, pipeline).model
+    done = compiled(model, f"{pipeline}, {fuse}").model
+    report = {p.key: p.value for p in done.metadata_props}[roles.FUSION]
+    return plain, done, json.loads(report)
+
+
+def assert_same_values(plain: onnx.ModelProto, done: onnx.ModelProto, seed: int = 0) -> None:
+    feeds = random_inputs(plain, seed=seed, dims={"N": 4}, int_high=CLASSES)
+    expected, actual = run(plain, feeds), run(done, feeds)
+    assert sorted(actual) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(actual[name], value, rtol=RTOL, atol=0, err_msg=name)
+
+
+def ops(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def test_relu_and_maxpool_rules_fire_once_per_layer_and_keep_every_gradient():
+    plain, done, report = fused(cnn(POOL, POOL))
+    assert report["fired"] == {"relu_backward_mask": 2, "maxpool_backward_unpool": 2}
+    assert ops(done)["MaxUnpool"] == 2
+    assert ops(done)["ScatterElements"] == ops(plain)["ScatterElements"] - 2
+    assert ops(done)["Where"] == ops(plain)["Where"] - 2
+    assert_same_values(plain, done)
+    assert_same_values(plain, done, seed=1)
+
+
+def test_overlapping_windows_keep_the_summing_scatter():
+    overlapping = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    plain, done, report = fused(cnn(overlapping))
+    assert report["fired"] == {"relu_backward_mask": 1}
+    assert report["refused"] == {"maxpool_backward_unpool": {"windows overlap (the gradient is summed)": 1}}
+    assert_same_values(plain, done)
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        {"kernel_shape": [2, 2], "strides": [3, 3], "dilations": [2, 2]},  # spread, yet disjoint
+        {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+        {"kernel_shape": [5, 5], "strides": [5, 5], "ceil_mode": 1},  # windows at 0, 5, 10: the last clipped
+        {"kernel_shape": [2, 3], "strides": [2, 3]},
+    ],
+    ids=["dilated", "padded", "ceil_mode", "rectangular"],
+)
+def test_maxpool_rule_on_disjoint_windows_of_every_shape(pool):
+    plain, done, report = fused(cnn(pool, seed=3))
+    assert report["fired"]["maxpool_backward_unpool"] == 1
+    assert_same_values(plain, done)
+
+
+def test_column_major_indices_are_left_alone():
+    plain, done, report = fused(cnn({**POOL, "storage_order": 1}))
+    assert "maxpool_backward_unpool" not in report["fired"]
+    assert_same_values(plain, done)
+
+
+def test_where_on_something_other_than_a_relu_is_left_alone():
+    """A forward ``Where(x > 0, x, 0)`` (a user's clamp, not a ReLU) is not the rule's pattern
+    of use, whatever its shape: refused, and the forward keeps computing exactly as before."""
+    model = onnx.parser.parse_model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        clamp (float[N, 4] x) => (float[N, 4] y) <float zero = {0.0}> {
+            m = Greater(x, zero)
+            y = Where(m, x, zero)
+        }
+        """
+    )
+    result = graphforge.compile(model, "fuse(provider=cpu)")
+    assert ops(result.model)["Where"] == 1
+    assert "the mask is not of a ReLU's output" in result.records[-1].note
+
+
+def test_no_rule_fires_on_a_model_without_relu_or_maxpool():
+    plain, done, report = fused(tanh_mlp(), pipeline="loss(kind=mse, output=y), autodiff")
+    assert report["fired"] == {}
+    assert ops(done) == ops(plain)
+
+
+def test_fused_recomputed_program_keeps_its_values():
+    """After recompute, the backward's ReLU masks read recomputed ReLUs: still ReLUs."""
+    plain, done, report = fused(cnn(POOL, POOL), pipeline=f"{GRADIENTS}, sgd(lr=0.1), recompute(budget=0)")
+    assert report["fired"]["relu_backward_mask"] == 2
+    assert_same_values(plain, done)
+
+
+def test_training_steps_with_fuse_equal_those_without():
+    from graphforge.runtime import Module
+
+    pipeline = f"{GRADIENTS}, adamw(lr=1e-2)"
+    plain, done, _ = fused(cnn(POOL, POOL), pipeline=pipeline)
+    rng = np.random.default_rng(0)
+    a, b = Module(plain, device="cpu"), Module(done, device="cpu")
+    for _ in range(3):
+        x = rng.standard_normal((4, 3, 12, 12)).astype(np.float32)
+        y = rng.integers(0, CLASSES, 4)
+        np.testing.assert_allclose(b.train_step(x, y), a.train_step(x, y), rtol=RTOL)
+    for name, value in a.parameters.items():
+        np.testing.assert_allclose(b.parameters[name], value, rtol=RTOL, atol=0, err_msg=name)
+
+
+def test_new_nodes_keep_the_origin_and_the_output_names():
+    plain, done, _ = fused(cnn(POOL))
+    unpool = next(n for n in done.graph.node if n.op_type == "MaxUnpool")
+    assert roles.node_origin(unpool.name) == ("grad", "/pool0")
+    assert {o.name for o in plain.graph.output} == {o.name for o in done.graph.output}
+    onnx.checker.check_model(done)
+
+
+def test_unknown_rule_names_the_rules():
+    with pytest.raises(ValueError, match="relu_backward_mask, maxpool_backward_unpool"):
+        Fuse(rules=("relu_fusion",))
+
+
+def test_one_rule_chosen_applies_only_that_rule():
+    _, _, report = fused(cnn(POOL), fuse="fuse(provider=cpu, rules=[maxpool_backward_unpool])")
+    assert report["fired"] == {"maxpool_backward_unpool": 1}
+
+
+# --------------------------------------------------------------------------- the engine
+
+SQUARE_AND_PRODUCT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[4] a, float[4] b) => (float[4] y, float[4] z) {
+    sq = Mul(a, a)
+    y = Neg(sq)
+    prod = Mul(a, b)
+    z = Neg(prod)
+    dead = Abs(a)
+}
+"""
+
+
+def _square_rule(calls: list) -> Rule:
+    """Neg(Mul(x, x)) → Neg(Pow(x, 2)); refuses when x is the input named ``b``."""
+
+    def check(m, _):
+        calls.append(m.root.outputs[0].name)
+        return "x is b" if m.vars["x"].name == "b" else None
+
+    def replace(b, m, _):
+        return [b.op("Neg", b.op("Pow", m.vars["x"], b.constant(np.array(2.0, np.float32))))]
+
+    return Rule("square", Pattern.of(lambda p: p.op("Neg", p.op("Mul", p.var("x"), p.var("x")))), check, replace, "")
+
+
+def _graph(text: str) -> gs.Graph:
+    return Model.from_proto(onnx.parser.parse_model(text)).graph
+
+
+def test_a_variable_named_twice_binds_one_tensor():
+    graph = _graph(SQUARE_AND_PRODUCT)
+    calls: list[str] = []
+    report = apply(graph, [_square_rule(calls)], Context("CPUExecutionProvider", 17))
+    assert calls == ["y"]  # Neg(Mul(a, b)) is no match
+    assert report.fired == {"square": 1}
+    ops_now = [n.op for n in graph.nodes]
+    assert ops_now.count("Pow") == 1 and ops_now.count("Mul") == 1  # a·a gone, a·b kept
+    assert "Abs" in ops_now  # dead before: dce's, not this pass's
+    y = next(t for t in graph.outputs if t.name == "y")
+    assert y.inputs[0].op == "Neg" and y.inputs[0].inputs[0].inputs[0].op == "Pow"
+
+
+def test_refusals_are_counted_by_reason():
+    text = SQUARE_AND_PRODUCT.replace("sq = Mul(a, a)", "sq = Mul(b, b)")
+    report = apply(_graph(text), [_square_rule([])], Context("CPUExecutionProvider", 17))
+    assert report.fired == {} and report.refused == {"square": {"x is b": 1}}
+    assert report.note() == "no rule fired; square refused 1: x is b ×1"
+
+
+def test_replacement_is_placed_where_the_root_was():
+    graph = _graph(SQUARE_AND_PRODUCT)
+    apply(graph, [_square_rule([])], Context("CPUExecutionProvider", 17))
+    names = [n.op for n in graph.nodes]
+    assert names.index("Pow") < names.index("Mul")  # the a·a root's place, before a·b
+
+
+def test_a_disconnected_pattern_is_an_error():
+    def two(p):
+        p.op("Abs", p.var("x"))
+        return p.op("Neg", p.var("y"))
+
+    with pytest.raises(ValueError, match="not connected"):
+        Pattern.of(two)
