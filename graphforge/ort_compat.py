@@ -17,9 +17,10 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
+import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper, version_converter
+from onnx import helper, numpy_helper, version_converter
 
 from graphforge.errors import ModelSaveError, one_line
 from graphforge.ir import model_nodes, nodes_of
@@ -326,3 +327,53 @@ def resolve_provider(name: str) -> str:
             f"provider {name!r} does not work on this machine (onnxruntime offers: {', '.join(ort.get_available_providers())})"
         )
     return full
+
+
+#: onnxruntime's blocked-channel CPU kernels (ReorderInput, Conv, ReorderOutput of this domain)
+NCHWC_DOMAIN = "com.microsoft.nchwc"
+
+
+@functools.cache
+def nchwc_block_size() -> int | None:
+    """The channel block of onnxruntime's NCHWc CPU kernels on this machine (16 with AVX-512, 8
+    with AVX2), or None where this build and CPU have none. A program whose Conv weights are
+    laid out for one block computes garbage with another, so it is asked of onnxruntime itself:
+    its own NCHWc transformer reorders a probe Conv's constant weights, and the layout it wrote,
+    [O/B, C/B, kh, kw, B(in), B(out)], says B."""
+    channels = 64
+    weights = (np.arange(channels * channels, dtype=np.float32) % 251).reshape(channels, channels, 1, 1)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"])],
+        "nchwc_probe",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, channels, 8, 8])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weights, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
+    with tempfile.TemporaryDirectory() as folder:
+        optimized = os.path.join(folder, "optimized.onnx")
+        options = ort.SessionOptions()
+        options.log_severity_level = 4
+        options.optimized_model_filepath = optimized
+        try:
+            ort.InferenceSession(model.SerializeToString(), options, providers=[CPU])
+            done = onnx.load(optimized)
+        except Exception:
+            return None
+    if not any(n.domain == NCHWC_DOMAIN and n.op_type == "Conv" for n in done.graph.node):
+        return None
+    written = {t.name: numpy_helper.to_array(t) for t in done.graph.initializer}
+    conv = next(n for n in done.graph.node if n.domain == NCHWC_DOMAIN and n.op_type == "Conv")
+    reordered = written.get(conv.input[1])
+    for block in (4, 8, 16, 32, 64):
+        if reordered is not None and np.array_equal(reordered, nchwc_weights(weights, block)):
+            return block
+    return None
+
+
+def nchwc_weights(w: np.ndarray, block: int) -> np.ndarray:
+    """``w`` [O, C, kh, kw] in the layout onnxruntime's NCHWc Conv reads (channels divisible by
+    ``block``): [O/B, C/B, kh, kw, B(in), B(out)], flattened back to w's shape."""
+    o, c, *kernel = w.shape
+    blocked = w.reshape(o // block, block, c // block, block, *kernel).transpose(0, 2, 4, 5, 3, 1)
+    return blocked.reshape(w.shape)

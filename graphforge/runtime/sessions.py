@@ -9,6 +9,7 @@ created without onnxruntime's fallback: a provider that fails is an error, not a
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Collection, Sequence
@@ -36,6 +37,7 @@ from graphforge.ort_compat import (
     TENSORRT,
     is_runtime_compatible,
     make_runtime_compatible,
+    nchwc_block_size,
     provider_works,
 )
 
@@ -252,6 +254,8 @@ def _session(
     source: str | bytes, options: ort.SessionOptions, providers: list[Any], where: str, proto: onnx.ModelProto | None
 ):
     providers = cuda_defaults(providers)
+    if proto is not None:
+        _check_nchwc_layout(proto, where)
     recomputes = proto is not None and any(n.name.startswith(roles.RECOMPUTE_PREFIX) for n in proto.graph.node)
     disabled = list(RECOMPUTE_DISABLED_OPTIMIZERS) if recomputes else None
     try:
@@ -261,6 +265,20 @@ def _session(
         )
     except Exception as exc:
         raise InvalidModelError(f"onnxruntime cannot load {where}: {one_line(exc)}") from None
+
+
+def _check_nchwc_layout(proto: onnx.ModelProto, where: str) -> None:
+    """A program fused for onnxruntime's NCHWc kernels (passes/fusion) lays its weights out in
+    the channel blocks of the CPU it was compiled on; with another block the kernels would
+    read them wrong, silently."""
+    fused = json.loads(roles.metadata_of(proto).get(roles.FUSION, "{}")).get("nchwc_block")
+    if fused is not None and fused != nchwc_block_size():
+        here = nchwc_block_size()
+        raise InvalidModelError(
+            f"{where} was fused for onnxruntime's NCHWc kernels with {fused}-channel blocks, and this CPU "
+            f"{'uses ' + str(here) if here else 'has none'}: compile it again here, or without "
+            "fuse's conv_input_grad_nchwc (fuse(rules=[relu_backward_mask, maxpool_backward_unpool]))"
+        )
 
 
 def lean_model(

@@ -126,6 +126,8 @@ class Rule:
     check: Callable[[Match, Context], str | None]
     replace: Callable[[Builder, Match, Context], Sequence[gs.Tensor]]
     why: str
+    #: its check reads shapes a backward tensor is only given by shape inference
+    shapes: bool = False
 
 
 @dataclass

@@ -8,11 +8,15 @@ from typing import Literal
 from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ort_compat import resolve_provider
+from graphforge.ort_compat import nchwc_block_size, resolve_provider
 from graphforge.pipeline import Pass, PassResult
+from graphforge.shapes import infer_shapes
 
 from .engine import Context, apply
-from .rules import RULES
+from .rules import CONV_INPUT_GRAD_NCHWC, RULES
+
+#: the root ops of the rules whose checks need inferred shapes
+SHAPED_OPS = frozenset({"ConvTranspose"})
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,11 @@ class Fuse(Pass):
     - ``relu_backward_mask``: a ReLU's gradient as dy · float(y > 0) instead of a Where (equal
       wherever the upstream gradient is finite);
     - ``maxpool_backward_unpool``: a MaxPool's gradient with windows that do not overlap as one
-      MaxUnpool instead of a ScatterElements into zeros (bit for bit the same).
+      MaxUnpool instead of a ScatterElements into zeros (bit for bit the same);
+    - ``conv_input_grad_nchwc``: a stride-1 Conv's input gradient with at least 16×16 positions
+      as onnxruntime's blocked-channel (NCHWc) CPU Conv instead of ConvTranspose (the same sums
+      in another order). Its weight layout depends on the CPU's vector width: the program
+      records it, and a session on a CPU with another refuses the program.
 
     ``rules``: the rule names to apply (default: all, in the order above). ``provider`` ("auto":
     CUDA where it works here, else the CPU): a rule emits an op only where onnxruntime's provider
@@ -53,6 +61,11 @@ class Fuse(Pass):
         except ValueError as exc:
             raise PassError(f"{exc}; compile with provider=cpu, or on the machine that trains") from None
         rules = [r for r in RULES if not self.rules or r.name in self.rules]
+        if any(r.shapes for r in rules) and any(n.op in SHAPED_OPS for n in model.graph.nodes):
+            model = infer_shapes(model)  # their checks read static sizes, which a gradient is not given
         report = apply(model.graph, rules, Context(provider, model.graph.opset or 13))
-        roles.set_json(model, roles.FUSION, {"provider": provider, **report.to_json()})
+        record = {"provider": provider, **report.to_json()}
+        if report.fired[CONV_INPUT_GRAD_NCHWC.name]:
+            record["nchwc_block"] = nchwc_block_size()  # the weights' layout: the runtime checks its CPU's
+        roles.set_json(model, roles.FUSION, record)
         return PassResult(model, bool(report.fired), note=report.note())

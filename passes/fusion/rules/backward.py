@@ -1,7 +1,8 @@
 """Rules for the backward autodiff writes: the same gradient through kernels that run faster.
 
 Each rule's ``why`` is its measurement: onnxruntime 1.31's CPU provider, one node or pair
-alone, median of 30 runs (the A/B on whole models is in docs/benchmarks.md, "Fusion").
+alone, median of 30 runs (benchmarks/fusion_kernels.py; the A/B on whole models is in
+docs/benchmarks.md, "Fusion").
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ RELU_MASK = Rule(
     relu_mask_replace,
     why=(
         "ReLU's gradient as dy · float(y > 0) instead of Where(y > 0, dy, 0): onnxruntime's CPU Where "
-        "is single-pass but slow; Greater+Cast+Mul measured 0.86 vs 1.84 ms on 32×32×32×32 and 4.2 vs "
-        "7.6 ms on 16×64×56×56 at 2 threads (2.3 vs 2.8 and 7.4 vs 10.5 ms at 1). Where the upstream "
+        "is slow; Greater+Cast+Mul measured 0.97 vs 1.81 ms on 32×32×32×32 and 4.8 vs 8.9 ms on "
+        "16×64×56×56 at 2 threads (2.2 vs 3.3 and 8.1 vs 11.3 ms at 1). Where the upstream "
         "gradient is not finite at a position the ReLU zeroed, the product is NaN where Where gave 0 "
         "(a float16 step then counts as an overflow and is skipped)."
     ),
@@ -157,7 +158,7 @@ MAXPOOL_UNPOOL = Rule(
     maxpool_unpool_replace,
     why=(
         "a MaxPool's gradient with non-overlapping windows as MaxUnpool(dy, indices) instead of "
-        "ScatterElements into a flat ConstantOfShape of zeros: 0.50 vs 1.85 ms on a 32×32×32×32 input "
-        "and 1.8 vs 6.9 ms on 16×64×56×56 at 2 threads (0.5 vs 2.8 and 2.9 vs 9.4 ms at 1)."
+        "ScatterElements into a flat ConstantOfShape of zeros: 0.49 vs 1.94 ms on a 32×32×32×32 input "
+        "and 2.7 vs 8.1 ms on 16×64×56×56 at 2 threads (0.6 vs 2.5 and 2.9 vs 10.4 ms at 1)."
     ),
 )

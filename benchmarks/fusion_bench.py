@@ -1,0 +1,190 @@
+"""Fusion: each model's training step with and without the ``fuse`` pass, and with each rule
+alone (where it fires), beside torch eager, in one process at 2 threads (graphforge's variants and torch take
+turns, block by block, so a slower stretch of the machine hits every side alike).
+
+    python benchmarks/run.py fusion
+
+Models: the Training step section's CNN and GPT-2 2×256, and a ResNet-18-shaped CNN built
+from code (BasicBlocks [2, 2, 2, 2], BatchNorm in training mode, 3×64×64, batch 16, 10
+classes). Every variant starts from the same weights and trains on the same batches; the
+first losses are printed beside the table as a check.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import train_bench as tb  # noqa: E402
+
+TITLE = "Fusion"
+CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "fusion"
+THREADS = 2
+RESNET = tb.Spec("resnet18", "ResNet-18 3×64×64", 16, {"image": 64, "classes": 10}, steps=6)
+FULL = [tb.FULL[1], RESNET, tb.FULL[2]]
+QUICK = [tb.QUICK[1], tb.Spec("resnet18", "ResNet-18 3×16×16", 2, {"image": 16, "classes": 10}, steps=2)]
+ROUNDS, QUICK_ROUNDS = 8, 2
+
+
+def resnet18(classes: int):
+    """torchvision's ResNet-18 layout, written out (torchvision is not a dependency)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, c_in: int, c_out: int, stride: int):
+            super().__init__()
+            self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(c_out)
+            self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(c_out)
+            self.down = None
+            if stride != 1 or c_in != c_out:
+                self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            y = self.bn2(self.conv2(y))
+            return torch.relu(y + (x if self.down is None else self.down(x)))
+
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    c = 64
+    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [Block(c, width, stride), Block(width, width, 1)]
+        c = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)]
+    return nn.Sequential(*layers)
+
+
+def prepare(spec: tb.Spec, folder: Path):
+    """(torch module, forward model path, batches) for ``spec``."""
+    if spec.key != "resnet18":
+        module = tb.build_torch(spec)
+        model, _, _, _ = tb.prepare(spec, folder)
+        return module, model, tb.make_batches(spec)
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    c = spec.config
+    batches = [
+        (
+            rng.standard_normal((spec.batch, 3, c["image"], c["image"])).astype(np.float32),
+            rng.integers(0, c["classes"], spec.batch).astype(np.int64),
+        )
+        for _ in range(tb.BATCHES)
+    ]
+    module = resnet18(c["classes"])
+    path = folder / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module.train(),
+            (torch.from_numpy(batches[0][0]),),
+            str(path),
+            dynamo=False,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["logits"],
+            dynamic_axes={"x": {0: "batch"}, "logits": {0: "rows"}},
+        )
+    module.load_state_dict(resnet18(c["classes"]).state_dict())  # the exported values, before the export's BN update
+    return module, path, batches
+
+
+def variants(model: Path, folder: Path) -> dict[str, tuple[Path, str]]:
+    """label -> (program, fuse's note): without fuse, with every rule, with each rule alone."""
+    from graphforge.passes.fusion import RULES
+
+    import graphforge
+
+    out = {}
+    for label, extra in [
+        ("no fuse", ""),
+        ("fuse", ", fuse(provider=cpu)"),
+        *[(r.name, f", fuse(provider=cpu, rules=[{r.name}])") for r in RULES],
+    ]:
+        result = graphforge.compile(str(model), tb.PIPELINE + extra)
+        fuse = next((r for r in result.records if r.name == "fuse"), None)
+        if fuse is not None and not fuse.changed and label != "fuse":
+            continue  # the rule alone did not fire: the same program as without fuse
+        note = "" if fuse is None else fuse.note
+        out[label] = (graphforge.save(result.model, folder / f"program-{label.replace(' ', '_')}.onnx"), note)
+    return out
+
+
+def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
+    import torch
+
+    from graphforge.runtime import Module
+
+    torch.set_num_threads(THREADS)
+    folder = CACHE / f"{spec.key}-b{spec.batch}-{spec.config.get('image', '')}"
+    module, model, batches = prepare(spec, folder)
+    programs = variants(model, folder)
+    if spec.key == "gpt2":
+        notes = {label: note for label, (_, note) in programs.items() if label != "no fuse"}
+        return [], [f"- {spec.label}: {notes['fuse'] or 'no rule fired'} (not timed: the program is unchanged)"]
+    steppers = {
+        label: Module(str(path), device="cpu", intra_op_threads=THREADS, inter_op_threads=1).train_step
+        for label, (path, _) in programs.items()
+    }
+    steppers["torch eager"] = tb.torch_adamw_step(module.train())
+    losses = {label: [float(step(*batches[i % len(batches)])) for i in range(3)] for label, step in steppers.items()}
+    times: dict[str, list[float]] = {label: [] for label in steppers}
+    for _ in range(QUICK_ROUNDS if quick else ROUNDS):
+        for label, step in steppers.items():
+            start = time.perf_counter()
+            for i in range(spec.steps):
+                step(*batches[i % len(batches)])
+            times[label].append((time.perf_counter() - start) / spec.steps)
+    median = {label: float(np.median(t)) for label, t in times.items()}
+    rows = [
+        f"| {spec.label} | {label} | {median[label] * 1000:.1f} | {median['no fuse'] / median[label]:.2f}× | "
+        f"{median['torch eager'] / median[label]:.2f}× | {programs[label][1] if label in programs else '—'} |"
+        for label in steppers
+    ]
+    first = ", ".join(f"{label} {' '.join(f'{v:.5f}' for v in ls)}" for label, ls in losses.items())
+    return rows, [f"- {spec.label}: first losses: {first}"]
+
+
+def run(quick: bool = False) -> str:
+    import onnxruntime
+    import torch
+
+    import graphforge
+
+    rows, notes = [], []
+    for spec in QUICK if quick else FULL:
+        print(f"  {spec.label}", flush=True)
+        r, n = measure(spec, quick)
+        rows += r
+        notes += n
+    return "\n".join(
+        [
+            f"Training step (loss, backward, AdamW) at {THREADS} threads, median ms over "
+            f"{QUICK_ROUNDS if quick else ROUNDS} rounds of a block of steps per side, the sides taking turns in "
+            "one process. × no fuse, × torch eager: that side's time over this row's (above 1: the row is faster).",
+            "",
+            "| model | side | step ms | × no fuse | × torch eager | fuse's note |",
+            "| --- | --- | ---: | ---: | ---: | --- |",
+            *rows,
+            "",
+            *notes,
+            "",
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; graphforge {graphforge.__version__}, "
+            f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}.",
+        ]
+    )
