@@ -27,7 +27,15 @@ RUNS, WARMUP = 30, 3
 ACTIVATIONS = ([32, 32, 32, 32], [16, 64, 56, 56])
 #: batch, in channels, size, out channels: the benchmark CNN's second conv, two ImageNet-sized layers and
 #: ResNet-18's four stages at 3×64×64 (the Fusion benchmark's)
-CONVS = ((32, 32, 16, 64), (16, 64, 56, 64), (16, 128, 28, 128), (16, 64, 16, 64), (16, 128, 8, 128), (16, 256, 4, 256), (16, 512, 2, 512))
+CONVS = (
+    (32, 32, 16, 64),
+    (16, 64, 56, 64),
+    (16, 128, 28, 128),
+    (16, 64, 16, 64),
+    (16, 128, 8, 128),
+    (16, 256, 4, 256),
+    (16, 512, 2, 512),
+)
 
 
 def median_ms(nodes, feeds: dict[str, np.ndarray], threads: int, inits=(), outputs=("out",)) -> tuple[float, list]:
@@ -80,9 +88,14 @@ def maxpool(threads: int, rng) -> list[str]:
             [helper.make_node("MaxPool", ["x"], ["out", "i"], **pool)], {"x": x}, threads, outputs=("out", "i")
         )
         without, _ = median_ms([helper.make_node("MaxPool", ["x"], ["out"], **pool)], {"x": x}, threads)
-        lines.append(f"| MaxPool 2×2/2 forward | {shape} | {threads} | with Indices {with_i:.2f} | without {without:.2f} |")
+        lines.append(
+            f"| MaxPool 2×2/2 forward | {shape} | {threads} | with Indices {with_i:.2f} | without {without:.2f} |"
+        )
         feeds = {"dy": rng.standard_normal(y.shape).astype(np.float32), "i": indices}
-        inits = [numpy_helper.from_array(np.array(shape, np.int64), "shape"), numpy_helper.from_array(np.array([-1]), "flat")]
+        inits = [
+            numpy_helper.from_array(np.array(shape, np.int64), "shape"),
+            numpy_helper.from_array(np.array([-1]), "flat"),
+        ]
         scatter_nodes = [
             helper.make_node("ConstantOfShape", ["shape"], ["z"]),
             helper.make_node("Reshape", ["z", "flat"], ["zf"]),
@@ -92,9 +105,13 @@ def maxpool(threads: int, rng) -> list[str]:
             helper.make_node("Reshape", ["s", "shape"], ["out"]),
         ]
         scatter, a = median_ms(scatter_nodes, feeds, threads, inits)
-        unpool, b = median_ms([helper.make_node("MaxUnpool", ["dy", "i", "shape"], ["out"], **pool)], feeds, threads, inits)
+        unpool, b = median_ms(
+            [helper.make_node("MaxUnpool", ["dy", "i", "shape"], ["out"], **pool)], feeds, threads, inits
+        )
         assert np.array_equal(a[0], b[0])
-        lines.append(f"| MaxPool 2×2/2 gradient | {shape} | {threads} | ScatterElements {scatter:.2f} | MaxUnpool {unpool:.2f} |")
+        lines.append(
+            f"| MaxPool 2×2/2 gradient | {shape} | {threads} | ScatterElements {scatter:.2f} | MaxUnpool {unpool:.2f} |"
+        )
     return lines
 
 
@@ -109,7 +126,9 @@ def conv_input_gradient(threads: int, rng) -> list[str]:
             "dy": rng.standard_normal((n, o, size, size)).astype(np.float32),
             "w": rng.standard_normal((o, c, 3, 3)).astype(np.float32),
         }
-        transpose, a = median_ms([helper.make_node("ConvTranspose", ["dy", "w"], ["out"], pads=[1] * 4)], feeds, threads)
+        transpose, a = median_ms(
+            [helper.make_node("ConvTranspose", ["dy", "w"], ["out"], pads=[1] * 4)], feeds, threads
+        )
         as_conv = [
             helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0, 2, 3]),
             helper.make_node("Slice", ["wt", "st", "en", "ax", "sp"], ["wf"]),

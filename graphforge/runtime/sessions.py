@@ -224,6 +224,11 @@ def _make_compatible(proto: onnx.ModelProto, where: str) -> None:
 #: fuses a forward GELU whose inner tensor a recomputed copy reads and drops the node that makes
 #: it, leaving a model onnxruntime then refuses
 RECOMPUTE_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination", "FastGeluFusion")
+#: what a model with a backward is run without: onnxruntime 1.31's NchwcTransformer, given a
+#: gradient program whose Conv weights are constants (``autodiff`` alone, no optimizer), changed
+#: ResNet-18's gradients by up to 1.5% of their largest value (2e-6 without it and in torch, both
+#: against float64); a training program's weights are inputs, which it leaves alone anyway
+BACKWARD_DISABLED_OPTIMIZERS = ("NchwcTransformer",)
 
 
 def cuda_defaults(providers: Sequence[Any]) -> list[Any]:
@@ -256,12 +261,16 @@ def _session(
     providers = cuda_defaults(providers)
     if proto is not None:
         _check_nchwc_layout(proto, where)
-    recomputes = proto is not None and any(n.name.startswith(roles.RECOMPUTE_PREFIX) for n in proto.graph.node)
-    disabled = list(RECOMPUTE_DISABLED_OPTIMIZERS) if recomputes else None
+    names = [n.name for n in proto.graph.node] if proto is not None else []
+    disabled = []
+    if any(name.startswith(roles.RECOMPUTE_PREFIX) for name in names):
+        disabled += RECOMPUTE_DISABLED_OPTIMIZERS
+    if any(name.startswith(roles.GRAD_PREFIX) for name in names):
+        disabled += BACKWARD_DISABLED_OPTIMIZERS
     try:
         # no fallback: onnxruntime would print to stdout and quietly continue on the CPU
         return ort.InferenceSession(
-            source, options, providers=providers, enable_fallback=0, disabled_optimizers=disabled
+            source, options, providers=providers, enable_fallback=0, disabled_optimizers=disabled or None
         )
     except Exception as exc:
         raise InvalidModelError(f"onnxruntime cannot load {where}: {one_line(exc)}") from None
