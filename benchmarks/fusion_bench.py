@@ -33,6 +33,7 @@ RESNET = tb.Spec("resnet18", "ResNet-18 3×64×64", 16, {"image": 64, "classes":
 FULL = [tb.FULL[1], RESNET, tb.FULL[2]]
 QUICK = [tb.QUICK[1], tb.Spec("resnet18", "ResNet-18 3×16×16", 2, {"image": 16, "classes": 10}, steps=2)]
 ROUNDS, QUICK_ROUNDS = 8, 2
+PROFILE_STEPS = 3
 
 
 def resnet18(classes: int):
@@ -142,6 +143,7 @@ def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
         for label, (path, _) in programs.items()
     }
     steppers["torch eager"] = tb.torch_adamw_step(module.train())
+    profiled = Module(str(programs["fuse"][0]), device="cpu", intra_op_threads=THREADS, inter_op_threads=1)
     losses = {label: [float(step(*batches[i % len(batches)])) for i in range(3)] for label, step in steppers.items()}
     times: dict[str, list[float]] = {label: [] for label in steppers}
     for _ in range(QUICK_ROUNDS if quick else ROUNDS):
@@ -157,7 +159,19 @@ def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
         for label in steppers
     ]
     first = ", ".join(f"{label} {' '.join(f'{v:.5f}' for v in ls)}" for label, ls in losses.items())
-    return rows, [f"- {spec.label}: first losses: {first}"]
+    return rows, [f"- {spec.label}: first losses: {first}", f"- {spec.label}: {_where_time_goes(profiled, batches)}"]
+
+
+def _where_time_goes(module, batches) -> str:
+    """onnxruntime's profile of the fused program: kernel time by part and largest op types."""
+    from graphforge.train.profiling import summarize_traces
+
+    with tempfile.TemporaryDirectory(prefix="fusion-bench-profile-") as tmp:
+        module.start_profiling(Path(tmp) / "step")
+        for i in range(PROFILE_STEPS + 1):  # the profiled session's first run is left out
+            module.train_step(*batches[i % len(batches)])
+        summary = summarize_traces([path for path, _ in module.end_profiling()])
+    return f"with fuse, onnxruntime's kernel time by part: {summary.line(top=8)}"
 
 
 def run(quick: bool = False) -> str:

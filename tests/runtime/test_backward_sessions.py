@@ -1,11 +1,10 @@
 """Sessions of programs with a backward: onnxruntime's optimizations must leave gradients exact.
 
 Oracle: torch autograd in float64 on the same weights and batch (16 images of 3×64×64). A
-ResNet-18 (BasicBlocks,
-BatchNorm in training mode) is the model where onnxruntime 1.31's NchwcTransformer, which
-rewrites convolutions whose weights are constants (an ``autodiff``-only program's are),
-changed the gradients by percents; graphforge's sessions run a program with a backward
-without it.
+ResNet-18 (BasicBlocks, BatchNorm in training mode) is the model where onnxruntime 1.31's
+NchwcTransformer, which rewrites convolutions whose weights are constants (an
+``autodiff``-only program's are), changed the gradients by up to 1.5% of their largest
+value; graphforge's sessions run a program with a backward without it.
 """
 
 from __future__ import annotations
