@@ -174,6 +174,22 @@ def _where_time_goes(module, batches) -> str:
     return f"with fuse, onnxruntime's kernel time by part: {summary.line(top=8)}"
 
 
+#: what the rules do not reach yet, read from the profiles (here and in the Training step section)
+LEFT = """What fusion does not reach yet (the profiles say where the rest goes):
+
+- **The optimizer.** AdamW is 14 elementwise passes per parameter (the MLP's largest part in the
+  Training step section). On the CPU they are memory-bound: one flat buffer would save dispatches,
+  not passes, and stock onnxruntime has no kernel that fuses elementwise chains, so it stays.
+- **GPT-2.** No rule fires: its step is mostly the vocabulary projection's three GEMMs (forward,
+  weight gradient, input gradient), which MLAS runs below torch's GEMM rate; the loss gradient is
+  already softmax minus one-hot.
+- **ResNet-18.** Most of its step is convolutions whose weights change every step, which
+  onnxruntime's CPU provider runs as im2col + GEMM (NCHW), against torch's oneDNN kernels.
+  conv_input_grad_nchwc moves the input gradients of the large layers onto the blocked kernels;
+  the forward convolutions and the weight gradients are not yet (a forward rule must also be
+  undone by `prune`, so that an exported model does not depend on the CPU's vector width)."""
+
+
 def run(quick: bool = False) -> str:
     import onnxruntime
     import torch
@@ -197,6 +213,8 @@ def run(quick: bool = False) -> str:
             *rows,
             "",
             *notes,
+            "",
+            LEFT,
             "",
             f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; graphforge {graphforge.__version__}, "
             f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}.",
