@@ -10,7 +10,6 @@ value; graphforge's sessions run a program with a backward without it.
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import graphforge
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from fusion_bench import resnet18  # noqa: E402  (the benchmark's model, built from code)
+from fusion_bench import export_training, resnet18  # noqa: E402  (the benchmark's model, built from code)
 
 #: float32 gradients against float64: torch's own float32 ones came within 3e-6 of the
 #: largest magnitude here
@@ -32,27 +31,12 @@ def test_resnet_gradients_from_a_session_match_float64_autograd(tmp_path):
     x = rng.standard_normal((16, 3, 64, 64)).astype(np.float32)
     y = rng.integers(0, 10, 16)
     module = resnet18(10)
-    state = {k: v.clone() for k, v in module.state_dict().items()}
-    path = tmp_path / "resnet.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module.train(),
-            (torch.from_numpy(x),),
-            str(path),
-            dynamo=False,
-            do_constant_folding=False,
-            training=torch.onnx.TrainingMode.TRAINING,
-            opset_version=17,
-            input_names=["x"],
-            output_names=["logits"],
-        )
+    path = export_training(module, x, tmp_path / "resnet.onnx")
     program = graphforge.compile(str(path), "loss(kind=cross_entropy, output=logits), autodiff").model
     session = graphforge.create_session(program)
     names = [o.name for o in session.get_outputs()]
     got = dict(zip(names, session.run(names, {"x": x, "labels": y}), strict=True))
 
-    module.load_state_dict(state)  # the export's forward moved the running statistics
     module.double().train()
     loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x).double()), torch.from_numpy(y))
     loss.backward()
