@@ -21,7 +21,7 @@ component at a time. onnxscript's rewriter, the other candidate, needs the model
 its IR and back (gs → proto → onnx_ir → proto → gs) and lives in the torch extra, not in
 graphforge's core dependencies. Measured by ``benchmarks/fusion_bench.py``'s ``engines()``, one
 ReLU-mask rule on a gradient program: GPT-2 small's (4,879 nodes) 2 ms against 2.1 s,
-GPT-2 2×256's (the Fusion section's note) 1 ms against 0.3 s.
+GPT-2 2×256's (the Fusion section's note) 1 ms against 0.3-0.5 s (two runs).
 """
 
 from __future__ import annotations
