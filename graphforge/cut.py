@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import onnx
 import onnx_graphsurgeon as gs
 
+from graphforge import roles
 from graphforge.analysis import outer_inputs, topological_order
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
@@ -150,7 +151,10 @@ def segment_model(model: Model, nodes, inputs, outputs, label: str) -> onnx.Mode
             raise GraphforgeError(
                 f"tensor {t.name!r} crosses a cut but its type is unknown; run shape inference before cutting"
             )
-    return gs.export_onnx(sub, do_type_check=False)
+    proto = gs.export_onnx(sub, do_type_check=False)
+    if roles.FUSION in model.metadata:  # facts about the nodes, true of any part: a session checks them
+        proto.metadata_props.add(key=roles.FUSION, value=model.metadata[roles.FUSION])
+    return proto
 
 
 def restore_initializer_inputs(segment: onnx.ModelProto, model: Model) -> list[str]:

@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphforge
 from graphforge import roles
+from graphforge.cut import cut
 from graphforge.errors import InvalidModelError
 from graphforge.graph import Model
 from graphforge.ort_compat import nchwc_block_size
@@ -224,11 +225,14 @@ def test_conv_input_gradient_stays_a_conv_transpose(model, reason):
 
 @needs_nchwc
 def test_a_program_fused_for_another_nchwc_block_is_refused_by_the_runtime():
+    """Whole, and as the segments a data-parallel or PyTorch-front-end runtime cuts it into."""
     _, done, _ = fused(cnn(None, None, width=16, size=16))
     record = next(p for p in done.metadata_props if p.key == roles.FUSION)
     record.value = json.dumps({**json.loads(record.value), "nchwc_block": 2 * nchwc_block_size()})
-    with pytest.raises(InvalidModelError, match=r"NCHWc kernels with \d+-channel blocks"):
-        graphforge.create_session(done)
+    backward = cut(done, [[o.name for o in done.graph.output if o.name.endswith("_grad")]])[0].model
+    for model in (done, backward):
+        with pytest.raises(InvalidModelError, match=r"NCHWc kernels with \d+-channel blocks"):
+            graphforge.create_session(model)
 
 
 def test_new_nodes_keep_the_origin_and_the_output_names():
