@@ -17,7 +17,6 @@ import platform
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -85,33 +84,8 @@ def prepare(spec: tb.Spec, folder: Path):
         for _ in range(tb.BATCHES)
     ]
     module = resnet18(c["classes"])
-    path = export_training(module, batches[0][0], folder / "model.onnx")
+    path = tb.export(module, batches[0][0], folder / "model.onnx", "x", training=True)
     return module, path, batches
-
-
-def export_training(module, example: np.ndarray, path: Path) -> Path:
-    """TorchScript export in training mode (BatchNorm normalizes by the batch), the batch
-    dynamic; ``module`` is left as it was (the export's forward moves BatchNorm's running
-    statistics: they are put back)."""
-    import torch
-
-    state = {k: v.clone() for k, v in module.state_dict().items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module.train(),
-            (torch.from_numpy(example),),
-            str(path),
-            dynamo=False,
-            do_constant_folding=False,
-            training=torch.onnx.TrainingMode.TRAINING,
-            opset_version=17,
-            input_names=["x"],
-            output_names=["logits"],
-            dynamic_axes={"x": {0: "batch"}, "logits": {0: "rows"}},
-        )
-    module.load_state_dict(state)
-    return path
 
 
 def variants(model: Path, folder: Path) -> dict[str, tuple[Path, str]]:
@@ -186,12 +160,12 @@ def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
             f"- {spec.label}: {notes['fuse'] or 'no rule fired'} (not timed: the program is unchanged)",
             f"- Rewrite engine, on this GPT-2's program (no optimizer pass): {engines(model)}",
         ]
-    steppers = {
-        label: Module(str(path), device="cpu", intra_op_threads=THREADS, inter_op_threads=1).train_step
+    modules = {
+        label: Module(str(path), device="cpu", intra_op_threads=THREADS, inter_op_threads=1)
         for label, (path, _) in programs.items()
     }
+    steppers = {label: m.train_step for label, m in modules.items()}
     steppers["torch eager"] = tb.torch_adamw_step(module.train())
-    profiled = Module(str(programs["fuse"][0]), device="cpu", intra_op_threads=THREADS, inter_op_threads=1)
     losses = {label: [float(step(*batches[i % len(batches)])) for i in range(3)] for label, step in steppers.items()}
     times: dict[str, list[float]] = {label: [] for label in steppers}
     for _ in range(QUICK_ROUNDS if quick else ROUNDS):
@@ -207,7 +181,10 @@ def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
         for label in steppers
     ]
     first = ", ".join(f"{label} {' '.join(f'{v:.5f}' for v in ls)}" for label, ls in losses.items())
-    return rows, [f"- {spec.label}: first losses: {first}", f"- {spec.label}: {_where_time_goes(profiled, batches)}"]
+    return rows, [
+        f"- {spec.label}: first losses: {first}",
+        f"- {spec.label}: {_where_time_goes(modules['fuse'], batches)}",
+    ]
 
 
 def _where_time_goes(module, batches) -> str:
@@ -228,9 +205,9 @@ LEFT = """What fusion does not reach yet (the profiles say where the rest goes):
 - **The optimizer.** AdamW is 14 elementwise passes per parameter (the MLP's largest part in the
   Training step section). On the CPU they are memory-bound: one flat buffer would save dispatches,
   not passes, and stock onnxruntime has no kernel that fuses elementwise chains, so it stays.
-- **GPT-2.** No rule fires: its step is mostly the vocabulary projection's three GEMMs (forward,
-  weight gradient, input gradient), which MLAS runs below torch's GEMM rate; the loss gradient is
-  already softmax minus one-hot.
+- **GPT-2.** No rule fires: most of its step is GEMMs (the Training step section's profile), the
+  largest the vocabulary projection's three (forward, weight gradient, input gradient), which no
+  rewrite into other standard ops makes cheaper; the loss gradient is already softmax minus one-hot.
 - **ResNet-18.** Most of its step is convolutions whose weights change every step, which
   onnxruntime's CPU provider runs as im2col + GEMM (NCHW), against torch's oneDNN kernels.
   conv_input_grad_nchwc moves the input gradients of the large layers onto the blocked kernels;

@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from graphforge.ort_compat import NCHWC_DOMAIN, nchwc_block_size
+from graphforge.ort_compat import NCHWC_DOMAIN, NCHWC_WEIGHT_PERM, nchwc_block_size
 
 RUNS, WARMUP = 30, 3
 ACTIVATIONS = ([32, 32, 32, 32], [16, 64, 56, 56])
@@ -147,7 +147,7 @@ def conv_input_gradient(threads: int, rng) -> list[str]:
             nchwc = [
                 *as_conv[:2],
                 helper.make_node("Reshape", ["wf", "s6"], ["w6"]),
-                helper.make_node("Transpose", ["w6"], ["w6t"], perm=[0, 2, 4, 5, 3, 1]),
+                helper.make_node("Transpose", ["w6"], ["w6t"], perm=list(NCHWC_WEIGHT_PERM)),
                 helper.make_node("Reshape", ["w6t", "s4"], ["wr"]),
                 helper.make_node("ReorderInput", ["dy"], ["dyr"], domain=NCHWC_DOMAIN),
                 helper.make_node("Conv", ["dyr", "wr"], ["yr"], domain=NCHWC_DOMAIN, pads=[1] * 4, kernel_shape=[3, 3]),

@@ -232,27 +232,33 @@ def make_batches(spec: Spec, count: int = BATCHES) -> list[tuple[np.ndarray, np.
     return out
 
 
-def export(module, example: np.ndarray, path: Path, input_name: str) -> Path:
-    """TorchScript export, as the tests do; opset 17 and IR version 8, which onnx 1.17 reads."""
+def export(module, example: np.ndarray, path: Path, input_name: str, *, training: bool = False) -> Path:
+    """TorchScript export, as the tests do; opset 17 and IR version 8, which onnx 1.17 reads.
+    ``training``: in training mode (BatchNorm normalizes by the batch); the export's forward
+    moves BatchNorm's running statistics, so they are put back and ``module`` is left as it was."""
     import onnx
     import torch
 
     dynamic = {input_name: {0: "batch"}, "logits": {0: "rows"}}
     if example.ndim == 2 and example.dtype == np.int64:  # token ids: the sequence is dynamic too
         dynamic[input_name][1] = "seq"
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            module.eval(),
+            module.train(training),
             (torch.from_numpy(example),),
             str(path),
             dynamo=False,
             do_constant_folding=False,
+            training=mode,
             opset_version=17,
             input_names=[input_name],
             output_names=["logits"],
             dynamic_axes=dynamic,
         )
+    module.load_state_dict(state)
     model = onnx.load(str(path))
     model.ir_version = min(model.ir_version, 8)
     onnx.save(model, str(path))

@@ -338,8 +338,8 @@ def nchwc_block_size() -> int | None:
     """The channel block of onnxruntime's NCHWc CPU kernels on this machine (16 with AVX-512, 8
     with AVX2), or None where this build and CPU have none. A program whose Conv weights are
     laid out for one block computes garbage with another, so it is asked of onnxruntime itself:
-    its own NCHWc transformer reorders a probe Conv's constant weights, and the layout it wrote,
-    [O/B, C/B, kh, kw, B(in), B(out)], says B."""
+    its own NCHWc transformer reorders a probe Conv's constant weights, and the layout it wrote
+    (NCHWC_WEIGHT_PERM) says B."""
     channels = 64
     weights = (np.arange(channels * channels, dtype=np.float32) % 251).reshape(channels, channels, 1, 1)
     graph = helper.make_graph(
@@ -366,14 +366,18 @@ def nchwc_block_size() -> int | None:
     conv = next(n for n in done.graph.node if n.domain == NCHWC_DOMAIN and n.op_type == "Conv")
     reordered = written.get(conv.input[1])
     for block in (4, 8, 16, 32, 64):
-        if reordered is not None and np.array_equal(reordered, nchwc_weights(weights, block)):
+        if reordered is not None and np.array_equal(reordered, _nchwc_weights(weights, block)):
             return block
     return None
 
 
-def nchwc_weights(w: np.ndarray, block: int) -> np.ndarray:
+#: the NCHWc Conv's weight layout: [O, C, kh, kw] split into [O/B, B(out), C/B, B(in), kh, kw]
+#: and transposed by this to [O/B, C/B, kh, kw, B(in), B(out)]
+NCHWC_WEIGHT_PERM = (0, 2, 4, 5, 3, 1)
+
+
+def _nchwc_weights(w: np.ndarray, block: int) -> np.ndarray:
     """``w`` [O, C, kh, kw] in the layout onnxruntime's NCHWc Conv reads (channels divisible by
-    ``block``): [O/B, C/B, kh, kw, B(in), B(out)], flattened back to w's shape."""
+    ``block``), flattened back to w's shape."""
     o, c, *kernel = w.shape
-    blocked = w.reshape(o // block, block, c // block, block, *kernel).transpose(0, 2, 4, 5, 3, 1)
-    return blocked.reshape(w.shape)
+    return w.reshape(o // block, block, c // block, block, *kernel).transpose(NCHWC_WEIGHT_PERM).reshape(w.shape)

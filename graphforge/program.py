@@ -212,6 +212,8 @@ class ProgramRoles:
     #: kernels it checked, or None; its loss scaling, or None
     mixed_precision: Mapping[str, Any] | None
     loss_scaling: LossScaling | None
+    #: the channel block of onnxruntime's NCHWc kernels the fuse pass laid weights out for, or None
+    nchwc_block: int | None
     #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
     optimizer: str | None
     hyperparameters: Mapping[str, Any]
@@ -314,6 +316,7 @@ class ProgramRoles:
             pipeline=PipelineRole.from_json(json_value(roles.PIPELINE, None)) if roles.PIPELINE in metadata else None,
             mixed_precision=mixed_precision,
             loss_scaling=LossScaling.from_json(mixed_precision.get("loss_scale", {})) if mixed_precision else None,
+            nchwc_block=json_value(roles.FUSION, {}).get("nchwc_block"),
             optimizer=optimizer.get("kind"),
             hyperparameters=dict(optimizer.get("hyperparameters", {})),
             carried=carried,

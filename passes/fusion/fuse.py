@@ -15,9 +15,6 @@ from graphforge.shapes import infer_shapes
 from .engine import Context, apply
 from .rules import CONV_INPUT_GRAD_NCHWC, RULES
 
-#: the root ops of the rules whose checks need inferred shapes
-SHAPED_OPS = frozenset({"ConvTranspose"})
-
 
 @dataclass(frozen=True)
 class Fuse(Pass):
@@ -61,7 +58,8 @@ class Fuse(Pass):
         except ValueError as exc:
             raise PassError(f"{exc}; compile with provider=cpu, or on the machine that trains") from None
         rules = [r for r in RULES if not self.rules or r.name in self.rules]
-        if any(r.shapes for r in rules) and any(n.op in SHAPED_OPS for n in model.graph.nodes):
+        shaped = {r.pattern.nodes[r.pattern.root].op for r in rules if r.shapes}
+        if shaped and any(n.op in shaped for n in model.graph.nodes):
             model = infer_shapes(model)  # their checks read static sizes, which a gradient is not given
         report = apply(model.graph, rules, Context(provider, model.graph.opset or 13))
         record = {"provider": provider, **report.to_json()}

@@ -19,10 +19,11 @@ import graphforge
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from fusion_bench import export_training, resnet18  # noqa: E402  (the benchmark's model, built from code)
+from fusion_bench import resnet18  # noqa: E402  (the benchmark's model, built from code)
+from train_bench import export  # noqa: E402
 
-#: float32 gradients against float64: torch's own float32 ones came within 3e-6 of the
-#: largest magnitude here
+#: float32 gradients against float64, relative to each gradient's largest magnitude: torch's own
+#: float32 ones came within 5.4e-6 here, graphforge's 5.0e-6, and 1.5e-2 with the transformer
 TOLERANCE = 1e-4
 
 
@@ -31,7 +32,7 @@ def test_resnet_gradients_from_a_session_match_float64_autograd(tmp_path):
     x = rng.standard_normal((16, 3, 64, 64)).astype(np.float32)
     y = rng.integers(0, 10, 16)
     module = resnet18(10)
-    path = export_training(module, x, tmp_path / "resnet.onnx")
+    path = export(module, x, tmp_path / "resnet.onnx", "x", training=True)
     program = graphforge.compile(str(path), "loss(kind=cross_entropy, output=logits), autodiff").model
     session = graphforge.create_session(program)
     names = [o.name for o in session.get_outputs()]

@@ -22,7 +22,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge.builder import Builder, static_shape
-from graphforge.ort_compat import CPU, NCHWC_DOMAIN, nchwc_block_size
+from graphforge.ort_compat import CPU, NCHWC_DOMAIN, NCHWC_WEIGHT_PERM, nchwc_block_size
 
 from ..engine import Context, Match, Pattern, Rule
 
@@ -89,7 +89,7 @@ def input_grad_replace(b: Builder, m: Match, _: Context) -> list[gs.Tensor]:
     swapped = b.transpose(w, [1, 0, 2, 3])
     flipped = b.op("Slice", swapped, b.ints([-1, -1]), b.ints([-(2**62), -(2**62)]), b.ints([2, 3]), b.ints([-1, -1]))
     blocked = b.reshape(flipped, [in_channels // block, block, out_channels // block, block, kh, kw])
-    weights = b.reshape(b.transpose(blocked, [0, 2, 4, 5, 3, 1]), [in_channels, out_channels, kh, kw])
+    weights = b.reshape(b.transpose(blocked, list(NCHWC_WEIGHT_PERM)), [in_channels, out_channels, kh, kw])
     pads = [k - 1 - p for p, k in zip(_flat(node, "pads", 4, 0), [kh, kw, kh, kw], strict=True)]
     reordered = b.op("ReorderInput", dy, domain=NCHWC_DOMAIN)
     conv = b.op("Conv", reordered, weights, domain=NCHWC_DOMAIN, kernel_shape=[kh, kw], pads=pads)
