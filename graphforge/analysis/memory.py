@@ -143,13 +143,19 @@ def in_place_safety(model: onnx.ModelProto, pairs: Mapping[str, str]) -> dict[st
     return refused
 
 
-#: ops whose onnxruntime kernels may write their output over an input they read for the last
-#: time, of the same size (declared MayInplace): the planner then allocates nothing for it
-MAY_IN_PLACE = {
-    **{op: (0,) for op in ("Relu", "LeakyRelu", "Elu", "Sigmoid", "Tanh", "Exp", "Log", "Neg", "Abs", "Sqrt")},
-    **{op: (0,) for op in ("Reciprocal", "Erf", "Softplus", "ScatterElements")},
-    **{op: (0, 1) for op in ("Add", "Sub", "Mul", "Div")},
-}
+#: ops whose onnxruntime CPU kernels write their output over an input they read for the last
+#: time, of the same size (declared MayInplace), so the planner allocates nothing for it.
+#: Measured, not read from the schema: the activations, Clip, Softmax and ScatterElements do;
+#: Add, Sub, Mul, Div, Pow, Sqrt, Exp, Log, Neg, Abs, Reciprocal, Erf, Where and ScatterND do
+#: not, so each of those takes a new buffer while its input is still live (a chain of them
+#: needs two). ``tests/analysis/test_memory.py`` checks this table against onnxruntime.
+MAY_IN_PLACE: dict[str, tuple[int, ...]] = {
+    op: (0,)
+    for op in (
+        "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "Sigmoid", "HardSigmoid", "Tanh", "Softplus",
+        "Softsign", "ThresholdedRelu", "Clip", "Softmax", "LogSoftmax", "ScatterElements",
+    )
+}  # fmt: skip
 
 
 def _reusable_input(node, owner, last_read, transient, sizes, outputs, step) -> str | None:

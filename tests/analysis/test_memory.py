@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from graphforge.analysis.memory import CATEGORIES, dims_of, execution_order, predict
+from graphforge.analysis.memory import CATEGORIES, MAY_IN_PLACE, dims_of, execution_order, predict
 from graphforge.runtime.memory import step_memory
 
 pytest.importorskip("torch")
@@ -71,7 +71,7 @@ def test_liveness_frees_after_the_last_reader_and_views_share_a_buffer():
             [
                 helper.make_node("Relu", ["x"], ["a"], name="relu"),
                 helper.make_node("Reshape", ["a", "shape"], ["view"], name="view"),
-                helper.make_node("Neg", ["view"], ["b"], name="neg"),
+                helper.make_node("Sigmoid", ["view"], ["b"], name="sigmoid"),
                 helper.make_node("Abs", ["b"], ["y"], name="abs"),
             ],
             "chain",
@@ -83,12 +83,77 @@ def test_liveness_frees_after_the_last_reader_and_views_share_a_buffer():
         ir_version=8,
     )
     report = predict(model)
-    assert report.order == ["relu", "view", "neg", "abs"]
-    # a's buffer (its view's too) is b's: Neg writes over the input it reads last (onnxruntime's
-    # MayInplace); y, a graph output, gets a buffer of its own
+    assert report.order == ["relu", "view", "sigmoid", "abs"]
+    # a's buffer (its view's too) is b's: Sigmoid writes over the input it reads last
+    # (onnxruntime's MayInplace); y, a graph output, gets a buffer of its own
     assert [sum(t.values()) for t in report.timeline] == [1024, 1024, 1024, 2048]
     assert report.peak == 2048 + 1024 + 16  # the input x and the shape constant persist
     assert set(report.breakdown()) == set(CATEGORIES)
+
+
+#: ops onnxruntime's CPU kernels do not run in place (each a second buffer), probed beside MAY_IN_PLACE
+NOT_IN_PLACE = ("Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Exp", "Log", "Neg", "Abs", "Reciprocal", "Erf")
+#: the probe's tensor, 48 MiB: above glibc's largest mmap threshold (32 MiB), so a freed buffer
+#: is unmapped; two axes, as ONNX's data propagation would carry a 1-D tensor's values
+PROBE_SHAPE = [3072, 4096]
+PROBE_BYTES = 3072 * 4096 * 4
+
+
+def _chain(op: str) -> onnx.ModelProto:
+    """y = op(op(op(x))): two transient buffers, or one where each node writes over its input."""
+    extra, inits = [], [helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])]
+    if op in ("Add", "Sub", "Mul", "Div", "Pow"):
+        extra = ["half"]
+    elif op == "ScatterElements":
+        extra = ["indices", "updates"]
+        inits += [
+            helper.make_tensor("indices", TensorProto.INT64, [1, 4], [0, 1, 2, 3]),
+            helper.make_tensor("updates", TensorProto.FLOAT, [1, 4], [1.0] * 4),
+        ]
+    names = ["x", "t1", "t2", "y"]
+    nodes = [helper.make_node(op, [names[i], *extra], [names[i + 1]], name=f"n{i}") for i in range(3)]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, PROBE_SHAPE)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, PROBE_SHAPE)],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _resident(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {key} in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak resident memory reset")
+@pytest.mark.parametrize("op", sorted(set(MAY_IN_PLACE) | set(NOT_IN_PLACE)))
+def test_the_in_place_table_is_what_onnxruntime_does(op):
+    """A chain of three nodes of ``op``, its output bound to a caller's buffer: the peak memory
+    of a run (arena off, so a freed buffer is given back) above the memory before it is one
+    transient buffer where onnxruntime runs ``op`` in place, two where it does not; and the
+    model predicts the same."""
+    model = _chain(op)
+    options = ort.SessionOptions()
+    options.enable_cpu_mem_arena = False
+    options.enable_mem_pattern = False
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x, y = np.full(PROBE_SHAPE, 0.5, np.float32), np.zeros(PROBE_SHAPE, np.float32)
+    binding = session.io_binding()
+    binding.bind_cpu_input("x", x)
+    binding.bind_output("y", "cpu", 0, np.float32, PROBE_SHAPE, y.ctypes.data)
+    session.run_with_iobinding(binding)  # the session's first run sets up its kernels
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _resident("VmRSS")
+    session.run_with_iobinding(binding)
+    measured = (_resident("VmHWM") - before) / PROBE_BYTES
+    expected = 1 if op in MAY_IN_PLACE else 2
+    assert measured == pytest.approx(expected, abs=0.1), (op, measured)
+    predicted = predict(model, external=["y"]).transient_peak / PROBE_BYTES
+    assert predicted == pytest.approx(expected, abs=0.01), (op, predicted)
 
 
 @pytest.mark.parametrize("also_read", [False, True], ids=["matmul only", "read elsewhere too"])
