@@ -314,9 +314,10 @@ class SGD(_Optimizer):
         d_p = _decayed(s, s.grad, self.weight_decay)
         new_states = {}
         if self.momentum:
-            buf = b.add(
-                b.mul(states["momentum_buffer"], s.scalar(self.momentum)), b.mul(d_p, s.scalar(1 - self.dampening))
-            )
+            # d_p * 1 is d_p: without dampening the sum reads it as it is, one parameter-sized
+            # temporary fewer
+            damped = b.mul(d_p, s.scalar(1 - self.dampening)) if self.dampening else d_p
+            buf = b.add(b.mul(states["momentum_buffer"], s.scalar(self.momentum)), damped)
             buf = b.op("Where", s.first, d_p, buf)  # torch starts the buffer at the first gradient
             new_states["momentum_buffer"] = buf
             d_p = b.add(d_p, b.mul(buf, s.scalar(self.momentum))) if self.nesterov else buf
@@ -373,12 +374,16 @@ def _check_moments(opt) -> None:
     check_number(opt, "eps", above=0)
 
 
-def _moments(opt, s: _Step, grad, states):
+def _first_moment(opt, s: _Step, grad, states):
     b = s.b
-    m, v = states["exp_avg"], states["exp_avg_sq"]
-    m = b.add(m, b.mul(b.sub(grad, m), s.scalar(1 - opt.beta1)))  # torch's lerp_(grad, 1 - beta1)
-    v = b.add(b.mul(v, s.scalar(opt.beta2)), b.mul(b.mul(grad, grad), s.scalar(1 - opt.beta2)))
-    return m, v
+    m = states["exp_avg"]
+    return b.add(m, b.mul(b.sub(grad, m), s.scalar(1 - opt.beta1)))  # torch's lerp_(grad, 1 - beta1)
+
+
+def _second_moment(opt, s: _Step, grad, states):
+    b = s.b
+    v = states["exp_avg_sq"]
+    return b.add(b.mul(v, s.scalar(opt.beta2)), b.mul(b.mul(grad, grad), s.scalar(1 - opt.beta2)))
 
 
 def _bias_corrections(opt, s: _Step):
@@ -391,10 +396,14 @@ def _bias_corrections(opt, s: _Step):
 
 def _adam_update(opt, s: _Step, param, grad, states):
     b = s.b
-    m, v = _moments(opt, s, grad, states)
     bc1, bc2 = _bias_corrections(opt, s)
     step_size = b.div(s.lr, bc1)
+    v = _second_moment(opt, s, grad, states)
     denom = b.add(b.div(b.op("Sqrt", v), s.scalar(b.op("Sqrt", bc2))), s.scalar(opt.eps))
+    # written after the denominator so that onnxruntime, which runs the later-written input of a
+    # node first (analysis.memory.execution_order), makes the first moment before the
+    # denominator: then two parameter-sized temporaries are live at most, not three
+    m = _first_moment(opt, s, grad, states)
     new_param = b.sub(param, b.mul(b.div(m, denom), s.scalar(step_size)))
     return new_param, {"exp_avg": m, "exp_avg_sq": v}
 
@@ -419,13 +428,15 @@ class Lamb(_Optimizer):
 
     def update(self, s, states):
         b = s.b
-        m, v = _moments(self, s, s.grad, states)
+        # written first so that it runs last, just before the sum that reads it (see _adam_update)
+        decay = b.mul(s.param, s.scalar(self.weight_decay)) if self.weight_decay else None
         bc1, bc2 = _bias_corrections(self, s)
-        m_hat = b.div(m, s.scalar(bc1))
-        v_hat = b.div(v, s.scalar(bc2))
-        direction = b.div(m_hat, b.add(b.op("Sqrt", v_hat), s.scalar(self.eps)))
-        if self.weight_decay:
-            direction = b.add(direction, b.mul(s.param, s.scalar(self.weight_decay)))
+        v = _second_moment(self, s, s.grad, states)
+        denom = b.add(b.op("Sqrt", b.div(v, s.scalar(bc2))), s.scalar(self.eps))
+        m = _first_moment(self, s, s.grad, states)  # after the denominator: see _adam_update
+        direction = b.div(b.div(m, s.scalar(bc1)), denom)
+        if decay is not None:
+            direction = b.add(direction, decay)
         w_norm = _norm(b, s.param)
         d_norm = _norm(b, direction)
         zero = b.constant(np.array(0.0, np.float32))

@@ -188,6 +188,50 @@ def test_a_transposed_matmul_operand_is_fused_as_onnxruntime_fuses_it(also_read,
     assert len(made) == (2 if also_read else 0)  # Wt (and r): y is 8 x 64 floats, as large as neither
 
 
+def _linear(rows: int = 512, cols: int = 2048) -> onnx.ModelProto:
+    """logits = x @ W + b, W the one large parameter."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["xw"], name="matmul"),
+            helper.make_node("Add", ["xw", "b"], ["logits"], name="bias"),
+        ],
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", rows])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", cols])],
+        [
+            onnx.numpy_helper.from_array(rng.standard_normal((rows, cols)).astype(np.float32) * 0.01, "W"),
+            onnx.numpy_helper.from_array(np.zeros(cols, np.float32), "b"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize(
+    "optimizer, temporaries",
+    [
+        ("adamw(lr=0.001, weight_decay=0.01)", 2),
+        ("adam(lr=0.001)", 2),
+        ("sgd(lr=0.1)", 1),
+        ("sgd(lr=0.1, momentum=0.9)", 2),
+        ("lamb(lr=0.001)", 3),
+    ],
+)
+def test_an_update_holds_few_parameter_sized_temporaries(optimizer, temporaries):
+    """The in-place update's peak beyond its persistent buffers, in parameter-sized tensors, by
+    the model (its order and in-place table are checked against onnxruntime above): Adam and
+    AdamW make the first moment before the denominator, so two are live at most, not three;
+    SGD's momentum sum reads the undamped gradient as it is; LAMB's direction, a quotient of
+    two temporaries plus the decay term, needs three."""
+    import graphforge
+
+    program = graphforge.compile(_linear(), f"loss(kind=cross_entropy, output=logits), autodiff, {optimizer}").model
+    update = step_memory(program, dims={"batch": 4, "rows": 4}).runs["update"]
+    weight = 512 * 2048 * 4
+    assert update.transient_peak // weight == temporaries, [(t.name, t.bytes) for t in update.at_peak]
+    assert update.transient_peak % weight < 2**16  # and scalars, the bias's and the like
+
+
 @pytest.fixture(scope="module")
 def bench():
     return _bench()
