@@ -53,8 +53,9 @@ CATEGORIES = (
 )
 #: ops whose onnxruntime kernels give the output the input's buffer (declared Alias(0, 0))
 ALIASING_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
-#: ops whose kernels read and write each element at the same index, so that the output may
-#: be the buffer of an input of the same shape (onnxruntime declares them MayInplace)
+#: ops whose kernels read and write each element at the same index, so that the runtime may
+#: bind the output to the buffer of an input of the same shape: each element is read before
+#: it is overwritten (whether onnxruntime itself reuses the buffer is MAY_IN_PLACE's question)
 ELEMENTWISE_OPS = frozenset(
     {"Add", "Sub", "Mul", "Div", "Neg", "Abs", "Sqrt", "Reciprocal", "Where", "Max", "Min", "Sum", "Clip", "Relu"}
 )
