@@ -13,8 +13,10 @@ segment, which receives what the forward stashed and computes the gradients. Bot
 module's, read at every call. Under ``torch.no_grad()`` only the forward segment runs.
 
 Dims are symbolic in the export, so another batch size or sequence length reuses the compiled
-program. Tensors cross as NumPy views of CPU tensors (no copies); CUDA tensors are not taken
-yet (the fallback runs them in torch).
+program. Tensors cross without copies: inputs as NumPy views of CPU tensors, bound to the
+sessions; outputs, gradients and the forward's stash as the OrtValues onnxruntime wrote, the
+stash bound as they are to the backward, the rest handed to torch through DLPack. CUDA tensors
+are not taken yet (the fallback runs them in torch).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 import onnx_graphsurgeon as gs
+import onnxruntime as ort
 import torch
 
 from graphforge.builder import Builder
@@ -348,22 +351,44 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
+def _run(session: Any, feeds: dict[str, Any], outputs: list[str]) -> dict[str, ort.OrtValue]:
+    """Run ``session`` on ``feeds`` (NumPy views of torch tensors, or OrtValues a previous run
+    made) and return its ``outputs`` as the OrtValues onnxruntime wrote them into: bound, not
+    copied out as ``session.run`` would copy them (the forward's stash, a GPT-2's logits)."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if isinstance(value, ort.OrtValue):
+            binding.bind_ortvalue_input(name, value)
+        else:
+            binding.bind_cpu_input(name, value)
+    for name in outputs:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    return dict(zip(outputs, binding.get_outputs(), strict=True))
+
+
+def _torch(value: ort.OrtValue) -> torch.Tensor:
+    """An OrtValue as a torch tensor on its memory (DLPack), which it keeps alive."""
+    if value.data_type() == "tensor(bool)":  # DLPack hands bool over as uint8
+        return torch.from_numpy(value.numpy())
+    return torch.from_dlpack(value)
+
+
 def _run_forward(compiled: _Compiled, tensors: dict[str, torch.Tensor], args) -> tuple[list[torch.Tensor], dict]:
     feeds = {name: _numpy(a) for name, a in zip(compiled.inputs, args, strict=True)}
     feeds.update({name: _numpy(tensors[name]) for name in compiled.fed})
     feeds.update({previous: feeds[name].copy() for previous, name in compiled.previous.items()})
     feeds.update({alias: feeds[name] for alias, name in compiled.aliases.items()})
-    values = compiled.forward.run(
-        compiled.forward_outputs, {k: v for k, v in feeds.items() if k in compiled.forward_inputs}
+    done = _run(
+        compiled.forward, {k: v for k, v in feeds.items() if k in compiled.forward_inputs}, compiled.forward_outputs
     )
-    done = dict(zip(compiled.forward_outputs, values, strict=True))
     with torch.no_grad():
         for buffer, name in compiled.statistics.items():
-            tensors[buffer].copy_(torch.from_numpy(done[name]))
+            tensors[buffer].copy_(_torch(done[name]))
         for buffer in compiled.counters:
             if buffer in tensors:
                 tensors[buffer].add_(1)
-    outputs = [torch.from_numpy(done[name]) for name in compiled.outputs]
+    outputs = [_torch(done[name]) for name in compiled.outputs]
     return outputs, {**{k: v for k, v in feeds.items() if k not in compiled.inputs}, **done}
 
 
@@ -388,11 +413,9 @@ class _Run(torch.autograd.Function):
             if f"{name}_seed" in compiled.backward_inputs:
                 feeds[f"{name}_seed"] = _numpy(grad if grad is not None else torch.zeros(shape, dtype=dtype))
         wanted = [grad_name(n) for n in (*compiled.differentiated, *compiled.trained)]
-        values = compiled.backward.run(wanted, {k: v for k, v in feeds.items() if k in compiled.backward_inputs})
-        done = dict(zip(wanted, values, strict=True))
+        done = _run(compiled.backward, {k: v for k, v in feeds.items() if k in compiled.backward_inputs}, wanted)
         input_grads = [
-            torch.from_numpy(done[grad_name(name)]) if name in compiled.differentiated else None
-            for name in compiled.inputs
+            _torch(done[grad_name(name)]) if name in compiled.differentiated else None for name in compiled.inputs
         ]
-        param_grads = [torch.from_numpy(done[grad_name(name)]) for name in compiled.trained]
+        param_grads = [_torch(done[grad_name(name)]) for name in compiled.trained]
         return (None, None, None, *input_grads, *param_grads)
