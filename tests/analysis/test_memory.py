@@ -93,10 +93,11 @@ def test_liveness_frees_after_the_last_reader_and_views_share_a_buffer():
 
 #: ops onnxruntime's CPU kernels do not run in place (each a second buffer), probed beside MAY_IN_PLACE
 NOT_IN_PLACE = ("Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Exp", "Log", "Neg", "Abs", "Reciprocal", "Erf")
-#: the probe's tensor, 48 MiB: above glibc's largest mmap threshold (32 MiB), so a freed buffer
-#: is unmapped; two axes, as ONNX's data propagation would carry a 1-D tensor's values
-PROBE_SHAPE = [3072, 4096]
-PROBE_BYTES = 3072 * 4096 * 4
+#: the probe's tensor, 96 MiB: above glibc's largest mmap threshold (32 MiB) and the free heap
+#: it may keep (twice that), so each buffer is mapped afresh and unmapped when freed, whatever
+#: the tests before left; two axes, as ONNX's data propagation would carry a 1-D tensor's values
+PROBE_SHAPE = [6144, 4096]
+PROBE_BYTES = 6144 * 4096 * 4
 
 
 def _chain(op: str) -> onnx.ModelProto:
