@@ -171,7 +171,7 @@ def _restore_values(
 ) -> None:
     """Each initializer that holds a placeholder (any of the sets given) gets torch's name and
     real value back (the exporter may have renamed it); the graph reads the new name."""
-    by_value = {_fingerprint(value.numpy()): name for values in placeholders for name, value in values.items()}
+    by_value = {_fingerprint(value.detach().cpu().numpy()): name for values in placeholders for name, value in values.items()}
     renames: dict[str, str] = {}
     for initializer in model.graph.initializer:
         name = by_value.get(_fingerprint(numpy_helper.to_array(initializer)))
@@ -179,7 +179,7 @@ def _restore_values(
             continue
         if name != initializer.name:
             renames[initializer.name] = name
-        initializer.CopyFrom(numpy_helper.from_array(saved[name].numpy(), name))
+        initializer.CopyFrom(numpy_helper.from_array(saved[name].detach().cpu().numpy(), name))
     if not renames:
         return
     taken = {n for node in model.graph.node for n in node.output} | {i.name for i in model.graph.input}

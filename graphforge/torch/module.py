@@ -13,10 +13,12 @@ segment, which receives what the forward stashed and computes the gradients. Bot
 module's, read at every call. Under ``torch.no_grad()`` only the forward segment runs.
 
 Dims are symbolic in the export, so another batch size or sequence length reuses the compiled
-program. Tensors cross without copies: inputs as NumPy views of CPU tensors, bound to the
-sessions; outputs, gradients and the forward's stash as the OrtValues onnxruntime wrote, the
-stash bound as they are to the backward, the rest handed to torch through DLPack. CUDA tensors
-are not taken yet (the fallback runs them in torch).
+program. Tensors cross without copies: inputs, parameters and buffers bound to the sessions as
+they are (NumPy views of CPU tensors; CUDA tensors through DLPack, the sessions then on
+onnxruntime's CUDA provider on the tensors' GPU); outputs, gradients and the forward's stash as
+the OrtValues onnxruntime wrote on that device, the stash bound as they are to the backward, the
+rest handed to torch through DLPack. On CUDA a run first waits for torch's current stream (its
+kernels may still be writing an input), and onnxruntime's own stream is done when a run returns.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from graphforge.pass_manager import PassManager
 from graphforge.passes.autodiff import VectorJacobian
 from graphforge.passes.optimizers import torch_running_variance
 from graphforge.roles import grad_name
-from graphforge.runtime.sessions import CPU, create_session, session_options
+from graphforge.runtime.runner import Device, resolve_device
+from graphforge.runtime.sessions import create_session, session_options
 from graphforge.torch.export import export_for_training
 
 #: the prefix of the nodes this wrapper adds to the export (running statistics, padding masks)
@@ -65,6 +68,7 @@ class _Compiled:
     forward_inputs: set[str]
     forward_outputs: list[str]
     backward: Any | None
+    device: Device
     backward_inputs: list[str] = field(default_factory=list)
 
 
@@ -72,8 +76,9 @@ class GraphforgeModule(torch.nn.Module):
     """Run ``module``'s forward and backward as graphforge programs (see the module docstring).
 
     ``fallback``: when the module cannot be exported or compiled, or gets inputs this wrapper
-    does not take (keyword or non-tensor arguments, CUDA tensors): ``"warn"`` runs the plain
-    module with one warning naming the reason, ``"error"`` raises it.
+    does not take (keyword or non-tensor arguments, tensors on two devices, CUDA tensors where
+    onnxruntime's CUDA provider does not work): ``"warn"`` runs the plain module with one
+    warning naming the reason, ``"error"`` raises it.
     ``debug_dir``: a folder where each signature's exported, compiled and cut models are saved.
     """
 
@@ -98,7 +103,7 @@ class GraphforgeModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self._fallen_back is not None:
             return self.module(*args, **kwargs)
-        why = _unsupported(args, kwargs)
+        why = _unsupported(args, kwargs, self.module)
         if why is not None:
             return self._fall_back(why, args, kwargs)
         kind = _signature(args, self.module.training)
@@ -173,7 +178,7 @@ class GraphforgeModule(torch.nn.Module):
         return _compile(self.module, args, dynamic, folder)
 
 
-def _unsupported(args, kwargs) -> str | None:
+def _unsupported(args, kwargs, module: torch.nn.Module) -> str | None:
     if kwargs:
         return f"keyword arguments ({', '.join(kwargs)}) are not taken; pass them positionally"
     if not args:
@@ -181,13 +186,22 @@ def _unsupported(args, kwargs) -> str | None:
     for i, a in enumerate(args):
         if not isinstance(a, torch.Tensor):
             return f"input {i} is a {type(a).__name__}, not a tensor"
-        if a.device.type != "cpu":
-            return f"input {i} is on {a.device}; GraphforgeModule runs CPU tensors (CUDA is still to come)"
+        if a.device.type not in ("cpu", "cuda"):
+            return f"input {i} is on {a.device}; GraphforgeModule runs CPU and CUDA tensors"
+        if a.device != args[0].device:
+            return f"input {i} is on {a.device} and input 0 on {args[0].device}"
+    device = args[0].device
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if t.device != device:
+            return f"{name} is on {t.device} and the inputs on {device}; move the module there first"
     return None
 
 
 def _signature(args, training: bool) -> tuple:
-    return tuple((a.dtype, a.dim(), a.requires_grad and a.is_floating_point()) for a in args), training
+    """What a compiled program is made for: each input's dtype, rank and whether it needs a
+    gradient, the mode, and the device its sessions run on."""
+    inputs = tuple((a.dtype, a.dim(), a.requires_grad and a.is_floating_point()) for a in args)
+    return inputs, training, str(args[0].device)
 
 
 def _sizes(args, dynamic) -> tuple:
@@ -202,6 +216,8 @@ def _indices(compiled: _Compiled, args) -> list[int]:
 
 
 def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Compiled:
+    # first, so that CUDA tensors where onnxruntime cannot run CUDA fall back before an export
+    device = resolve_device(str(args[0].device))
     names = [f"input{i}" for i in range(len(args))]
     exported = export_for_training(
         module,
@@ -250,7 +266,7 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
             save(segment.model, folder / f"segment{segment.index}.onnx")
     first, second = segments[0], segments[-1] if len(segments) > 1 else None
     options = session_options(spin=False)  # torch's loss and optimizer run next, on the same cores
-    forward = create_session(first.model, providers=[CPU], options=options)
+    forward = create_session(first.model, providers=list(device.providers), options=options)
     return _Compiled(
         inputs=names,
         outputs=outputs,
@@ -264,7 +280,10 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
         forward=forward,
         forward_inputs={i.name for i in forward.get_inputs()},
         forward_outputs=[o.name for o in first.model.graph.output],
-        backward=create_session(second.model, providers=[CPU], options=options) if second is not None else None,
+        backward=create_session(second.model, providers=list(device.providers), options=options)
+        if second is not None
+        else None,
+        device=device,
         backward_inputs=[i.name for i in second.model.graph.input] if second is not None else [],
     )
 
@@ -347,13 +366,21 @@ def _mask_padding_rows(b: Builder, module: torch.nn.Module, kinds: dict[str, str
     return {alias.name: weight for weight, alias in aliases.items()}
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().numpy()
+def _feed(t: torch.Tensor) -> np.ndarray | ort.OrtValue:
+    """A tensor as a session reads it, on its memory: a NumPy view on the CPU, an OrtValue
+    (DLPack) on CUDA. A CUDA bool tensor is the exception, copied through the host: torch hands
+    bool over DLPack as a type onnxruntime 1.31 does not read."""
+    t = t.detach().contiguous()
+    if t.device.type == "cpu":
+        return t.numpy()
+    if t.dtype == torch.bool:
+        return ort.OrtValue.ortvalue_from_numpy(t.cpu().numpy(), "cuda", t.device.index or 0)
+    return ort.OrtValue.from_dlpack(t)
 
 
-def _run(session: Any, feeds: dict[str, Any], outputs: list[str]) -> dict[str, ort.OrtValue]:
-    """Run ``session`` on ``feeds`` (NumPy views of torch tensors, or OrtValues a previous run
-    made) and return its ``outputs`` as the OrtValues onnxruntime wrote them into: bound, not
+def _run(session: Any, device: Device, feeds: dict[str, Any], outputs: list[str]) -> dict[str, ort.OrtValue]:
+    """Run ``session`` on ``feeds`` (``_feed``'s values, or OrtValues a previous run made) and
+    return its ``outputs`` as the OrtValues onnxruntime wrote them into, on ``device``: bound, not
     copied out as ``session.run`` would copy them (the forward's stash, a GPT-2's logits)."""
     binding = session.io_binding()
     for name, value in feeds.items():
@@ -362,25 +389,35 @@ def _run(session: Any, feeds: dict[str, Any], outputs: list[str]) -> dict[str, o
         else:
             binding.bind_cpu_input(name, value)
     for name in outputs:
-        binding.bind_output(name, "cpu")
+        binding.bind_output(name, device.type, device.id)
+    if device.type == "cuda":
+        # torch's kernels that write the inputs run on torch's stream, onnxruntime's on its own
+        torch.cuda.current_stream(device.id).synchronize()
     session.run_with_iobinding(binding)
+    if device.type == "cuda":
+        binding.synchronize_outputs()
     return dict(zip(outputs, binding.get_outputs(), strict=True))
 
 
 def _torch(value: ort.OrtValue) -> torch.Tensor:
     """An OrtValue as a torch tensor on its memory (DLPack), which it keeps alive."""
-    if value.data_type() == "tensor(bool)":  # DLPack hands bool over as uint8
-        return torch.from_numpy(value.numpy())
-    return torch.from_dlpack(value)
+    tensor = torch.from_dlpack(value)
+    if value.data_type() == "tensor(bool)" and tensor.dtype != torch.bool:  # DLPack hands bool over as uint8
+        tensor = tensor.view(torch.bool)
+    return tensor
 
 
 def _run_forward(compiled: _Compiled, tensors: dict[str, torch.Tensor], args) -> tuple[list[torch.Tensor], dict]:
-    feeds = {name: _numpy(a) for name, a in zip(compiled.inputs, args, strict=True)}
-    feeds.update({name: _numpy(tensors[name]) for name in compiled.fed})
-    feeds.update({previous: feeds[name].copy() for previous, name in compiled.previous.items()})
+    feeds = {name: _feed(a) for name, a in zip(compiled.inputs, args, strict=True)}
+    feeds.update({name: _feed(tensors[name]) for name in compiled.fed})
+    # a copy: onnxruntime's BatchNormalization writes the new variance where it read the old one
+    feeds.update({previous: _feed(tensors[name].detach().clone()) for previous, name in compiled.previous.items()})
     feeds.update({alias: feeds[name] for alias, name in compiled.aliases.items()})
     done = _run(
-        compiled.forward, {k: v for k, v in feeds.items() if k in compiled.forward_inputs}, compiled.forward_outputs
+        compiled.forward,
+        compiled.device,
+        {k: v for k, v in feeds.items() if k in compiled.forward_inputs},
+        compiled.forward_outputs,
     )
     with torch.no_grad():
         for buffer, name in compiled.statistics.items():
@@ -401,19 +438,26 @@ class _Run(torch.autograd.Function):
         outputs, known = _run_forward(compiled, tensors, args)
         ctx.compiled = compiled
         ctx.known = {k: known[k] for k in compiled.backward_inputs if k in known}
-        ctx.known.update({n: _numpy(a) for n, a in zip(compiled.inputs, args, strict=True)})
-        ctx.outputs = [(o.shape, o.dtype) for o in outputs]
+        ctx.known.update({n: _feed(a) for n, a in zip(compiled.inputs, args, strict=True)})
+        ctx.outputs = [(o.shape, o.dtype, o.device) for o in outputs]
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
         compiled = ctx.compiled
         feeds = dict(ctx.known)
-        for name, grad, (shape, dtype) in zip(compiled.outputs, grads, ctx.outputs, strict=True):
+        for name, grad, (shape, dtype, device) in zip(compiled.outputs, grads, ctx.outputs, strict=True):
             if f"{name}_seed" in compiled.backward_inputs:
-                feeds[f"{name}_seed"] = _numpy(grad if grad is not None else torch.zeros(shape, dtype=dtype))
+                feeds[f"{name}_seed"] = _feed(
+                    grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
+                )
         wanted = [grad_name(n) for n in (*compiled.differentiated, *compiled.trained)]
-        done = _run(compiled.backward, {k: v for k, v in feeds.items() if k in compiled.backward_inputs}, wanted)
+        done = _run(
+            compiled.backward,
+            compiled.device,
+            {k: v for k, v in feeds.items() if k in compiled.backward_inputs},
+            wanted,
+        )
         input_grads = [
             _torch(done[grad_name(name)]) if name in compiled.differentiated else None for name in compiled.inputs
         ]

@@ -2,11 +2,16 @@
 torch.optim.AdamW loop, wrapped and not, gives the same losses, parameters, BatchNorm running
 statistics and input gradients step for step; the compiled programs are reused across batch
 sizes and made again when an input's rank or dtype changes; no_grad and eval run the forward
-alone; what cannot be compiled falls back to torch with one warning, or raises."""
+alone; what cannot be compiled falls back to torch with one warning, or raises; tensors cross
+between torch and onnxruntime on their memory.
+
+The models train on the CPU here and in CI; ``GRAPHFORGE_TEST_DEVICE=cuda`` trains them on a GPU
+(module and batches on CUDA, the sessions on onnxruntime's CUDA provider)."""
 
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -19,6 +24,13 @@ from graphforge.torch import GraphforgeModule  # noqa: E402
 STEPS = 20
 #: float32 sums in another order, over 20 AdamW steps
 RTOL, ATOL = 1e-5, 1e-6
+DEVICE = os.environ.get("GRAPHFORGE_TEST_DEVICE", "cpu")
+if DEVICE == "cuda":  # torch's cuDNN convolutions default to TF32; graphforge's sessions compute full float32
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def values(t) -> np.ndarray:
+    return t.detach().cpu().numpy()
 
 
 def digits_mlp():
@@ -58,7 +70,7 @@ class Block(torch.nn.Module):
         b, t, _ = h.shape
         q, k, v = (z.reshape(b, t, 4, 4).transpose(1, 2) for z in self.qkv(h).split(16, dim=-1))
         scores = q @ k.transpose(-1, -2) / 2.0
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
         weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         return self.proj((weights @ v).transpose(1, 2).reshape(b, t, 16))
 
@@ -74,13 +86,13 @@ def transformer_block():
 
 def batch(shape, classes, seed):
     rng = np.random.default_rng(seed)
-    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)), torch.from_numpy(
-        rng.integers(0, classes, shape[0])
-    )
+    x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+    return x.to(DEVICE), torch.from_numpy(rng.integers(0, classes, shape[0])).to(DEVICE)
 
 
 def train_side_by_side(build, steps=STEPS, **options):
     net, shape, classes = build()
+    net.to(DEVICE)
     plain = copy.deepcopy(net)
     wrapped = GraphforgeModule(net, fallback="error", **options)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (wrapped, plain)]
@@ -103,24 +115,25 @@ def test_training_equals_plain_torch_step_for_step(build):
     assert wrapped.compiles == 1  # three batch sizes, one program
     ours = dict(wrapped.module.named_parameters())
     for name, value in plain.named_parameters():
-        np.testing.assert_allclose(ours[name].detach(), value.detach(), rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(values(ours[name]), values(value), rtol=RTOL, atol=ATOL, err_msg=name)
     ours = dict(wrapped.module.named_buffers())
     for name, value in plain.named_buffers():  # BatchNorm's running statistics and its counter
-        np.testing.assert_allclose(ours[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(values(ours[name]), values(value), rtol=RTOL, atol=ATOL, err_msg=name)
 
 
 def test_input_gradients_equal_torch():
     net, shape, classes = transformer_block()
+    net.to(DEVICE)
     plain, wrapped = copy.deepcopy(net), GraphforgeModule(net, fallback="error")
     x, y = batch(shape, classes, 7)
     grads = []
     for model in (wrapped, plain):
         leaf = x.clone().requires_grad_(True)
         torch.nn.functional.cross_entropy(model(leaf), y).backward()
-        grads.append(leaf.grad)
+        grads.append(values(leaf.grad))
     np.testing.assert_allclose(grads[0], grads[1], rtol=RTOL, atol=ATOL)
     for (name, a), b in zip(wrapped.module.named_parameters(), plain.parameters(), strict=True):
-        np.testing.assert_allclose(a.grad, b.grad, rtol=1e-4, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(values(a.grad), values(b.grad), rtol=1e-4, atol=ATOL, err_msg=name)
 
 
 def test_a_new_rank_or_dtype_compiles_again_once():
@@ -147,20 +160,24 @@ def test_a_new_rank_or_dtype_compiles_again_once():
 
 def test_no_grad_and_eval_run_the_forward_alone():
     net, shape, classes = cnn_with_batchnorm()
+    net.to(DEVICE)
     plain, wrapped = copy.deepcopy(net), GraphforgeModule(net, fallback="error")
     x, _ = batch(shape, classes, 1)
     with torch.no_grad():  # training mode: batch statistics, and the running ones move as torch's do
         out = wrapped(x)
         expected = plain(x)
-    assert out.grad_fn is None
-    np.testing.assert_allclose(out, expected, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(wrapped.module[1].running_mean, plain[1].running_mean, rtol=RTOL, atol=ATOL)
+    assert out.grad_fn is None and out.device == x.device
+    np.testing.assert_allclose(values(out), values(expected), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        values(wrapped.module[1].running_mean), values(plain[1].running_mean), rtol=RTOL, atol=ATOL
+    )
     wrapped.eval()
     plain.eval()
-    np.testing.assert_allclose(wrapped(x).detach(), plain(x).detach(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(values(wrapped(x)), values(plain(x)), rtol=RTOL, atol=ATOL)
     assert wrapped.compiles == 2  # eval is its own program: the running statistics, no Dropout
-    (compiled,) = [c for (kind, _), c in wrapped._compiled.items() if kind[1] is False]  # (inputs, training)
+    (compiled,) = [c for (kind, _), c in wrapped._compiled.items() if kind[1] is False]  # (inputs, training, device)
     assert compiled.statistics == {}
+    assert {c.device.type for c in wrapped._compiled.values()} == {torch.device(DEVICE).type}
 
 
 def test_what_cannot_compile_falls_back_with_one_warning_or_raises():
@@ -204,17 +221,17 @@ def test_a_tied_weight_trains_as_one_parameter_and_debug_dir_keeps_the_models(tm
         def forward(self, ids):
             return self.head(torch.tanh(self.embed(ids)))
 
-    net = Tied()
+    net = Tied().to(DEVICE)
     plain, wrapped = copy.deepcopy(net), GraphforgeModule(net, fallback="error", debug_dir=tmp_path)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (wrapped, plain)]
     rng = np.random.default_rng(5)
     for _ in range(5):
-        ids, labels = torch.from_numpy(rng.integers(0, 9, 7)), torch.from_numpy(rng.integers(0, 9, 7))
+        ids, labels = (torch.from_numpy(rng.integers(0, 9, 7)).to(DEVICE) for _ in range(2))
         for model, optimizer in zip((wrapped, plain), optimizers, strict=True):
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(ids), labels).backward()
             optimizer.step()
-    np.testing.assert_allclose(wrapped.module.embed.weight.detach(), plain.embed.weight.detach(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(values(wrapped.module.embed.weight), values(plain.embed.weight), rtol=RTOL, atol=ATOL)
     saved = sorted(p.name for p in (tmp_path / "signature0").iterdir())
     assert saved == ["compiled.onnx", "exported.onnx", "segment0.onnx", "segment1.onnx", "signature.json"]
 
@@ -247,23 +264,55 @@ def test_embedding_padding_rows_get_no_gradient_from_the_lookup_as_in_torch():
             return self.head(torch.tanh(self.embed(ids)).mean(dim=1))
 
     for tied in (False, True):
-        net = Padded(tied)
+        net = Padded(tied).to(DEVICE)
         plain, wrapped = copy.deepcopy(net), GraphforgeModule(net, fallback="error")
         optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (wrapped, plain)]
         rng = np.random.default_rng(7)
         for _ in range(6):
-            ids = torch.from_numpy(rng.integers(0, 4, (5, 3)))  # many padding ids (0)
-            labels = torch.from_numpy(rng.integers(0, 10, 5))
+            ids = torch.from_numpy(rng.integers(0, 4, (5, 3))).to(DEVICE)  # many padding ids (0)
+            labels = torch.from_numpy(rng.integers(0, 10, 5)).to(DEVICE)
             for model, optimizer in zip((wrapped, plain), optimizers, strict=True):
                 optimizer.zero_grad()
                 torch.nn.functional.cross_entropy(model(ids), labels).backward()
                 optimizer.step()
         if not tied:  # the padding row only decays
-            assert torch.equal(plain.embed.weight[0], Padded(False).embed.weight[0] * (1 - 1e-2 * 1e-2) ** 6)
+            decayed = Padded(False).embed.weight[0] * (1 - 1e-2 * 1e-2) ** 6
+            assert torch.equal(plain.embed.weight[0].cpu(), decayed)
         np.testing.assert_allclose(
-            wrapped.module.embed.weight.detach(),
-            plain.embed.weight.detach(),
+            values(wrapped.module.embed.weight),
+            values(plain.embed.weight),
             rtol=RTOL,
             atol=ATOL,
             err_msg=f"tied={tied}",
         )
+
+
+def test_tensors_cross_on_their_memory():
+    """What the sessions read is the torch tensor's memory, and what torch gets is the memory
+    onnxruntime wrote (no copy either way); a bool output stays bool (DLPack hands it over as uint8)."""
+    import onnxruntime as ort
+
+    from graphforge.torch.module import _feed, _torch
+
+    x = torch.randn(3, 4, device=DEVICE)
+    fed = _feed(x)
+    pointer = fed.data_ptr() if isinstance(fed, ort.OrtValue) else fed.ctypes.data
+    assert pointer == x.data_ptr()
+    for array in (np.arange(12, dtype=np.float32).reshape(3, 4), np.array([[True, False], [False, True]])):
+        value = ort.OrtValue.ortvalue_from_numpy(array, torch.device(DEVICE).type, 0)
+        tensor = _torch(value)
+        assert tensor.dtype == torch.from_numpy(array).dtype and tensor.device.type == torch.device(DEVICE).type
+        assert tensor.data_ptr() == value.data_ptr()
+        np.testing.assert_array_equal(values(tensor), array)
+
+
+def test_inputs_and_parameters_must_share_a_device_that_onnxruntime_runs():
+    """meta tensors stand for a device graphforge does not run."""
+    net = torch.nn.Linear(3, 2)
+    with pytest.raises(GraphforgeError, match=r"input 0 is on meta; GraphforgeModule runs CPU and CUDA tensors"):
+        GraphforgeModule(net, fallback="error")(torch.empty(4, 3, device="meta"))
+    with pytest.raises(GraphforgeError, match=r"weight is on meta and the inputs on cpu; move the module there"):
+        GraphforgeModule(torch.nn.Linear(3, 2, device="meta"), fallback="error")(torch.randn(4, 3))
+    if DEVICE == "cuda":
+        with pytest.raises(GraphforgeError, match=r"input 1 is on cpu and input 0 on cuda:0"):
+            GraphforgeModule(net.cuda(), fallback="error")(torch.randn(4, 3, device="cuda"), torch.randn(4, 3))
