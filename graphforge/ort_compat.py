@@ -203,6 +203,99 @@ def _changed_since(op_type: str, old: int, new: int) -> bool:
         return True
 
 
+def has_training_batch_norm(proto: onnx.ModelProto) -> bool:
+    """Whether the main graph has a BatchNormalization in training mode (``expand_training_batch_norm``)."""
+    return any(_is_training_batch_norm(n) for n in proto.graph.node)
+
+
+def _is_training_batch_norm(node: onnx.NodeProto) -> bool:
+    return (
+        node.op_type == "BatchNormalization"
+        and node.domain in _DEFAULT_DOMAINS
+        and any(a.name == "training_mode" and a.i for a in node.attribute)
+    )
+
+
+def expand_training_batch_norm(proto: onnx.ModelProto) -> int:
+    """Write each training-mode BatchNormalization of the main graph as the standard ops its
+    definition gives, in place; returns how many were.
+
+    onnxruntime's CUDA provider refuses a training-mode BatchNormalization from opset 14 on,
+    when training mode became an attribute ("Training mode does not support BN opset 14 (or
+    higher) yet", 1.31), and a model with one then gets no session at all. The expansion
+    computes the same outputs: the batch's mean and population variance per channel (over
+    every axis but 1, through a [N, C, -1] view, so the rank need not be known), Y
+    standardized with them, and the running statistics mixed by ``momentum``.
+    """
+    opset = next((o.version for o in proto.opset_import if o.domain in _DEFAULT_DOMAINS), 0)
+    graph = proto.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | set(types)
+    expanded, count = [], 0
+    for node in graph.node:
+        if not _is_training_batch_norm(node):
+            expanded.append(node)
+            continue
+        count += 1
+        expanded.extend(_batch_norm_ops(node, opset, types, taken, count))
+    del graph.node[:]
+    graph.node.extend(expanded)
+    return count
+
+
+def _batch_norm_ops(node: onnx.NodeProto, opset: int, types: dict, taken: set, index: int) -> list[onnx.NodeProto]:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    eps, momentum = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9)
+    x, scale, bias, mean_in, var_in = node.input[:5]
+    prefix = f"{node.name or f'BatchNormalization{index}'}/expanded"
+    nodes: list[onnx.NodeProto] = []
+
+    def name(what: str) -> str:
+        out, n = f"{prefix}/{what}", 1
+        while out in taken:
+            out, n = f"{prefix}/{what}{n}", n + 1
+        taken.add(out)
+        return out
+
+    def op(op_type: str, *inputs: str, output: str | None = None, **attributes) -> str:
+        out = output or name(op_type)
+        nodes.append(helper.make_node(op_type, list(inputs), [out], name=name(f"{op_type}_node"), **attributes))
+        return out
+
+    def ints(what: str, values) -> str:
+        return op("Constant", value=numpy_helper.from_array(np.array(values, np.int64), name(what)))
+
+    def scalar(what: str, value: float) -> str:
+        constant = op("Constant", value=numpy_helper.from_array(np.array(value, np.float32), name(what)))
+        if opset >= 15:
+            return op("CastLike", constant, x)
+        elem = next((types[v] for v in (x, scale, bias, mean_in, var_in) if types.get(v)), onnx.TensorProto.FLOAT)
+        return constant if elem == onnx.TensorProto.FLOAT else op("Cast", constant, to=elem)
+
+    def mean_over_batch(v: str) -> str:  # over axes 0 and 2 of a [N, C, M] view, kept as [1, C, 1]
+        if opset >= 18:
+            return op("ReduceMean", v, ints("axes", [0, 2]), keepdims=1)
+        return op("ReduceMean", v, axes=[0, 2], keepdims=1)
+
+    per_channel = ints("per_channel", [1, -1, 1])
+    x3 = op("Reshape", x, ints("view", [0, 0, -1]))
+    mean = mean_over_batch(x3)
+    centered = op("Sub", x3, mean)
+    var = mean_over_batch(op("Mul", centered, centered))
+    std = op("Sqrt", op("Add", var, scalar("epsilon", eps)))
+    y3 = op("Div", centered, std)
+    y3 = op("Add", op("Mul", y3, op("Reshape", scale, per_channel)), op("Reshape", bias, per_channel))
+    op("Reshape", y3, op("Shape", x), output=node.output[0])
+    flat = ints("flat", [-1])
+    for position, statistic, given in ((1, mean, mean_in), (2, var, var_in)):
+        if len(node.output) > position and node.output[position]:
+            kept = op("Mul", given, scalar("momentum", momentum))
+            new = op("Mul", op("Reshape", statistic, flat), scalar("one_minus_momentum", 1.0 - momentum))
+            op("Add", kept, new, output=node.output[position])
+    return nodes
+
+
 def cuda_driver_has_device() -> bool:
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")

@@ -210,6 +210,90 @@ def test_a_cuda_session_runs_in_full_float32_precision():
     assert np.linalg.norm(c - reference) / np.linalg.norm(reference) < 1e-6  # TF32 gives about 3e-4
 
 
+def _training_batch_norm(opset: int, shape: tuple, statistics: bool, dtype=onnx.TensorProto.FLOAT):
+    channels = shape[1]
+    outputs = ["y", "mean_out", "var_out"] if statistics else ["y"]
+    node = onnx.helper.make_node(
+        "BatchNormalization",
+        ["x", "scale", "bias", "mean", "var"],
+        outputs,
+        name="bn",
+        epsilon=1e-3,
+        momentum=0.8,
+        training_mode=1,
+    )
+    inputs = [onnx.helper.make_tensor_value_info("x", dtype, ["batch", *shape[1:]])] + [
+        onnx.helper.make_tensor_value_info(n, dtype, [channels]) for n in ("scale", "bias", "mean", "var")
+    ]
+    model_outputs = [onnx.helper.make_tensor_value_info("y", dtype, ["batch", *shape[1:]])] + [
+        onnx.helper.make_tensor_value_info(n, dtype, [channels]) for n in outputs[1:]
+    ]
+    graph = onnx.helper.make_graph([node], "bn", inputs, model_outputs)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)], ir_version=8)
+
+
+@pytest.mark.parametrize(
+    ("opset", "shape", "statistics", "dtype"),
+    [
+        (14, (4, 3, 5, 6), True, np.float32),
+        (15, (4, 3, 5, 6), True, np.float32),
+        (18, (4, 3, 5, 6), True, np.float32),
+        (17, (8, 5), True, np.float32),
+        (17, (2, 4, 7), True, np.float32),
+        (14, (4, 3, 5, 6), True, np.float64),
+        (18, (2, 3, 4, 4, 4), True, np.float64),
+    ],
+)
+def test_training_batch_norm_expanded_for_cuda_computes_what_onnxruntime_does(opset, shape, statistics, dtype):
+    """onnxruntime's CUDA provider refuses training-mode BatchNormalization (opset 14+); its
+    sessions get the standard ops instead. Checked here against onnxruntime's own kernel."""
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    model = _training_batch_norm(opset, shape, statistics, elem)
+    expanded = onnx.ModelProto()
+    expanded.CopyFrom(model)
+    assert ort_compat.has_training_batch_norm(model)
+    assert ort_compat.expand_training_batch_norm(expanded) == 1
+    assert not ort_compat.has_training_batch_norm(expanded)
+    assert "BatchNormalization" not in {n.op_type for n in expanded.graph.node}
+    onnx.checker.check_model(expanded, full_check=True)
+    rng = np.random.default_rng(opset)
+    channels = shape[1]
+    feeds = {
+        "x": (rng.standard_normal(shape) * 3 + 1).astype(dtype),
+        "scale": rng.standard_normal(channels).astype(dtype),
+        "bias": rng.standard_normal(channels).astype(dtype),
+        "mean": rng.standard_normal(channels).astype(dtype),
+        "var": rng.uniform(0.5, 2, channels).astype(dtype),
+    }
+    expected = create_session(model, providers=[CPU]).run(None, feeds)
+    got = create_session(expanded, providers=[CPU]).run(None, feeds)
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    for name, a, b in zip(("y", "running mean", "running variance"), got, expected, strict=False):
+        np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance, err_msg=name)
+
+
+def test_only_cuda_sessions_get_batch_norm_expanded():
+    model = _training_batch_norm(17, (4, 3, 5, 6), True)
+    assert not sessions._needs_changes(model, on_cuda=False)
+    assert sessions._needs_changes(model, on_cuda=True)
+    inference = _training_batch_norm(17, (4, 3, 5, 6), False)
+    inference.graph.node[0].attribute.pop()  # training_mode: 0 is the default
+    assert not sessions._needs_changes(inference, on_cuda=True)
+
+
+@pytest.mark.skipif(NO_CUDA_DEVICE or not sessions.provider_works(CUDA), reason="no working CUDA provider here")
+def test_a_training_batch_norm_runs_on_cuda():
+    model = _training_batch_norm(17, (4, 3, 5, 6), True)
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((4, 3, 5, 6)).astype(np.float32)}
+    feeds.update({n: rng.uniform(0.5, 2, 3).astype(np.float32) for n in ("scale", "bias", "mean", "var")})
+    expected = create_session(model, providers=[CPU]).run(None, feeds)
+    session = create_session(model, providers=[CUDA, CPU])
+    assert session.get_providers()[0] == CUDA
+    for a, b in zip(session.run(None, feeds), expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- threads
 
 

@@ -34,6 +34,8 @@ from graphforge.ort_compat import (
     CPU,
     CUDA,
     TENSORRT,
+    expand_training_batch_norm,
+    has_training_batch_norm,
     is_runtime_compatible,
     make_runtime_compatible,
     nchwc_block_size,
@@ -175,14 +177,15 @@ def create_session(
     """
     providers = resolve_providers(providers, source="providers") if providers is not None else available_providers()
     options = options or session_options(intra_op_threads=intra_op_threads, inter_op_threads=inter_op_threads)
+    on_cuda = CUDA in map(_provider_name, providers)
     if isinstance(model, str | os.PathLike):
         where = where or str(model)
         # A file on disk may carry external data next to it: onnxruntime reads it there,
         # but only after the same checks load() applies, and with a readable IR version.
         proto = load(model, load_external_data=False)
-        if is_runtime_compatible(proto):
+        if not _needs_changes(proto, on_cuda):
             return _session(str(model), options, providers, where, proto)
-        _make_compatible(proto, where)
+        _make_compatible(proto, where, on_cuda)
         if any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(proto)):
             options.add_session_config_entry(_EXTERNAL_DATA_FOLDER, str(Path(model).resolve().parent))
         return _session(proto.SerializeToString(), options, providers, where, proto)
@@ -193,16 +196,26 @@ def create_session(
         where = where or "the model"
         refuse_unresolved_external_data(model, where=where)
         proto = model
-    if exceeds_protobuf_limit(proto):
+    if exceeds_protobuf_limit(proto):  # save() writes what onnxruntime reads
+        if on_cuda and has_training_batch_norm(proto):
+            proto = _own_copy(proto, model)
+            expand_training_batch_norm(proto)
         with tempfile.TemporaryDirectory(prefix="graphforge-session-") as tmp:
             path = save(proto, Path(tmp) / "model.onnx", external_data=True)
             return _session(str(path), options, providers, where, proto)
-    if not is_runtime_compatible(proto):
-        if proto is model:
-            proto = onnx.ModelProto()
-            proto.CopyFrom(model)
-        _make_compatible(proto, where)
+    if _needs_changes(proto, on_cuda):
+        proto = _own_copy(proto, model)
+        _make_compatible(proto, where, on_cuda)
     return _session(proto.SerializeToString(), options, providers, where, proto)
+
+
+def _own_copy(proto: onnx.ModelProto, model) -> onnx.ModelProto:
+    """``proto`` to change in place: a copy where it is the caller's ``model``."""
+    if proto is not model:
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
 
 
 def check_loads(model: ModelSource, *, where: str) -> None:
@@ -211,11 +224,19 @@ def check_loads(model: ModelSource, *, where: str) -> None:
     create_session(model, where=where)
 
 
-def _make_compatible(proto: onnx.ModelProto, where: str) -> None:
+def _needs_changes(proto: onnx.ModelProto, on_cuda: bool) -> bool:
+    return not is_runtime_compatible(proto) or (on_cuda and has_training_batch_norm(proto))
+
+
+def _make_compatible(proto: onnx.ModelProto, where: str, on_cuda: bool = False) -> None:
+    """``proto`` as the installed onnxruntime reads it, and on CUDA as its CUDA provider runs it
+    (``expand_training_batch_norm``), in place."""
     try:
         make_runtime_compatible(proto)
     except ModelSaveError as exc:
         raise InvalidModelError(f"onnxruntime cannot load {where}: {exc}") from None
+    if on_cuda:
+        expand_training_batch_norm(proto)
 
 
 #: onnxruntime graph optimizations a program with recomputed nodes is run without:
