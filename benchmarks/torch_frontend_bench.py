@@ -9,12 +9,15 @@ warm-up. The sides run one after another, so load from outside the benchmark can
 side more than another; the Training step section's interleaved method is the careful one.
 
     python benchmarks/run.py torch_frontend
+
+``torch_frontend_cuda_bench.py`` runs the same sides on a CUDA GPU (``table(device="cuda")``).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +40,7 @@ TIMEOUT_S = 900
 def child(job: dict) -> dict:
     import torch
 
+    device = job.get("device", "cpu")
     torch.set_num_threads(THREADS)
     torch.set_num_interop_threads(1)
     spec = tb.Spec(**job["spec"])
@@ -46,17 +50,17 @@ def child(job: dict) -> dict:
     if side == "graphforge program":
         from graphforge.runtime import Module
 
-        module = Module(job["program"], device="cpu", intra_op_threads=THREADS, inter_op_threads=1)
+        module = Module(job["program"], device=device, intra_op_threads=THREADS, inter_op_threads=1)
 
-        def step(x, y):
+        def step(x, y):  # the batch crosses from the host, as torch's step takes it
             return float(module.train_step(x, y))
     else:
         from graphforge.torch import GraphforgeModule
 
-        model = tb.build_torch(spec).train()
+        model = tb.build_torch(spec).to(device).train()
         if side == "GraphforgeModule":
             model = GraphforgeModule(model, fallback="error")
-        step = tb.torch_adamw_step(model)
+        step = tb.torch_adamw_step(model, device)
 
     times, losses = [], []
     for i in range(WARMUP + job["steps"]):
@@ -66,29 +70,50 @@ def child(job: dict) -> dict:
         times.append(time.perf_counter() - start)
     timed = times[WARMUP:]
     q1, _, q3 = statistics.quantiles(timed, n=4)
-    return {"first_s": times[0], "step_s": statistics.median(timed), "iqr_s": q3 - q1, "losses": losses[:3]}
+    result = {"first_s": times[0], "step_s": statistics.median(timed), "iqr_s": q3 - q1, "losses": losses[:3]}
+    if side == "GraphforgeModule":
+        result.update(_crossing(model))
+    return result
+
+
+def _crossing(model) -> dict:
+    """What handing the module's parameters and buffers to the sessions costs a step: each one
+    made what a session binds (``_feed``: a NumPy view, or a DLPack OrtValue on CUDA)."""
+    from graphforge.torch.module import _feed
+
+    tensors = list(model.module.state_dict(keep_vars=True).values())
+    start = time.perf_counter()
+    for _ in range(20):
+        [_feed(t) for t in tensors]
+    return {"feed_s": (time.perf_counter() - start) / 20, "fed": len(tensors)}
 
 
 def measure(job: dict) -> dict:
     try:
         return tb.run_child(__file__, job, timeout=TIMEOUT_S)
-    except RuntimeError as exc:
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
         return {"error": str(exc)[-300:]}
 
 
 def run(quick: bool = False) -> str:
+    return table(tb.QUICK if quick else tb.FULL, {s.key: 10 for s in tb.QUICK} if quick else STEPS)
+
+
+def table(specs, steps: dict[str, int], device: str = "cpu") -> str:
+    """The section's body: each of ``specs`` trained by every side on ``device`` (timed
+    ``steps[spec.key]`` steps, or ``spec.steps`` where it has no entry)."""
     from dataclasses import asdict
 
     import graphforge
 
     rows, notes = [], []
-    for spec in tb.QUICK if quick else tb.FULL:
-        folder = CACHE / f"{spec.key}-{spec.batch}"
+    for spec in specs:
+        folder = CACHE / f"{spec.key}-{spec.batch}-{spec.config.get('n_layer', '')}"
         _, program, batches, _ = tb.prepare(spec, folder)
         results = {}
         for side in SIDES:
             job = {"side": side, "spec": asdict(spec), "batches": str(batches), "program": str(program)}
-            job["steps"] = 10 if quick else STEPS[spec.key]
+            job.update(steps=steps.get(spec.key, spec.steps), device=device)
             results[side] = measure(job)
             print(f"  {spec.label}: {side}: {json.dumps(results[side])[:200]}", flush=True)
         eager = results["torch eager"]
@@ -102,11 +127,19 @@ def run(quick: bool = False) -> str:
                 f"{r['first_s']:.2f} |"
             )
         notes.append(tb.first_losses(spec.label, results))
+        wrapped = results["GraphforgeModule"]
+        if "feed_s" in wrapped:
+            notes.append(
+                f"- {spec.label}: handing the {wrapped['fed']} parameters and buffers to the sessions takes "
+                f"{wrapped['feed_s'] * 1e3:.2f} ms a step ({wrapped['feed_s'] / wrapped['step_s']:.1%} of the wrapped step)"
+            )
     return "\n".join(
         [
-            f"A torch training loop (forward, cross-entropy, backward, torch.optim.AdamW) on the plain module and "
-            f"on `GraphforgeModule(module)`, beside graphforge's full program (loss and AdamW inside it, "
-            f"`Module.train_step`), {THREADS} threads, each side in a fresh process, one after another. "
+            "A torch training loop (forward, cross-entropy, backward, torch.optim.AdamW) on the plain module and "
+            "on `GraphforgeModule(module)`, beside graphforge's full program (loss and AdamW inside it, "
+            "`Module.train_step`), "
+            + (f"{THREADS} threads" if device == "cpu" else f"on {device}, the batch coming from the host")
+            + ", each side in a fresh process, one after another. "
             "Step: the median (± half the interquartile range) after a warm-up; first: the first step "
             "(for the wrapped module: export, compile and sessions).",
             "",
