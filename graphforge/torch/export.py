@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,6 +42,10 @@ from graphforge.pass_manager import compile
 #: the opset the export is written in (onnxruntime 1.31 reads up to 26; 17 is what the
 #: TorchScript exporter handles best)
 OPSET = 17
+#: the lowest opset the dynamo exporter writes
+DYNAMO_OPSET = 18
+#: the exporters ``export_for_training`` runs; ``auto`` callers try them in this order
+EXPORTERS = ("torchscript", "dynamo")
 
 
 def export_for_training(
@@ -51,6 +57,7 @@ def export_for_training(
     dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
     opset: int = OPSET,
     training: bool = True,
+    exporter: str = "torchscript",
 ) -> onnx.ModelProto:
     """``module`` exported as a training graphforge can compile (see the module docstring).
 
@@ -59,7 +66,16 @@ def export_for_training(
     ``dynamic_axes``: as ``torch.onnx.export`` takes them; default: dim 0 of every input and
     output is the dynamic ``batch``. ``training=False`` exports the module in eval mode
     (BatchNorm reads its running statistics, Dropout is gone). The module is left as it was
-    (values and mode)."""
+    (values and mode).
+
+    ``exporter``: ``"torchscript"`` (``torch.onnx.export(dynamo=False)``) or ``"dynamo"``
+    (``torch.export`` then torch's ONNX translation, at opset 18 or above, unoptimized: its
+    optimizer folds constants, parameters among them). They export different sets of ops:
+    TorchScript has no ``rms_norm`` or ``logcumsumexp``, for instance, and dynamo cannot trace
+    some Python control flow that TorchScript's tracer unrolls. The dynamo exporter writes a
+    training-mode BatchNorm in inference mode; it is put back in training mode here."""
+    if exporter not in EXPORTERS:
+        raise GraphforgeError(f"exporter must be one of {', '.join(map(repr, EXPORTERS))}, got {exporter!r}")
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise GraphforgeError("example_inputs must be a tensor or a non-empty sequence of tensors")
@@ -81,43 +97,105 @@ def export_for_training(
         with torch.no_grad():
             for name, value in placeholders.items():
                 tensors[name].copy_(value)
-        buffer = io.BytesIO()
+        axes = {k: dict(v) for k, v in dynamic_axes.items()}
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
-            torch.onnx.export(
-                module.train(training),
-                inputs,
-                buffer,
-                dynamo=False,
-                do_constant_folding=False,
-                training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
-                opset_version=opset,
-                input_names=input_names,
-                output_names=output_names,
-                dynamic_axes={k: dict(v) for k, v in dynamic_axes.items()},
-            )
-        # the export ran the forward in training mode, which moved BatchNorm's running
-        # statistics on from their placeholders: those moved values are what it wrote
+            warnings.simplefilter("ignore")  # the exporters' deprecation and tracer warnings
+            if exporter == "dynamo":
+                model = _export_dynamo(module.train(training), inputs, input_names, output_names, axes, opset)
+            else:
+                buffer = io.BytesIO()
+                torch.onnx.export(
+                    module.train(training),
+                    inputs,
+                    buffer,
+                    dynamo=False,
+                    do_constant_folding=False,
+                    training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
+                    opset_version=opset,
+                    input_names=input_names,
+                    output_names=output_names,
+                    dynamic_axes=axes,
+                )
+                model = onnx.load_from_string(buffer.getvalue())
+        # the TorchScript export ran the forward in training mode, which moved BatchNorm's
+        # running statistics on from their placeholders: those moved values are what it wrote
         moved = {name: t.detach().clone() for name, t in tensors.items()}
     except GraphforgeError:
         raise
     except Exception as exc:
-        text = " ".join(str(exc).split())
+        cause = _root_cause(exc) if exporter == "dynamo" else exc
+        text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).split())
         text = text if len(text) <= 400 else text[:400] + " ..."
-        raise GraphforgeError(f"torch.onnx.export failed: {type(exc).__name__}: {text}") from exc
+        how = "torch.onnx.export" if exporter == "torchscript" else "torch.onnx.export(dynamo=True)"
+        raise GraphforgeError(f"{how} failed: {type(cause).__name__}: {text}") from exc
     finally:
         with torch.no_grad():
             for name, value in saved.items():
                 every[name].copy_(value)
         module.train(was_training)
-    model = onnx.load_from_string(buffer.getvalue())
     _restore_values(model, [placeholders, moved], saved)
+    if exporter == "dynamo" and training:
+        _batch_norm_in_training_mode(model, {n for n, _ in module.named_buffers()})
     trained = {name for name, p in module.named_parameters() if p.requires_grad}
     kinds = {name: "PARAMETER" if name in trained else "BUFFER" for name in placeholders}
     present = {t.name for t in model.graph.initializer}
     kinds = {name: kind for name, kind in kinds.items() if name in present}
     onnx.helper.set_model_props(model, {**_props(model), TORCH_KINDS: json.dumps(kinds, sort_keys=True)})
     return model
+
+
+def _export_dynamo(module, inputs, input_names, output_names, dynamic_axes, opset) -> onnx.ModelProto:
+    # the exporter logs each op library it cannot load (torchvision's) as a warning
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        program = torch.onnx.export(
+            module,
+            inputs,
+            dynamo=True,
+            optimize=False,
+            verbose=False,
+            opset_version=max(opset, DYNAMO_OPSET),
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_axes=dynamic_axes,
+        )
+    finally:
+        quiet.setLevel(level)
+    return program.model_proto
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception: the dynamo exporter's own message is the same three steps of
+    advice for every failure, and what failed (an op without an ONNX function, say) is below."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def _batch_norm_in_training_mode(model: onnx.ModelProto, buffers: set[str]) -> None:
+    """The dynamo exporter writes a BatchNorm of a module in training mode as an inference
+    BatchNormalization reading the running statistics (torch 2.13): each one that reads two
+    of the module's buffers is made what torch computes, the batch's statistics, with the
+    running statistics' new values as its outputs 1 and 2 (as the TorchScript export has them)."""
+    taken = {o for node in model.graph.node for o in node.output}
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or len(node.input) < 5:
+            continue
+        if node.input[3] not in buffers or node.input[4] not in buffers:
+            continue
+        attributes = {a.name: a for a in node.attribute}
+        if "training_mode" in attributes:
+            attributes["training_mode"].i = 1
+        else:
+            node.attribute.append(onnx.helper.make_attribute("training_mode", 1))
+        while len(node.output) < 3:
+            name = f"{node.output[0]}/running_statistic{len(node.output)}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            node.output.append(name)
 
 
 def train_program(
@@ -128,16 +206,46 @@ def train_program(
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] = ("logits",),
     dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    exporter: str = "auto",
     **compile_options: Any,
 ):
     """``module`` exported for training (``export_for_training``) and compiled by
     ``pipeline`` (``"loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-3)"``):
     the CompileResult, whose ``.model`` ``graphforge.Module`` trains and ``graphforge train``
-    takes. Parameter and buffer names are torch's ``named_parameters``/``named_buffers``."""
-    model = export_for_training(
-        module, example_inputs, input_names=input_names, output_names=output_names, dynamic_axes=dynamic_axes
-    )
-    return compile(model, pipeline, **compile_options)
+    takes. Parameter and buffer names are torch's ``named_parameters``/``named_buffers``.
+    ``exporter="auto"`` exports and compiles with each of ``EXPORTERS`` in turn until one
+    works (the error names what each gave); or name one."""
+
+    def attempt(name: str):
+        model = export_for_training(
+            module,
+            example_inputs,
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_axes=dynamic_axes,
+            exporter=name,
+        )
+        return compile(model, pipeline, **compile_options)
+
+    return first_that_works(attempt, exporter)
+
+
+def first_that_works(attempt, exporter: str = "auto"):
+    """``attempt(name)`` for the exporter named, or with ``"auto"`` for each of ``EXPORTERS``
+    in turn: the first result, or one GraphforgeError naming what each exporter gave."""
+    if exporter != "auto":
+        if exporter not in EXPORTERS:
+            raise GraphforgeError(
+                f"exporter must be 'auto' or one of {', '.join(map(repr, EXPORTERS))}, got {exporter!r}"
+            )
+        return attempt(exporter)
+    failures = []
+    for name in EXPORTERS:
+        try:
+            return attempt(name)
+        except GraphforgeError as exc:
+            failures.append(f"{name}: {exc}")
+    raise GraphforgeError("no exporter gave a program it compiles; " + "; ".join(failures))
 
 
 def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -171,7 +279,9 @@ def _restore_values(
 ) -> None:
     """Each initializer that holds a placeholder (any of the sets given) gets torch's name and
     real value back (the exporter may have renamed it); the graph reads the new name."""
-    by_value = {_fingerprint(value.detach().cpu().numpy()): name for values in placeholders for name, value in values.items()}
+    by_value = {
+        _fingerprint(value.detach().cpu().numpy()): name for values in placeholders for name, value in values.items()
+    }
     renames: dict[str, str] = {}
     for initializer in model.graph.initializer:
         name = by_value.get(_fingerprint(numpy_helper.to_array(initializer)))

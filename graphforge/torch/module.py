@@ -45,7 +45,7 @@ from graphforge.passes.optimizers import torch_running_variance
 from graphforge.roles import grad_name
 from graphforge.runtime.runner import Device, resolve_device
 from graphforge.runtime.sessions import create_session, session_options
-from graphforge.torch.export import export_for_training
+from graphforge.torch.export import EXPORTERS, export_for_training, first_that_works
 
 #: the prefix of the nodes this wrapper adds to the export (running statistics, padding masks)
 _PREFIX = "torch::"
@@ -69,6 +69,7 @@ class _Compiled:
     forward_outputs: list[str]
     backward: Any | None
     device: Device
+    exporter: str  # which of export.EXPORTERS made it
     backward_inputs: list[str] = field(default_factory=list)
 
 
@@ -80,15 +81,27 @@ class GraphforgeModule(torch.nn.Module):
     onnxruntime's CUDA provider does not work): ``"warn"`` runs the plain module with one
     warning naming the reason, ``"error"`` raises it.
     ``debug_dir``: a folder where each signature's exported, compiled and cut models are saved.
+    ``exporter``: ``"auto"`` exports and compiles with TorchScript's exporter, and where that
+    fails with the dynamo exporter (``export_for_training``); or ``"torchscript"``/``"dynamo"``.
     """
 
-    def __init__(self, module: torch.nn.Module, *, fallback: Literal["warn", "error"] = "warn", debug_dir=None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        fallback: Literal["warn", "error"] = "warn",
+        debug_dir=None,
+        exporter: Literal["auto", "torchscript", "dynamo"] = "auto",
+    ):
         super().__init__()
         if fallback not in ("warn", "error"):
             raise GraphforgeError(f"fallback must be 'warn' or 'error', got {fallback!r}")
         self.module = module
         self.fallback = fallback
         self.debug_dir = Path(debug_dir) if debug_dir is not None else None
+        if exporter != "auto" and exporter not in EXPORTERS:
+            raise GraphforgeError(f"exporter must be 'auto', 'torchscript' or 'dynamo', got {exporter!r}")
+        self.exporter = exporter
         self._compiled: dict[tuple, _Compiled] = {}
         #: per (dtype, rank, needs a gradient) of the inputs: which dims of each are symbolic.
         #: The batch (dim 0) starts so; a dim seen with a second size becomes so too, when the
@@ -175,7 +188,7 @@ class GraphforgeModule(torch.nn.Module):
             (folder / "signature.json").write_text(
                 json.dumps({"shapes": shapes, "dtypes": [str(a.dtype) for a in args]}) + "\n"
             )
-        return _compile(self.module, args, dynamic, folder)
+        return first_that_works(lambda exporter: _compile(self.module, args, dynamic, folder, exporter), self.exporter)
 
 
 def _unsupported(args, kwargs, module: torch.nn.Module) -> str | None:
@@ -215,7 +228,7 @@ def _indices(compiled: _Compiled, args) -> list[int]:
     return [compiled.inputs.index(name) for name in compiled.differentiated]
 
 
-def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Compiled:
+def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None, exporter: str) -> _Compiled:
     # first, so that CUDA tensors where onnxruntime cannot run CUDA fall back before an export
     device = resolve_device(str(args[0].device))
     names = [f"input{i}" for i in range(len(args))]
@@ -228,6 +241,7 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
             name: {d: f"{name}_dim{d}" for d in sorted(dims)} for name, dims in zip(names, dynamic, strict=True)
         },
         training=module.training,
+        exporter=exporter,
     )
     for i, value in enumerate(exported.graph.output):  # symbolic: another batch gives other output dims
         for d, dim in enumerate(value.type.tensor_type.shape.dim):
@@ -278,6 +292,7 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None) -> _Co
         previous=previous,
         counters=sorted({f"{b.rsplit('.', 1)[0]}.num_batches_tracked" for b in statistics}),
         forward=forward,
+        exporter=exporter,
         forward_inputs={i.name for i in forward.get_inputs()},
         forward_outputs=[o.name for o in first.model.graph.output],
         backward=create_session(second.model, providers=list(device.providers), options=options)

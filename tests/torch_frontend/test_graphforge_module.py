@@ -109,10 +109,13 @@ def train_side_by_side(build, steps=STEPS, **options):
     return wrapped, plain
 
 
+@pytest.mark.parametrize("exporter", ["auto", "dynamo"])
 @pytest.mark.parametrize("build", [digits_mlp, cnn_with_batchnorm, transformer_block])
-def test_training_equals_plain_torch_step_for_step(build):
-    wrapped, plain = train_side_by_side(build)
+def test_training_equals_plain_torch_step_for_step(build, exporter):
+    wrapped, plain = train_side_by_side(build, exporter=exporter)
     assert wrapped.compiles == 1  # three batch sizes, one program
+    # auto: TorchScript's export, which these modules have
+    assert {c.exporter for c in wrapped._compiled.values()} == {"torchscript" if exporter == "auto" else exporter}
     ours = dict(wrapped.module.named_parameters())
     for name, value in plain.named_parameters():
         np.testing.assert_allclose(values(ours[name]), values(value), rtol=RTOL, atol=ATOL, err_msg=name)
@@ -190,7 +193,8 @@ def test_what_cannot_compile_falls_back_with_one_warning_or_raises():
             return torch.cummax(x * self.scale, dim=1).values  # no ONNX export for cummax
 
     x = torch.randn(2, 3)
-    with pytest.raises(GraphforgeError, match=r"cannot run Cumulative: torch\.onnx\.export failed: .*cummax"):
+    both = r"cannot run Cumulative: .*torchscript: torch\.onnx\.export failed: .*cummax.*; dynamo: .*aten\.cummax"
+    with pytest.raises(GraphforgeError, match=both):
         GraphforgeModule(Cumulative(), fallback="error")(x)
     wrapped = GraphforgeModule(Cumulative())
     with pytest.warns(UserWarning, match="runs Cumulative in plain PyTorch from now on: .*cummax"):
@@ -316,3 +320,22 @@ def test_inputs_and_parameters_must_share_a_device_that_onnxruntime_runs():
     if DEVICE == "cuda":
         with pytest.raises(GraphforgeError, match=r"input 1 is on cpu and input 0 on cuda:0"):
             GraphforgeModule(net.cuda(), fallback="error")(torch.randn(4, 3, device="cuda"), torch.randn(4, 3))
+
+
+def test_a_module_torchscript_cannot_export_is_exported_by_dynamo():
+    class Llama(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(8)
+            self.up, self.norm, self.head = torch.nn.Linear(8, 16), torch.nn.RMSNorm(16), torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head(torch.nn.functional.silu(self.norm(self.up(x))))
+
+    wrapped, plain = train_side_by_side(lambda: (Llama(), (6, 8), 3), steps=6)
+    assert {c.exporter for c in wrapped._compiled.values()} == {"dynamo"}
+    np.testing.assert_allclose(values(wrapped.module.norm.weight), values(plain.norm.weight), rtol=RTOL, atol=ATOL)
+    with pytest.raises(GraphforgeError, match=r"cannot run Llama: torch\.onnx\.export failed: .*rms_norm"):
+        GraphforgeModule(Llama(), fallback="error", exporter="torchscript")(torch.randn(2, 8))
+    with pytest.raises(GraphforgeError, match="exporter must be 'auto', 'torchscript' or 'dynamo'"):
+        GraphforgeModule(Llama(), exporter="jit")

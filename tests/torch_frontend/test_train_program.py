@@ -66,13 +66,13 @@ def batches(shape, count=STEPS, classes=3, seed=2):
     ]
 
 
-def train_both(net, shape, pipeline=PIPELINE, count=STEPS):
+def train_both(net, shape, pipeline=PIPELINE, count=STEPS, exporter="auto"):
     """Train a copy of ``net`` with graphforge and ``net`` itself with torch; per-step losses."""
     import copy
 
     reference = copy.deepcopy(net).train()
     example = torch.from_numpy(batches(shape, 1)[0][0])
-    module = Module(train_program(net, example, pipeline).model, device="cpu")
+    module = Module(train_program(net, example, pipeline, exporter=exporter).model, device="cpu")
     trained = [p for p in reference.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=LR, weight_decay=WEIGHT_DECAY)
     ours, theirs = [], []
@@ -86,10 +86,13 @@ def train_both(net, shape, pipeline=PIPELINE, count=STEPS):
     return module, reference, ours, theirs
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("build", [mlp_with_batchnorm, cnn_with_batchnorm])
-def test_training_equals_torch_adamw_step_for_step(build):
+def test_training_equals_torch_adamw_step_for_step(build, exporter):
+    """The dynamo exporter writes BatchNorm in inference mode: put back in training mode, the
+    running statistics move as torch's do."""
     net, shape = build()
-    module, reference, ours, theirs = train_both(net, shape)
+    module, reference, ours, theirs = train_both(net, shape, exporter=exporter)
     np.testing.assert_allclose(ours, theirs, rtol=RTOL)
     expected = {name: p.detach().numpy() for name, p in reference.named_parameters()}
     assert sorted(module.parameters) == sorted(expected)  # torch's names, none merged
@@ -115,7 +118,8 @@ def test_the_export_leaves_the_module_as_it_was():
     np.testing.assert_array_equal(numpy_helper.to_array(values["7.bias"]), np.zeros(3, np.float32))
 
 
-def test_a_tied_weight_stays_one_parameter():
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_tied_weight_stays_one_parameter(exporter):
     class TiedLM(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -130,7 +134,7 @@ def test_a_tied_weight_stays_one_parameter():
 
     net = TiedLM()
     example = torch.randint(0, 11, (5,))
-    module = Module(train_program(net, example, PIPELINE).model, device="cpu")
+    module = Module(train_program(net, example, PIPELINE, exporter=exporter).model, device="cpu")
     assert "embed.weight" in module.parameters and "head.weight" not in module.parameters
     reference = TiedLM()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -170,3 +174,28 @@ def test_bad_inputs_are_one_clear_error():
     half = torch.nn.Linear(4, 2).to(torch.bfloat16)
     with pytest.raises(GraphforgeError, match=r"cannot export bias, weight \(torch.bfloat16\)"):
         export_for_training(half, torch.randn(3, 4, dtype=torch.bfloat16))
+
+
+class RMSNormNet(torch.nn.Module):
+    """A Llama-style block: RMSNorm, which TorchScript's exporter has no symbolic for."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.up, self.norm, self.head = torch.nn.Linear(8, 16), torch.nn.RMSNorm(16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.silu(self.norm(self.up(x))))
+
+
+def test_auto_turns_to_the_dynamo_exporter_where_torchscript_cannot_export():
+    net = RMSNormNet()
+    module, reference, ours, theirs = train_both(net, (16, 8), count=8)
+    np.testing.assert_allclose(ours, theirs, rtol=RTOL)
+    np.testing.assert_allclose(
+        module.parameters["norm.weight"], reference.norm.weight.detach().numpy(), rtol=RTOL, atol=ATOL
+    )
+    with pytest.raises(GraphforgeError, match=r"torch\.onnx\.export failed: .*rms_norm"):
+        train_program(net, torch.randn(4, 8), PIPELINE, exporter="torchscript")
+    with pytest.raises(GraphforgeError, match="exporter must be 'auto' or one of 'torchscript', 'dynamo'"):
+        train_program(net, torch.randn(4, 8), PIPELINE, exporter="jit")
