@@ -60,7 +60,8 @@ def child(job: dict) -> dict:
         model = tb.build_torch(spec).to(device).train()
         if side == "GraphforgeModule":
             model = GraphforgeModule(model, fallback="error")
-        step = tb.torch_adamw_step(model, device)
+        phases = {} if device == "cpu" else None  # timing the parts of a CUDA step would need syncs
+        step = tb.torch_adamw_step(model, device, phases=phases)
 
     times, losses = [], []
     for i in range(WARMUP + job["steps"]):
@@ -73,7 +74,27 @@ def child(job: dict) -> dict:
     result = {"first_s": times[0], "step_s": statistics.median(timed), "iqr_s": q3 - q1, "losses": losses[:3]}
     if side == "GraphforgeModule":
         result.update(_crossing(model))
+    if side != "graphforge program" and phases:
+        result["phases_s"] = {name: statistics.median(times[WARMUP:]) for name, times in phases.items()}
+        result["loss_backward_s"] = _loss_backward(model, batches[0])
     return result
+
+
+def _loss_backward(model, batch) -> float:
+    """The part of the backward phase that is torch's own on both sides: the cross-entropy's
+    gradient with respect to the logits (the median of 5)."""
+    import torch
+
+    with torch.no_grad():
+        shape = model(torch.from_numpy(batch[0])).shape
+    logits, labels = torch.randn(shape, requires_grad=True), torch.from_numpy(batch[1])
+    times = []
+    for _ in range(5):
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        start = time.perf_counter()
+        torch.autograd.grad(loss, logits)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _crossing(model) -> dict:
@@ -127,6 +148,16 @@ def table(specs, steps: dict[str, int], device: str = "cpu") -> str:
                 f"{r['first_s']:.2f} |"
             )
         notes.append(tb.first_losses(spec.label, results))
+        split = [(side, r) for side, r in results.items() if "phases_s" in r]
+        if split:
+            notes.append(
+                f"- {spec.label}: step parts, ms (median): "
+                + "; ".join(
+                    f"{side} " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["phases_s"].items()) for side, r in split
+                )
+                + f"; of the backward, the cross-entropy's own (torch's on both sides) "
+                f"{split[0][1]['loss_backward_s'] * 1e3:.1f}"
+            )
         wrapped = results["GraphforgeModule"]
         if "feed_s" in wrapped:
             notes.append(

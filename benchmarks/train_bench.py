@@ -385,15 +385,20 @@ def _graphforge_stepper(job: dict):
     return step
 
 
-def torch_adamw_step(model, device: str = "cpu", forward=None, autocast: str | None = None):
+def torch_adamw_step(model, device: str = "cpu", forward=None, autocast: str | None = None, phases=None):
     """One torch training step of ``model`` as every benchmark times it: zero_grad, forward
     (``forward``, default the model), cross-entropy, backward, AdamW with LR/BETAS/EPS/
     WEIGHT_DECAY; returns a step(x, y) of NumPy batches that gives the loss as a float.
     ``autocast`` ("float16", "bfloat16"): the forward and loss under torch.autocast, and with
-    float16 a torch.amp.GradScaler (its defaults) scaling the loss, as torch's AMP recipe does."""
+    float16 a torch.amp.GradScaler (its defaults) scaling the loss, as torch's AMP recipe does.
+    ``phases`` (a dict, CPU only): each step appends the seconds of its forward, loss, backward
+    and optimizer to the lists under those keys."""
     import contextlib
 
     import torch
+
+    marks: list[float] = []
+    mark = (lambda: marks.append(time.perf_counter())) if phases is not None else (lambda: None)
 
     forward = forward or model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
@@ -402,19 +407,34 @@ def torch_adamw_step(model, device: str = "cpu", forward=None, autocast: str | N
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
+        marks.clear()
+        mark()
         with torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext():
             logits = forward(torch.from_numpy(x).to(device))
+            mark()
             loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y).to(device))
+            mark()
         if scaler is None:
             loss.backward()
+            mark()
             optimizer.step()
+            mark()
         else:
             scaler.scale(loss).backward()
+            mark()
             scaler.step(optimizer)
             scaler.update()
+            mark()
+        if phases is not None:
+            for name, start, end in zip(PHASES, marks, marks[1:], strict=False):
+                phases.setdefault(name, []).append(end - start)
         return loss.item()
 
     return step
+
+
+#: the parts of torch_adamw_step that ``phases`` times
+PHASES = ("forward", "loss", "backward", "optimizer")
 
 
 def run_child(script: str, job: dict, *, timeout: float, env: dict | None = None) -> dict:
