@@ -192,11 +192,12 @@ def _long_enough(tensor: onnx.TensorProto) -> bool:
     return len(tensor.raw_data) >= _raw_data_size(tensor)
 
 
-def copy_leaving_values_out(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+def copy_leaving_values_out(proto: onnx.ModelProto, long_enough: Collection[str] = ()) -> onnx.ModelProto | None:
     """A copy of ``proto`` for the checker, whose large floating-point main-graph
-    initializers are stand-ins, their lengths checked here; None when there is none."""
+    initializers are stand-ins, their lengths checked here (but for those named in
+    ``long_enough``, known to be: ``known_long_enough``); None when there is none."""
     initializers = proto.graph.initializer
-    left_out = [_can_leave_out(t) and _long_enough(t) for t in initializers]
+    left_out = [_can_leave_out(t) and (t.name in long_enough or _long_enough(t)) for t in initializers]
     if not any(left_out):
         return None
     out = copy_without_initializers(proto)
@@ -221,15 +222,42 @@ def without_values(proto: onnx.ModelProto, names: Collection[str]) -> onnx.Model
     return out
 
 
+#: set on a LazyValues whose tensor's raw_data was found long enough: its bytes never change,
+#: and measuring them copies them (``_long_enough``), once per pass otherwise
+_LENGTH_CHECKED = "graphforge_length_checked"
+
+
 def stand_ins_long_enough(proto: onnx.ModelProto, model: Model) -> bool:
     """Whether the values that ``proto`` (``model.to_proto(values=False)``) left out hold enough
     bytes for their shapes, as the checker requires (NumPy arrays always do)."""
     left_out = {t.name for t in proto.graph.initializer if is_stand_in(t)}
     for constant in _constants(model.graph):
         tensor = _lazy_tensor(constant) if constant.name in left_out else None
-        if tensor is not None and not _long_enough(tensor):
+        if tensor is None or getattr(constant._values, _LENGTH_CHECKED, False):
+            continue
+        if not _long_enough(tensor):
             return False
+        setattr(constant._values, _LENGTH_CHECKED, True)
     return True
+
+
+def known_long_enough(model: Model) -> set[str]:
+    """The names of ``model``'s constants whose values its export writes with enough bytes for
+    their shapes: NumPy arrays, and values read from a file that were checked (``_LENGTH_CHECKED``)."""
+    return {
+        c.name
+        for c in _constants(model.graph)
+        if isinstance(c._values, np.ndarray) or getattr(c._values, _LENGTH_CHECKED, False)
+    }
+
+
+def mark_lengths_checked(model: Model) -> None:
+    """Record that the values ``model`` reads from its source model are long enough for their
+    shapes: that model passed ``verify_model``, which checks that (``stand_ins_long_enough``
+    then does not measure them again)."""
+    for constant in _constants(model.graph):
+        if _lazy_tensor(constant) is not None:
+            setattr(constant._values, _LENGTH_CHECKED, True)
 
 
 def _lazy_tensor(constant: gs.Constant) -> onnx.TensorProto | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 
 from graphforge.errors import GraphforgeError, ModelSaveError, PassError, PipelineError
-from graphforge.graph import Model, ModelSource, load, save
+from graphforge.graph import Model, ModelSource, load, mark_lengths_checked, save
 from graphforge.ir import gc_paused, op_histogram
 from graphforge.passes import REGISTRY
 from graphforge.pipeline import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
@@ -119,6 +119,8 @@ class PassManager:
         with gc_paused():  # the collector would walk every graphsurgeon object, again and again
             model = Model.from_proto(proto)
             histogram = op_histogram(proto)  # of `model`, from its last export
+        if self.verify:
+            mark_lengths_checked(model)  # verified above
         records: list[PassRecord] = []
         current: onnx.ModelProto | None = proto  # `model` exported whole; None when it was not
         last_change: PassRecord | None = None
@@ -216,7 +218,7 @@ class PassManager:
         if self.verify:
             try:
                 with gc_paused():
-                    self._verify(new_proto, f"the output of {label}", values_from=None if whole else model)
+                    self._verify(new_proto, f"the output of {label}", values_from=model)
             except GraphforgeError as exc:
                 dumped = self._dump_failure(proto, record, "failed-input")
                 self._dump_failure(new_proto, record, "invalid-output")

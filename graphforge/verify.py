@@ -18,6 +18,7 @@ from graphforge.graph import (
     copy_leaving_values_out,
     exceeds_protobuf_limit,
     is_stand_in,
+    known_long_enough,
     save,
     stand_ins_long_enough,
 )
@@ -40,18 +41,18 @@ def verify_model(
     weights was nearly all of its time. Should that check fail, the whole model is checked
     as it is, so the verdict and its message are always the checker's own. ``proto`` may
     itself leave values out (``Model.to_proto(values=False)``) when ``values_from`` is the
-    model they come from. Models over 2 GiB cannot be checked in memory (protobuf's limit),
+    model they come from; a whole ``proto`` with ``values_from`` is that model's whole export,
+    whose values ``values_from`` knows to be long enough are not measured again. Models over 2 GiB cannot be checked in memory (protobuf's limit),
     so they are checked from a temporary copy written with external data. The message is
     one line.
     """
-    if values_from is not None and not any(is_stand_in(t) for t in proto.graph.initializer):
-        values_from = None  # nothing was left out: ``proto`` is the whole model
-    whole = proto if values_from is None else None
+    stand_ins = values_from is not None and any(is_stand_in(t) for t in proto.graph.initializer)
+    whole = None if stand_ins else proto
     try:
-        if values_from is None:
-            light = copy_leaving_values_out(proto)
-        else:
+        if stand_ins:
             light = proto if stand_ins_long_enough(proto, values_from) else None
+        else:  # the whole model: what ``values_from`` (its source) knows of lengths need not be measured
+            light = copy_leaving_values_out(proto, known_long_enough(values_from) if values_from is not None else ())
         if light is None or not _passes(light):
             whole = values_from.to_proto() if whole is None else whole
             _check(whole)
