@@ -188,7 +188,11 @@ class GraphforgeModule(torch.nn.Module):
             (folder / "signature.json").write_text(
                 json.dumps({"shapes": shapes, "dtypes": [str(a.dtype) for a in args]}) + "\n"
             )
-        return first_that_works(lambda exporter: _compile(self.module, args, dynamic, folder, exporter), self.exporter)
+        # first, so that CUDA tensors where onnxruntime cannot run CUDA fall back before an export
+        device = resolve_device(str(args[0].device))
+        return first_that_works(
+            lambda exporter: _compile(self.module, args, dynamic, folder, device, exporter), self.exporter
+        )
 
 
 def _unsupported(args, kwargs, module: torch.nn.Module) -> str | None:
@@ -228,9 +232,7 @@ def _indices(compiled: _Compiled, args) -> list[int]:
     return [compiled.inputs.index(name) for name in compiled.differentiated]
 
 
-def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None, exporter: str) -> _Compiled:
-    # first, so that CUDA tensors where onnxruntime cannot run CUDA fall back before an export
-    device = resolve_device(str(args[0].device))
+def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None, device: Device, exporter: str) -> _Compiled:
     names = [f"input{i}" for i in range(len(args))]
     exported = export_for_training(
         module,
