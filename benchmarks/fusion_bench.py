@@ -17,6 +17,7 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,42 +29,11 @@ import train_bench as tb  # noqa: E402
 TITLE = "Fusion"
 CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "fusion"
 THREADS = 2
-RESNET = tb.Spec("resnet18", "ResNet-18 3×64×64", 16, {"image": 64, "classes": 10}, steps=6)
+RESNET = replace(tb.RESNET18, steps=6)
 FULL = [tb.FULL[1], RESNET, tb.FULL[2]]
 QUICK = [tb.QUICK[1], tb.Spec("resnet18", "ResNet-18 3×16×16", 2, {"image": 16, "classes": 10}, steps=2)]
 ROUNDS, QUICK_ROUNDS = 8, 2
 PROFILE_STEPS = 3
-
-
-def resnet18(classes: int):
-    """torchvision's ResNet-18 layout, written out (torchvision is not a dependency)."""
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self, c_in: int, c_out: int, stride: int):
-            super().__init__()
-            self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(c_out)
-            self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(c_out)
-            self.down = None
-            if stride != 1 or c_in != c_out:
-                self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
-
-        def forward(self, x):
-            y = torch.relu(self.bn1(self.conv1(x)))
-            y = self.bn2(self.conv2(y))
-            return torch.relu(y + (x if self.down is None else self.down(x)))
-
-    torch.manual_seed(0)
-    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
-    c = 64
-    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [Block(c, width, stride), Block(width, width, 1)]
-        c = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)]
-    return nn.Sequential(*layers)
 
 
 def prepare(spec: tb.Spec, folder: Path):
@@ -83,7 +53,7 @@ def prepare(spec: tb.Spec, folder: Path):
         )
         for _ in range(tb.BATCHES)
     ]
-    module = resnet18(c["classes"])
+    module = tb.resnet18(c["classes"])
     path = tb.export(module, batches[0][0], folder / "model.onnx", "x", training=True)
     return module, path, batches
 

@@ -60,6 +60,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import select
 import statistics
@@ -129,6 +130,13 @@ FULL = [
 ]
 #: GPT-2 small (124M parameters) at sequence 64, for the memory and CUDA sections
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "seq": 64}
+#: a ResNet-18-shaped CNN (BatchNorm in training mode), for this section and the Fusion section
+RESNET18 = Spec("resnet18", "ResNet-18 3×64×64", 16, {"image": 64, "classes": 10}, steps=20)
+#: the models users train for real, timed after FULL's in this section
+LARGE = [
+    Spec("gpt2", "GPT-2 small 12×768, vocab 50257", 8, GPT2_SMALL, steps=10, warmup=CHECK_STEPS + 1),
+    RESNET18,
+]
 QUICK = [
     Spec("mlp", "MLP 784-128-10", 16, {"sizes": [784, 128, 10]}, steps=30),
     Spec("cnn", "CNN 2×conv 3×16×16", 8, {"channels": [3, 8, 16], "image": 16, "hidden": 32}, steps=20),
@@ -168,6 +176,8 @@ def build_torch(spec: Spec):
         )
     elif spec.key == "gpt2":
         module = _gpt2(c)
+    elif spec.key == "resnet18":
+        module = resnet18(c["classes"])
     else:
         raise ValueError(f"unknown model {spec.key!r}")
     generator = torch.Generator().manual_seed(1)
@@ -176,6 +186,37 @@ def build_torch(spec: Spec):
             if param.dim() == 1:
                 param.add_(0.05 * torch.randn(param.shape, generator=generator))
     return module
+
+
+def resnet18(classes: int):
+    """torchvision's ResNet-18 layout, written out (torchvision is not a dependency)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, c_in: int, c_out: int, stride: int):
+            super().__init__()
+            self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(c_out)
+            self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(c_out)
+            self.down = None
+            if stride != 1 or c_in != c_out:
+                self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            y = self.bn2(self.conv2(y))
+            return torch.relu(y + (x if self.down is None else self.down(x)))
+
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    c = 64
+    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [Block(c, width, stride), Block(width, width, 1)]
+        c = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)]
+    return nn.Sequential(*layers)
 
 
 def _gpt2(config: dict):
@@ -225,6 +266,9 @@ def make_batches(spec: Spec, count: int = BATCHES) -> list[tuple[np.ndarray, np.
         elif spec.key == "cnn":
             x = rng.standard_normal((b, c["channels"][0], c["image"], c["image"])).astype(np.float32)
             y = rng.integers(0, 10, b)
+        elif spec.key == "resnet18":
+            x = rng.standard_normal((b, 3, c["image"], c["image"])).astype(np.float32)
+            y = rng.integers(0, c["classes"], b)
         else:
             x = rng.integers(0, c["vocab_size"], (b, c["seq"])).astype(np.int64)
             y = rng.integers(0, c["vocab_size"], b * c["seq"])
@@ -758,7 +802,8 @@ def prepare(spec: Spec, folder: Path) -> tuple[Path, Path, Path, float]:
     arrays = {f"{kind}{i}": value for i, (x, y) in enumerate(batches) for kind, value in (("x", x), ("y", y))}
     np.savez(folder / "batches.npz", **arrays)
     input_name = "input_ids" if spec.key == "gpt2" else "x"
-    model = export(build_torch(spec), batches[0][0], folder / "model.onnx", input_name)
+    # a model with BatchNorm trains in training mode (batch statistics), as torch's side does
+    model = export(build_torch(spec), batches[0][0], folder / "model.onnx", input_name, training=spec.key == "resnet18")
     start = time.perf_counter()
     program = graphforge.compile(str(model), PIPELINE).model
     compile_s = time.perf_counter() - start
@@ -775,7 +820,7 @@ def measure(
     cache: Path = CACHE,
     quiet_wait_s: float = QUIET_WAIT_S,
 ) -> Result:
-    folder = cache / f"{spec.key}-b{spec.batch}"
+    folder = cache / f"{spec.key}-b{spec.batch}-{re.sub(r'[^0-9A-Za-z]+', '_', spec.label)}"
     model, program, batches, compile_s = prepare(spec, folder)
     forward, training = matmul_flops(model, make_batches(spec, 1)[0][0])
     print(f"  {spec.label}: graphforge compile {compile_s:.1f} s, {training / 1e9:.2f} GFLOP/step", flush=True)
@@ -925,7 +970,7 @@ def _cpu_times() -> tuple[int, int] | None:
 def run(quick: bool = False) -> str:
     """Run the benchmark and return its markdown section body."""
     sides = tuple(s for s in SIDES if not (quick and s == "torch.compile"))
-    return benchmark(QUICK if quick else FULL, sides, quick=quick, quiet_wait_s=0 if quick else QUIET_WAIT_S)
+    return benchmark(QUICK if quick else FULL + LARGE, sides, quick=quick, quiet_wait_s=0 if quick else QUIET_WAIT_S)
 
 
 def benchmark(
