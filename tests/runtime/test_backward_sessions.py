@@ -19,8 +19,7 @@ import graphforge
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from fusion_bench import resnet18  # noqa: E402  (the benchmark's model, built from code)
-from train_bench import export  # noqa: E402
+from train_bench import export, resnet18  # noqa: E402  (the benchmark's model, built from code)
 
 #: float32 gradients against float64, relative to each gradient's largest magnitude: torch's own
 #: float32 ones came within 5.4e-6 here, graphforge's 5.0e-6, and 1.5e-2 with the transformer
