@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _torch_modules import RMSNormNet  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
 
 from graphforge import GraphforgeError, Module  # noqa: E402
@@ -174,18 +175,6 @@ def test_bad_inputs_are_one_clear_error():
     half = torch.nn.Linear(4, 2).to(torch.bfloat16)
     with pytest.raises(GraphforgeError, match=r"cannot export bias, weight \(torch.bfloat16\)"):
         export_for_training(half, torch.randn(3, 4, dtype=torch.bfloat16))
-
-
-class RMSNormNet(torch.nn.Module):
-    """A Llama-style block: RMSNorm, which TorchScript's exporter has no symbolic for."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(5)
-        self.up, self.norm, self.head = torch.nn.Linear(8, 16), torch.nn.RMSNorm(16), torch.nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.head(torch.nn.functional.silu(self.norm(self.up(x))))
 
 
 def test_auto_turns_to_the_dynamo_exporter_where_torchscript_cannot_export():
