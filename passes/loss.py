@@ -50,7 +50,7 @@ class Loss(Pass):
             raise ValueError("label_smoothing applies to kind=cross_entropy only")
 
     def run(self, model: Model) -> PassResult:
-        model = infer_shapes(model)
+        model = infer_shapes(model, in_place=True)
         graph = model.graph
         if any(t.name == "loss" for t in graph.outputs) and self.kind is not None:
             raise PassError("the model already has an output named 'loss'; use loss(output=loss) to adopt it")
@@ -63,9 +63,12 @@ class Loss(Pass):
                 labels = self._labels_input(graph, source)
                 value = _BUILDERS[self.kind](self, b, source, labels)
                 model.metadata[roles.LABELS] = labels.name
-        loss = gs.Variable("loss", dtype=source.dtype, shape=[])
-        graph.nodes.append(gs.Node("Identity", name=f"{roles.LOSS_PREFIX}output", inputs=[value], outputs=[loss]))
-        graph.outputs = [*(graph.outputs if self.keep_outputs else []), loss]
+        if value.name == "loss":  # an adopted output already named so: a second tensor "loss" would clash
+            loss = value
+        else:
+            loss = gs.Variable("loss", dtype=source.dtype, shape=[])
+            graph.nodes.append(gs.Node("Identity", name=f"{roles.LOSS_PREFIX}output", inputs=[value], outputs=[loss]))
+        graph.outputs = [*(o for o in graph.outputs if self.keep_outputs and o is not loss), loss]
         model.metadata[roles.LOSS] = "loss"
         graph.cleanup()
         return PassResult(model, True)

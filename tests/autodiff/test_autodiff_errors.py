@@ -15,6 +15,7 @@ import onnx
 import pytest
 from gradcheck import numeric_gradients
 from graphforge.passes.autodiff import RULES
+from models import run
 
 import graphforge
 from graphforge import roles
@@ -411,6 +412,24 @@ def test_cli_refuses_a_loss_on_a_non_scalar_output(tmp_path):
 def test_adopting_a_one_element_output_works():
     result = graphforge.compile(parse(OUTPUTS), "loss(output=one), autodiff")
     assert [o.name for o in result.model.graph.output][-2:] == ["loss", "w_grad"]
+
+
+def test_adopting_an_output_named_loss_keeps_one_tensor_of_that_name():
+    """loss(output=loss), as the refusal above advises: the output is the loss itself (a second
+    tensor named 'loss' would make the graph's names ambiguous for every later pass)."""
+    model = parse(OUTPUTS.replace("float one", "float loss").replace("one = ", "loss = "))
+    adopted = graphforge.compile(model, "loss(output=loss)").model
+    assert [o.name for o in adopted.graph.output] == ["logits", "idx", "vec", "loss"]
+    program = graphforge.compile(model, "loss(output=loss), autodiff").model
+    producers = [n.op_type for n in program.graph.node if "loss" in n.output]
+    assert producers == ["ReduceSum"]
+    assert [o.name for o in program.graph.output].count("loss") == 1
+    reference = graphforge.compile(parse(OUTPUTS), "loss(output=one), autodiff").model
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    feeds = {"x": x, "k": np.zeros(2, np.int64)}
+    got, want = run(program, feeds), run(reference, feeds)
+    np.testing.assert_allclose(got["w_grad"], want["w_grad"], rtol=1e-6)  # d(sum of x·w)/dw: every row the sum of x
+    np.testing.assert_allclose(got["w_grad"], np.repeat(x.sum(0)[:, None], 4, axis=1), rtol=1e-5)
 
 
 def test_constants_the_loss_pass_creates_are_not_parameters(mlp_path):
