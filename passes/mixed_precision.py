@@ -96,7 +96,7 @@ class MixedPrecision(Pass):
             provider = resolve_provider(self.provider)
         except ValueError as exc:
             raise PassError(f"{exc}; compile with provider=cpu, or on the machine that trains") from None
-        model = infer_shapes(model)  # the conversion needs every float type known
+        model = infer_shapes(model, in_place=True)  # the conversion needs every float type known
         graph = model.graph
         program_roles = ProgramRoles.of_model(model)
         done = convert(

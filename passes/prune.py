@@ -115,7 +115,7 @@ class Prune(Pass):
             provider = resolve_provider(self.provider)
         except ValueError as exc:
             raise PassError(str(exc)) from None
-        model = infer_shapes(model)
+        model = infer_shapes(model, in_place=True)
         graph = model.graph
         convert(graph, LOW_TYPES[self.dtype], program_policy(), kernel_check(provider, graph.opset or 13))
         DeadCodeElimination().run(model)

@@ -124,6 +124,45 @@ def test_infer_shapes_finds_what_inference_on_the_whole_model_finds():
     assert inferred.graph.tensors()["y"].shape == ["N", 1, 4, 8]  # read from the int64 shape and the scales
 
 
+def test_infer_shapes_in_place_annotates_the_model_as_the_copy_is():
+    """A pass owns its model: in place, the types found are written onto its own tensors
+    (no second import), and its export is the copy's, value_info included."""
+    copied = infer_shapes(Model.from_proto(mixed_model()))
+    model = Model.from_proto(mixed_model())
+    assert infer_shapes(model, in_place=True) is model
+    assert model.to_proto().graph == copied.to_proto().graph
+    assert model.graph.tensors()["y"].shape == ["N", 1, 4, 8]
+
+
+IF_BODY = """
+<ir_version: 8, opset_import: ["" : 17]>
+branchy (float[N, 4] x, bool c) => (float[N, 4] y)
+{
+    y = If (c) <
+        then_branch = then_body () => (float[N, 4] t) { t = Relu(x) },
+        else_branch = else_body () => (float[N, 4] e) { e = Neg(x) }
+    >
+}
+"""
+
+
+def test_infer_shapes_in_place_falls_back_to_a_copy_on_subgraphs_and_clashing_names():
+    """Names may repeat across If/Loop bodies, and two tensors may share one name (an import
+    makes them one): there the copy is made, as without in_place."""
+    branchy = Model.from_proto(onnx.parser.parse_model(IF_BODY))
+    inferred = infer_shapes(branchy, in_place=True)
+    assert inferred is not branchy
+    assert (
+        inferred.to_proto().graph == infer_shapes(Model.from_proto(onnx.parser.parse_model(IF_BODY))).to_proto().graph
+    )
+    clashing = Model.from_proto(mixed_model())
+    u = clashing.graph.tensors()["u"]
+    twin = gs.Variable("u")
+    clashing.graph.nodes.append(gs.Node("Identity", inputs=[u], outputs=[twin]))
+    clashing.graph.outputs.append(twin)
+    assert infer_shapes(clashing, in_place=True) is not clashing
+
+
 # --------------------------------------------------------------------------- verification
 
 

@@ -70,7 +70,7 @@ class Autodiff(Pass):
             return self._run(model)
 
     def _run(self, model: Model) -> PassResult:
-        model = infer_shapes(model)
+        model = infer_shapes(model, in_place=True)
         graph = model.graph
         targets = self._targets(graph)
         what = self._what(targets)

@@ -47,7 +47,7 @@ class ExpandGradient(Pass):
         if not _gradient_nodes(model.graph):
             return PassResult(model, False)
         while _gradient_nodes(model.graph):
-            model = infer_shapes(model)  # each expansion adds tensors later ones need shapes of
+            model = infer_shapes(model, in_place=True)  # each expansion adds tensors later ones need shapes of
             graph = model.graph
             _expand(graph, _next_ready(graph))
             graph.nodes = [graph.nodes[i] for i in topological_order(graph)]

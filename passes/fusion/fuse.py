@@ -60,7 +60,7 @@ class Fuse(Pass):
         rules = [r for r in RULES if not self.rules or r.name in self.rules]
         shaped = {r.pattern.nodes[r.pattern.root].op for r in rules if r.shapes}
         if shaped and any(n.op in shaped for n in model.graph.nodes):
-            model = infer_shapes(model)  # their checks read static sizes, which a gradient is not given
+            model = infer_shapes(model, in_place=True)  # their checks read static sizes, which a gradient is not given
         report = apply(model.graph, rules, Context(provider, model.graph.opset or 13))
         record = {"provider": provider, **report.to_json()}
         if report.fired[CONV_INPUT_GRAD_NCHWC.name]:
