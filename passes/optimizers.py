@@ -15,8 +15,9 @@ torch's after hundreds of steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -39,12 +40,31 @@ class _Step:
     lr: gs.Tensor  # float64 scalar
     t: gs.Tensor  # float64 scalar: the step number, 1 on the first step
     first: gs.Tensor  # bool scalar: this is the first step
+    #: the step's scalars made so far, by key: each is made once for every parameter (per
+    #: parameter, they were half of GPT-2 small's program: 17 of the 35 nodes an AdamW
+    #: parameter had, run as many times as there are parameters)
+    shared: dict = field(default_factory=dict)
 
     def scalar(self, value: float | gs.Tensor) -> gs.Tensor:
-        """A float64 scalar (a Python number or an expression) cast to the parameter's type."""
-        b = self.b
-        t = b.constant(np.array(value, np.float64)) if not isinstance(value, gs.Tensor) else value
-        return b.cast(t, self.param.dtype)
+        """A float64 scalar (a Python number or an expression) in the parameter's type: a
+        constant of that type where NumPy has it (the value a Cast gives), else a Cast."""
+        dtype = self.param.dtype
+        if isinstance(value, gs.Tensor):
+            if not value.name.startswith(f"{self.b.prefix}step/"):  # the parameter's own (LAMB's trust ratio)
+                return self.b.cast(value, dtype)
+            return self.once(("cast", value.name, str(dtype)), lambda: self.b.cast(value, dtype))
+        key = ("constant", float(value), str(dtype))
+        if isinstance(dtype, np.dtype | type):
+            return self.once(key, lambda: self.b.constant(np.array(value, np.float64).astype(dtype)))
+        return self.once(key, lambda: self.b.cast(self.b.constant(np.array(value, np.float64)), dtype))
+
+    def once(self, key, make: Callable[[], Any]) -> Any:
+        """``make()``'s tensor, made the first time ``key`` is asked for (by any parameter), in
+        the step's scope rather than the parameter's."""
+        if key not in self.shared:
+            with self.b.scope("step"):
+                self.shared[key] = make()
+        return self.shared[key]
 
 
 @dataclass
@@ -67,6 +87,8 @@ class _Program:
     carried: list[CarriedSpec] = field(default_factory=list)
     #: parameter -> its gradient at the boundary (step 2)
     boundary: dict[str, gs.Tensor] = field(default_factory=dict)
+    #: the step's scalars, shared by every parameter's update (``_Step.shared``)
+    scalars: dict = field(default_factory=dict)
     #: the names the model's tensors had, and those added since: a new input's name is checked
     #: here, not against graph.tensors(), which walks the whole graph (once per state was
     #: quadratic: 4 of GPT-2 small's 6.5 s compile)
@@ -162,7 +184,7 @@ class _Optimizer(Pass):
         """Step 4 for one parameter: its optimizer states in, its update and theirs out."""
         with program.b.scope(p.name):
             states = {s: program.carried_input(f"{p.name}.{s}", p, "optimizer", p.name) for s in self.state_names}
-            step = _Step(program.b, p, grad, counters.lr, counters.t, counters.first)
+            step = _Step(program.b, p, grad, counters.lr, counters.t, counters.first, program.scalars)
             new_p, new_states = self.update(step, states)
             program.output(new_p, roles.next_name(p.name), p)
             for s, value in new_states.items():
@@ -237,7 +259,7 @@ def _norm_and_clip(program: _Program, grads: dict[str, gs.Tensor], max_norm: flo
     every gradient scaled as torch.nn.utils.clip_grad_norm_ does: by min(1, max_norm / (norm + 1e-6))."""
     b = program.b
     with b.scope("grads"):
-        squares = [b.axes_op("ReduceSumSquare", b.cast(g, np.float32), None, keepdims=0) for g in grads.values()]
+        squares = [b.axes_op("ReduceSumSquare", _float32(b, g), None, keepdims=0) for g in grads.values()]
         norm = b.op("Sqrt", b.sum(squares))
         program.output(norm, roles.GRAD_NORM, gs.Variable(roles.GRAD_NORM, dtype=np.float32, shape=[]))
         if max_norm is None:
@@ -362,8 +384,13 @@ class AdamW(_Optimizer):
 
     def update(self, s, states):
         b = s.b
-        decay = b.sub(b.constant(np.array(1.0)), b.mul(s.lr, b.constant(np.array(self.weight_decay))))
-        param = b.mul(s.param, s.scalar(decay)) if self.weight_decay else s.param
+        if not self.weight_decay:
+            return _adam_update(self, s, s.param, s.grad, states)
+        decay = s.once(
+            ("decay", self.weight_decay),
+            lambda: b.sub(b.constant(np.array(1.0)), b.mul(s.lr, b.constant(np.array(self.weight_decay)))),
+        )
+        param = b.mul(s.param, s.scalar(decay))
         return _adam_update(self, s, param, s.grad, states)
 
 
@@ -387,19 +414,26 @@ def _second_moment(opt, s: _Step, grad, states):
 
 
 def _bias_corrections(opt, s: _Step):
+    """1 - beta1^t and 1 - beta2^t, in float64, once for every parameter."""
     b = s.b
-    one = b.constant(np.array(1.0))
-    bc1 = b.sub(one, b.op("Pow", b.constant(np.array(opt.beta1)), s.t))
-    bc2 = b.sub(one, b.op("Pow", b.constant(np.array(opt.beta2)), s.t))
-    return bc1, bc2
+
+    def make():
+        one = b.constant(np.array(1.0))
+        return (
+            b.sub(one, b.op("Pow", b.constant(np.array(opt.beta1)), s.t)),
+            b.sub(one, b.op("Pow", b.constant(np.array(opt.beta2)), s.t)),
+        )
+
+    return s.once(("bias_corrections", opt.beta1, opt.beta2), make)
 
 
 def _adam_update(opt, s: _Step, param, grad, states):
     b = s.b
     bc1, bc2 = _bias_corrections(opt, s)
-    step_size = b.div(s.lr, bc1)
+    step_size = s.once(("step_size", bc1.name), lambda: b.div(s.lr, bc1))
+    sqrt_bc2 = s.once(("sqrt", bc2.name), lambda: b.op("Sqrt", bc2))
     v = _second_moment(opt, s, grad, states)
-    denom = b.add(b.div(b.op("Sqrt", v), s.scalar(b.op("Sqrt", bc2))), s.scalar(opt.eps))
+    denom = b.add(b.div(b.op("Sqrt", v), s.scalar(sqrt_bc2)), s.scalar(opt.eps))
     # written after the denominator so that onnxruntime, which runs the later-written input of a
     # node first (analysis.memory.execution_order), makes the first moment before the
     # denominator: then two parameter-sized temporaries are live at most, not three
@@ -447,4 +481,9 @@ class Lamb(_Optimizer):
 
 
 def _norm(b: Builder, t: gs.Tensor) -> gs.Tensor:
-    return b.op("Sqrt", b.axes_op("ReduceSumSquare", b.cast(t, np.float32), None, keepdims=0))
+    return b.op("Sqrt", b.axes_op("ReduceSumSquare", _float32(b, t), None, keepdims=0))
+
+
+def _float32(b: Builder, t: gs.Tensor) -> gs.Tensor:
+    """``t`` in float32: a Cast only where it has another type (or one not known)."""
+    return t if t.dtype is not None and np.dtype(t.dtype) == np.float32 else b.cast(t, np.float32)

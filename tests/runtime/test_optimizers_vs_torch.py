@@ -9,7 +9,9 @@ import _training_models as tm
 import numpy as np
 import pytest
 
-from graphforge import Module, Optimizer
+import graphforge
+from graphforge import Module, Optimizer, roles
+from graphforge.program import ProgramRoles
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -120,6 +122,28 @@ def test_200_steps_equal_torch(mlp_bytes, case):
     assert module.state.step == STEPS
     np.testing.assert_allclose(loss, torch_loss, rtol=1e-5)
     assert_parameters_match(module, reference)
+
+
+@pytest.mark.parametrize(("case", "powers"), [("adam", 2), ("adamw", 2), ("lamb", 2), ("sgd_momentum_weight_decay", 0)])
+def test_the_step_scalars_are_made_once_for_all_parameters(mlp_bytes, case, powers):
+    """The bias corrections, step size and weight-decay factor depend on the step only: made
+    once in the step's scope whatever the number of parameters, and no Cast of a constant."""
+    spec = CASES[case][0]
+
+    def step_scope(trainable: str) -> list[str]:
+        program = graphforge.compile(mlp_bytes, f"loss(kind=mse, output=y), autodiff(trainable={trainable!r}), {spec}")
+        program = program.model
+        nodes = [n for n in program.graph.node if n.name.startswith(roles.OPTIM_PREFIX)]
+        constants = {t.name for t in program.graph.initializer}
+        assert not [n.name for n in nodes if n.op_type == "Cast" and n.input[0] in constants]
+        assert [n.op_type for n in nodes].count("Pow") == powers
+        parameters = len(ProgramRoles.read(program).parameters)
+        return parameters, sorted(n.op_type for n in nodes if n.name.startswith(f"{roles.OPTIM_PREFIX}step/"))
+
+    every, few = step_scope("*"), step_scope("0.*")
+    assert (every[0], few[0]) == (4, 2)
+    assert every[1] == few[1]
+    assert every[1].count("Pow") == powers
 
 
 @pytest.mark.parametrize("case", ["sgd_momentum_weight_decay", "adamw", "lamb"])
