@@ -26,7 +26,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onn
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from graphforge.errors import ModelLoadError, ModelSaveError, one_line
-from graphforge.ir import FLOAT_TYPES, TORCH_KINDS, torch_input_kinds
+from graphforge.ir import FLOAT_TYPES, TORCH_KINDS, all_graphs, torch_input_kinds
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 from graphforge.roles import metadata_of
 
@@ -141,7 +141,7 @@ def _type_empty_constant_lists(graph: gs.Graph) -> None:
     """A Constant node's empty ``value_ints``/``value_floats`` (the dynamo exporter writes
     them) becomes the equal empty ``value`` tensor: onnx-graphsurgeon keeps an empty list,
     whose type its export cannot tell."""
-    for g in [graph, *graph.subgraphs(recursive=True)]:
+    for g in all_graphs(graph):
         for node in g.nodes:
             for key, dtype in (("value_ints", np.int64), ("value_floats", np.float32)):
                 if node.op == "Constant" and isinstance(node.attrs.get(key), list) and not node.attrs[key]:
@@ -274,8 +274,7 @@ def _constants(graph: gs.Graph) -> Iterator[gs.Constant]:
     once, and each name once; cheaper than ``graph.tensors()``, which also maps every variable."""
     seen: set[int] = set()
     names: set[str] = set()
-    graphs = [graph, *graph.subgraphs(recursive=True)]
-    for g in graphs:
+    for g in all_graphs(graph):
         for tensors in (g.inputs, *(node.inputs for node in g.nodes), g.outputs):
             for tensor in tensors:
                 if isinstance(tensor, gs.Constant) and id(tensor) not in seen and tensor.name not in names:
@@ -346,7 +345,7 @@ def _values_left_out(graph: gs.Graph, *, values: bool) -> Iterator[dict[str, gs.
         # a tensor attribute (a Constant's value, ConstantOfShape's) still read from the file
         # is exported from a copy: onnx-graphsurgeon sets the name of the TensorProto it reads,
         # which would change the source model (its bytes) behind the caller's back
-        for g in (graph, *graph.subgraphs(recursive=True)):
+        for g in all_graphs(graph):
             for node in g.nodes:
                 for value in node.attrs.values():
                     tensor = _lazy_tensor(value) if isinstance(value, gs.Constant) else None
