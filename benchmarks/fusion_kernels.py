@@ -1,7 +1,7 @@
 """The kernel-level A/Bs behind the fusion rules: each formulation alone in an onnxruntime CPU
 session, at 1 and 2 threads, on a few layer shapes (median of 30 runs after 3 warm-ups).
 
-    python benchmarks/fusion_kernels.py
+    python benchmarks/fusion_kernels.py [relu|maxpool|conv|optimizer ...]
 
 - ReLU's gradient: Where(y > 0, dy, 0) against dy · Cast(y > 0) (rule relu_backward_mask).
 - A 2×2/2 MaxPool's gradient: ScatterElements into flat zeros against MaxUnpool (rule
@@ -10,10 +10,17 @@ session, at 1 and 2 threads, on a few layer shapes (median of 30 runs after 3 wa
   transposed and flipped), plain (faster on some shapes, slower on others: not a rule) and on
   onnxruntime's NCHWc kernels with the weights blocked each run (rule conv_input_grad_nchwc,
   where the channels divide into the CPU's block).
+- AdamW's update over a model's parameters (``optimizer_layouts``): the optimizer segment of
+  graphforge's own program (its chain of elementwise ops once per parameter) against the same
+  chain once over one flat buffer holding every parameter (the layout of a multi-tensor
+  optimizer), with and without the Concat and Split that gather the parameters and gradients
+  into it and hand the updated parameters back (the program's parameters are separate tensors).
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import time
 
 import numpy as np
@@ -21,6 +28,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from graphforge.graph import is_stand_in
 from graphforge.ort_compat import NCHWC_DOMAIN, NCHWC_WEIGHT_PERM, nchwc_block_size
 
 RUNS, WARMUP = 30, 3
@@ -160,13 +168,158 @@ def conv_input_gradient(threads: int, rng) -> list[str]:
     return lines
 
 
+#: parameter shapes: the Training step section's MLP, one GPT-2 small block, and 96 LayerNorm-sized
+#: vectors (the optimizer's cost there is per op, not per byte)
+PARAMETER_SETS = (
+    ("MLP 784-1024-1024-10", [(1024, 784), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]),
+    (
+        "GPT-2 small block",
+        [
+            (768,),
+            (768,),
+            (768, 2304),
+            (2304,),
+            (768, 768),
+            (768,),
+            (768,),
+            (768,),
+            (768, 3072),
+            (3072,),
+            (3072, 768),
+            (768,),
+        ],
+    ),
+    ("96 × 768", [(768,)] * 96),
+)
+
+
+def _optimizer_segment(shapes) -> onnx.ModelProto:
+    """The AdamW segment of graphforge's program for a model whose parameters have ``shapes``
+    (loss = Σ ReduceSum(p · x): the update does not depend on what the forward is)."""
+    import graphforge
+    from graphforge.program import ProgramRoles
+    from graphforge.runtime.training import split_program
+
+    params = [numpy_helper.from_array(np.full(s, 0.5, np.float32), f"p{i}") for i, s in enumerate(shapes)]
+    nodes, sums = [], []
+    for i in range(len(shapes)):
+        nodes += [
+            helper.make_node("Mul", [f"p{i}", "x"], [f"m{i}"]),
+            helper.make_node("ReduceSum", [f"m{i}"], [f"s{i}"], keepdims=0),
+        ]
+        sums.append(f"s{i}")
+    nodes.append(helper.make_node("Sum", sums, ["loss"]))
+    graph = helper.make_graph(
+        nodes,
+        "params",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        params,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    program = graphforge.compile(model, "loss(output=loss), autodiff, adamw(lr=0.001, weight_decay=0.01)").model
+    segment = split_program(program, ProgramRoles.read(program), norm_first=False).optim
+    # the carried tensors are stand-ins there (the runtime binds them): inputs here, fed like the rest
+    inputs = {v.name for v in segment.graph.input}
+    for tensor in [t for t in segment.graph.initializer if is_stand_in(t)]:
+        segment.graph.initializer.remove(tensor)
+        if tensor.name not in inputs:
+            segment.graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    return segment
+
+
+def _bound_median_ms(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int) -> float:
+    """Median ms of a run with inputs and outputs bound (the runtime's ping-pong buffers)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads, options.log_severity_level = threads, 1, 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    for value in session.get_inputs():
+        binding.bind_cpu_input(value.name, feeds[value.name])
+    for value in session.get_outputs():
+        binding.bind_output(value.name, "cpu")
+    for _ in range(WARMUP):
+        session.run_with_iobinding(binding)
+    times = []
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        session.run_with_iobinding(binding)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1000
+
+
+def _segment_feeds(segment: onnx.ModelProto, rng) -> dict[str, np.ndarray]:
+    types = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64, TensorProto.BOOL: np.bool_}
+    feeds = {}
+    for value in segment.graph.input:
+        tensor = value.type.tensor_type
+        dims = [d.dim_value for d in tensor.shape.dim]
+        dtype = types[tensor.elem_type]
+        values = rng.random(dims) + 0.5 if dtype == np.float32 else np.ones(dims)
+        feeds[value.name] = np.asarray(values, dtype)
+    return feeds
+
+
+def _gather_scatter(shapes) -> onnx.ModelProto:
+    """What the flat layout adds to a step: the parameters and gradients flattened and
+    concatenated into one buffer each, and the updated buffer split back into the parameters."""
+    sizes = [math.prod(s) for s in shapes]
+    nodes, inputs, outputs = [], [], []
+    for kind in ("p", "g"):
+        for i, s in enumerate(shapes):
+            inputs.append(helper.make_tensor_value_info(f"{kind}{i}", TensorProto.FLOAT, list(s)))
+            nodes.append(helper.make_node("Reshape", [f"{kind}{i}", "flat"], [f"{kind}{i}f"]))
+        nodes.append(helper.make_node("Concat", [f"{kind}{i}f" for i in range(len(shapes))], [f"{kind}_all"], axis=0))
+        outputs.append(f"{kind}_all")
+    inputs.append(helper.make_tensor_value_info("new", TensorProto.FLOAT, [sum(sizes)]))
+    nodes.append(helper.make_node("Split", ["new", "sizes"], [f"n{i}" for i in range(len(shapes))], axis=0))
+    outputs += [f"n{i}" for i in range(len(shapes))]
+    inits = [numpy_helper.from_array(np.array([-1]), "flat"), numpy_helper.from_array(np.array(sizes), "sizes")]
+    graph = helper.make_graph(
+        nodes, "gather", inputs, [helper.make_value_info(o, onnx.TypeProto()) for o in outputs], inits
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def optimizer_layouts(threads: int, rng) -> list[str]:
+    lines = []
+    for label, shapes in PARAMETER_SETS:
+        total = sum(math.prod(s) for s in shapes)
+        per_parameter = _optimizer_segment(shapes)
+        flat = _optimizer_segment([(total,)])
+        gather = _gather_scatter(shapes)
+        ops = len(per_parameter.graph.node)
+        each = _bound_median_ms(per_parameter, _segment_feeds(per_parameter, rng), threads)
+        once = _bound_median_ms(flat, _segment_feeds(flat, rng), threads)
+        moved = _bound_median_ms(gather, _segment_feeds(gather, rng), threads)
+        lines.append(
+            f"| AdamW update | {label}: {len(shapes)} tensors, {total:,} values | {threads} | "
+            f"per parameter ({ops} nodes) {each:.2f} | one flat buffer ({len(flat.graph.node)} nodes) {once:.2f}, "
+            f"with its Concat and Split {once + moved:.2f} |"
+        )
+    return lines
+
+
+KERNELS = {
+    "relu": relu,
+    "maxpool": maxpool,
+    "conv": conv_input_gradient,
+    "optimizer": optimizer_layouts,
+}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "what", nargs="*", choices=list(KERNELS), default=list(KERNELS), help="the A/Bs to run (default: all)"
+    )
+    chosen = parser.parse_args().what
     rng = np.random.default_rng(0)
     print("| what | shape | threads | today's ms | the other formulation's ms |")
     print("| --- | --- | ---: | --- | --- |")
     for threads in (1, 2):
-        for lines in (relu(threads, rng), maxpool(threads, rng), conv_input_gradient(threads, rng)):
-            print("\n".join(lines), flush=True)
+        for name in chosen:
+            print("\n".join(KERNELS[name](threads, rng)), flush=True)
     print(f"\nonnxruntime {ort.__version__}")
 
 
