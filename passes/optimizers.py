@@ -486,4 +486,5 @@ def _norm(b: Builder, t: gs.Tensor) -> gs.Tensor:
 
 def _float32(b: Builder, t: gs.Tensor) -> gs.Tensor:
     """``t`` in float32: a Cast only where it has another type (or one not known)."""
-    return t if t.dtype is not None and np.dtype(t.dtype) == np.float32 else b.cast(t, np.float32)
+    known = isinstance(t.dtype, np.dtype | type)  # graphsurgeon keeps bfloat16 as ONNX's type number
+    return t if known and np.dtype(t.dtype) == np.float32 else b.cast(t, np.float32)
