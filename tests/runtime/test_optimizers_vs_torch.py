@@ -7,10 +7,14 @@ import math
 
 import _training_models as tm
 import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
 import pytest
+from graphforge.passes.optimizers import _float32
 
 import graphforge
 from graphforge import Module, Optimizer, roles
+from graphforge.builder import Builder
 from graphforge.program import ProgramRoles
 
 torch = pytest.importorskip("torch")
@@ -144,6 +148,19 @@ def test_the_step_scalars_are_made_once_for_all_parameters(mlp_bytes, case, powe
     assert (every[0], few[0]) == (4, 2)
     assert every[1] == few[1]
     assert every[1].count("Pow") == powers
+
+
+def test_the_gradient_norm_reads_a_float32_gradient_as_it_is(mlp_bytes):
+    """No Cast to float32 before ReduceSumSquare where the gradient is float32; a type that
+    onnx-graphsurgeon keeps as ONNX's number (bfloat16) or does not know still gets one."""
+    program = tm.compile_program(mlp_bytes, CASES["adamw"][0])
+    producers = {o: n for n in program.graph.node for o in n.output}
+    squares = [n for n in program.graph.node if n.op_type == "ReduceSumSquare"]
+    assert len(squares) == 4
+    assert not [n.name for n in squares if producers.get(n.input[0]) and producers[n.input[0]].op_type == "Cast"]
+    b = Builder(gs.Graph(opset=17), prefix="t::")
+    for dtype in (onnx.TensorProto.BFLOAT16, None, np.float16):
+        assert _float32(b, gs.Variable("g", dtype=dtype)).inputs[0].op == "Cast"
 
 
 @pytest.mark.parametrize("case", ["sgd_momentum_weight_decay", "adamw", "lamb"])
