@@ -57,19 +57,29 @@ def median_ms(nodes, feeds: dict[str, np.ndarray], threads: int, inits=(), outpu
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(NCHWC_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=9)
+    # no NCHWc transformer: a training program's weights are inputs, which it leaves alone anyway
+    session = _cpu_session(model, threads, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)
+    result = session.run(None, feeds)
+    return _median_ms(lambda: session.run(None, feeds)), result
+
+
+def _cpu_session(model: onnx.ModelProto, threads: int, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads, options.log_severity_level = threads, 1, 3
-    # no NCHWc transformer: a training program's weights are inputs, which it leaves alone anyway
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    options.graph_optimization_level = level
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _median_ms(run) -> float:
+    """Median ms of RUNS calls of ``run`` after WARMUP more."""
     for _ in range(WARMUP):
-        result = session.run(None, feeds)
+        run()
     times = []
     for _ in range(RUNS):
         start = time.perf_counter()
-        session.run(None, feeds)
+        run()
         times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1000, result
+    return float(np.median(times)) * 1000
 
 
 def relu(threads: int, rng) -> list[str]:
@@ -230,22 +240,13 @@ def _optimizer_segment(shapes) -> onnx.ModelProto:
 
 def _bound_median_ms(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int) -> float:
     """Median ms of a run with inputs and outputs bound (the runtime's ping-pong buffers)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads, options.log_severity_level = threads, 1, 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = _cpu_session(model, threads)
     binding = session.io_binding()
     for value in session.get_inputs():
         binding.bind_cpu_input(value.name, feeds[value.name])
     for value in session.get_outputs():
         binding.bind_output(value.name, "cpu")
-    for _ in range(WARMUP):
-        session.run_with_iobinding(binding)
-    times = []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        session.run_with_iobinding(binding)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1000
+    return _median_ms(lambda: session.run_with_iobinding(binding))
 
 
 def _segment_feeds(segment: onnx.ModelProto, rng) -> dict[str, np.ndarray]:

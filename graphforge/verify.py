@@ -42,9 +42,9 @@ def verify_model(
     as it is, so the verdict and its message are always the checker's own. ``proto`` may
     itself leave values out (``Model.to_proto(values=False)``) when ``values_from`` is the
     model they come from; a whole ``proto`` with ``values_from`` is that model's whole export,
-    whose values ``values_from`` knows to be long enough are not measured again. Models over 2 GiB cannot be checked in memory (protobuf's limit),
-    so they are checked from a temporary copy written with external data. The message is
-    one line.
+    whose values ``values_from`` knows to be long enough are not measured again. Models over
+    2 GiB cannot be checked in memory (protobuf's limit), so they are checked from a temporary
+    copy written with external data. The message is one line.
     """
     stand_ins = values_from is not None and any(is_stand_in(t) for t in proto.graph.initializer)
     whole = None if stand_ins else proto

@@ -40,22 +40,23 @@ class _Step:
     lr: gs.Tensor  # float64 scalar
     t: gs.Tensor  # float64 scalar: the step number, 1 on the first step
     first: gs.Tensor  # bool scalar: this is the first step
-    #: the step's scalars made so far, by key: each is made once for every parameter (per
-    #: parameter, they were half of GPT-2 small's program: 17 of the 35 nodes an AdamW
-    #: parameter had, run as many times as there are parameters)
+    #: the step's scalars made so far, by key: each is made once for every parameter (made per
+    #: parameter, they were 17 of the 35 nodes each AdamW parameter had in GPT-2 small's program;
+    #: onnxruntime folded and shared them, so this shrinks the program, not the step time)
     shared: dict = field(default_factory=dict)
 
     def scalar(self, value: float | gs.Tensor) -> gs.Tensor:
         """A float64 scalar (a Python number or an expression) in the parameter's type: a
         constant of that type where NumPy has it (the value a Cast gives), else a Cast."""
         dtype = self.param.dtype
+        known = _numpy_dtype(dtype)
         if isinstance(value, gs.Tensor):
-            if not value.name.startswith(f"{self.b.prefix}step/"):  # the parameter's own (LAMB's trust ratio)
+            if not self._is_shared(value):  # the parameter's own (LAMB's trust ratio)
                 return self.b.cast(value, dtype)
-            return self.once(("cast", value.name, str(dtype)), lambda: self.b.cast(value, dtype))
-        key = ("constant", float(value), str(dtype))
-        if isinstance(dtype, np.dtype | type):
-            return self.once(key, lambda: self.b.constant(np.array(value, np.float64).astype(dtype)))
+            return self.once(("cast", value.name, str(known or dtype)), lambda: self.b.cast(value, dtype))
+        key = ("constant", float(value), str(known or dtype))
+        if known is not None:
+            return self.once(key, lambda: self.b.constant(np.array(value, np.float64).astype(known)))
         return self.once(key, lambda: self.b.cast(self.b.constant(np.array(value, np.float64)), dtype))
 
     def once(self, key, make: Callable[[], Any]) -> Any:
@@ -65,6 +66,11 @@ class _Step:
             with self.b.scope("step"):
                 self.shared[key] = make()
         return self.shared[key]
+
+    def _is_shared(self, value: gs.Tensor) -> bool:
+        """Whether ``value`` is the same for every parameter: a counter, or made by ``once``."""
+        made = (t for v in self.shared.values() for t in (v if isinstance(v, tuple) else (v,)))
+        return value is self.lr or value is self.t or any(value is t for t in made)
 
 
 @dataclass
@@ -486,5 +492,10 @@ def _norm(b: Builder, t: gs.Tensor) -> gs.Tensor:
 
 def _float32(b: Builder, t: gs.Tensor) -> gs.Tensor:
     """``t`` in float32: a Cast only where it has another type (or one not known)."""
-    known = isinstance(t.dtype, np.dtype | type)  # graphsurgeon keeps bfloat16 as ONNX's type number
-    return t if known and np.dtype(t.dtype) == np.float32 else b.cast(t, np.float32)
+    return t if _numpy_dtype(t.dtype) == np.float32 else b.cast(t, np.float32)
+
+
+def _numpy_dtype(dtype) -> np.dtype | None:
+    """``dtype`` as NumPy's, or None where it is unknown or one NumPy lacks (onnx-graphsurgeon
+    keeps bfloat16 as ONNX's type number)."""
+    return np.dtype(dtype) if isinstance(dtype, np.dtype | type) else None
