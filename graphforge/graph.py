@@ -337,23 +337,29 @@ def _values_left_out(graph: gs.Graph, *, values: bool) -> Iterator[dict[str, gs.
     swapped: list[tuple[gs.Constant, object]] = []
     private: list[tuple[gs.Constant, object]] = []
     try:
+        # onnx-graphsurgeon sets the name of a TensorProto it exports from to the constant's,
+        # which would change the source model (its bytes, perhaps the caller's own ModelProto)
+        # behind the caller's back: a constant renamed since, and a tensor attribute (a
+        # Constant's value, ConstantOfShape's) still read from the source, are exported from a copy
+        def export_from_copy(constant: gs.Constant, tensor: onnx.TensorProto) -> None:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(tensor)
+            private.append((constant, constant._values))
+            constant._values = LazyValues(copy)
+
         for constant in _constants(graph):
             stand_in = _stand_in_for(constant, values)
             if stand_in is not None:
                 swapped.append((constant, constant._values))
                 constant._values = LazyValues(stand_in)
-        # a tensor attribute (a Constant's value, ConstantOfShape's) still read from the file
-        # is exported from a copy: onnx-graphsurgeon sets the name of the TensorProto it reads,
-        # which would change the source model (its bytes) behind the caller's back
+            elif (tensor := _lazy_tensor(constant)) is not None and tensor.name != constant.name:
+                export_from_copy(constant, tensor)
         for g in all_graphs(graph):
             for node in g.nodes:
                 for value in node.attrs.values():
                     tensor = _lazy_tensor(value) if isinstance(value, gs.Constant) else None
                     if tensor is not None:
-                        copy = onnx.TensorProto()
-                        copy.CopyFrom(tensor)
-                        private.append((value, value._values))
-                        value._values = LazyValues(copy)
+                        export_from_copy(value, tensor)
         yield {constant.name: constant for constant, _ in swapped}
     finally:
         for constant, original in [*swapped, *private]:
@@ -391,8 +397,10 @@ def _take_values(graph: gs.Graph, source: gs.Graph) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def load(source: ModelSource, *, load_external_data: bool = True) -> onnx.ModelProto:
-    """Load a model from a path, bytes or a ModelProto (returned as a copy).
+def load(source: ModelSource, *, load_external_data: bool = True, copy: bool = True) -> onnx.ModelProto:
+    """Load a model from a path, bytes or a ModelProto (returned as a copy; with
+    ``copy=False``, itself, checked, for a caller that only reads it: copying a model's
+    weights costs about as much as reading them from a file).
 
     External data is read from the model's folder; a location that escapes that folder
     (absolute, or with ``..``) is refused before anything is read. Bytes and a ModelProto
@@ -400,8 +408,10 @@ def load(source: ModelSource, *, load_external_data: bool = True) -> onnx.ModelP
     ``load_external_data=False`` (the caller then resolves it).
     """
     if isinstance(source, onnx.ModelProto):
-        proto = onnx.ModelProto()
-        proto.CopyFrom(source)
+        proto = source
+        if copy:
+            proto = onnx.ModelProto()
+            proto.CopyFrom(source)
         proto = _checked(proto, "<ModelProto>")
         if load_external_data:
             refuse_unresolved_external_data(proto, where="<ModelProto>")

@@ -95,7 +95,8 @@ class PassManager:
         return cls(parse_pipeline(text, registry), **options)
 
     def run(self, source: ModelSource | Model) -> CompileResult:
-        proto = source.to_proto() if isinstance(source, Model) else load(source)
+        # only read (never changed, nor returned): a copy would copy the weights once more
+        proto = source.to_proto() if isinstance(source, Model) else load(source, copy=False)
         unmet = unmet_requirement(self.passes, facts_of(metadata_of(proto)))
         if unmet is not None:
             position, pass_, fact = unmet
@@ -146,6 +147,8 @@ class PassManager:
             with gc_paused():
                 current = model.to_proto()
             last_change.verify_seconds += time.perf_counter() - start
+        if current is source:  # nothing changed: a copy, not the caller's own ModelProto
+            current = load(source)
         return CompileResult(current, records)
 
     def _apply(

@@ -140,6 +140,19 @@ class Unexportable(Pass):
 
 
 @dataclass(frozen=True)
+class RenameConstants(Pass):
+    """Renames every initializer, as a pass that namespaces what it makes might."""
+
+    name = "rename_constants"
+
+    def run(self, model: Model) -> PassResult:
+        for tensor in model.graph.tensors().values():
+            if isinstance(tensor, gs.Constant):
+                tensor.name = f"renamed/{tensor.name}"
+        return PassResult(model, True)
+
+
+@dataclass(frozen=True)
 class Spy(Pass):
     """Counts its runs."""
 
@@ -213,6 +226,26 @@ def test_every_source_form_gives_the_same_result_and_stays_untouched(tmp_path, f
     assert ops(result.model) == ["Relu", "Add"]
     assert proto.SerializeToString() == original, "the caller's ModelProto is untouched"
     assert [n.op for n in model.graph.nodes] == ["Relu", "Relu", "Add", "Neg"], "the caller's Model is untouched"
+
+
+@pytest.mark.parametrize("before, after", [("", ""), ("dce", "cse"), ("topo_sort", None)])
+def test_a_model_proto_is_read_in_place_and_never_changed_or_handed_back(before, after):
+    # the PassManager reads a caller's ModelProto without copying it (its weights), so neither
+    # an export (onnx-graphsurgeon renames the TensorProto it writes from) nor a pipeline that
+    # changes nothing may touch it, and the result is always a model of its own
+    proto = models.tied_initializer()
+    original = proto.SerializeToString()
+    renames = after is not None
+
+    def some(text: str) -> list[Pass]:
+        return passes(text) if text else []
+
+    pipeline = some(before) + ([RenameConstants(), *some(after)] if renames else [])
+    result = PassManager(pipeline, verify=True).run(proto)
+    assert proto.SerializeToString() == original
+    assert result.model is not proto
+    assert all(t.name.startswith("renamed/") == renames for t in result.model.graph.initializer)
+    models.assert_same_outputs(proto, result.model, dims={"N": 3})
 
 
 def test_compile_accepts_text_or_pass_objects():
