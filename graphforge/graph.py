@@ -504,10 +504,13 @@ def refuse_unresolved_external_data(proto: onnx.ModelProto, *, where: str) -> No
 def exceeds_protobuf_limit(proto: onnx.ModelProto) -> bool:
     """Whether ``proto`` is too large to serialize as one protobuf (2 GiB).
 
-    The tensor payloads are summed first: protobuf's own ByteSize() serializes the whole
-    message to measure it, and raises instead of answering for a message over the limit.
+    The initializers' payloads are summed first: protobuf's own ByteSize() serializes the
+    whole message to measure it, and raises instead of answering for a message over the limit.
+    Tensors held in node attributes are left to ByteSize(): finding them walks every node in
+    Python, which took longer than ByteSize() itself on the light exports that the checks and
+    shape inference measure (GPT-2 small's training program: 23 ms against 3 ms).
     """
-    if sum(_raw_data_size(t) for t in _all_tensors(proto)) > PROTOBUF_LIMIT:
+    if sum(_raw_data_size(t) for t in proto.graph.initializer) > PROTOBUF_LIMIT:
         return True
     try:
         return proto.ByteSize() > PROTOBUF_LIMIT

@@ -601,6 +601,19 @@ def test_exceeds_protobuf_limit(monkeypatch):
     assert gio.exceeds_protobuf_limit(model)
     monkeypatch.setattr(gio, "PROTOBUF_LIMIT", model.ByteSize() - 1)  # payload under, whole model over
     assert gio.exceeds_protobuf_limit(model)
+    # weights held by Constant nodes, as some exporters write them, count too
+    held = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Constant", [], ["y"], value=numpy_helper.from_array(w, "w"))],
+            "constant_weights",
+            [],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(w.shape))],
+        )
+    )
+    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", w.nbytes - 1)
+    assert gio.exceeds_protobuf_limit(held)
+    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", held.ByteSize())
+    assert not gio.exceeds_protobuf_limit(held)
 
 
 def test_raw_data_size_is_read_from_dims_and_type():
