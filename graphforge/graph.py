@@ -85,18 +85,25 @@ class Model:
         _type_empty_constant_lists(model.graph)
         return model
 
-    def to_proto(self, *, values: bool = True) -> onnx.ModelProto:
+    def to_proto(self, *, values: bool = True, over: onnx.ModelProto | None = None) -> onnx.ModelProto:
         """Export to ONNX. Each initializer's bytes are copied once, straight into the result
         (onnx-graphsurgeon's export copies them twice, and renames the TensorProto it reads).
 
         ``values=False`` leaves the values of the large floating-point initializers out: each
         is a stand-in (``is_stand_in``) with its name, type and shape, which is all that shape
         inference and the checker read of such tensors, so no weight is copied. Give it back
-        to ``Model.from_proto(..., values_from=self)`` to have the values again."""
+        to ``Model.from_proto(..., values_from=self)`` to have the values again.
+
+        ``over``: the ModelProto this model was imported from, which the caller gives up. The
+        export is written over it, and the initializers the model still reads from it stay
+        where they are instead of being copied (a model's weights, once more in memory). The
+        result is the one a plain export gives, and is ``over`` itself."""
         with _values_left_out(self.graph, values=values) as left_out:
             proto = gs.export_onnx(self.graph, do_type_check=False)
         _hoist_subgraph_initializers(proto.graph)
-        if values:
+        if values and over is not None and _write_over(proto, left_out, over):
+            proto = over
+        elif values:
             _put_values_back(proto.graph, left_out)
         self._restore_initializer_inputs(proto)
         del proto.metadata_props[:]
@@ -377,6 +384,56 @@ def _put_values_back(graph: onnx.GraphProto, left_out: dict[str, gs.Constant]) -
         source = _lazy_tensor(constant)
         tensor.CopyFrom(source if source is not None else OnnxExporter.export_tensor_proto(constant))
         tensor.name = constant.name
+
+
+def _write_over(exported: onnx.ModelProto, left_out: dict[str, gs.Constant], target: onnx.ModelProto) -> bool:
+    """Make ``target`` the whole model ``exported`` (an export whose main-graph constants
+    ``left_out`` are stand-ins) stands for. Each initializer of ``target`` that a constant of
+    ``left_out`` reads from stays in place, renamed to that constant (protobuf can copy a
+    message into another, not move it); the others go, and the remaining constants' values
+    are copied in. False, with nothing changed, when the export holds two initializers of
+    one name (their order could not be restored)."""
+    order = {tensor.name: i for i, tensor in enumerate(exported.graph.initializer)}
+    if len(order) != len(exported.graph.initializer):
+        return False
+    owned = {id(tensor) for tensor in target.graph.initializer}
+    staying: dict[int, str] = {}  # id of a target initializer -> the constant that keeps it
+    for name in order:
+        source = _lazy_tensor(left_out[name]) if name in left_out else None
+        if source is not None and id(source) in owned and id(source) not in staying:
+            staying[id(source)] = name
+    initializers = target.graph.initializer
+    for i in reversed(range(len(initializers))):
+        if id(initializers[i]) not in staying:
+            del initializers[i]
+    for tensor in initializers:
+        tensor.name = staying[id(tensor)]
+    kept = set(staying.values())
+    for tensor in exported.graph.initializer:
+        if tensor.name in kept:
+            continue
+        constant = left_out.get(tensor.name)
+        added = initializers.add()
+        if constant is None:
+            added.CopyFrom(tensor)
+        else:
+            source = _lazy_tensor(constant)
+            added.CopyFrom(source if source is not None else OnnxExporter.export_tensor_proto(constant))
+            added.name = constant.name
+    initializers.sort(key=lambda tensor: order[tensor.name])
+    # everything else is the export's: clear it from `target`, then merge the export in
+    # without its initializers (merging appends repeated fields and sets the scalars set)
+    del exported.graph.initializer[:]
+    for name in target.graph.DESCRIPTOR.fields_by_name:
+        if name != "initializer":
+            target.graph.ClearField(name)
+    target.graph.MergeFrom(exported.graph)
+    exported.ClearField("graph")
+    for name in target.DESCRIPTOR.fields_by_name:
+        if name != "graph":
+            target.ClearField(name)
+    target.MergeFrom(exported)
+    return True
 
 
 def _take_values(graph: gs.Graph, source: gs.Graph) -> None:

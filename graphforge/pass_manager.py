@@ -124,6 +124,9 @@ class PassManager:
             mark_lengths_checked(model)  # verified above
         records: list[PassRecord] = []
         current: onnx.ModelProto | None = proto  # `model` exported whole; None when it was not
+        # the result may be written over a source model of our own (read from a file, or the
+        # export of a Model), keeping its weights in place; a dump folder keeps it as it was
+        spare = proto if self.dump_dir is None and not isinstance(source, onnx.ModelProto) else None
         last_change: PassRecord | None = None
         for position, pass_ in enumerate(self.passes, start=1):
             iteration = 0
@@ -136,7 +139,9 @@ class PassManager:
                     break
                 repeats = pass_.repeat_to_fixed_point and iteration < MAX_FIXED_POINT_ITERATIONS
                 last = (position == len(self.passes) and not repeats) or record.index == self.bisect_limit
-                model, current, histogram = self._apply(pass_, model, current, histogram, record, last=last)
+                model, current, histogram = self._apply(
+                    pass_, model, current, histogram, record, last=last, spare=spare
+                )
                 if record.changed:
                     last_change = record
                 if not (repeats and record.changed):
@@ -145,7 +150,7 @@ class PassManager:
             assert last_change is not None
             start = time.perf_counter()
             with gc_paused():
-                current = model.to_proto()
+                current = model.to_proto(over=spare)
             last_change.verify_seconds += time.perf_counter() - start
         if current is source:  # nothing changed: a copy, not the caller's own ModelProto
             current = load(source)
@@ -160,10 +165,12 @@ class PassManager:
         record: PassRecord,
         *,
         last: bool,
+        spare: onnx.ModelProto | None = None,
     ):
         """Run one pass application; ``proto``, the model it starts from exported whole, is
         kept intact (it is None when the previous change was verified without its weights,
-        which happens only when nothing is dumped); ``before`` is its op histogram. Returns
+        which happens only when nothing is dumped), unless it is ``spare``, which the last
+        application's export is written over; ``before`` is its op histogram. Returns
         the model, its whole export or None in its place when that can wait (no dump, no
         onnxruntime check, and a later pass application may change the model again), and
         its op histogram, counted on the export (a pass that changed nothing keeps it)."""
@@ -201,7 +208,7 @@ class PassManager:
         start = time.perf_counter()
         try:
             with gc_paused():
-                new_proto = model.to_proto(values=whole)
+                new_proto = model.to_proto(values=whole, over=spare if last else None)
                 after = op_histogram(new_proto)
         except Exception as exc:  # the pass left a graph onnx-graphsurgeon cannot export
             dumped = self._dump_failure(proto, record, "failed-input")

@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 import graphforge
+from graphforge import graph as gio
 from graphforge import verify
 from graphforge.errors import InvalidModelError
 from graphforge.graph import Model, is_stand_in
@@ -107,6 +108,53 @@ def test_export_without_values_leaves_only_large_floats_out():
     assert all(not t.HasField("raw_data") for t in left_out.values())
     # the model's own constants are untouched by the export
     assert not any(is_stand_in(t) for t in model.to_proto().graph.initializer)
+
+
+def _rename(model: Model, name: str, new: str) -> None:
+    next(c for c in gio._constants(model.graph) if c.name == name).name = new
+
+
+def _drop_h(model: Model) -> None:  # H is read by an Identity whose output is a graph output
+    graph = model.graph
+    graph.outputs = [t for t in graph.outputs if t.name != "h"]
+    graph.cleanup()
+
+
+def _share_w(model: Model) -> None:  # a second constant reading the same TensorProto as W
+    graph = model.graph
+    w = graph.tensors()["W"]
+    twin = gs.Constant("W_twin", np.zeros(1, np.float32))
+    twin._values = w._values
+    out = gs.Variable("t2", dtype=np.float32)
+    graph.nodes.append(gs.Node("MatMul", inputs=[graph.inputs[0], twin], outputs=[out]))
+    graph.outputs.append(out)
+
+
+@pytest.mark.parametrize(
+    "make, edit",
+    [
+        (mixed_model, lambda m: None),
+        (mixed_model, lambda m: _rename(m, "W", "W_renamed")),
+        (mixed_model, with_numpy_constant),
+        (mixed_model, _drop_h),
+        (mixed_model, _share_w),
+        (lambda: if_model(), lambda m: _rename(m, "w", "w_renamed")),  # defined below
+    ],
+    ids=["as is", "renamed", "new NumPy constant", "one dropped", "two constants, one tensor", "subgraphs"],
+)
+def test_an_export_written_over_its_source_is_the_plain_export_and_keeps_its_tensors(make, edit):
+    source = make()
+    model = Model.from_proto(source)
+    edit(model)
+    plain = model.to_proto()
+    main = list(source.graph.initializer)  # (a subgraph's own initializer stays in its body)
+    reads = {c.name: c._values.tensor for c in gio._constants(model.graph) if hasattr(c._values, "tensor")}
+    reads = {name: tensor for name, tensor in reads.items() if any(tensor is t for t in main)}
+    written = model.to_proto(over=source)
+    assert written is source
+    assert written.SerializeToString() == plain.SerializeToString()
+    stayed = {t.name for t in written.graph.initializer if any(t is tensor for tensor in reads.values())}
+    assert stayed == set(reads) - {"W_twin"}  # W_twin's bytes are a copy: W keeps the tensor
 
 
 def test_from_proto_takes_the_values_back_shared_not_copied():
@@ -250,9 +298,9 @@ def test_only_the_final_result_is_exported_with_its_weights(monkeypatch):
     exports = []
     to_proto = Model.to_proto
 
-    def spy(self, *, values=True):
+    def spy(self, *, values=True, **kwargs):
         exports.append(values)
-        return to_proto(self, values=values)
+        return to_proto(self, values=values, **kwargs)
 
     source = mixed_model()
     monkeypatch.setattr(Model, "to_proto", spy)
@@ -265,11 +313,39 @@ def test_only_the_final_result_is_exported_with_its_weights(monkeypatch):
     assert result.model.SerializeToString() == eager.model.SerializeToString()
 
 
+@pytest.mark.parametrize("options", [{}, {"verify_with_ort": True}, {"verify": False}])
+def test_a_compile_of_its_own_copy_writes_the_result_over_it(monkeypatch, options):
+    """Read from a file (here bytes), the source is the PassManager's own: the result is
+    written over it, weights in place, and equals the result from a caller's ModelProto."""
+    written = []
+    write_over = gio._write_over
+
+    def spy(exported, left_out, target):
+        written.append(write_over(exported, left_out, target))
+        return written[-1]
+
+    pipeline = "loss(kind=mse, output=y), identity_elimination, autodiff(trainable=[W, b]), dce"
+    source = mixed_model()
+    from_proto = graphforge.compile(source, pipeline, **options).model
+    assert written == []  # a caller's ModelProto is never written over
+    monkeypatch.setattr(gio, "_write_over", spy)
+    from_bytes = graphforge.compile(source.SerializeToString(), pipeline, **options).model
+    # onnxruntime's check has each change exported whole, the result too, before the last
+    # pass (which changes nothing here) runs
+    assert written == ([] if options.get("verify_with_ort") else [True])
+    assert from_bytes.SerializeToString() == from_proto.SerializeToString()
+
+
+def test_a_compile_with_a_dump_folder_keeps_its_source_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.setattr(gio, "_write_over", lambda *args: pytest.fail("written over a source a dump may show"))
+    result = graphforge.compile(mixed_model().SerializeToString(), "loss(kind=mse, output=y), dce", dump_dir=tmp_path)
+    assert len(result.model.graph.node) > len(mixed_model().graph.node)
+
+
 def test_a_compile_measures_each_weight_read_from_the_source_once(monkeypatch):
     """Measuring raw_data copies it (GPT-2 small: 0.5 GB a verification): the input model's
     verification measures each weight, and every later one (each pass's, the whole result's)
     knows the values it took from there. A truncated weight is still refused, at the input."""
-    from graphforge import graph as gio
 
     measured = []
     long_enough = gio._long_enough
