@@ -62,6 +62,27 @@ class Model:
     input_order: list[str] = field(default_factory=list)
 
     @classmethod
+    def reading(cls, proto: onnx.ModelProto) -> Model:
+        """Import a copy of ``proto`` but for its large floating-point weights, which the model
+        reads from ``proto`` itself instead (copying them costs about as much as reading them
+        from a file). For a caller's model, which is then only read: onnx-graphsurgeon's
+        exports rename the TensorProto they write a constant from (``Model.to_proto`` never
+        does), so a pass that renames a weight and exports the graph itself would rename it in
+        ``proto`` too: the caller puts the names back (``PassManager.run`` does)."""
+        initializers = proto.graph.initializer
+        shared = {t.name: t for t in initializers if _can_leave_out(t)}
+        if len(shared) != sum(1 for t in initializers if _can_leave_out(t)):  # repeated names: which is which?
+            return cls.from_proto(load(proto))
+        model = cls.from_proto(without_values(proto, shared))
+        for constant in _constants(model.graph):
+            lazy = _lazy_tensor(constant)
+            if lazy is not None and is_stand_in(lazy) and constant.name in shared:
+                tensor = shared[constant.name]
+                constant._values = LazyValues(tensor)
+                constant.data_location = tensor.data_location if tensor.HasField("data_location") else None
+        return model
+
+    @classmethod
     def from_proto(cls, proto: onnx.ModelProto, *, values_from: Model | None = None) -> Model:
         """Import ``proto``. With ``values_from``, its stand-ins (a ``to_proto(values=False)``
         export, after shape inference say) take back the values of ``values_from``'s

@@ -95,8 +95,21 @@ class PassManager:
         return cls(parse_pipeline(text, registry), **options)
 
     def run(self, source: ModelSource | Model) -> CompileResult:
-        # only read (never changed, nor returned): a copy would copy the weights once more
         proto = source.to_proto() if isinstance(source, Model) else load(source, copy=False)
+        if not isinstance(source, onnx.ModelProto):
+            return self._run(proto, own=True)
+        # a caller's ModelProto is only read (Model.reading), never changed nor returned: a copy
+        # would copy its weights once more
+        names = [(tensor, tensor.name) for tensor in proto.graph.initializer]
+        try:
+            return self._run(proto, own=False)
+        finally:
+            for tensor, name in names:
+                if tensor.name != name:
+                    tensor.name = name
+
+    def _run(self, proto: onnx.ModelProto, *, own: bool) -> CompileResult:
+        """``run`` on ``proto``, checked; ``own``: the PassManager's, not a caller's."""
         unmet = unmet_requirement(self.passes, facts_of(metadata_of(proto)))
         if unmet is not None:
             position, pass_, fact = unmet
@@ -118,7 +131,7 @@ class PassManager:
             # with dump_on_change too: the first change needs its "before" to compare with
             save(proto, self.dump_dir / "000_input.onnx")
         with gc_paused():  # the collector would walk every graphsurgeon object, again and again
-            model = Model.from_proto(proto)
+            model = Model.from_proto(proto) if own else Model.reading(proto)
             histogram = op_histogram(proto)  # of `model`, from its last export
         if self.verify:
             mark_lengths_checked(model)  # verified above
@@ -126,7 +139,7 @@ class PassManager:
         current: onnx.ModelProto | None = proto  # `model` exported whole; None when it was not
         # the result may be written over a source model of our own (read from a file, or the
         # export of a Model), keeping its weights in place; a dump folder keeps it as it was
-        spare = proto if self.dump_dir is None and not isinstance(source, onnx.ModelProto) else None
+        spare = proto if own and self.dump_dir is None else None
         last_change: PassRecord | None = None
         for position, pass_ in enumerate(self.passes, start=1):
             iteration = 0
@@ -152,8 +165,8 @@ class PassManager:
             with gc_paused():
                 current = model.to_proto(over=spare)
             last_change.verify_seconds += time.perf_counter() - start
-        if current is source:  # nothing changed: a copy, not the caller's own ModelProto
-            current = load(source)
+        if current is proto and not own:  # nothing changed: a copy, not the caller's own ModelProto
+            current = load(proto)
         return CompileResult(current, records)
 
     def _apply(

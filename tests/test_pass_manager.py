@@ -153,6 +153,20 @@ class RenameConstants(Pass):
 
 
 @dataclass(frozen=True)
+class RenameAndExportItself(Pass):
+    """Renames every initializer, then exports the graph with onnx-graphsurgeon itself (which
+    renames the TensorProto each constant is read from), as a pass handing its graph to a
+    helper might."""
+
+    name = "rename_and_export_itself"
+
+    def run(self, model: Model) -> PassResult:
+        RenameConstants().run(model)
+        gs.export_onnx(model.graph, do_type_check=False)
+        return PassResult(model, True)
+
+
+@dataclass(frozen=True)
 class Spy(Pass):
     """Counts its runs."""
 
@@ -228,7 +242,11 @@ def test_every_source_form_gives_the_same_result_and_stays_untouched(tmp_path, f
     assert [n.op for n in model.graph.nodes] == ["Relu", "Relu", "Add", "Neg"], "the caller's Model is untouched"
 
 
-@pytest.mark.parametrize("before, after", [("", ""), ("dce", "cse"), ("topo_sort", None)])
+@pytest.mark.parametrize(
+    "before, after",
+    [("", ""), ("dce", "cse"), ("topo_sort", None)],
+    ids=["renamed by the last pass", "renamed between two passes", "nothing changed (no renaming)"],
+)
 def test_a_model_proto_is_read_in_place_and_never_changed_or_handed_back(before, after):
     # the PassManager reads a caller's ModelProto without copying it (its weights), so neither
     # an export (onnx-graphsurgeon renames the TensorProto it writes from) nor a pipeline that
@@ -245,6 +263,38 @@ def test_a_model_proto_is_read_in_place_and_never_changed_or_handed_back(before,
     assert proto.SerializeToString() == original
     assert result.model is not proto
     assert all(t.name.startswith("renamed/") == renames for t in result.model.graph.initializer)
+    models.assert_same_outputs(proto, result.model, dims={"N": 3})
+
+
+#: a weight large enough to be read in place (W, 8 KiB), a small one, and a Constant node
+WEIGHTED = """
+<ir_version: 8, opset_import: ["" : 17]>
+weighted (float[N, 64] x) => (float[N, 32] y)
+<float[32] b = {BIAS}>
+{
+    t = MatMul(x, W)
+    two = Constant <value = float[1] {2.0}> ()
+    four = Mul(two, two)
+    u = Mul(t, four)
+    y = Add(u, b)
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [lambda: passes("fold_constants, dce"), lambda: [RenameAndExportItself(), *passes("cse")]],
+    ids=["fold_constants, dce", "rename_and_export_itself, cse"],
+)
+def test_a_model_proto_read_in_place_survives_exports_other_than_the_model_s_own(pipeline):
+    # fold_constants hands the graph to onnx-graphsurgeon's folding, whose export names the
+    # Constant node's tensor; a pass may rename a weight and export the graph itself
+    proto = onnx.parser.parse_model(WEIGHTED.replace("BIAS", ", ".join(str(i / 32) for i in range(32))))
+    weight = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(weight, "W"))
+    original = proto.SerializeToString()
+    result = PassManager(pipeline()).run(proto)
+    assert proto.SerializeToString() == original
     models.assert_same_outputs(proto, result.model, dims={"N": 3})
 
 
