@@ -68,7 +68,10 @@ class PassManager:
     bisect_limit: run only the first N pass applications; the rest are reported as skipped.
 
     Each change is exported and verified; the weights are copied into an export only for the
-    result, a dump or onnxruntime, and left out of the others (see ``Model.to_proto``).
+    result, a dump or onnxruntime, and left out of the others (see ``Model.to_proto``). A
+    caller's ModelProto is read in place, never changed, and its weights are copied once, into
+    the result; a model read from a file (or bytes) becomes the result, its weights where they
+    were (unless a dump folder is to show it as it was).
     """
 
     def __init__(
