@@ -69,9 +69,9 @@ class Model:
         exports rename the TensorProto they write a constant from (``Model.to_proto`` never
         does), so a pass that renames a weight and exports the graph itself would rename it in
         ``proto`` too: the caller puts the names back (``PassManager.run`` does)."""
-        initializers = proto.graph.initializer
-        shared = {t.name: t for t in initializers if _can_leave_out(t)}
-        if len(shared) != sum(1 for t in initializers if _can_leave_out(t)):  # repeated names: which is which?
+        large = [t for t in proto.graph.initializer if _can_leave_out(t)]
+        shared = {t.name: t for t in large}
+        if len(shared) != len(large):  # two of one name: which is which?
             return cls.from_proto(load(proto))
         model = cls.from_proto(without_values(proto, shared))
         for constant in _constants(model.graph):
@@ -400,11 +400,15 @@ def _put_values_back(graph: onnx.GraphProto, left_out: dict[str, gs.Constant]) -
         return
     for tensor in graph.initializer:
         constant = left_out.get(tensor.name)
-        if constant is None:
-            continue
-        source = _lazy_tensor(constant)
-        tensor.CopyFrom(source if source is not None else OnnxExporter.export_tensor_proto(constant))
-        tensor.name = constant.name
+        if constant is not None:
+            _copy_values(constant, tensor)
+
+
+def _copy_values(constant: gs.Constant, tensor: onnx.TensorProto) -> None:
+    """Write ``constant`` (its name and values) into ``tensor``: one copy of its bytes."""
+    source = _lazy_tensor(constant)
+    tensor.CopyFrom(source if source is not None else OnnxExporter.export_tensor_proto(constant))
+    tensor.name = constant.name
 
 
 def _write_over(exported: onnx.ModelProto, left_out: dict[str, gs.Constant], target: onnx.ModelProto) -> bool:
@@ -438,9 +442,7 @@ def _write_over(exported: onnx.ModelProto, left_out: dict[str, gs.Constant], tar
         if constant is None:
             added.CopyFrom(tensor)
         else:
-            source = _lazy_tensor(constant)
-            added.CopyFrom(source if source is not None else OnnxExporter.export_tensor_proto(constant))
-            added.name = constant.name
+            _copy_values(constant, added)
     initializers.sort(key=lambda tensor: order[tensor.name])
     # everything else is the export's: clear it from `target`, then merge the export in
     # without its initializers (merging appends repeated fields and sets the scalars set)
