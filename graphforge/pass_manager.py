@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 
 from graphforge.errors import GraphforgeError, ModelSaveError, PassError, PipelineError
-from graphforge.graph import Model, ModelSource, load, mark_lengths_checked, save
+from graphforge.graph import Model, ModelSource, load, mark_lengths_checked, names_kept, save
 from graphforge.ir import gc_paused, op_histogram
 from graphforge.passes import REGISTRY
 from graphforge.pipeline import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
@@ -103,13 +103,8 @@ class PassManager:
             return self._run(proto, own=True)
         # a caller's ModelProto is only read (Model.reading), never changed nor returned: a copy
         # would copy its weights once more
-        names = [(tensor, tensor.name) for tensor in proto.graph.initializer]
-        try:
+        with names_kept(proto):
             return self._run(proto, own=False)
-        finally:
-            for tensor, name in names:
-                if tensor.name != name:
-                    tensor.name = name
 
     def _run(self, proto: onnx.ModelProto, *, own: bool) -> CompileResult:
         """``run`` on ``proto``, checked; ``own``: the PassManager's, not a caller's."""
