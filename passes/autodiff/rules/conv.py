@@ -163,11 +163,13 @@ def _weight_grad_by_offsets(ctx, g: _Geometry, inp, gout, pads: list[int], gout_
     narrow = channels < _NARROW_CHANNELS
     if narrow and len(offsets) > _NARROW_MAX_OFFSETS:
         return None
+    grad = b.reshape(b.transpose(gout, [1, 0, *spatial]), [0, -1])  # [M, N*P]
+    out = _spatial(gout_like)
+    if out is not None and int(np.prod(out)) <= _FEW_POSITIONS:
+        return _weight_grad_channels_last(ctx, g, inp, grad, pads, out, int(channels), offsets)
     data = b.transpose(inp, [1, 0, *spatial])  # [C, N, *S]: each slice flattens to [C, N*P]
     if any(pads):
         data = b.op("Pad", data, b.ints([0, 0, *pads[: g.n], 0, 0, *pads[g.n :]]))
-    grad = b.reshape(b.transpose(gout, [1, 0, *spatial]), [0, -1])  # [M, N*P]
-    out = _spatial(gout_like)
     if out is None:  # each slice spans (O - 1) * stride + 1 cells from its offset
         span = b.add(b.mul(b.sub(b.shape(gout_like, 2), b.ints([1])), b.ints(g.strides)), b.ints([1]))
     columns = []
@@ -187,6 +189,31 @@ def _weight_grad_by_offsets(ctx, g: _Geometry, inp, gout, pads: list[int], gout_
     else:
         flat = b.op("Concat", *(b.unsqueeze(b.op("Gemm", grad, c, transB=1), [2]) for c in columns), axis=2)
     return b.reshape(flat, [0, int(channels), *g.kernel])
+
+
+#: output positions per image up to which one GEMM over channels-last columns beat the GEMM
+#: per offset (benchmarks/fusion_kernels.py small_conv, ResNet-18's 3x3 layers at 1 and 2
+#: threads: 1.3-2.5x at 2x2 and 4x4 outputs; at 8x8 0.9-1.4x; at 16x16 0.6-0.9x)
+_FEW_POSITIONS = 16
+
+
+def _weight_grad_channels_last(ctx, g: _Geometry, inp, grad, pads: list[int], out: list[int], channels, offsets):
+    """dW as one GEMM, grad [M, N*P] times the columns [N*P, K*C]: each offset's strided slice of
+    the padded input, channels last so that every slice and the Concat copy whole rows of C
+    (over few positions, the rows of a channels-first slice are a few values long), then
+    [M, K, C] turned to [M, C, *kernel]."""
+    b, axes = ctx.b, list(range(1, g.n + 1))
+    data = b.transpose(inp, [0, *range(2, g.n + 2), 1])  # [N, *S, C]
+    if any(pads):
+        data = b.op("Pad", data, b.ints([0, *pads[: g.n], 0, 0, *pads[g.n :], 0]))
+    pieces = []
+    for offset in offsets:
+        start = [k * d for k, d in zip(offset, g.dilations, strict=True)]
+        end = [a + (o - 1) * s + 1 for a, o, s in zip(start, out, g.strides, strict=True)]
+        pieces.append(b.op("Slice", data, b.ints(start), b.ints(end), b.ints(axes), b.ints(g.strides)))
+    columns = b.reshape(b.op("Concat", *pieces, axis=g.n + 1), [-1, len(offsets) * channels])
+    flat = b.reshape(b.matmul(grad, columns), [0, len(offsets), channels])
+    return b.reshape(b.transpose(flat, [0, 2, 1]), [0, channels, *g.kernel])
 
 
 def _bias_grad(ctx, g: _Geometry, dy):
