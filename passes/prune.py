@@ -58,6 +58,8 @@ class Prune(Pass):
        in that type by the rules mixed_precision trains with (graphforge.precision; kernels
        checked on ``provider``), its weights stored in that type; inputs and outputs keep
        their types.
+    9. The forward nodes ``fuse`` rewrote into forms tuned to the CPU's kernels (a small-image
+       Conv stacked into one tall image) are put back as the user wrote them.
     Input, output and parameter names never change; dynamic dims stay dynamic. The
     result's note says how much smaller the model became.
     """
@@ -91,6 +93,7 @@ class Prune(Pass):
         unchanged = (fingerprint(graph), dict(model.metadata), list(model.initializer_inputs))
         outputs, keep = self._requested_outputs(graph), self._kept_inputs(graph)  # checked before any change
         graph.outputs = outputs
+        _put_back_fused(model)  # case 9
         DeadCodeElimination().run(model)  # case 1
         _inline_markers(graph)  # case 7
         converted = set_inference_mode(graph) if self.inference else 0  # case 4
@@ -149,6 +152,40 @@ class Prune(Pass):
                 f"its inputs are: {', '.join(names)}"
             )
         return set(self.keep_inputs)
+
+
+def _put_back_fused(model: Model) -> None:
+    """Case 9: each forward node the fuse pass recorded writes its output again; the nodes that
+    stood in for it are left unread, for dead-code elimination."""
+    restore = roles.get_json(model, roles.FUSION, {}).get("restore", {})
+    if not restore:
+        return
+    graph = model.graph
+    tensors = graph.tensors()
+    put_back: dict[int, gs.Node] = {}
+    for output, node in restore.items():
+        out = tensors.get(output)
+        if out is None or len(out.inputs) != 1:
+            continue  # not in this model any more (an output none of the kept ones needs)
+        missing = [n for n in node["inputs"] if n and n not in tensors]
+        if missing:
+            raise PassError(
+                f"the fuse pass's record puts back {node['op']} {node['name']!r}, whose inputs "
+                f"{', '.join(map(repr, missing))} the model no longer has: was the program edited after fuse?"
+            )
+        producer = out.inputs[0]
+        producer.outputs.remove(out)
+        inputs = [tensors[n] if n else gs.Variable.empty() for n in node["inputs"]]
+        put_back[id(producer)] = gs.Node(
+            node["op"],
+            name=node["name"],
+            domain=node["domain"] or None,
+            attrs=node["attrs"],
+            inputs=inputs,
+            outputs=[out],
+        )
+    # where the stand-in's last node was: after the node's inputs, before its readers
+    graph.nodes = [x for n in graph.nodes for x in ((put_back[id(n)], n) if id(n) in put_back else (n,))]
 
 
 def _inline_markers(graph: gs.Graph) -> None:

@@ -4,7 +4,8 @@
   (``p.op("Where", p.op("Greater", p.var("y"), p.var("zero")), p.var("dy"), p.var("zero"))``);
   its last op is the root, whose outputs the replacement takes over. A variable used twice
   must bind the same tensor; an input the pattern names is matched by position, and a node
-  must have exactly the inputs the pattern gives it.
+  must have exactly the inputs the pattern gives it, or up to ``optional`` more (a Conv's
+  bias: the replacement reads them from the matched node).
 - The **check** gets the match and returns None to accept it or the reason it refuses (a
   window that overlaps, a kernel the provider lacks). Reasons are counted, so the pass can
   say why a candidate was left alone.
@@ -58,6 +59,7 @@ class PatternNode:
     op: str
     inputs: tuple[Ref | Var, ...]
     domain: str = ""
+    optional: int = 0
 
 
 class Pattern:
@@ -78,13 +80,14 @@ class Pattern:
     def var(self, name: str) -> Var:
         return Var(name)
 
-    def op(self, op_type: str, *inputs: Ref | Var, name: str | None = None, domain: str = "") -> Ref:
+    def op(self, op_type: str, *inputs: Ref | Var, name: str | None = None, domain: str = "", optional: int = 0) -> Ref:
         """A node of the pattern; ``name`` (default: the op type) is how the check and the
-        replacement find the graph node it matched."""
+        replacement find the graph node it matched; ``optional``: how many more inputs than
+        ``inputs`` the node may have."""
         name = name or op_type
         if name in self.nodes:
             raise ValueError(f"pattern node {name!r} twice: give the second one a name")
-        self.nodes[name] = PatternNode(op_type, tuple(inputs), domain)
+        self.nodes[name] = PatternNode(op_type, tuple(inputs), domain, optional)
         return Ref(name)
 
     def ops(self) -> set[tuple[str, str]]:
@@ -112,10 +115,14 @@ class Match:
 
 @dataclass(frozen=True)
 class Context:
-    """What checks may ask: the onnxruntime provider the program is fused for, the opset."""
+    """What checks may ask: the onnxruntime provider the program is fused for, the opset.
+    ``restore``: what a rule that rewrites a forward node records for ``prune`` to put back
+    (output name -> the node: op, domain, name, input names, attributes), so that an exported
+    model holds the op as the user wrote it, not a form tuned to this machine's kernels."""
 
     provider: str
     opset: int
+    restore: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -238,9 +245,9 @@ def _bind(pattern: Pattern, nodes: dict[str, gs.Node]) -> Match | None:
     bound: dict[str, gs.Tensor] = {}
     for name, spec in pattern.nodes.items():
         node = nodes[name]
-        if len(node.inputs) != len(spec.inputs):
+        if not len(spec.inputs) <= len(node.inputs) <= len(spec.inputs) + spec.optional:
             return None
-        for x, tensor in zip(spec.inputs, node.inputs, strict=True):
+        for x, tensor in zip(spec.inputs, node.inputs[: len(spec.inputs)], strict=True):
             if isinstance(x, Ref):
                 producer = nodes[x.node]
                 if x.index >= len(producer.outputs) or producer.outputs[x.index] is not tensor:

@@ -28,7 +28,12 @@ class Fuse(Pass):
     - ``conv_input_grad_nchwc``: a stride-1 Conv's input gradient with at least 16×16 positions
       as onnxruntime's blocked-channel (NCHWc) CPU Conv instead of ConvTranspose (the same sums
       in another order). Its weight layout depends on the CPU's vector width: the program
-      records it, and a session on a CPU with another refuses the program.
+      records it, and a session on a CPU with another refuses the program;
+    - ``conv_stacked`` and ``conv_transpose_stacked``: a Conv or ConvTranspose over images of
+      at most 16 positions (4×4) as one over the batch stacked into one tall image, with zero
+      rows between the images (onnxruntime's CPU kernels run image by image, one GEMM as narrow
+      as the image; the same sums). A forward node rewritten is recorded, and ``prune`` puts
+      it back: an exported model has the user's op.
 
     ``rules``: the rule names to apply (default: all, in the order above). ``provider`` ("auto":
     CUDA where it works here, else the CPU): a rule emits an op only where onnxruntime's provider
@@ -61,8 +66,11 @@ class Fuse(Pass):
         shaped = {r.pattern.nodes[r.pattern.root].op for r in rules if r.shapes}
         if shaped and any(n.op in shaped for n in model.graph.nodes):
             model = infer_shapes(model, in_place=True)  # their checks read static sizes, which a gradient is not given
-        report = apply(model.graph, rules, Context(provider, model.graph.opset or 13))
+        context = Context(provider, model.graph.opset or 13)
+        report = apply(model.graph, rules, context)
         record = {"provider": provider, **report.to_json()}
+        if context.restore:
+            record["restore"] = context.restore  # the forward nodes prune puts back
         if report.fired[CONV_INPUT_GRAD_NCHWC.name]:
             record["nchwc_block"] = nchwc_block_size()  # the weights' layout: the runtime checks its CPU's
         roles.set_json(model, roles.FUSION, record)

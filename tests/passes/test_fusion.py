@@ -19,6 +19,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from graphforge.passes.fusion import Fuse
 from graphforge.passes.fusion.engine import Context, Pattern, Rule, apply
+from graphforge.passes.fusion.rules import RULES
 from onnx import TensorProto, helper, numpy_helper
 
 import graphforge
@@ -120,7 +121,7 @@ def test_overlapping_windows_keep_the_summing_scatter():
     overlapping = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
     plain, done, report = fused(cnn(overlapping))
     assert report["fired"] == {"relu_backward_mask": 1}
-    assert report["refused"] == {"maxpool_backward_unpool": {"windows overlap (the gradient is summed)": 1}}
+    assert report["refused"]["maxpool_backward_unpool"] == {"windows overlap (the gradient is summed)": 1}
     assert_same_values(plain, done)
 
 
@@ -233,6 +234,109 @@ def test_a_program_fused_for_another_nchwc_block_is_refused_by_the_runtime():
     for model in (done, backward):
         with pytest.raises(InvalidModelError, match=r"NCHWc kernels with \d+-channel blocks"):
             graphforge.create_session(model)
+
+
+STACKED = ("conv_stacked", "conv_transpose_stacked")
+
+
+def exported(program: onnx.ModelProto) -> onnx.ModelProto:
+    return compiled(program, "prune(outputs=[logits])").model
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "forward", "backward"),
+    [(4, 1, 3, 2), (2, 1, 3, 2), (1, 1, 3, 2), (3, 1, 3, 2), (5, 2, 2, 2), (8, 2, 2, 2), (16, 2, 1, 1)],
+    ids=["4x4", "2x2", "1x1", "3x3_odd", "5x5_strided_odd", "8x8_strided", "16x16_strided"],
+)
+def test_small_image_convolutions_run_stacked_and_export_as_they_were(size, stride, forward, backward):
+    """Three 3×3 convs (the later ones with ``stride``); each with at most 16 output positions
+    per image is stacked, and so is each input gradient whose dY has at most 16. The exported
+    model is byte for byte the one exported without fuse: prune puts the Conv back."""
+    model = cnn(None, None, None, width=8, size=size, stride=stride)
+    plain, done, report = fused(
+        model,
+        pipeline=f"{GRADIENTS}, sgd(lr=0.1)",
+        fuse="fuse(provider=cpu, rules=[conv_stacked, conv_transpose_stacked])",
+    )
+    assert report["fired"] == {"conv_stacked": forward, "conv_transpose_stacked": backward}
+    assert sorted(report["restore"]) == sorted(f"c{i}" for i in range(3 - forward, 3))
+    assert ops(done)["Conv"] == ops(plain)["Conv"]  # each rewritten as one stacked Conv
+    if forward < 3:
+        assert report["refused"]["conv_stacked"] == {"more than 16 positions per image": 3 - forward}
+    assert_same_values(plain, done, reordered=True)
+    assert_same_values(plain, done, seed=1, reordered=True)
+    assert exported(done).SerializeToString() == exported(plain).SerializeToString()
+
+
+def _decoder(bias: bool) -> onnx.ModelProto:
+    """x [N, 4, 3, 3] → Conv 3×3 (8) → Relu → ConvTranspose 3×3/2 (5 channels, pads 1,
+    output_padding 1) [N, 5, 6, 6] → global average → logits [N, 5]: a forward ConvTranspose,
+    with biases or not."""
+    rng = np.random.default_rng(5)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((8, 4, 3, 3)) / 6).astype(np.float32), "w0"),
+        numpy_helper.from_array((rng.standard_normal((8, CLASSES, 3, 3)) / 8).astype(np.float32), "w1"),
+    ]
+    extra = ([], [])
+    if bias:
+        inits += [
+            numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), f"b{i}")
+            for i, n in enumerate((8, CLASSES))
+        ]
+        extra = (["b0"], ["b1"])
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", *extra[0]], ["c"], name="/conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="/relu"),
+        helper.make_node(
+            "ConvTranspose",
+            ["r", "w1", *extra[1]],
+            ["up"],
+            name="/up",
+            strides=[2, 2],
+            pads=[1, 1, 1, 1],
+            output_padding=[1, 1],
+        ),
+        helper.make_node("GlobalAveragePool", ["up"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "decoder",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 3, 3])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_a_forward_conv_transpose_is_stacked_and_put_back_on_export(bias):
+    """The decoder's forward Conv and ConvTranspose (the biases a third input), and the
+    ConvTranspose's input gradient, a Conv with 3×3 outputs; only the forward two are put back."""
+    plain, done, report = fused(_decoder(bias), fuse=f"fuse(provider=cpu, rules={list(STACKED)})")
+    assert report["fired"] == {"conv_stacked": 2, "conv_transpose_stacked": 1}
+    assert sorted(report["restore"]) == ["c", "up"]
+    assert_same_values(plain, done, reordered=True)
+    assert exported(done).SerializeToString() == exported(plain).SerializeToString()
+
+
+def test_a_program_edited_after_fuse_is_a_clear_prune_error():
+    _, done, _ = fused(cnn(None, None, width=8, size=4))
+    record = next(p for p in done.metadata_props if p.key == roles.FUSION)
+    value = json.loads(record.value)
+    value["restore"]["c1"]["inputs"][1] = "w_gone"
+    record.value = json.dumps(value)
+    with pytest.raises(graphforge.GraphforgeError, match=r"Conv '/conv1', whose inputs 'w_gone' the model no longer"):
+        exported(done)
+
+
+def test_stacking_is_a_cpu_rule():
+    graph = Model.from_proto(cnn(None, width=8, size=4)).graph
+    report = apply(graph, [r for r in RULES if r.name in STACKED], Context("CUDAExecutionProvider", 17))
+    assert report.fired == {}
+    assert report.refused["conv_stacked"] == {
+        "a CPU kernel's per-image loop; the program is for CUDAExecutionProvider": 1
+    }
 
 
 def test_new_nodes_keep_the_origin_and_the_output_names():
