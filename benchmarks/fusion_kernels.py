@@ -1,7 +1,7 @@
 """The kernel-level A/Bs behind the fusion rules: each formulation alone in an onnxruntime CPU
 session, at 1 and 2 threads, on a few layer shapes (median of 30 runs after 3 warm-ups).
 
-    python benchmarks/fusion_kernels.py [relu|maxpool|conv|optimizer ...]
+    python benchmarks/fusion_kernels.py [relu|maxpool|conv|small_conv|optimizer ...]
 
 - ReLU's gradient: Where(y > 0, dy, 0) against dy · Cast(y > 0) (rule relu_backward_mask).
 - A 2×2/2 MaxPool's gradient: ScatterElements into flat zeros against MaxUnpool (rule
@@ -10,6 +10,12 @@ session, at 1 and 2 threads, on a few layer shapes (median of 30 runs after 3 wa
   transposed and flipped), plain (faster on some shapes, slower on others: not a rule) and on
   onnxruntime's NCHWc kernels with the weights blocked each run (rule conv_input_grad_nchwc,
   where the channels divide into the CPU's block).
+- A 3×3 convolution over small images, forward and input gradient: Conv and ConvTranspose as
+  they are against the batch stacked into one tall image (rules conv_stacked and
+  conv_transpose_stacked, applied by the fuse pass itself, their position limit lifted so
+  that the larger layers show why it is there); and the weight gradient as a GEMM per kernel
+  offset over channels-first slices against one GEMM over channels-last columns (autodiff's
+  Conv gradient, which picks the second up to 16 output positions).
 - AdamW's update over a model's parameters (``optimizer_layouts``): the optimizer segment of
   graphforge's own program (its chain of elementwise ops once per parameter) against the same
   chain once over one flat buffer holding every parameter (the layout of a multi-tensor
@@ -178,6 +184,139 @@ def conv_input_gradient(threads: int, rng) -> list[str]:
     return lines
 
 
+#: batch, in channels, size, out channels, stride: ResNet-18's 3×3 layers at 3×64×64, batch 16
+SMALL_CONVS = (
+    (16, 64, 16, 64, 1),
+    (16, 128, 8, 128, 1),
+    (16, 256, 4, 256, 1),
+    (16, 512, 2, 512, 1),
+    (16, 128, 8, 256, 2),
+    (16, 256, 4, 512, 2),
+)
+
+
+def _one_node_model(node, feeds: dict[str, np.ndarray], out: tuple[int, ...]) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [node],
+        "conv",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in feeds.items()],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, list(out))],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def _stacked_form(model: onnx.ModelProto, rule: str) -> onnx.ModelProto:
+    from graphforge.passes.fusion.rules import stacked
+
+    import graphforge
+
+    saved, stacked.MAX_POSITIONS = stacked.MAX_POSITIONS, 1 << 30
+    try:
+        result = graphforge.compile(model, f"fuse(provider=cpu, rules=[{rule}])")
+    finally:
+        stacked.MAX_POSITIONS = saved
+    assert result.records[-1].changed, result.records[-1].note
+    return result.model
+
+
+def _timed(model: onnx.ModelProto, feeds, threads: int):
+    session = _cpu_session(model, threads, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)
+    return _median_ms(lambda: session.run(None, feeds)), session.run(None, feeds)[0]
+
+
+def _weight_gradient_nodes(n, c, size, o, stride, channels_last: bool) -> list:
+    """dW of a 3×3, pad-1 Conv from x and dy: per offset a GEMM over a channels-first slice
+    (then stacked along a last axis), or one GEMM over the channels-last columns."""
+    out = (size - 1) // stride + 1
+    const = {}
+
+    def ints(*v):
+        name = f"k{len(const)}"
+        const[name] = numpy_helper.from_array(np.array(v, np.int64), name)
+        return name
+
+    nodes = [helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3])]
+    nodes.append(helper.make_node("Reshape", ["dyt", ints(o, -1)], ["g"]))
+    perm, pads, axes = (
+        ([0, 2, 3, 1], [0, 1, 1, 0] * 2, [1, 2]) if channels_last else ([1, 0, 2, 3], [0, 0, 1, 1] * 2, [2, 3])
+    )
+    nodes += [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=perm),
+        helper.make_node("Pad", ["xt", ints(*pads)], ["xp"]),
+    ]
+    pieces = []
+    for i in range(3):
+        for j in range(3):
+            end = [i + (out - 1) * stride + 1, j + (out - 1) * stride + 1]
+            piece = f"s{i}{j}"
+            nodes.append(
+                helper.make_node("Slice", ["xp", ints(i, j), ints(*end), ints(*axes), ints(stride, stride)], [piece])
+            )
+            if not channels_last:
+                nodes += [
+                    helper.make_node("Reshape", [piece, ints(c, -1)], [piece + "f"]),
+                    helper.make_node("Gemm", ["g", piece + "f"], [piece + "g"], transB=1),
+                    helper.make_node("Unsqueeze", [piece + "g", ints(2)], [piece + "u"]),
+                ]
+                piece += "u"
+            pieces.append(piece)
+    if channels_last:
+        nodes += [
+            helper.make_node("Concat", pieces, ["cols"], axis=3),
+            helper.make_node("Reshape", ["cols", ints(-1, 9 * c)], ["colm"]),
+            helper.make_node("MatMul", ["g", "colm"], ["flat"]),
+            helper.make_node("Reshape", ["flat", ints(o, 9, c)], ["f3"]),
+            helper.make_node("Transpose", ["f3"], ["ft"], perm=[0, 2, 1]),
+            helper.make_node("Reshape", ["ft", ints(o, c, 3, 3)], ["out"]),
+        ]
+    else:
+        nodes += [
+            helper.make_node("Concat", pieces, ["cat"], axis=2),
+            helper.make_node("Reshape", ["cat", ints(o, c, 3, 3)], ["out"]),
+        ]
+    return nodes, list(const.values())
+
+
+def small_convolutions(threads: int, rng) -> list[str]:
+    lines = []
+    for n, c, size, o, stride in SMALL_CONVS:
+        out = (size - 1) // stride + 1
+        x = rng.standard_normal((n, c, size, size)).astype(np.float32)
+        w = (rng.standard_normal((o, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32)
+        dy = rng.standard_normal((n, o, out, out)).astype(np.float32)
+        conv = {"pads": [1] * 4, "strides": [stride] * 2}
+        shape = f"{[n, c, size, size]} → {o}, stride {stride}"
+        for what, node, feeds, rule, result in (
+            ("forward", helper.make_node("Conv", ["x", "w"], ["out"], **conv), {"x": x, "w": w}, "conv_stacked", dy),
+            (
+                "input gradient",
+                helper.make_node("ConvTranspose", ["dy", "w"], ["out"], **conv, output_padding=[stride - 1] * 2),
+                {"dy": dy, "w": w},
+                "conv_transpose_stacked",
+                x,
+            ),
+        ):
+            model = _one_node_model(node, feeds, result.shape)
+            plain, a = _timed(model, feeds, threads)
+            stacked, b = _timed(_stacked_form(model, rule), feeds, threads)
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-3)
+            lines.append(
+                f"| 3×3 conv {what} | {shape} | {threads} | {node.op_type} {plain:.2f} | stacked {stacked:.2f} |"
+            )
+        feeds = {"x": x, "dy": dy}
+        times = []
+        for channels_last in (False, True):
+            nodes, inits = _weight_gradient_nodes(n, c, size, o, stride, channels_last)
+            ms, result = median_ms(nodes, feeds, threads, inits)
+            times.append((ms, result[0]))
+        np.testing.assert_allclose(times[1][1], times[0][1], rtol=1e-3, atol=1e-2)
+        lines.append(
+            f"| 3×3 conv weight gradient | {shape} | {threads} | GEMM per offset {times[0][0]:.2f} | "
+            f"one GEMM, channels last {times[1][0]:.2f} |"
+        )
+    return lines
+
+
 #: parameter shapes: the Training step section's MLP, one GPT-2 small block, and 96 LayerNorm-sized
 #: vectors (the optimizer's cost there is per op, not per byte)
 PARAMETER_SETS = (
@@ -305,6 +444,7 @@ KERNELS = {
     "relu": relu,
     "maxpool": maxpool,
     "conv": conv_input_gradient,
+    "small_conv": small_convolutions,
     "optimizer": optimizer_layouts,
 }
 
