@@ -173,16 +173,46 @@ def _where_time_goes(module, batches) -> str:
 LEFT = """What fusion does not reach yet (the profiles say where the rest goes):
 
 - **The optimizer.** AdamW is 14 elementwise passes per parameter (the MLP's largest part in the
-  Training step section). On the CPU they are memory-bound: one flat buffer would save dispatches,
-  not passes, and stock onnxruntime has no kernel that fuses elementwise chains, so it stays.
+  Training step section), each memory-bound on the CPU, and stock onnxruntime has no kernel that
+  fuses an elementwise chain (onnxruntime-training's fused AdamW is a kernel of the training
+  build). The issue's multi-tensor layout, measured against the program's own optimizer segment
+  (`.venv/bin/python benchmarks/fusion_kernels.py optimizer`, 2026-11-26 14:46 UTC, this
+  2-core Xeon; median ms of 30 runs, inputs and outputs bound as the runtime binds them):
+
+  | parameters | threads | per parameter (today) | one flat buffer | flat, with its Concat and Split |
+  | --- | ---: | ---: | ---: | ---: |
+  | MLP 784-1024-1024-10: 6 tensors, 1.9 M values | 1 | 19.59 | 25.01 | 29.27 |
+  | MLP 784-1024-1024-10 | 2 | 9.99 | 11.27 | 12.93 |
+  | one GPT-2 small block: 12 tensors, 7.1 M values | 1 | 74.66 | 81.40 | 94.57 |
+  | one GPT-2 small block | 2 | 44.12 | 52.30 | 60.18 |
+  | 96 vectors of 768: 74 k values | 1 | 1.16 | 0.25 | 0.42 |
+  | 96 vectors of 768 | 2 | 1.28 | 0.34 | 0.63 |
+
+  One flat buffer is slower on the MLP and on a GPT-2 block even before the Concat and Split that
+  gather the separate parameters and gradients into it and hand the parameters back (the likely
+  reason, not measured: each per-parameter chain works on a few MB, which can stay in the CPU's
+  caches from one pass to the next, and one chain over 7-28 MB cannot). It is faster only on many
+  small tensors, where the whole update costs about a millisecond (and such times move a lot on
+  this machine: the 96-vector case's per-parameter update took 1.3-2.9 ms at 2 threads over three
+  runs). So the layout does not ship.
+  What changed instead: the step's scalars (bias corrections, step size, AdamW's decay factor)
+  are made once for all parameters rather than once per parameter. onnxruntime had been folding
+  and sharing them already, so the step times did not move measurably, but GPT-2 small's program
+  has 2,357 fewer nodes (10,067 → 7,710), which shortens its compile (Autodiff section).
 - **GPT-2.** No rule fires: most of its step is GEMMs (the Training step section's profile), the
   largest the vocabulary projection's three (forward, weight gradient, input gradient), which no
   rewrite into other standard ops makes cheaper; the loss gradient is already softmax minus one-hot.
-- **ResNet-18.** Most of its step is convolutions whose weights change every step, which
-  onnxruntime's CPU provider runs as im2col + GEMM (NCHW), against torch's oneDNN kernels.
-  conv_input_grad_nchwc moves the input gradients of the large layers onto the blocked kernels;
-  the forward convolutions and the weight gradients are not yet (a forward rule must also be
-  undone by `prune`, so that an exported model does not depend on the CPU's vector width)."""
+- **ResNet-18.** conv_stacked and conv_transpose_stacked take the convolutions of the last two
+  stages (4×4 and 2×2 images) off onnxruntime's per-image GEMMs, conv_input_grad_nchwc the
+  input gradients of the first stage onto the blocked kernels; autodiff itself now writes the
+  weight gradients of the small stages as one GEMM (benchmarks/fusion_kernels.py small_conv has
+  each formulation's A/B by layer). Left: AdamW over 11.2 M parameters (a quarter of the kernel
+  time), the convolutions over 8×8 and 16×16 images, still im2col + GEMM image by image in NCHW
+  against torch's oneDNN kernels (a forward NCHWc rule might pay there, as it did for the input
+  gradients; prune can now put a rewritten forward node back), and BatchNorm's training-mode
+  backward (Mul, Sub, ReduceMean). The stacked convolutions sum in another order: the third
+  step's loss moves in the fifth digit, for the reason the Training step section gives for ResNet-18's
+  losses."""
 
 
 def run(quick: bool = False) -> str:
