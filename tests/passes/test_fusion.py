@@ -268,6 +268,57 @@ def test_small_image_convolutions_run_stacked_and_export_as_they_were(size, stri
     assert exported(done).SerializeToString() == exported(plain).SerializeToString()
 
 
+@pytest.mark.parametrize(
+    ("op", "x", "w", "attrs"),
+    [
+        ("Conv", [4, 3, 5], [6, 3, 3], {"pads": [1, 1]}),
+        ("Conv", [4, 2, 3, 2, 2], [3, 2, 2, 2, 2], {"pads": [1, 0, 1, 0, 1, 0], "strides": [2, 1, 1]}),
+        ("Conv", [3, 2, 4, 4], [3, 2, 3, 3], {"pads": [2, 0, 0, 2], "dilations": [2, 1]}),
+        ("Conv", [3, 2, 4, 3], [3, 2, 2, 3], {"pads": [0, 1, 1, 1], "strides": [3, 1]}),
+        ("Conv", [3, 4, 3, 3], [4, 2, 3, 3], {"pads": [1, 1, 1, 1], "group": 2}),
+        ("Conv", [3, 2, 5, 5], [3, 2, 3, 3], {"auto_pad": "VALID"}),
+        (
+            "ConvTranspose",
+            [3, 4, 2, 2],
+            [4, 3, 3, 3],
+            {"strides": [2, 2], "pads": [0, 1, 2, 0], "output_padding": [1, 1]},
+        ),
+        ("ConvTranspose", [3, 2, 3], [2, 2, 3], {"dilations": [2], "pads": [1, 0]}),
+        ("ConvTranspose", [3, 4, 2, 3], [4, 1, 2, 2], {"group": 2, "strides": [1, 2]}),
+    ],
+    ids=[
+        "1d",
+        "3d_strided",
+        "dilated_uneven_pads",
+        "stride_3",
+        "grouped",
+        "valid",
+        "transpose_strided",
+        "transpose_1d_dilated",
+        "transpose_grouped",
+    ],
+)
+def test_stacking_keeps_every_geometry(op, x, w, attrs):
+    """A forward Conv or ConvTranspose of each geometry, stacked: the same output as
+    onnxruntime's on the node as written (the batch dim symbolic, as exporters write it)."""
+    rng = np.random.default_rng(2)
+    weights = numpy_helper.from_array(rng.standard_normal(w).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "w"], ["y"], name="/node", **attrs)],
+        "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *x[1:]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [weights],
+    )
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    result = compiled(model, f"fuse(provider=cpu, rules={list(STACKED)})")
+    assert result.records[-1].changed, result.records[-1].note
+    feeds = {"x": rng.standard_normal(x).astype(np.float32)}
+    expected, actual = run(model, feeds)["y"], run(result.model, feeds)["y"]
+    assert actual.shape == expected.shape
+    assert np.abs(actual - expected).max() <= RTOL * np.abs(expected).max()
+
+
 def _decoder(bias: bool) -> onnx.ModelProto:
     """x [N, 4, 3, 3] → Conv 3×3 (8) → Relu → ConvTranspose 3×3/2 (5 channels, pads 1,
     output_padding 1) [N, 5, 6, 6] → global average → logits [N, 5]: a forward ConvTranspose,
