@@ -41,20 +41,30 @@ class _Stacking:
     image gets ``rows`` rows (its own and zero rows below), a multiple of the stride, so that
     image n's windows start at row n * rows and no window reads or writes another image's rows.
     ``out_height``: the image's rows on the other side of the convolution (Conv: its output;
-    ConvTranspose: its input)."""
+    ConvTranspose: its input). ``pads`` and ``extra``: the stacked node's pads and, for a
+    ConvTranspose, its first axis's output padding, which make the stacked result exactly
+    ``rows`` (Conv: ``out_rows``) per image."""
 
     height: int
     out_height: int
     rows: int
     stride: int
+    pads: list[int]
+    extra: int
 
     @classmethod
-    def of(cls, height: int, out_height: int, kernel: int, stride: int, dilation: int, pad: int) -> _Stacking:
-        reach = dilation * (kernel - 1) + 1
+    def of(cls, node: gs.Node, height: int, out_height: int) -> _Stacking:
+        kernel = static_shape(node.inputs[1])[2:]
+        strides, dilations, pads = _attrs(node, len(kernel))
+        stride, pad, reach = strides[0], pads[0], dilations[0] * (kernel[0] - 1) + 1
         # above: the image before's gap covers this one's begin pad; below: the last window
         # (or the last row a ConvTranspose writes) ends inside this image's own rows
         rows = max(height + pad, (out_height - 1) * stride - pad + reach, out_height * stride)
-        return cls(height, out_height, rows + (-rows) % stride, stride)
+        # Conv: (N * rows + pad + end - reach) // stride + 1 windows make N * rows // stride;
+        # ConvTranspose: stride * (N * rows // stride - 1) + extra + reach - pad - end rows make N * rows
+        end, extra = max(0, reach - pad - stride), max(0, pad + stride - reach)
+        n = len(kernel)
+        return cls(height, out_height, rows + (-rows) % stride, stride, [pad, *pads[1:n], end, *pads[n + 1 :]], extra)
 
     @property
     def out_rows(self) -> int:
@@ -150,24 +160,13 @@ def conv_check(m: Match, context: Context) -> str | None:
 
 
 def conv_replace(b: Builder, m: Match, context: Context) -> list[gs.Tensor]:
-    node, x, w = m.root, m.vars["x"], m.vars["w"]
+    node, x, y = m.root, m.vars["x"], m.root.outputs[0]
     _remember(node, context)
-    kernel = static_shape(w)[2:]
-    spatial = len(kernel)
-    strides, dilations, pads = _attrs(node, spatial)
-    out = [int(d) for d in node.outputs[0].shape[2:]]
-    stack = _Stacking.of(int(x.shape[2]), out[0], kernel[0], strides[0], dilations[0], pads[0])
-    reach = dilations[0] * (kernel[0] - 1) + 1
-    # exactly N * out_rows windows: (N * rows + begin + end - reach) // stride + 1 = N * rows // stride
-    end = max(0, reach - pads[0] - strides[0])
+    stack = _Stacking.of(node, int(x.shape[2]), int(y.shape[2]))
     attrs = {k: v for k, v in node.attrs.items() if k not in ("pads", "auto_pad")}
-    stacked = b.op(
-        "Conv",
-        _stacked(b, x, stack.rows, stack.height),
-        *node.inputs[1:],
-        **{**attrs, "pads": [pads[0], *pads[1:spatial], end, *pads[spatial + 1 :]]},
-    )
-    return [_unstacked(b, stacked, int(node.outputs[0].shape[1]), stack.out_rows, stack.out_height, out[1:])]
+    stacked = b.op("Conv", _stacked(b, x, stack.rows, stack.height), *node.inputs[1:], **attrs, pads=stack.pads)
+    rest = [int(d) for d in y.shape[3:]]
+    return [_unstacked(b, stacked, int(y.shape[1]), stack.out_rows, stack.out_height, rest)]
 
 
 CONV_STACKED = Rule(
@@ -198,31 +197,21 @@ def transpose_check(m: Match, context: Context) -> str | None:
 
 
 def transpose_replace(b: Builder, m: Match, context: Context) -> list[gs.Tensor]:
-    node, dy, w = m.root, m.vars["dy"], m.vars["w"]
+    node, dy, x = m.root, m.vars["dy"], m.root.outputs[0]
     _remember(node, context)
-    kernel = static_shape(w)[2:]
-    spatial = len(kernel)
-    strides, dilations, pads = _attrs(node, spatial)
-    out_pad = list(node.attrs.get("output_padding", [0] * spatial))
-    out = [int(d) for d in node.outputs[0].shape[2:]]
-    stack = _Stacking.of(out[0], int(dy.shape[2]), kernel[0], strides[0], dilations[0], pads[0])
-    reach = dilations[0] * (kernel[0] - 1) + 1
-    # the stacked output must be exactly N * rows tall: stride * (N * out_rows - 1) + extra +
-    # reach - begin - end = N * rows, so extra + reach - begin - end = stride
-    end, extra = max(0, reach - pads[0] - strides[0]), max(0, pads[0] + strides[0] - reach)
+    stack = _Stacking.of(node, int(x.shape[2]), int(dy.shape[2]))
+    out_pad = list(node.attrs.get("output_padding", [0] * (len(x.shape) - 2)))
     attrs = {k: v for k, v in node.attrs.items() if k not in ("pads", "auto_pad", "output_padding")}
     stacked = b.op(
         "ConvTranspose",
         _stacked(b, dy, stack.out_rows, stack.out_height),
         *node.inputs[1:],
-        **{
-            **attrs,
-            "pads": [pads[0], *pads[1:spatial], end, *pads[spatial + 1 :]],
-            "output_padding": [extra, *out_pad[1:]],
-        },
+        **attrs,
+        pads=stack.pads,
+        output_padding=[stack.extra, *out_pad[1:]],
     )
-    channels = int(node.outputs[0].shape[1])
-    return [_unstacked(b, stacked, channels, stack.rows, stack.height, out[1:])]
+    rest = [int(d) for d in x.shape[3:]]
+    return [_unstacked(b, stacked, int(x.shape[1]), stack.rows, stack.height, rest)]
 
 
 CONV_TRANSPOSE_STACKED = Rule(
