@@ -9,6 +9,7 @@ value; graphforge's sessions run a program with a backward without it.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import graphforge
+from graphforge import roles
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -26,21 +28,39 @@ from train_bench import export, resnet18  # noqa: E402  (the benchmark's model, 
 TOLERANCE = 1e-4
 
 
-def test_resnet_gradients_from_a_session_match_float64_autograd(tmp_path):
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory):
+    """(the exported model, a batch, its labels, torch's float64 gradients by parameter name)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 3, 64, 64)).astype(np.float32)
     y = rng.integers(0, 10, 16)
     module = resnet18(10)
-    path = export(module, x, tmp_path / "resnet.onnx", "x", training=True)
-    program = graphforge.compile(str(path), "loss(kind=cross_entropy, output=logits), autodiff").model
-    session = graphforge.create_session(program)
-    names = [o.name for o in session.get_outputs()]
-    got = dict(zip(names, session.run(names, {"x": x, "labels": y}), strict=True))
-
+    path = export(module, x, tmp_path_factory.mktemp("resnet") / "resnet.onnx", "x", training=True)
     module.double().train()
     loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x).double()), torch.from_numpy(y))
     loss.backward()
-    for name, p in module.named_parameters():
-        expected = p.grad.numpy()
-        error = np.abs(got[f"{name}_grad"] - expected).max() / np.abs(expected).max()
+    return path, x, y, {name: p.grad.numpy() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "fuse",
+    [
+        "",
+        # its stacked convolutions (the 4x4 and 2x2 stages), NCHWc input gradients (16x16) and
+        # ReLU masks sum in other orders or through other kernels: the same oracle holds
+        ", fuse(provider=cpu)",
+    ],
+    ids=["plain", "fused"],
+)
+def test_resnet_gradients_from_a_session_match_float64_autograd(resnet, fuse):
+    path, x, y, expected = resnet
+    program = graphforge.compile(str(path), f"loss(kind=cross_entropy, output=logits), autodiff{fuse}").model
+    if fuse:
+        fired = json.loads(roles.metadata_of(program)[roles.FUSION])["fired"]
+        assert fired["conv_stacked"] == 10 and fired["conv_transpose_stacked"] == 10, fired
+    session = graphforge.create_session(program)
+    names = [o.name for o in session.get_outputs()]
+    got = dict(zip(names, session.run(names, {"x": x, "labels": y}), strict=True))
+    for name, grad in expected.items():
+        error = np.abs(got[f"{name}_grad"] - grad).max() / np.abs(grad).max()
         assert error < TOLERANCE, f"{name}: {error:.1e}"
