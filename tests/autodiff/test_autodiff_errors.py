@@ -381,6 +381,20 @@ def test_loss_pass_refusals(pipeline, fragment):
     assert fragment in compile_error(parse(OUTPUTS), pipeline)
 
 
+def test_loss_pass_infers_the_rank_an_output_does_not_declare():
+    """The loss reads its output's declared type and shape; where the shape is not declared (the
+    checker wants it declared: unchecked), shape inference finds it (the labels get logits'
+    rank less one)."""
+    model = parse(OUTPUTS)
+    logits = next(o for o in model.graph.output if o.name == "logits")
+    logits.type.tensor_type.ClearField("shape")
+    program = graphforge.compile(model, "loss(kind=cross_entropy, output=logits), autodiff", verify=False).model
+    labels = next(i for i in program.graph.input if i.name == "labels")
+    assert [d.dim_param or d.dim_value for d in labels.type.tensor_type.shape.dim] == ["N"]
+    out = run(program, {"x": np.ones((2, 3), np.float32), "k": np.zeros(2, np.int64), "labels": np.array([1, 3])})
+    assert np.isfinite(out["loss"]) and out["w_grad"].shape == (3, 4)
+
+
 def test_loss_pass_refuses_an_existing_labels_tensor():
     model = parse(OUTPUTS.replace("int64[N] k", "int64[N] labels").replace("Identity(k)", "Identity(labels)"))
     message = compile_error(model, "loss(kind=cross_entropy, output=logits)")
