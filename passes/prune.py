@@ -95,6 +95,7 @@ class Prune(Pass):
         graph.outputs = outputs
         _put_back_fused(model)  # case 9
         DeadCodeElimination().run(model)  # case 1
+        _drop_unused_domains(graph)
         _inline_markers(graph)  # case 7
         converted = set_inference_mode(graph) if self.inference else 0  # case 4
         converted += remove_casts(graph, roles.AMP_PREFIX)  # case 8
@@ -155,17 +156,18 @@ class Prune(Pass):
 
 
 def _put_back_fused(model: Model) -> None:
-    """Case 9: each forward node the fuse pass recorded writes its output again; the nodes that
+    """Case 9: each forward node the fuse pass recorded writes its outputs again; the nodes that
     stood in for it are left unread, for dead-code elimination."""
     restore = roles.get_json(model, roles.FUSION, {}).get("restore", {})
     if not restore:
         return
     graph = model.graph
     tensors = graph.tensors()
+    position = {id(n): i for i, n in enumerate(graph.nodes)}
     put_back: dict[int, gs.Node] = {}
-    for output, node in restore.items():
-        out = tensors.get(output)
-        if out is None or len(out.inputs) != 1:
+    for node in restore.values():
+        outs = [tensors.get(name) for name in node["outputs"]]
+        if any(t is None or len(t.inputs) != 1 for t in outs):
             continue  # not in this model any more (an output none of the kept ones needs)
         missing = [n for n in node["inputs"] if n and n not in tensors]
         if missing:
@@ -173,19 +175,30 @@ def _put_back_fused(model: Model) -> None:
                 f"the fuse pass's record puts back {node['op']} {node['name']!r}, whose inputs "
                 f"{', '.join(map(repr, missing))} the model no longer has: was the program edited after fuse?"
             )
-        producer = out.inputs[0]
-        producer.outputs.remove(out)
+        producers = [t.inputs[0] for t in outs]
+        last = max(producers, key=lambda n: position[id(n)])  # the put-back node goes where it was
+        for t, producer in zip(outs, producers, strict=True):
+            producer.outputs.remove(t)
         inputs = [tensors[n] if n else gs.Variable.empty() for n in node["inputs"]]
-        put_back[id(producer)] = gs.Node(
+        put_back[id(last)] = gs.Node(
             node["op"],
             name=node["name"],
             domain=node["domain"] or None,
             attrs=node["attrs"],
             inputs=inputs,
-            outputs=[out],
+            outputs=outs,
         )
-    # where the stand-in's last node was: after the node's inputs, before its readers
+    # after the node's inputs, before its readers
     graph.nodes = [x for n in graph.nodes for x in ((put_back[id(n)], n) if id(n) in put_back else (n,))]
+
+
+def _drop_unused_domains(graph: gs.Graph) -> None:
+    """Opset imports of domains no node (nor local function) uses any more: a fused op's,
+    once its node is put back."""
+    if graph.import_domains is None:
+        return
+    used = {n.domain or "" for g in every_graph(graph) for n in g.nodes} | {f.domain for f in graph.functions}
+    graph.import_domains = [d for d in graph.import_domains if d.domain in ("", "ai.onnx") or d.domain in used]
 
 
 def _inline_markers(graph: gs.Graph) -> None:

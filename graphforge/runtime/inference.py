@@ -6,14 +6,15 @@ never modified.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge.errors import GraphforgeError
-from graphforge.graph import Model, ModelSource, load
+from graphforge.graph import Model, ModelSource, load, names_kept
 from graphforge.ir import onnx_dtype
 from graphforge.passes.prune import Prune
 from graphforge.program import ProgramRoles
@@ -32,16 +33,16 @@ def eval_model(
     ``verify=False``: no check of the result, for a runtime that binds values the program
     leaves out (``graph.without_values``): onnxruntime checks the model it loads.
     """
-    model = _as_model(program)
-    program_roles = ProgramRoles.of_model(model)
-    wanted = list(program_roles.forward_outputs if outputs is None else outputs)
-    loss = program_roles.loss
-    if loss is not None and loss not in wanted:
-        wanted.append(loss)
-    labels = program_roles.labels
-    keep = [labels] if labels in {t.name for t in model.graph.inputs} else []
-    prune = Prune(outputs=tuple(wanted), keep_inputs=tuple(keep), parameters_as_inputs=True)
-    return _pruned(model, prune, verify=verify)
+    with _read(program) as model:
+        program_roles = ProgramRoles.of_model(model)
+        wanted = list(program_roles.forward_outputs if outputs is None else outputs)
+        loss = program_roles.loss
+        if loss is not None and loss not in wanted:
+            wanted.append(loss)
+        labels = program_roles.labels
+        keep = [labels] if labels in {t.name for t in model.graph.inputs} else []
+        prune = Prune(outputs=tuple(wanted), keep_inputs=tuple(keep), parameters_as_inputs=True)
+        return _pruned(model, prune, verify=verify)
 
 
 def export_inference_model(
@@ -61,20 +62,26 @@ def export_inference_model(
     optimizer states, accumulators or the step (a runtime's whole state) are ignored, as
     an inference model has no place for them. Any other name is an error.
     """
-    model = _as_model(program)
-    wanted = list(ProgramRoles.of_model(model).forward_outputs) if outputs is None else list(outputs)
-    if values:
-        _set_values(model, values)
-    return _pruned(model, Prune(outputs=tuple(wanted), dtype=dtype))
+    with _read(program) as model:
+        wanted = list(ProgramRoles.of_model(model).forward_outputs) if outputs is None else list(outputs)
+        if values:
+            _set_values(model, values)
+        return _pruned(model, Prune(outputs=tuple(wanted), dtype=dtype))
 
 
-def _as_model(program: ModelSource | Model) -> Model:
-    """A Model the caller's program does not share mutable state with."""
+@contextlib.contextmanager
+def _read(program: ModelSource | Model) -> Iterator[Model]:
+    """A Model the caller's program does not share mutable state with. A caller's ModelProto
+    is read in place (``Model.reading``: its Constant nodes copied, its weights not), its
+    weights' names kept: onnx-graphsurgeon's exports rename the tensors they export from, and
+    an import of the proto itself had let prune rename its Constant nodes' values."""
     if isinstance(program, Model):
-        return program.copy()
-    if isinstance(program, onnx.ModelProto):
-        return Model.from_proto(program)  # onnx-graphsurgeon reads the proto, never writes it
-    return Model.from_proto(load(program))
+        yield program.copy()
+    elif isinstance(program, onnx.ModelProto):
+        with names_kept(program):
+            yield Model.reading(program)
+    else:
+        yield Model.from_proto(load(program))
 
 
 def _pruned(model: Model, prune, *, verify: bool = True) -> onnx.ModelProto:

@@ -35,6 +35,7 @@ import networkx as nx
 import onnx_graphsurgeon as gs
 from networkx.algorithms import isomorphism
 
+from graphforge import roles
 from graphforge.builder import Builder
 from graphforge.ir import live_nodes, remove_nodes_left_dead
 
@@ -116,9 +117,10 @@ class Match:
 @dataclass(frozen=True)
 class Context:
     """What checks may ask: the onnxruntime provider the program is fused for, the opset.
-    ``restore``: what a rule that rewrites a forward node records for ``prune`` to put back
-    (output name -> the node: op, domain, name, input names, attributes), so that an exported
-    model holds the op as the user wrote it, not a form tuned to this machine's kernels."""
+    ``restore``: the forward nodes (the user's, not a pass's) that rules rewrote, which
+    ``apply`` records for ``prune`` to put back (first output name -> op, domain, name, input
+    and output names, attributes), so that an exported model holds the op as the user wrote it,
+    not a form tuned to this machine's kernels."""
 
     provider: str
     opset: int
@@ -182,6 +184,10 @@ def apply(graph: gs.Graph, rules: Sequence[Rule], context: Context) -> Report:
             root = match.root
             with builder.scope(root.name.rsplit("/", 1)[0] if "/" in (root.name or "") else (root.name or "fused")):
                 outputs = list(rule.replace(builder, match, context))
+            if roles.node_origin(root.name or "") is None:
+                # a root only: no rule's pattern spans several forward nodes (one that did would
+                # need its inner nodes recorded too)
+                context.restore[root.outputs[0].name] = _record(root)
             _take_over(root, outputs)
             made.setdefault(id(root), []).extend(graph.nodes[first_new:])
             del graph.nodes[first_new:]
@@ -191,6 +197,17 @@ def apply(graph: gs.Graph, rules: Sequence[Rule], context: Context) -> Report:
         graph.nodes = [x for node in graph.nodes for x in (*made.get(id(node), ()), node)]
         remove_nodes_left_dead(graph, live)
     return report
+
+
+def _record(node: gs.Node) -> dict:
+    return {
+        "op": node.op,
+        "domain": node.domain or "",
+        "name": node.name,
+        "inputs": [t.name for t in node.inputs],
+        "outputs": [t.name for t in node.outputs],
+        "attrs": {k: list(v) if isinstance(v, tuple | list) else v for k, v in node.attrs.items()},
+    }
 
 
 def _take_over(root: gs.Node, outputs: list[gs.Tensor]) -> None:

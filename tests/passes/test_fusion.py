@@ -27,7 +27,7 @@ from graphforge import roles
 from graphforge.cut import cut
 from graphforge.errors import InvalidModelError
 from graphforge.graph import Model
-from graphforge.ort_compat import nchwc_block_size
+from graphforge.ort_compat import NCHWC_DOMAIN, nchwc_block_size
 from tests.models import random_inputs, run, tanh_mlp
 
 CLASSES = 5
@@ -369,6 +369,28 @@ def test_a_forward_conv_transpose_is_stacked_and_put_back_on_export(bias):
     assert sorted(report["restore"]) == ["c", "up"]
     assert_same_values(plain, done, reordered=True)
     assert exported(done).SerializeToString() == exported(plain).SerializeToString()
+
+
+@needs_nchwc
+def test_a_forward_conv_transpose_on_nchwc_kernels_is_put_back_on_export():
+    """Any rule that rewrites a user's node is recorded by the engine, not only the stacked ones:
+    a forward 16×16 ConvTranspose goes onto the CPU's blocked kernels, and the export, which must
+    not depend on the CPU's vector width, has the ConvTranspose again."""
+    block = nchwc_block_size()
+    rng = np.random.default_rng(4)
+    graph = helper.make_graph(
+        [helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="/up", pads=[1, 1, 1, 1])],
+        "up",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", block, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", block, 16, 16])],
+        [numpy_helper.from_array(rng.standard_normal((block, block, 3, 3)).astype(np.float32), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    done = compiled(model, "fuse(provider=cpu, rules=[conv_input_grad_nchwc])").model
+    assert {n.domain for n in done.graph.node} >= {NCHWC_DOMAIN}
+    assert list(json.loads(roles.metadata_of(done)[roles.FUSION])["restore"]) == ["y"]
+    prune = "prune(outputs=[y])"
+    assert compiled(done, prune).model.SerializeToString() == compiled(model, prune).model.SerializeToString()
 
 
 def test_a_program_edited_after_fuse_is_a_clear_prune_error():

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from graphforge import roles
 from graphforge.builder import Builder, static_shape
 from graphforge.ort_compat import CPU
 
@@ -135,18 +134,6 @@ def _unstacked(b: Builder, y: gs.Tensor, channels: int, rows: int, height: int, 
     return b.transpose(blocks, [1, 0, *range(2, len(rest) + 3)])
 
 
-def _remember(node: gs.Node, context: Context) -> None:
-    """A forward node (one the user's model has) is recorded for ``prune`` to put back."""
-    if roles.node_origin(node.name or "") is None:
-        context.restore[node.outputs[0].name] = {
-            "op": node.op,
-            "domain": node.domain or "",
-            "name": node.name,
-            "inputs": [t.name for t in node.inputs],
-            "attrs": {k: list(v) if isinstance(v, tuple | list) else v for k, v in node.attrs.items()},
-        }
-
-
 # --------------------------------------------------------------------------- Conv
 
 
@@ -159,9 +146,8 @@ def conv_check(m: Match, context: Context) -> str | None:
     return _check(m, context, m.root.outputs[0], m.vars["x"])
 
 
-def conv_replace(b: Builder, m: Match, context: Context) -> list[gs.Tensor]:
+def conv_replace(b: Builder, m: Match, _: Context) -> list[gs.Tensor]:
     node, x, y = m.root, m.vars["x"], m.root.outputs[0]
-    _remember(node, context)
     stack = _Stacking.of(node, int(x.shape[2]), int(y.shape[2]))
     attrs = {k: v for k, v in node.attrs.items() if k not in ("pads", "auto_pad")}
     stacked = b.op("Conv", _stacked(b, x, stack.rows, stack.height), *node.inputs[1:], **attrs, pads=stack.pads)
@@ -196,9 +182,8 @@ def transpose_check(m: Match, context: Context) -> str | None:
     return _check(m, context, m.vars["dy"], m.root.outputs[0])
 
 
-def transpose_replace(b: Builder, m: Match, context: Context) -> list[gs.Tensor]:
+def transpose_replace(b: Builder, m: Match, _: Context) -> list[gs.Tensor]:
     node, dy, x = m.root, m.vars["dy"], m.root.outputs[0]
-    _remember(node, context)
     stack = _Stacking.of(node, int(x.shape[2]), int(dy.shape[2]))
     out_pad = list(node.attrs.get("output_padding", [0] * (len(x.shape) - 2)))
     attrs = {k: v for k, v in node.attrs.items() if k not in ("pads", "auto_pad", "output_padding")}
