@@ -190,7 +190,8 @@ class PassManager:
         start = time.perf_counter()
         try:
             _check_conditions(pass_, model)
-            result = pass_.run(model)
+            with gc_paused():  # a pass adds thousands of graph objects (see gc_paused)
+                result = pass_.run(model)
             if not isinstance(result, PassResult) or not isinstance(result.model, Model):
                 raise TypeError(f"run() must return PassResult(model, changed), got {type(result).__name__}")
             missing = [fact.what for fact in pass_.ensures if not fact.holds(result.model)]
