@@ -89,6 +89,15 @@ def test_pruned_program_is_smaller(case, pruned):
     assert f"nodes {record.nodes_before} → {record.nodes_after}" in record.note
 
 
+def test_pruned_maxpool_writes_no_indices():
+    """Case 10: autodiff has MaxPool write its indices for the gradient; the export does not
+    (onnxruntime's CPU MaxPool is several times slower writing them), as torch's did not."""
+    case = CASES["cnn_batchnorm"]()
+    model = graphforge.compile(case.program, "prune(outputs=logits)").model
+    for source, outputs in ((case.forward, 1), (case.program, 2), (model, 1)):
+        assert [len(n.output) for n in source.graph.node if n.op_type == "MaxPool"] == [outputs]
+
+
 def test_prune_keeps_the_interface_and_parameters_of_the_export(case, pruned):
     """The inputs are the export's; its floating-point initializers (the parameters) are
     the pruned model's, none folded away or added."""
@@ -130,6 +139,8 @@ def test_inference_false_keeps_training_mode(case):
     training_nodes = dropout_in_training_mode(model) + batch_norm_in_training_mode(model)
     assert training_nodes == dropout_in_training_mode(case.forward) + batch_norm_in_training_mode(case.forward)
     assert [i.name for i in model.graph.input] == [case.input_name]
+    # case 10: the masks nothing reads are not written (torch's training-mode export writes them)
+    assert all(len(n.output) == 1 for n in model.graph.node if n.op_type == "Dropout")
 
 
 # --------------------------------------------------------------------------- forward-only models

@@ -118,13 +118,14 @@ class Match:
 class Context:
     """What checks may ask: the onnxruntime provider the program is fused for, the opset.
     ``restore``: the forward nodes (the user's, not a pass's) that rules rewrote, which
-    ``apply`` records for ``prune`` to put back (first output name -> op, domain, name, input
-    and output names, attributes), so that an exported model holds the op as the user wrote it,
-    not a form tuned to this machine's kernels."""
+    ``apply`` records for ``prune`` to put back (the root's first output name -> the match's
+    forward nodes in graph order, the root last: op, domain, name, input and output names,
+    attributes), so that an exported model holds the ops as the user wrote them, not a form
+    tuned to this machine's kernels."""
 
     provider: str
     opset: int
-    restore: dict[str, dict] = field(default_factory=dict)
+    restore: dict[str, list[dict]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,8 @@ def apply(graph: gs.Graph, rules: Sequence[Rule], context: Context) -> Report:
     live: set[int] | None = None
     builder: Builder | None = None
     made: dict[int, list[gs.Node]] = {}  # root id -> the nodes that replace it, placed before it
+    position: dict[int, int] = {}  # node id -> place in the graph as given (matches are of those nodes)
+    restored: list[tuple[str, str]] = []  # (rule, restore key) for each rewritten forward root
     for rule in rules:
         taken: set[int] = set()
         for match in list(_matches(graph, rule.pattern)):
@@ -184,10 +187,13 @@ def apply(graph: gs.Graph, rules: Sequence[Rule], context: Context) -> Report:
             root = match.root
             with builder.scope(root.name.rsplit("/", 1)[0] if "/" in (root.name or "") else (root.name or "fused")):
                 outputs = list(rule.replace(builder, match, context))
-            if roles.node_origin(root.name or "") is None:
-                # a root only: no rule's pattern spans several forward nodes (one that did would
-                # need its inner nodes recorded too)
-                context.restore[root.outputs[0].name] = _record(root)
+            if roles.node_origin(root.name or "") is None:  # the match's forward nodes, root last
+                position = position or {id(n): i for i, n in enumerate(graph.nodes)}
+                forward = [n for n in match.nodes.values() if roles.node_origin(n.name or "") is None]
+                context.restore[root.outputs[0].name] = [
+                    _record(n) for n in sorted(forward, key=lambda n: position[id(n)])
+                ]
+                restored.append((rule.name, root.outputs[0].name))
             _take_over(root, outputs)
             made.setdefault(id(root), []).extend(graph.nodes[first_new:])
             del graph.nodes[first_new:]
@@ -196,17 +202,36 @@ def apply(graph: gs.Graph, rules: Sequence[Rule], context: Context) -> Report:
     if live is not None:
         graph.nodes = [x for node in graph.nodes for x in (*made.get(id(node), ()), node)]
         remove_nodes_left_dead(graph, live)
+    if restored:
+        _check_restorable(graph, restored, context.restore)
     return report
+
+
+def _check_restorable(graph: gs.Graph, restored: list[tuple[str, str]], restore: dict[str, list[dict]]) -> None:
+    """prune puts rewritten forward nodes back onto the tensors they read, so every such tensor
+    from outside the match must still be in the graph: a replacement that stopped reading one
+    (reading the source of a Transpose instead, say) left it to be removed with its producer."""
+    tensors = graph.tensors()
+    for rule, key in restored:
+        records = restore[key]
+        produced = {name for r in records for name in r["outputs"]}
+        gone = [n for r in records for n in r["inputs"] if n and n not in produced and n not in tensors]
+        if gone:
+            raise RuntimeError(
+                f"rule {rule} rewrote {records[-1]['op']} {records[-1]['name']!r} and left its input(s) "
+                f"{', '.join(map(repr, dict.fromkeys(gone)))} unread, which prune needs to put the node back"
+            )
 
 
 def _record(node: gs.Node) -> dict:
     return {
         "op": node.op,
-        "domain": node.domain or "",
+        "domain": node.domain,  # None or "" as the node had it: the export writes them differently
         "name": node.name,
         "inputs": [t.name for t in node.inputs],
         "outputs": [t.name for t in node.outputs],
-        "attrs": {k: list(v) if isinstance(v, tuple | list) else v for k, v in node.attrs.items()},
+        # pairs, in the node's order (the model's metadata sorts a JSON object's keys)
+        "attrs": [[k, list(v) if isinstance(v, tuple | list) else v] for k, v in node.attrs.items()],
     }
 
 

@@ -399,7 +399,7 @@ def test_a_program_edited_after_fuse_is_a_clear_prune_error():
     _, done, _ = fused(cnn(None, None, width=8, size=4))
     record = next(p for p in done.metadata_props if p.key == roles.FUSION)
     value = json.loads(record.value)
-    value["restore"]["c1"]["inputs"][1] = "w_gone"
+    value["restore"]["c1"][-1]["inputs"][1] = "w_gone"
     record.value = json.dumps(value)
     with pytest.raises(graphforge.GraphforgeError, match=r"Conv '/conv1', whose inputs 'w_gone' the model no longer"):
         exported(done)
@@ -497,3 +497,76 @@ def test_a_disconnected_pattern_is_an_error():
 
     with pytest.raises(ValueError, match="not connected"):
         Pattern.of(two)
+
+
+def test_every_forward_node_of_a_match_is_put_back_on_export():
+    """A pattern over several forward nodes: prune writes each of them again (the Mul whose
+    output only the matched Neg read, then the Neg), and the export is the model as given."""
+    source = onnx.parser.parse_model(SQUARE_AND_PRODUCT.replace("    dead = Abs(a)\n", ""))
+    model = Model.from_proto(source)
+    context = Context("CPUExecutionProvider", 17)
+    apply(model.graph, [_square_rule([])], context)
+    assert [r["op"] for r in context.restore["y"]] == ["Mul", "Neg"]
+    roles.set_json(model, roles.FUSION, {"restore": context.restore})
+    fused_proto = model.to_proto()
+    assert "Pow" in ops(fused_proto)
+    exported = compiled(fused_proto, "prune(outputs=[y, z])").model
+    assert exported.graph == compiled(source, "prune(outputs=[y, z])").model.graph
+
+
+def test_a_rule_that_leaves_a_forward_input_unread_is_an_error():
+    """prune puts a forward node back onto its own inputs: a replacement that reads around one
+    (here the source of the Abs the Neg read) would leave it to be removed, so apply refuses."""
+    text = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4] x) => (float[4] y) {
+        a = Abs(x)
+        y = Neg(a)
+    }
+    """
+
+    def replace(b, m, _):
+        return [b.op("Neg", b.op("Abs", m.vars["a"].inputs[0].inputs[0]))]
+
+    rule = Rule("around", Pattern.of(lambda p: p.op("Neg", p.var("a"))), lambda m, c: None, replace, "")
+    with pytest.raises(RuntimeError, match=r"rule around rewrote Neg .* left its input\(s\) 'a' unread"):
+        apply(_graph(text), [rule], Context("CPUExecutionProvider", 17))
+
+
+def _channels_last_conv() -> onnx.ModelProto:
+    """[N, 4, 4, 8] channels last, made NCHW by a Transpose, then a 2×2 stride-2 Conv (as
+    ConvNeXt writes its downsampling), its attributes in the order torch's dynamo exporter
+    writes them (not sorted by name)."""
+    rng = np.random.default_rng(0)
+    conv = helper.make_node("Conv", ["nchw", "w", "bias"], ["c"], name="/down/Conv")
+    for name, value in (("strides", [2, 2]), ("pads", [0, 0, 0, 0]), ("kernel_shape", [2, 2]), ("group", 1)):
+        conv.attribute.append(helper.make_attribute(name, value))
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["nchw"], name="/down/Transpose", perm=[0, 3, 1, 2]),
+        conv,
+        helper.make_node("Flatten", ["c"], ["f"], name="/Flatten"),
+        helper.make_node("Gemm", ["f", "fc"], ["logits"], name="/Gemm", transB=1),
+    ]
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (6, 8, 2, 2)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.normal(0, 0.1, 6).astype(np.float32), "bias"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (CLASSES, 24)).astype(np.float32), "fc"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "channels_last",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 4, 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_conv_reading_a_transpose_is_stacked_and_put_back_as_written():
+    plain, done, report = fused(_channels_last_conv(), fuse=f"fuse(provider=cpu, rules={list(STACKED)})")
+    assert report["fired"] == {"conv_stacked": 1}  # the first layer: no input gradient
+    assert_same_values(plain, done, reordered=True)
+    fused_export, plain_export = exported(done), exported(plain)
+    assert fused_export.graph == plain_export.graph
+    (conv,) = [n for n in fused_export.graph.node if n.op_type == "Conv"]
+    assert [a.name for a in conv.attribute] == ["strides", "pads", "kernel_shape", "group"]

@@ -86,7 +86,7 @@ def input_grad_replace(b: Builder, m: Match, _: Context) -> list[gs.Tensor]:
     block = nchwc_block_size()
     out_channels, in_channels, kh, kw = static_shape(w)  # the forward Conv's O and C
     # W'[c, o] = W[o, c] flipped in both spatial axes: the Conv that the stride-1 ConvTranspose is
-    swapped = b.transpose(w, [1, 0, 2, 3])
+    swapped = b.op("Transpose", w, perm=[1, 0, 2, 3])  # of w itself: see stacked._stacked
     flipped = b.op("Slice", swapped, b.ints([-1, -1]), b.ints([-(2**62), -(2**62)]), b.ints([2, 3]), b.ints([-1, -1]))
     blocked = b.reshape(flipped, [in_channels // block, block, out_channels // block, block, kh, kw])
     weights = b.reshape(b.transpose(blocked, list(NCHWC_WEIGHT_PERM)), [in_channels, out_channels, kh, kw])

@@ -119,7 +119,9 @@ def _check(m: Match, context: Context, image: gs.Tensor, other: gs.Tensor) -> st
 def _stacked(b: Builder, x: gs.Tensor, rows: int, height: int) -> gs.Tensor:
     """[N, C, height, ...] as one image [1, C, N * rows, ...], each image followed by zero rows."""
     spatial = len(x.shape) - 2
-    moved = b.transpose(x, [1, 0, *range(2, spatial + 2)])
+    # not b.transpose, which would read the source of a Transpose producing x: prune puts a
+    # forward Conv back onto x itself, so x must stay (onnxruntime merges the two Transposes)
+    moved = b.op("Transpose", x, perm=[1, 0, *range(2, spatial + 2)])
     if rows > height:
         ends = [0, 0, rows - height] + [0] * (spatial - 1)
         moved = b.op("Pad", moved, b.ints([0] * (spatial + 2) + ends))
