@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Annotated
@@ -609,8 +610,20 @@ def _from_this_rank(message: str) -> str:
     return message
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A pass's warning (a UserWarning) as one line, like the errors; others as Python shows them."""
+    if issubclass(category, UserWarning):
+        err.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main() -> None:
     """Entry point: run the app, turning every expected failure into one line and exit 2."""
+    warnings.showwarning = _show_warning
     try:
         status = app(standalone_mode=False)
     except (GraphforgeError, UsageFailure) as exc:

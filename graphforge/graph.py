@@ -26,7 +26,14 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onn
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from graphforge.errors import ModelLoadError, ModelSaveError, one_line
-from graphforge.ir import FLOAT_TYPES, TORCH_KINDS, all_graphs, torch_input_kinds
+from graphforge.ir import (
+    FLOAT_TYPES,
+    TORCH_FOLDED,
+    TORCH_KINDS,
+    all_graphs,
+    torch_folded_parameters,
+    torch_input_kinds,
+)
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 from graphforge.roles import metadata_of
 
@@ -92,6 +99,9 @@ class Model:
         kinds = torch_input_kinds(proto)  # value metadata, which graphsurgeon drops: kept as model metadata
         if kinds and TORCH_KINDS not in metadata:
             metadata[TORCH_KINDS] = json.dumps(kinds, sort_keys=True)
+            folded = torch_folded_parameters(proto)
+            if folded:
+                metadata[TORCH_FOLDED] = json.dumps(folded)
         model = cls(
             graph=gs.import_onnx(proto),
             metadata=metadata,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
@@ -131,6 +132,38 @@ def torch_input_kinds(proto: onnx.ModelProto) -> dict[str, str]:
             if prop.key == _TORCH_KIND_PROP:
                 kinds[value.name] = prop.value
     return kinds
+
+
+#: metadata key: the module's parameters (torch.export's placeholder names, ``p_<path>``)
+#: that the dynamo exporter's nodes read but the model holds under no name: its optimizer
+#: folded them into new constants (a Linear weight into its transpose, ``val_<n>``) or
+#: merged equal ones. JSON list, recorded at import when not empty; autodiff warns.
+TORCH_FOLDED = "graphforge.torch_folded_parameters"
+#: node metadata: the torch.fx node the exporter translated (its arguments name placeholders)
+_TORCH_FX_NODE_PROP = "pkg.torch.onnx.fx_node"
+#: value metadata: the torch.fx placeholder a value came from
+_TORCH_ORIGINAL_PROP = "pkg.torch.onnx.original_node_name"
+
+
+def torch_folded_parameters(proto: onnx.ModelProto) -> list[str]:
+    """The parameter placeholders (``p_<path>``) the exporter's nodes read, as their fx node
+    metadata says, that no value of the model comes from: neither by its metadata nor by its
+    name (``a.b.weight`` is placeholder ``p_a_b_weight``). Empty for other exporters' models."""
+    graph = proto.graph
+    read: set[str] = set()
+    for node in graph.node:
+        for prop in node.metadata_props:
+            if prop.key == _TORCH_FX_NODE_PROP:
+                read.update(_PLACEHOLDER.findall(prop.value))
+    if not read:
+        return []
+    present = {"p_" + re.sub(r"\W", "_", t.name) for t in graph.initializer}
+    for value in (*graph.initializer, *graph.input, *graph.value_info):
+        present.update(p.value for p in value.metadata_props if p.key == _TORCH_ORIGINAL_PROP)
+    return sorted(read - present)
+
+
+_PLACEHOLDER = re.compile(r"%(p_\w+)")
 
 
 def recorded_torch_kinds(metadata: dict[str, str]) -> dict[str, str]:

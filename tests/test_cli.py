@@ -693,3 +693,21 @@ def test_readme_memory_block_runs_as_written(tmp_path):
     program = onnx.load(tmp_path / "out/digits_recompute.onnx")
     assert any(n.name.startswith("recompute::") for n in program.graph.node)
     assert "memory of a training step" in proc.stdout
+
+
+def test_compile_prints_a_pass_warning_as_one_line(tmp_path):
+    """A pass's UserWarning reaches a CLI user as one 'warning:' line, not Python's
+    file:line form with the source line under it."""
+    model = models.parse("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N, 4] x) => (float[N, 4] y, float[4] z) <float[4] w = {1, 2, 3, 4}, float[4] head = {1, 1, 1, 1}> {
+          y = Mul(x, w)
+          z = Neg(head)
+        }
+    """)
+    path = graphforge.save(model, tmp_path / "m.onnx")
+    pipeline = "loss(kind=mse, output=y), autodiff(keep_outputs=false)"
+    proc = ok(graphforge_cli("compile", path, "-p", pipeline, "-o", tmp_path / "p.onnx", cwd=tmp_path))
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        "warning: autodiff: the loss does not depend on 1 parameter(s), which get no gradient: head"
+    ]

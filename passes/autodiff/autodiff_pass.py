@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from graphforge.passes.autodiff.registry import RULES
 from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import gc_paused, is_parameter, recorded_torch_kinds
+from graphforge.ir import TORCH_FOLDED, gc_paused, is_parameter, recorded_torch_kinds
 from graphforge.pipeline import Fact, Pass, PassResult
 from graphforge.shapes import infer_shapes
 
@@ -75,6 +76,7 @@ class Autodiff(Pass):
         targets = self._targets(graph)
         what = self._what(targets)
         params = self._parameters(graph, recorded_torch_kinds(model.metadata))
+        _warn_of_folded_parameters(model.metadata, self.name)
         extra_inputs = self._inputs(graph)
         wrt = params + extra_inputs
         if not wrt:
@@ -254,6 +256,24 @@ def _only_a_setting(t: gs.Tensor) -> bool:
         if rule is None or not slots or any(rule.setting(i) is None for i in slots):
             return False
     return bool(readers)
+
+
+def _warn_of_folded_parameters(metadata: dict[str, str], pass_name: str) -> None:
+    """Case 2b's blind spot: parameters the dynamo exporter's optimizer folded into constants
+    (``graphforge.ir.TORCH_FOLDED``) are no initializers of theirs any more, so nothing trains them."""
+    try:
+        folded = json.loads(metadata.get(TORCH_FOLDED, "[]"))
+    except json.JSONDecodeError:
+        return
+    if not folded or not isinstance(folded, list):
+        return
+    shown = ", ".join(map(str, folded[:5])) + (f" and {len(folded) - 5} more" if len(folded) > 5 else "")
+    warnings.warn(
+        f"{pass_name}: torch.onnx.export's optimizer folded {len(folded)} of the module's parameters into "
+        f"constants (a Linear weight into its transpose) or merged equal ones, so they do not train: {shown}; "
+        "export with optimize=False to train them",
+        stacklevel=4,  # the caller of run()
+    )
 
 
 def _torch_parameter(name: str, kinds: dict[str, str]) -> bool:

@@ -188,3 +188,36 @@ def test_dynamo_buffers_and_lifted_constants_are_no_parameters(tmp_path, optimiz
         lifted = [t for t in onnx.load(path).graph.initializer if t.name.startswith("val_")]
         floats = [float(onnx.numpy_helper.to_array(t)) for t in lifted if t.data_type == onnx.TensorProto.FLOAT]
         assert floats == [16.0]
+
+
+def _dynamo_linear_on_a_sequence(tmp_path, optimize: bool):
+    """A Linear on [N, T, C]: the exporter writes MatMul(x, Transpose(W)), which its optimizer
+    folds into one new constant holding Wᵀ; W is gone from the model."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / f"seq_{optimize}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            torch.nn.Linear(4, 3),
+            (torch.zeros(2, 5, 4),),
+            str(path),
+            dynamo=True,
+            optimize=optimize,
+            external_data=False,
+            input_names=["x"],
+            output_names=["y"],
+            verbose=False,
+        )
+    return path
+
+
+def test_parameters_the_exporter_folded_away_are_warned_about(tmp_path):
+    _, parameters, messages = _compile(_dynamo_linear_on_a_sequence(tmp_path, optimize=True))
+    assert parameters == ["bias"]  # the folded transpose is a constant: nothing trains the weight
+    assert messages == [
+        "autodiff: torch.onnx.export's optimizer folded 1 of the module's parameters into constants (a Linear "
+        "weight into its transpose) or merged equal ones, so they do not train: p_weight; export with "
+        "optimize=False to train them"
+    ]
+    _, parameters, messages = _compile(_dynamo_linear_on_a_sequence(tmp_path, optimize=False))
+    assert sorted(parameters) == ["bias", "weight"] and messages == []
