@@ -290,6 +290,7 @@ def _restore_values(
         if name != initializer.name:
             renames[initializer.name] = name
         initializer.CopyFrom(numpy_helper.from_array(saved[name].detach().cpu().numpy(), name))
+    renames.update(_read_baked_values(model, by_value, saved))
     if not renames:
         return
     taken = {n for node in model.graph.node for n in node.output} | {i.name for i in model.graph.input}
@@ -300,6 +301,49 @@ def _restore_values(
         )
     for node in _every_node(model.graph):
         node.input[:] = [renames.get(n, n) for n in node.input]
+
+
+def _read_baked_values(
+    model: onnx.ModelProto, by_value: Mapping[tuple, str], saved: Mapping[str, torch.Tensor]
+) -> dict[str, str]:
+    """Constant nodes into which the tracer baked a placeholder (it does so with a one-element
+    buffer, GPT-NeoX's rotary inv_freq): in the main graph each goes, its readers reading the
+    tensor's initializer (added, with torch's value, if the export has none), so a parameter
+    still trains; in a subgraph the node keeps torch's value. Returns the renames to make."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    initializers = {t.name for t in graph.initializer}
+    renames: dict[str, str] = {}
+    kept = []
+    for node in graph.node:
+        found = _baked(node, by_value)
+        if found is None or node.output[0] in outputs:
+            kept.append(node)
+            if found is not None:
+                found[0].t.CopyFrom(numpy_helper.from_array(saved[found[1]].detach().cpu().numpy()))
+            continue
+        name = found[1]
+        if name not in initializers:
+            graph.initializer.append(numpy_helper.from_array(saved[name].detach().cpu().numpy(), name))
+            initializers.add(name)
+        renames[node.output[0]] = name
+    if renames:
+        del graph.node[:]
+        graph.node.extend(kept)
+    for node in _every_node(graph):
+        found = _baked(node, by_value) if node.op_type == "Constant" else None
+        if found is not None:  # one in a subgraph
+            found[0].t.CopyFrom(numpy_helper.from_array(saved[found[1]].detach().cpu().numpy()))
+    return renames
+
+
+def _baked(node: onnx.NodeProto, by_value: Mapping[tuple, str]) -> tuple[onnx.AttributeProto, str] | None:
+    """A Constant node's tensor attribute and the placeholder it holds, if it holds one."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        return None
+    value = next((a for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+    name = by_value.get(_fingerprint(numpy_helper.to_array(value.t))) if value is not None else None
+    return None if name is None else (value, name)
 
 
 def _every_node(graph: onnx.GraphProto):

@@ -6,6 +6,7 @@ torch has one (a tied weight), frozen where torch's is, and leaves the module as
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -117,6 +118,40 @@ def test_the_export_leaves_the_module_as_it_was():
     values = {t.name: t for t in model.graph.initializer}
     np.testing.assert_array_equal(numpy_helper.to_array(values["0.bias"]), np.zeros(16, np.float32))
     np.testing.assert_array_equal(numpy_helper.to_array(values["7.bias"]), np.zeros(3, np.float32))
+
+
+def test_a_buffer_the_tracer_bakes_into_a_constant_keeps_its_value():
+    """TorchScript's tracer writes a one-element buffer read under no_grad as a Constant node
+    (GPT-NeoX's rotary inv_freq): the export, traced on placeholder values, had kept the
+    placeholder there; the Constant now gives way to the buffer's initializer."""
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.tensor([1.0]), persistent=False)
+
+        @torch.no_grad()
+        def forward(self, x):
+            positions = torch.arange(x.shape[1], device=x.device)[None, :, None].float()
+            return (positions * self.inv_freq.to(device=x.device, dtype=torch.float)).cos()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(5)
+            self.fc = torch.nn.Linear(4, 3)
+            self.rotary = Rotary()
+
+        def forward(self, x):
+            return self.fc(x) * self.rotary(x)
+
+    net, x = Net(), torch.randn(2, 5, 4)
+    model = export_for_training(net, x, exporter="torchscript")
+    assert "rotary.inv_freq" in {t.name for t in model.graph.initializer}
+    (y,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.numpy()}
+    )
+    np.testing.assert_allclose(y, net(x).detach().numpy(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
