@@ -410,3 +410,41 @@ def test_prune_exports_float32_by_default_and_float16_on_request(gpt_programs):
     low = models.run(half, ids)["logits"]
     assert low.dtype == np.float32
     assert np.linalg.norm(low - want) <= GRADIENT_RELATIVE * np.linalg.norm(want)
+
+
+def test_a_kernel_the_cpu_refuses_at_run_time_stays_in_float32():
+    """onnxruntime's CPU provider registers ScatterElements for float16 but refuses to run it
+    with reduction='add' (the MaxPool gradient's): that node stays float32, and the program
+    trains instead of failing at its first step."""
+    from graphforge.ort_compat import CPU, NATIVE, node_kernel
+
+    scatter = onnx.helper.make_node("ScatterElements", ["d", "i", "u"], ["y"], axis=0, reduction="add")
+    types = (onnx.TensorProto.FLOAT16, onnx.TensorProto.INT64, onnx.TensorProto.FLOAT16)
+    assert node_kernel(CPU, scatter.SerializeToString(), types, (("", 17),)) is None
+    plain = onnx.helper.make_node("ScatterElements", ["d", "i", "u"], ["y"], axis=0)
+    assert node_kernel(CPU, plain.SerializeToString(), types, (("", 17),)) == NATIVE
+
+    rng = np.random.default_rng(0)
+    model = models.parse(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N, 2, 4, 4] x) => (float[N, 3] logits)
+          <float[4, 2, 3, 3] w = {{{", ".join(map(str, rng.normal(0, 0.3, 72).round(3)))}}},
+           float[3, 16] fc = {{{", ".join(map(str, rng.normal(0, 0.3, 48).round(3)))}}}> {{
+          c = Conv <pads = [1, 1, 1, 1]> (x, w)
+          p = MaxPool <kernel_shape = [3, 3], strides = [2, 2], pads = [1, 1, 1, 1]> (c)
+          f = Flatten (p)
+          logits = Gemm <transB = 1> (f, fc)
+        }}
+    """)
+    program = graphforge.compile(model, f"{MLP}, mixed_precision(dtype=float16, provider=cpu)").model
+    reducing = [  # the overlapping windows' gradient sums
+        n
+        for n in program.graph.node
+        if n.op_type == "ScatterElements" and any(a.name == "reduction" for a in n.attribute)
+    ]
+    assert reducing
+    types = _output_types(program)
+    assert all(types[n.output[0]] == onnx.TensorProto.FLOAT for n in reducing)
+    module = Module(program, device="cpu")
+    x, y = rng.random((4, 2, 4, 4)).astype(np.float32), rng.integers(0, 3, 4)
+    assert all(np.isfinite(float(module.train_step(x, y))) for _ in range(3))
