@@ -60,10 +60,9 @@ class Prune(Pass):
        their types.
     9. The forward nodes ``fuse`` rewrote into forms tuned to the CPU's kernels (a small-image
        Conv stacked into one tall image) are put back as the user wrote them.
-    10. The optional outputs nothing reads go: the indices autodiff has MaxPool write for its
-       gradient (onnxruntime's CPU MaxPool runs a slower kernel when it writes them: 35.8 against
-       6.5 ms on 16×64×64×64, 3×3 stride 2, 2 threads), a
-       Dropout's mask.
+    10. The optional outputs nothing reads go: a Dropout's mask, and the indices autodiff has
+       MaxPool write for its gradient (onnxruntime's CPU MaxPool runs a slower kernel when it
+       writes them: 35.8 against 6.5 ms on 16×64×64×64, 3×3 stride 2, 2 threads).
     Input, output and parameter names never change; dynamic dims stay dynamic. The
     result's note says how much smaller the model became.
     """
