@@ -30,9 +30,11 @@ from graphforge.ir import (
     FLOAT_TYPES,
     TORCH_FOLDED,
     TORCH_KINDS,
+    TORCH_TRAINING_BATCHNORMS,
     all_graphs,
     torch_folded_parameters,
     torch_input_kinds,
+    torch_training_batchnorms,
 )
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 from graphforge.roles import metadata_of
@@ -102,6 +104,9 @@ class Model:
             folded = torch_folded_parameters(proto)
             if folded:
                 metadata[TORCH_FOLDED] = json.dumps(folded)
+            batchnorms = torch_training_batchnorms(proto)
+            if batchnorms:
+                metadata[TORCH_TRAINING_BATCHNORMS] = json.dumps(batchnorms)
         model = cls(
             graph=gs.import_onnx(proto),
             metadata=metadata,

@@ -165,6 +165,34 @@ def torch_folded_parameters(proto: onnx.ModelProto) -> list[str]:
 
 _PLACEHOLDER = re.compile(r"%(p_\w+)")
 
+#: metadata key: the BatchNormalization nodes (by first output) that torch ran in training mode
+#: and the dynamo exporter wrote in inference mode, reading the running statistics (torch 2.13
+#: does so; its fx node metadata still says training=True). JSON list, recorded at import;
+#: autodiff trains them in training mode, as torch does.
+TORCH_TRAINING_BATCHNORMS = "graphforge.torch_training_batchnorms"
+#: a batch norm's fx node and its arguments; the sixth is ``training``
+_BATCH_NORM_FX = re.compile(
+    r"aten\.(?:_native_batch_norm_legit_functional|_native_batch_norm_legit|native_batch_norm|batch_norm)"
+    r"\.default\]\(args = \(([^)]*)\)"
+)
+
+
+def torch_training_batchnorms(proto: onnx.ModelProto) -> list[str]:
+    """The first outputs of the main graph's inference-mode BatchNormalization nodes whose fx
+    node metadata says torch ran them with ``training=True``."""
+    found = []
+    for node in proto.graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
+            continue
+        if any(a.name == "training_mode" and a.i for a in node.attribute):
+            continue
+        for prop in node.metadata_props:
+            match = _BATCH_NORM_FX.search(prop.value) if prop.key == _TORCH_FX_NODE_PROP else None
+            args = match.group(1).split(", ") if match else []
+            if len(args) > 5 and args[5] == "True":
+                found.append(node.output[0])
+    return found
+
 
 def recorded_torch_kinds(metadata: dict[str, str]) -> dict[str, str]:
     """The kinds ``Model.from_proto`` recorded as model metadata (TORCH_KINDS, JSON of

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import models
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -470,3 +471,36 @@ def test_missing_model_file(tmp_path):
 def test_public_api_exports_the_session_functions():
     assert graphforge.create_session is create_session
     assert graphforge.available_providers is available_providers
+
+
+def test_a_fresh_training_mode_batchnorm_keeps_its_scale_and_bias():
+    """A gradient program (no optimizer) of a fresh BatchNorm keeps its statistics as
+    initializers: zeros and ones, equal to the bias and the scale. onnxruntime's ConstantSharing
+    made them one buffer each, which the CPU kernel's in-place statistics update then overwrote:
+    every run normalised with other values. graphforge's sessions run without it; the oracle is
+    onnxruntime with no graph optimization at all."""
+    rng = np.random.default_rng(0)
+    model = models.parse(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N, 2, 4, 4] x) => (float[N, 3] logits)
+          <float[4, 2, 3, 3] w = {{{", ".join(map(str, rng.normal(0, 0.3, 72).round(3)))}}},
+           float[4] scale = {{1, 1, 1, 1}}, float[4] bias = {{0, 0, 0, 0}},
+           float[4] mean = {{0, 0, 0, 0}}, float[4] var = {{1, 1, 1, 1}},
+           float[3, 64] fc = {{{", ".join(map(str, rng.normal(0, 0.3, 192).round(3)))}}}> {{
+          c = Conv <pads = [1, 1, 1, 1]> (x, w)
+          n, running_mean, running_var = BatchNormalization <training_mode = 1> (c, scale, bias, mean, var)
+          r = Relu (n)
+          f = Flatten (r)
+          logits = Gemm <transB = 1> (f, fc)
+        }}
+    """)
+    program = graphforge.compile(model, "loss(kind=cross_entropy, output=logits), autodiff").model
+    feeds = {"x": (3 * rng.standard_normal((4, 2, 4, 4)) + 2).astype(np.float32), "labels": rng.integers(0, 3, 4)}
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    oracle = ort.InferenceSession(program.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    expected = oracle.run(["loss", "w_grad"], feeds)
+    session = create_session(program, providers=["CPUExecutionProvider"])
+    for _ in range(3):
+        for got, want in zip(session.run(["loss", "w_grad"], feeds), expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

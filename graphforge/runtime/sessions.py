@@ -251,6 +251,13 @@ RECOMPUTE_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination", "FastGeluFusi
 #: without it, as torch's own float32: tests/runtime/test_backward_sessions.py's case); a
 #: training program's weights are inputs, which it leaves alone anyway
 BACKWARD_DISABLED_OPTIMIZERS = ("NchwcTransformer",)
+#: what a model with a training-mode BatchNormalization is run without: onnxruntime 1.31's
+#: ConstantSharing makes initializers of equal values one buffer, and the CPU kernel writes the
+#: running statistics' update into its running-mean and -variance inputs' buffers in place; where
+#: those are initializers equal to the scale or bias (a fresh BatchNorm's zeros and ones, in a
+#: program without an optimizer, whose statistics stay initializers), it overwrote them, and
+#: every run normalised with other values (tests/test_sessions.py)
+TRAINING_BATCHNORM_DISABLED_OPTIMIZERS = ("ConstantSharing",)
 
 
 def cuda_defaults(providers: Sequence[Any]) -> list[Any]:
@@ -289,6 +296,8 @@ def _session(
         disabled += RECOMPUTE_DISABLED_OPTIMIZERS
     if any(name.startswith(roles.GRAD_PREFIX) for name in names):
         disabled += BACKWARD_DISABLED_OPTIMIZERS
+    if proto is not None and has_training_batch_norm(proto):
+        disabled += TRAINING_BATCHNORM_DISABLED_OPTIMIZERS
     try:
         # no fallback: onnxruntime would print to stdout and quietly continue on the CPU
         return ort.InferenceSession(

@@ -22,7 +22,7 @@ from graphforge.passes.autodiff.registry import RULES
 from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import TORCH_FOLDED, gc_paused, is_parameter, recorded_torch_kinds
+from graphforge.ir import TORCH_FOLDED, TORCH_TRAINING_BATCHNORMS, gc_paused, is_parameter, recorded_torch_kinds
 from graphforge.pipeline import Fact, Pass, PassResult
 from graphforge.shapes import infer_shapes
 
@@ -71,6 +71,7 @@ class Autodiff(Pass):
             return self._run(model)
 
     def _run(self, model: Model) -> PassResult:
+        _train_batchnorms_torch_trained(model, self.name)
         model = infer_shapes(model, in_place=True)
         graph = model.graph
         targets = self._targets(graph)
@@ -256,6 +257,37 @@ def _only_a_setting(t: gs.Tensor) -> bool:
         if rule is None or not slots or any(rule.setting(i) is None for i in slots):
             return False
     return bool(readers)
+
+
+def _train_batchnorms_torch_trained(model: Model, pass_name: str) -> None:
+    """The BatchNormalization nodes torch ran in training mode and the dynamo exporter wrote in
+    inference mode (``graphforge.ir.TORCH_TRAINING_BATCHNORMS``) normalise with the batch's
+    statistics, as torch trains them, and write the running statistics' new values (outputs 1
+    and 2, which the optimizer carries), as a TorchScript export has them."""
+    try:
+        wanted = set(json.loads(model.metadata.get(TORCH_TRAINING_BATCHNORMS, "[]")))
+    except (json.JSONDecodeError, TypeError):
+        return
+    changed = 0
+    for node in model.graph.nodes if wanted else ():
+        if node.op != "BatchNormalization" or len(node.outputs) != 1 or node.outputs[0].name not in wanted:
+            continue
+        if len(node.inputs) < 5 or node.attrs.get("training_mode"):
+            continue
+        node.attrs["training_mode"] = 1
+        for k in (1, 2):
+            statistic = node.inputs[2 + k]
+            node.outputs.append(
+                gs.Variable(f"{node.outputs[0].name}/running_statistic{k}", statistic.dtype, statistic.shape)
+            )
+        changed += 1
+    if changed:
+        warnings.warn(
+            f"{pass_name}: {changed} BatchNormalization node(s) that torch ran in training mode were exported in "
+            "inference mode (torch.onnx's dynamo exporter does so); they train in training mode, normalising "
+            "with the batch's statistics, as torch does",
+            stacklevel=4,
+        )
 
 
 def _warn_of_folded_parameters(metadata: dict[str, str], pass_name: str) -> None:

@@ -221,3 +221,40 @@ def test_parameters_the_exporter_folded_away_are_warned_about(tmp_path):
     ]
     _, parameters, messages = _compile(_dynamo_linear_on_a_sequence(tmp_path, optimize=False))
     assert sorted(parameters) == ["bias", "weight"] and messages == []
+
+
+def test_a_batchnorm_torch_trains_is_trained_so_from_a_dynamo_export(tmp_path):
+    """The dynamo exporter writes a training-mode BatchNorm as an inference BatchNormalization
+    (running statistics); its fx node metadata still says training=True, so autodiff makes it
+    what torch computes. Oracle: torch.optim.AdamW on the module, step for step."""
+    import copy
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(288, 5)
+    ).train()
+    reference = copy.deepcopy(net)
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
+    path = tmp_path / "bn.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (x,), str(path), dynamo=True, optimize=False, external_data=False,
+                          input_names=["x"], output_names=["logits"], verbose=False)  # fmt: skip
+    model, _, messages = _compile(path, "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=0.01)")
+    assert messages == [
+        "autodiff: 1 BatchNormalization node(s) that torch ran in training mode were exported in inference mode "
+        "(torch.onnx's dynamo exporter does so); they train in training mode, normalising with the batch's "
+        "statistics, as torch does"
+    ]
+    module = graphforge.Module(model, device="cpu")
+    assert sorted(module.buffers) == ["1.running_mean", "1.running_var"]
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for _ in range(3):
+        ours = float(module.train_step(x.numpy(), y.numpy()))
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(reference(x), y)
+        loss.backward()
+        optimizer.step()
+        np.testing.assert_allclose(ours, loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(module.buffers["1.running_var"], reference[1].running_var.numpy(), rtol=1e-5)
