@@ -55,6 +55,10 @@ class Autodiff(Pass):
     4. Parameters the loss does not depend on at all get no output and are listed in a
        warning; a loss that depends on none of them is an error.
     5. Roles (loss, parameters, gradients) are recorded in the model's metadata.
+    6. In a model torch.onnx's dynamo exporter wrote, a BatchNormalization that torch ran in
+       training mode (the exporter writes it in inference mode; its node metadata says so) is
+       put in training mode, with a warning; parameters the exporter's optimizer folded away
+       are named in a warning (case 2b cannot train them).
     Only standard ai.onnx operators are emitted.
     """
 
@@ -268,18 +272,23 @@ def _train_batchnorms_torch_trained(model: Model, pass_name: str) -> None:
         wanted = set(json.loads(model.metadata.get(TORCH_TRAINING_BATCHNORMS, "[]")))
     except (json.JSONDecodeError, TypeError):
         return
+    if not wanted:
+        return
+    taken = set(model.graph.tensors())
     changed = 0
-    for node in model.graph.nodes if wanted else ():
+    for node in model.graph.nodes:
         if node.op != "BatchNormalization" or len(node.outputs) != 1 or node.outputs[0].name not in wanted:
             continue
         if len(node.inputs) < 5 or node.attrs.get("training_mode"):
             continue
         node.attrs["training_mode"] = 1
         for k in (1, 2):
+            name = f"{node.outputs[0].name}/running_statistic{k}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
             statistic = node.inputs[2 + k]
-            node.outputs.append(
-                gs.Variable(f"{node.outputs[0].name}/running_statistic{k}", statistic.dtype, statistic.shape)
-            )
+            node.outputs.append(gs.Variable(name, statistic.dtype, statistic.shape))
         changed += 1
     if changed:
         warnings.warn(
