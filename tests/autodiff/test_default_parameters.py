@@ -150,20 +150,17 @@ def _dynamo_export(tmp_path, optimize: bool):
         def forward(self, x):
             return self.fc(x / 16.0) * self.logit_scale + self.offset
 
-    path = tmp_path / f"net_{optimize}.onnx"
+    return _exported(Net(), torch.zeros(2, 4), tmp_path / f"net_{optimize}.onnx", optimize, output="y")
+
+
+def _exported(module, example, path, optimize: bool, output: str):
+    """``module`` through torch.onnx's dynamo exporter into ``path``: input ``x``, one output."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(
-            Net(),
-            (torch.zeros(2, 4),),
-            str(path),
-            dynamo=True,
-            optimize=optimize,
-            external_data=False,
-            input_names=["x"],
-            output_names=["y"],
-            verbose=False,
-        )
+        torch.onnx.export(module, (example,), str(path), dynamo=True, optimize=optimize, external_data=False,
+                          input_names=["x"], output_names=[output], verbose=False)  # fmt: skip
     return path
 
 
@@ -194,21 +191,7 @@ def _dynamo_linear_on_a_sequence(tmp_path, optimize: bool):
     """A Linear on [N, T, C]: the exporter writes MatMul(x, Transpose(W)), which its optimizer
     folds into one new constant holding Wᵀ; W is gone from the model."""
     torch = pytest.importorskip("torch")
-    path = tmp_path / f"seq_{optimize}.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            torch.nn.Linear(4, 3),
-            (torch.zeros(2, 5, 4),),
-            str(path),
-            dynamo=True,
-            optimize=optimize,
-            external_data=False,
-            input_names=["x"],
-            output_names=["y"],
-            verbose=False,
-        )
-    return path
+    return _exported(torch.nn.Linear(4, 3), torch.zeros(2, 5, 4), tmp_path / f"seq_{optimize}.onnx", optimize, "y")
 
 
 def test_parameters_the_exporter_folded_away_are_warned_about(tmp_path):
@@ -236,11 +219,7 @@ def test_a_batchnorm_torch_trains_is_trained_so_from_a_dynamo_export(tmp_path):
     ).train()
     reference = copy.deepcopy(net)
     x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
-    path = tmp_path / "bn.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net, (x,), str(path), dynamo=True, optimize=False, external_data=False,
-                          input_names=["x"], output_names=["logits"], verbose=False)  # fmt: skip
+    path = _exported(net, x, tmp_path / "bn.onnx", optimize=False, output="logits")
     model, _, messages = _compile(path, "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=0.01)")
     assert messages == [
         "autodiff: 1 BatchNormalization node(s) that torch ran in training mode were exported in inference mode "
