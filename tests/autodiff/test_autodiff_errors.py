@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _tracebacks import assert_no_traceback
 from gradcheck import numeric_gradients
 from graphforge.passes.autodiff import RULES
 from models import run
@@ -57,7 +58,7 @@ def assert_cli_refused(proc: subprocess.CompletedProcess, output: Path, *fragmen
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ")
-    assert "Traceback" not in proc.stderr
+    assert_no_traceback(proc.stderr)
     for fragment in fragments:
         assert fragment in lines[0]
     assert not output.exists()

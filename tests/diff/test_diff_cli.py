@@ -12,6 +12,7 @@ import models
 import numpy as np
 import pytest
 from _diff_fixtures import STATUS_A, STATUS_B, parse
+from _tracebacks import assert_no_traceback
 
 import graphforge
 
@@ -28,7 +29,7 @@ def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
 
 def exits(proc: subprocess.CompletedProcess, status: int) -> subprocess.CompletedProcess:
     assert proc.returncode == status, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "Traceback" not in proc.stdout + proc.stderr
+    assert_no_traceback(proc.stdout + proc.stderr)
     return proc
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from _tracebacks import assert_no_traceback
 from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -156,7 +157,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str, st
     assert proc.returncode == status, (proc.returncode, proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
+    assert_no_traceback(proc.stderr + proc.stdout)
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
