@@ -149,7 +149,7 @@ def _conformance_table(conformance: dict | None) -> list[str]:
         "its floating-point inputs made trainable initializers, the loss a fixed random weighting of",
         "its float outputs, every gradient compared with central differences in float64 at "
         f"{conformance['coordinates']} sampled",
-        "coordinates per input (3 where the oracle is onnx's Python reference evaluator and the",
+        "coordinates per input (1 where the oracle is onnx's Python reference evaluator and the",
         "input is large: the two 3-D pooling cases; the method is in `tests/autodiff/conformance.py`). An `*_expanded`",
         "case (the op's function body, inlined) counts for its op. Kinks: coordinates within a",
         "step of a point where the loss is not differentiable, skipped and counted.",

@@ -102,6 +102,27 @@ DECOMPOSED_CASES = [
     Case(
         "GridSample", [r(1, 2, 3, 4), r(1, 2, 3, 2, low=-1, high=1)], {"mode": "linear"}, opset=20, id="GridSample-20"
     ),
+    # the size is a constant input (torch's affine_grid takes it as numbers); 2-D and 3-D, both corner rules
+    Case("AffineGrid", [r(2, 2, 3), ints(2, 1, 3, 4)], const=(1,), grad=[0], opset=20),
+    Case(
+        "AffineGrid",
+        [r(1, 2, 3), ints(1, 2, 4, 3)],
+        {"align_corners": 1},
+        const=(1,),
+        grad=[0],
+        opset=20,
+        id="AffineGrid-aligned",
+    ),
+    Case("AffineGrid", [r(2, 3, 4), ints(2, 1, 2, 3, 4)], const=(1,), grad=[0], opset=20, id="AffineGrid-3d"),
+    Case(
+        "AffineGrid",
+        [r(1, 3, 4), ints(1, 1, 3, 2, 2)],
+        {"align_corners": 1},
+        const=(1,),
+        grad=[0],
+        opset=20,
+        id="AffineGrid-3d-aligned",
+    ),
     Case("CumProd", [r(2, 5), ints(1)], const=(1,), grad=[0], opset=26),
     # zeros: none, one, and two in a row, with exclusive and reverse running products
     Case("CumProd", [_CUMPROD_ZEROS, ints(1)], const=(1,), grad=[0], opset=26, id="CumProd-zeros"),

@@ -7,7 +7,8 @@ from graphforge.passes.autodiff.expand import function_body
 from graphforge.passes.autodiff.registry import RULES, Rule
 
 #: op type -> the first opset that defines it by a function (onnxruntime 1.31 runs up to opset 26).
-#: AffineGrid is left out: its body feeds Range 1-element tensors, which onnx's checker refuses.
+#: AffineGrid is left out: its body feeds Range 1-element tensors, which onnx's checker refuses; it has
+#: a rule of its own (rules/spatial.py).
 FUNCTION_OPS = {
     "Attention": 23,
     "CenterCropPad": 18,

@@ -1,9 +1,10 @@
-"""Spatial rearrangements: Pad, DepthToSpace, SpaceToDepth, GridSample.
+"""Spatial rearrangements: Pad, DepthToSpace, SpaceToDepth, GridSample, AffineGrid.
 
 Each moves or copies elements without arithmetic, so each gradient moves them back:
 constant padding is undone by cropping, the other pad modes (which copy border cells)
 by adding dY back at the positions the same Pad puts each cell, and the depth/space
-shuffles by the inverse shuffle.
+shuffles by the inverse shuffle. AffineGrid is linear in its transform: its gradient is a
+product with the grid's base positions.
 """
 
 from __future__ import annotations
@@ -139,3 +140,20 @@ def _pick(ctx, b, flat, out_shape, xi, yi, weight, h, w):
 
 
 gradient("GridSample", since=16)(decomposed(_grid_sample))
+
+
+@gradient("AffineGrid", since=20)
+def affine_grid(ctx, dys):
+    """``grid[n, p] = theta[n] @ (base[p], 1)`` over the k-D positions p, so ``dtheta[n] =
+    dgrid[n]ᵀ @ (base, 1)``. The base positions are AffineGrid's own at the identity transform
+    (exact: each coordinate times 1 plus zeros), for one image; the size takes no gradient."""
+    b, theta, dy = ctx.b, ctx.x(0), dys[0]
+    k = ctx.rank(ctx.y()) - 2  # 2-D ([N, H, W, 2]) or 3-D ([N, D, H, W, 3])
+    identity = b.cast_like(b.constant(np.eye(k, k + 1, dtype=np.float32)[None]), theta)
+    one_image = b.op("Concat", b.ints([1]), b.slice(ctx.x(1), 0, 1), axis=0)
+    base = b.op("AffineGrid", identity, one_image, align_corners=ctx.attr("align_corners", 0))
+    base = b.reshape(base, [1, -1, k])
+    base.dtype = theta.dtype  # the ones beside it take its type
+    homogeneous = b.op("Concat", base, b.ones_like(b.slice(base, 2, 0, 1)), axis=2)  # [1, P, k + 1]
+    positions = b.transpose(b.reshape(dy, [0, -1, k]), [0, 2, 1])  # [N, k, P]
+    return [b.matmul(positions, homogeneous), None]
