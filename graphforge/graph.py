@@ -30,10 +30,12 @@ from graphforge.ir import (
     FLOAT_TYPES,
     TORCH_FOLDED,
     TORCH_KINDS,
+    TORCH_PADDING_ROWS,
     TORCH_TRAINING_BATCHNORMS,
     all_graphs,
     torch_folded_parameters,
     torch_input_kinds,
+    torch_padding_rows,
     torch_training_batchnorms,
 )
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
@@ -107,6 +109,9 @@ class Model:
             batchnorms = torch_training_batchnorms(proto)
             if batchnorms:
                 metadata[TORCH_TRAINING_BATCHNORMS] = json.dumps(batchnorms)
+            padding = torch_padding_rows(proto)
+            if padding:
+                metadata[TORCH_PADDING_ROWS] = json.dumps(padding, sort_keys=True)
         model = cls(
             graph=gs.import_onnx(proto),
             metadata=metadata,

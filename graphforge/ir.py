@@ -194,15 +194,50 @@ def torch_training_batchnorms(proto: onnx.ModelProto) -> list[str]:
     return found
 
 
+#: metadata key: the embedding lookups torch skips a padding row of (``nn.Embedding(padding_idx=p)``):
+#: JSON object, the lookup's output -> p. torch gives row p no gradient from such a lookup, and
+#: the Gather it exports does not say so: the dynamo exporter's fx node metadata does (recorded
+#: at import), and ``graphforge.torch.export_for_training`` records it from the module. Autodiff
+#: honours it.
+TORCH_PADDING_ROWS = "graphforge.torch_padding_rows"
+#: an embedding's fx node and its arguments (weight, indices, padding_idx = -1: none)
+_EMBEDDING_FX = re.compile(r"aten\.embedding\.default\]\(args = \(([^)]*)\)")
+
+
+def torch_padding_rows(proto: onnx.ModelProto) -> dict[str, int]:
+    """The main graph's Gather nodes whose fx node metadata is an embedding with a padding
+    row: first output -> the row."""
+    found = {}
+    for node in proto.graph.node:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+            continue
+        for prop in node.metadata_props:
+            match = _EMBEDDING_FX.search(prop.value) if prop.key == _TORCH_FX_NODE_PROP else None
+            args = match.group(1).split(", ") if match else []
+            if len(args) > 2 and re.fullmatch(r"\d+", args[2]):
+                found[node.output[0]] = int(args[2])
+    return found
+
+
+#: metadata key: the parameters torch does not train (``requires_grad=False``: a sinusoidal
+#: position table, a frozen backbone), JSON list; ``export_for_training`` records them from the
+#: module (an export itself does not say). Autodiff leaves them out unless named in ``trainable``.
+TORCH_FROZEN = "graphforge.torch_frozen_parameters"
+
+
+def recorded_json(metadata: dict[str, str], key: str, kind: type, default):
+    """The JSON value of ``metadata[key]`` when it is a ``kind``, else ``default`` (absent or unreadable)."""
+    try:
+        value = json.loads(metadata[key]) if metadata.get(key) else default
+    except json.JSONDecodeError:
+        return default
+    return value if isinstance(value, kind) else default
+
+
 def recorded_torch_kinds(metadata: dict[str, str]) -> dict[str, str]:
     """The kinds ``Model.from_proto`` recorded as model metadata (TORCH_KINDS, JSON of
     ``torch_input_kinds``); empty when none were recorded or the entry is not such a mapping."""
-    text = metadata.get(TORCH_KINDS)
-    try:
-        kinds = json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        return {}
-    return kinds if isinstance(kinds, dict) else {}
+    return recorded_json(metadata, TORCH_KINDS, dict, {})
 
 
 def fingerprint(graph: gs.Graph) -> tuple:

@@ -311,7 +311,7 @@ def _check_nchwc_layout(proto: onnx.ModelProto, where: str) -> None:
     """A program fused for onnxruntime's NCHWc kernels (passes/fusion) lays its weights out in
     the channel blocks of the CPU it was compiled on; with another block the kernels would
     read them wrong, silently."""
-    if not any(p.key == roles.FUSION for p in proto.metadata_props):
+    if roles.FUSION not in roles.metadata_of(proto):
         return  # not fused (most models): their roles are not read for this
     fused = ProgramRoles.of_proto(proto).nchwc_block
     if fused is not None and fused != nchwc_block_size():

@@ -13,10 +13,12 @@ exporter does to a module are undone:
 * **Side effects.** Exporting runs the module's forward in training mode, which updates
   BatchNorm's running statistics and counters: every parameter and buffer is restored after.
 
-What torch calls a parameter with ``requires_grad`` is recorded as a parameter, everything
-else (buffers, frozen parameters) as a buffer, in the model metadata autodiff reads
-(``graphforge.torch_input_kinds``, the kinds the dynamo exporter writes): autodiff trains
-exactly what torch would.
+What torch calls a parameter is recorded as a parameter, a buffer as a buffer, in the model
+metadata autodiff reads (``graphforge.torch_input_kinds``, the kinds the dynamo exporter
+writes), and what the export itself does not say is recorded beside: the parameters torch does
+not train (``requires_grad=False``, ``graphforge.torch_frozen_parameters``) and the padding row
+of each ``nn.Embedding(padding_idx=p)`` lookup (``graphforge.torch_padding_rows``). So autodiff
+trains exactly what torch would, and gives a padding row what torch gives it.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ import torch
 from onnx import numpy_helper
 
 from graphforge.errors import GraphforgeError
-from graphforge.ir import TORCH_KINDS
+from graphforge.ir import TORCH_FROZEN, TORCH_KINDS, TORCH_PADDING_ROWS
 from graphforge.pass_manager import compile
+from graphforge.roles import metadata_of
 
 #: the opset the export is written in (onnxruntime 1.31 reads up to 26; 17 is what the
 #: TorchScript exporter handles best)
@@ -136,12 +139,32 @@ def export_for_training(
     _restore_values(model, [placeholders, moved], saved)
     if exporter == "dynamo" and training:
         _batch_norm_in_training_mode(model, {n for n, _ in module.named_buffers()})
-    trained = {name for name, p in module.named_parameters() if p.requires_grad}
-    kinds = {name: "PARAMETER" if name in trained else "BUFFER" for name in placeholders}
+    parameters = dict(module.named_parameters())
     present = {t.name for t in model.graph.initializer}
-    kinds = {name: kind for name, kind in kinds.items() if name in present}
-    onnx.helper.set_model_props(model, {**_props(model), TORCH_KINDS: json.dumps(kinds, sort_keys=True)})
+    kinds = {name: "PARAMETER" if name in parameters else "BUFFER" for name in placeholders if name in present}
+    props = {**metadata_of(model), TORCH_KINDS: json.dumps(kinds, sort_keys=True)}
+    frozen = sorted(name for name, p in parameters.items() if not p.requires_grad and name in kinds)
+    if frozen:
+        props[TORCH_FROZEN] = json.dumps(frozen)
+    padding = _padding_rows(model, module)
+    if padding:
+        props[TORCH_PADDING_ROWS] = json.dumps(padding, sort_keys=True)
+    onnx.helper.set_model_props(model, props)
     return model
+
+
+def _padding_rows(model: onnx.ModelProto, module: torch.nn.Module) -> dict[str, int]:
+    """The lookups of each ``nn.Embedding(padding_idx=p)``'s weight (Gather on axis 0 of the
+    initializer torch's name gives it) -> p, as ``graphforge.ir.TORCH_PADDING_ROWS`` records them."""
+    rows = {id(m.weight): m.padding_idx for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    by_name = {name: rows[id(p)] for name, p in module.named_parameters() if rows.get(id(p)) is not None}
+    found = {}
+    for node in model.graph.node:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or node.input[0] not in by_name:
+            continue
+        if all(a.i == 0 for a in node.attribute if a.name == "axis"):
+            found[node.output[0]] = int(by_name[node.input[0]])
+    return found
 
 
 def _export_dynamo(module, inputs, input_names, output_names, dynamic_axes, opset) -> onnx.ModelProto:
@@ -353,7 +376,3 @@ def _every_node(graph: onnx.GraphProto):
         for attribute in node.attribute:
             for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
                 yield from _every_node(sub)
-
-
-def _props(model: onnx.ModelProto) -> dict[str, str]:
-    return {p.key: p.value for p in model.metadata_props}

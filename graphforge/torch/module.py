@@ -38,16 +38,16 @@ from graphforge.builder import Builder
 from graphforge.cut import cut
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model, save
-from graphforge.ir import FLOAT_TYPES, TORCH_KINDS, replace_uses
+from graphforge.ir import FLOAT_TYPES, TORCH_FROZEN, recorded_json, recorded_torch_kinds, replace_uses
 from graphforge.pass_manager import PassManager
 from graphforge.passes.autodiff import VectorJacobian
 from graphforge.passes.optimizers import torch_running_variance
-from graphforge.roles import grad_name
+from graphforge.roles import grad_name, metadata_of
 from graphforge.runtime.runner import Device, resolve_device
 from graphforge.runtime.sessions import create_session, session_options
 from graphforge.torch.export import EXPORTERS, export_for_training, first_that_works
 
-#: the prefix of the nodes this wrapper adds to the export (running statistics, padding masks)
+#: the prefix of the nodes this wrapper adds to the export (running statistics)
 _PREFIX = "torch::"
 
 
@@ -60,7 +60,6 @@ class _Compiled:
     trained: list[str]  # parameters that get a gradient, in the order the Function takes them
     differentiated: list[str]  # inputs that get a gradient
     fed: list[str]  # parameters and buffers the programs read, by torch name
-    aliases: dict[str, str]  # a second input fed with a parameter (no gradient flows through it) -> its name
     statistics: dict[str, str]  # buffer -> the forward output holding its new value
     counters: list[str]  # BatchNorm's num_batches_tracked buffers, one more each training forward
     previous: dict[str, str]  # an input fed a copy of a running variance -> its buffer
@@ -251,8 +250,10 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None, device
             dim.dim_param = f"output{i}_dim{d}"
     outputs = [o.name for o in exported.graph.output]
     floating = [o.name for o in exported.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
-    kinds = json.loads({p.key: p.value for p in exported.metadata_props}.get(TORCH_KINDS, "{}"))
-    trained = sorted(name for name, kind in kinds.items() if kind == "PARAMETER")
+    metadata = metadata_of(exported)
+    kinds = recorded_torch_kinds(metadata)
+    frozen = set(recorded_json(metadata, TORCH_FROZEN, list, []))  # requires_grad=False: torch wants no gradient
+    trained = sorted(name for name, kind in kinds.items() if kind == "PARAMETER" and name not in frozen)
     differentiated = [n for n, a in zip(names, args, strict=True) if a.requires_grad and a.is_floating_point()]
     if folder is not None:
         save(exported, folder / "exported.onnx")
@@ -260,8 +261,6 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None, device
     b = Builder(model.graph, prefix=_PREFIX)
     _parameters_as_inputs(model.graph, kinds)
     statistics, previous = _running_statistics(b, kinds)
-    aliases = _mask_padding_rows(b, module, kinds)
-    model.graph.toposort()  # the masks come after the lookups' readers
     if not floating:
         trained, differentiated = [], []
     if not trained and not differentiated:
@@ -289,7 +288,6 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None, device
         trained=trained,
         differentiated=differentiated,
         fed=sorted(kinds),
-        aliases=aliases,
         statistics=statistics,
         previous=previous,
         counters=sorted({f"{b.rsplit('.', 1)[0]}.num_batches_tracked" for b in statistics}),
@@ -343,46 +341,6 @@ def _running_statistics(b: Builder, kinds: dict[str, str]) -> tuple[dict[str, st
     return statistics, previous
 
 
-def _mask_padding_rows(b: Builder, module: torch.nn.Module, kinds: dict[str, str]) -> dict[str, str]:
-    """torch gives an ``nn.Embedding(padding_idx=p)`` lookup of row p no gradient; the exported
-    Gather does not know p. Each lookup of such a weight becomes ``Where(ids == p, Gather(alias,
-    ids), Gather(weight, ids))``, the alias a second input fed the same weight that autodiff does
-    not differentiate: the values are the same, and the looked-up padding rows give the weight no
-    gradient (what else reads the weight, a tied output layer, still does). Returns alias -> weight."""
-    padding = {id(m.weight): m.padding_idx for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-    padding = {
-        name: padding[id(p)]
-        for name, p in module.named_parameters()
-        if padding.get(id(p)) is not None and name in kinds
-    }
-    graph, aliases = b.graph, {}
-    for node in list(graph.nodes):
-        weight = node.inputs[0] if node.op == "Gather" and node.domain in ("", "ai.onnx", None) else None
-        if weight is None or weight.name not in padding:
-            continue
-        ids, looked_up = node.inputs[1], node.outputs[0]
-        alias = aliases.get(weight.name)
-        if alias is None:
-            alias = gs.Variable(f"{weight.name}.padding_lookup", dtype=weight.dtype, shape=weight.shape)
-            graph.inputs.append(alias)
-            aliases[weight.name] = alias
-        with b.scope(f"{looked_up.name}/padding_idx"):
-            # the lookup autodiff differentiates writes a new tensor; the Where writes the old one
-            trained = gs.Variable(b.fresh_name("trained"), dtype=looked_up.dtype, shape=looked_up.shape)
-            node.outputs[0] = trained
-            is_padding = b.op("Equal", b.cast(ids, np.int64), b.constant(np.int64(padding[weight.name])))
-            fixed = b.op("Gather", alias, ids, axis=0)
-            graph.nodes.append(
-                gs.Node(
-                    "Where",
-                    name=b.fresh_name("Where"),
-                    inputs=[b.unsqueeze(is_padding, [-1]), fixed, trained],
-                    outputs=[looked_up],
-                )
-            )
-    return {alias.name: weight for weight, alias in aliases.items()}
-
-
 def _feed(t: torch.Tensor) -> np.ndarray | ort.OrtValue:
     """A tensor as a session reads it, on its memory: a NumPy view on the CPU, an OrtValue
     (DLPack) on CUDA. A CUDA bool tensor is the exception, copied through the host: torch hands
@@ -429,7 +387,6 @@ def _run_forward(compiled: _Compiled, tensors: dict[str, torch.Tensor], args) ->
     feeds.update({name: _feed(tensors[name]) for name in compiled.fed})
     # a copy: onnxruntime's BatchNormalization writes the new variance where it read the old one
     feeds.update({previous: _feed(tensors[name].detach().clone()) for previous, name in compiled.previous.items()})
-    feeds.update({alias: feeds[name] for alias, name in compiled.aliases.items()})
     done = _run(
         compiled.forward,
         compiled.device,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from graphforge.passes.autodiff import torch_records
 from graphforge.passes.autodiff.driver import (
     GRAD_PREFIX,
     build_gradients,
@@ -48,7 +49,10 @@ class Autodiff(Pass):
           wildcard;
        d. initializers read only at the inputs a rule calls settings (Clip's bounds, Pad's
           value: numbers in torch), unless named in ``trainable`` without a wildcard: then
-          they train where the rule gives them a gradient.
+          they train where the rule gives them a gradient;
+       e. parameters torch does not train (``requires_grad=False``), where the model records
+          them (``export_for_training`` does), unless named in ``trainable`` without a
+          wildcard; one warning names them.
        ``inputs`` names graph inputs to differentiate as well (their gradients are ``<input>_grad`` too).
     3. The gradient of parameter ``P`` becomes the graph output ``P_grad``; the original
        outputs stay (``keep_outputs=false`` keeps only the loss and the gradients).
@@ -59,6 +63,9 @@ class Autodiff(Pass):
        training mode (the exporter writes it in inference mode; its node metadata says so) is
        put in training mode, with a warning; parameters the exporter's optimizer folded away
        are named in a warning (case 2b cannot train them).
+    7. An embedding lookup whose padding row torch gives no gradient (``nn.Embedding(padding_idx=p)``),
+       where the model records it, gives that row none; a PyTorch export that cannot tell is
+       warned about (passes/autodiff/torch_records.py).
     Only standard ai.onnx operators are emitted.
     """
 
@@ -80,15 +87,16 @@ class Autodiff(Pass):
         graph = model.graph
         targets = self._targets(graph)
         what = self._what(targets)
-        params = self._parameters(graph, recorded_torch_kinds(model.metadata))
+        params = self._parameters(graph, recorded_torch_kinds(model.metadata), torch_records.frozen_parameters(model))
         _warn_of_folded_parameters(model.metadata, self.name)
+        torch_records.warn_of_unknown_padding(model, params, self.name)
         extra_inputs = self._inputs(graph)
         wrt = params + extra_inputs
         if not wrt:
             raise PassError(
                 f"no trainable parameters match trainable={list(self.trainable)} frozen={list(self.frozen)}"
             )
-        grads = self._build(graph, targets, wrt)
+        grads = self._build(graph, targets, wrt, torch_records.padding_hooks(model))
         if not grads:
             raise PassError(f"{what} depend{'s' * (len(targets) == 1)} on none of the {len(wrt)} trainable tensors")
         without = [t for t in wrt if id(t) not in grads]
@@ -145,8 +153,8 @@ class Autodiff(Pass):
     def _what(self, targets, *, named: bool = True) -> str:
         return f"the loss {targets[0][0].name!r}" if named else "the loss"
 
-    def _build(self, graph: gs.Graph, targets, wrt: list[gs.Tensor]) -> dict[int, gs.Tensor]:
-        return build_gradients(graph, targets[0][0], wrt)
+    def _build(self, graph: gs.Graph, targets, wrt: list[gs.Tensor], hooks: dict) -> dict[int, gs.Tensor]:
+        return build_gradients(graph, targets[0][0], wrt, hooks=hooks)
 
     def _record(self, model: Model, targets) -> None:
         model.metadata[roles.LOSS] = targets[0][0].name
@@ -165,17 +173,23 @@ class Autodiff(Pass):
             raise PassError(f"the loss {loss.name!r} must be a scalar (one element), but its shape is {shape}")
         return loss
 
-    def _parameters(self, graph: gs.Graph, torch_kinds: dict[str, str]) -> list[gs.Tensor]:
+    def _parameters(self, graph: gs.Graph, torch_kinds: dict[str, str], frozen: set[str]) -> list[gs.Tensor]:
         seen: dict[str, gs.Tensor] = {}
         named = self._named()
+        left_frozen: dict[str, None] = {}
         for node in graph.nodes:
             for t in node_inputs(node):  # what If/Loop/Scan bodies read counts too
                 if t.name in seen or not is_parameter(t) or not self._is_trainable(t.name):
                     continue
                 generated = t.name.startswith(roles.GENERATED_PREFIXES)  # case 2a
                 setting = t.name not in named and _only_a_setting(t)  # case 2d
-                if not generated and not setting and _torch_parameter(t.name, torch_kinds):
+                if generated or setting or not _torch_parameter(t.name, torch_kinds):
+                    continue
+                if t.name in frozen and t.name not in named:  # case 2e
+                    left_frozen[t.name] = None
+                else:
                     seen[t.name] = t
+        torch_records.warn_of_frozen(list(left_frozen), self.name)
         return list(seen.values())
 
     def _named(self) -> set[str]:
@@ -240,8 +254,8 @@ class VectorJacobian(Autodiff):
     def _what(self, targets, *, named: bool = True) -> str:
         return ", ".join(repr(t.name) for t, _ in targets)
 
-    def _build(self, graph: gs.Graph, targets, wrt: list[gs.Tensor]) -> dict[int, gs.Tensor]:
-        return build_subgraph_gradients(graph, targets, wrt, opset=graph.opset or 1, prefix=GRAD_PREFIX)
+    def _build(self, graph: gs.Graph, targets, wrt: list[gs.Tensor], hooks: dict) -> dict[int, gs.Tensor]:
+        return build_subgraph_gradients(graph, targets, wrt, opset=graph.opset or 1, prefix=GRAD_PREFIX, hooks=hooks)
 
     def _record(self, model: Model, targets) -> None:
         model.metadata.pop(roles.LOSS, None)

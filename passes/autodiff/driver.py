@@ -12,12 +12,15 @@
 7. Control flow: the outer tensors an If/Loop/Scan body reads count as inputs of its node
    (``node_inputs``) in every walk (relevance, order, summing); a rule returns one gradient
    per such input too. ``build_subgraph_gradients`` runs this same driver inside a body.
+8. Hooks: what the model says of one node beyond its op (an embedding lookup whose padding row
+   torch gives no gradient) rewrites the gradients reaching that node's outputs before its
+   rule runs, so the rule stays the op's and the forward stays as it is.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -32,6 +35,8 @@ from graphforge.errors import PassError
 from graphforge.ir import gc_paused
 
 GRAD_PREFIX = roles.GRAD_PREFIX
+#: case 8: rewrites the gradients reaching a node's outputs (None where none reaches one)
+Hook = Callable[[GradContext, list], list]
 
 
 class MissingGradientRule(PassError):
@@ -54,16 +59,17 @@ def build_gradients(
     wrt: Sequence[gs.Tensor],
     *,
     registry: RuleRegistry = RULES,
+    hooks: Mapping[int, Hook] | None = None,
 ) -> dict[int, gs.Tensor]:
     """Append the backward graph of ``loss`` to ``graph``.
 
     Returns ``id(tensor) -> gradient tensor`` for each tensor of ``wrt`` the loss depends
-    on (tensors it does not depend on are absent).
+    on (tensors it does not depend on are absent). ``hooks``: id(node) -> its hook (case 8).
     """
     with gc_paused():
         builder = Builder(graph, prefix=GRAD_PREFIX)
         seeds = [(loss, _seed(builder, loss))]
-        return _build(graph, builder, seeds, wrt, registry, graph.opset or 1, f"loss {loss.name!r}")
+        return _build(graph, builder, seeds, wrt, registry, graph.opset or 1, f"loss {loss.name!r}", hooks or {})
 
 
 def build_subgraph_gradients(
@@ -74,12 +80,13 @@ def build_subgraph_gradients(
     opset: int,
     prefix: str,
     registry: RuleRegistry = RULES,
+    hooks: Mapping[int, Hook] | None = None,
 ) -> dict[int, gs.Tensor]:
     """The backward graph of a (sub)graph whose tensors ``seeds[i][0]`` receive the gradients
     ``seeds[i][1]`` (tensors of an enclosing scope, say), appended to ``graph``; names start with ``prefix``."""
     builder = Builder(graph, prefix=prefix)
     builder.opset = opset
-    return _build(graph, builder, seeds, wrt, registry, opset, "the body's outputs")
+    return _build(graph, builder, seeds, wrt, registry, opset, "the body's outputs", hooks or {})
 
 
 def node_inputs(node: gs.Node) -> list[gs.Tensor]:
@@ -98,6 +105,7 @@ def _build(
     registry: RuleRegistry,
     opset: int,
     target: str,
+    hooks: Mapping[int, Hook],
 ) -> dict[int, gs.Tensor]:
     order = [graph.nodes[i] for i in topological_order(graph)]
     inputs = {id(n): node_inputs(n) for n in order}
@@ -139,7 +147,8 @@ def _build(
                 inputs=xs,
                 constants=constants,
             )
-            dxs = list(rule.fn(ctx, dys))
+            hook = hooks.get(id(node))
+            dxs = list(rule.fn(ctx, hook(ctx, dys) if hook is not None else dys))
             # rules may list every optional input; trailing ones the node omits must get None
             while len(dxs) > len(xs) and dxs[-1] is None:
                 dxs.pop()
