@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from graphforge.ir import (
 )
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 from graphforge.roles import metadata_of
+from graphforge.tempfiles import temp_folder_beside
 
 #: protobuf refuses to serialize a message of 2 GiB or more
 PROTOBUF_LIMIT = 2**31 - 1
@@ -713,39 +713,35 @@ def save(
             out.CopyFrom(proto)
     data_name = path.name + ".data"
     data_path = path.parent / data_name
-    tmp_dir: Path | None = None
     try:
-        tmp_dir = Path(tempfile.mkdtemp(prefix=".graphforge-save-", dir=path.parent))
-        tmp_model, tmp_data, backup = tmp_dir / path.name, tmp_dir / data_name, tmp_dir / "previous.data"
-        if to_external:
-            _move_tensors_to_file(out, tmp_data, location=data_name, sources=payload_sources)
-        # after moving the tensors out: onnx's version converter cannot take a model over 2 GiB
-        if runtime_compatible:
-            make_runtime_compatible(out)
-        tmp_model.write_bytes(out.SerializeToString() if serialized is None else serialized)
-        del serialized
-        if not tmp_data.exists():
-            os.replace(tmp_model, path)
-            return path
-        if data_path.exists():
-            _link_or_copy(data_path, backup)
-        os.replace(tmp_data, data_path)
-        try:
-            os.replace(tmp_model, path)
-        except OSError:
-            if backup.exists():
-                os.replace(backup, data_path)
-            else:
-                data_path.unlink()
-            raise
+        with temp_folder_beside(path) as tmp_dir:  # locked: a later run's remove_stale knows it is ours
+            tmp_model, tmp_data, backup = tmp_dir / path.name, tmp_dir / data_name, tmp_dir / "previous.data"
+            if to_external:
+                _move_tensors_to_file(out, tmp_data, location=data_name, sources=payload_sources)
+            # after moving the tensors out: onnx's version converter cannot take a model over 2 GiB
+            if runtime_compatible:
+                make_runtime_compatible(out)
+            tmp_model.write_bytes(out.SerializeToString() if serialized is None else serialized)
+            del serialized
+            if not tmp_data.exists():
+                os.replace(tmp_model, path)
+                return path
+            if data_path.exists():
+                _link_or_copy(data_path, backup)
+            os.replace(tmp_data, data_path)
+            try:
+                os.replace(tmp_model, path)
+            except OSError:
+                if backup.exists():
+                    os.replace(backup, data_path)
+                else:
+                    data_path.unlink()
+                raise
     except ModelSaveError as exc:
         raise ModelSaveError(f"{path}: {exc}") from None
     except (OSError, ValueError, EncodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
         raise ModelSaveError(f"{path}: cannot write ({reason})") from None
-    finally:
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
     return path
 
 

@@ -24,7 +24,7 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 import graphforge
 from graphforge import graph as gio
-from graphforge import ort_compat
+from graphforge import ort_compat, tempfiles
 from graphforge.errors import ModelLoadError, ModelSaveError
 from graphforge.graph import Model, load, save
 from graphforge.ort_compat import make_runtime_compatible, runtime_limits
@@ -778,7 +778,7 @@ def test_folder_that_refuses_a_temp_folder(saved, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
-    monkeypatch.setattr(gio.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(tempfiles.tempfile, "mkdtemp", refuse)
     with pytest.raises(ModelSaveError) as info:
         save(affine_model(seed=6)[0], saved[0])
     assert str(info.value) == f"{saved[0]}: cannot write (Permission denied)"

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: the layers, lowest first; a module may import its own layer and those below it
 CORE = (
     "graphforge.errors",
+    "graphforge.tempfiles",
     "graphforge.ir",
     "graphforge.ort_compat",
     "graphforge.roles",

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from graphforge.diff.result import GraphDiff, ModelDiff
 from graphforge.diff.text import verdict
 from graphforge.diff.view import GraphView
 from graphforge.errors import ModelSaveError
+from graphforge.tempfiles import write_atomically
 
 #: a side with at most this many nodes is drawn whole
 FULL_GRAPH_NODES = 250
@@ -42,17 +41,7 @@ def write_html(
     page = render_html(diffs, title=title, context=context)
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".graphforge-diff-", suffix=".html", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(page.encode("utf-8"))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomically(path, page.encode("utf-8"))
     except OSError as exc:
         raise ModelSaveError(f"{path}: cannot write the page ({exc.strerror or exc})") from None
     return path

@@ -23,9 +23,7 @@ import hashlib
 import io
 import json
 import math
-import os
 import re
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from onnx import numpy_helper
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelLoadError
 from graphforge.golden.fingerprint import graph_inputs, iter_float_initializers
 from graphforge.graph import load
+from graphforge.tempfiles import write_atomically
 from graphforge.verify import verify_model
 
 EXPECTATION_FORMAT = "graphforge-golden/1"
@@ -371,15 +370,7 @@ class Expectation:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the files from others sharing the checkout
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, data)
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

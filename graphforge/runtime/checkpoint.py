@@ -11,7 +11,8 @@ tool (or ``head -c``) reads both.
 
 One file means one atomic write: the checkpoint is written to a temporary file beside the
 target, flushed to disk, and renamed over it. A crash leaves either the previous
-checkpoint or the new one, never a half-written file.
+checkpoint or the new one, never a half-written file; at most the temporary stays, which the
+next run into the folder removes (``graphforge.tempfiles``: the writer holds it locked).
 
 Loading refuses, with a CheckpointError naming the file and the tensor, a checkpoint that
 is truncated (naming the first tensor whose bytes are cut, from the header's offsets) or
@@ -31,7 +32,6 @@ import math
 import os
 import re
 import struct
-import tempfile
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ from onnx import numpy_helper
 from graphforge.errors import CheckpointError, GraphforgeError
 from graphforge.graph import Model, ModelSource
 from graphforge.program import CarriedSpec, ProgramRoles, program_proto
+from graphforge.tempfiles import temp_file_beside
 
 FORMAT = "graphforge.checkpoint"
 VERSION = 1
@@ -287,16 +288,13 @@ class CheckpointState:
         chosen = held if names is None else {n: held[n] for n in names}
         tensors = {name: np.asarray(value, order="C") for name, value in chosen.items()}
         metadata = {METADATA_KEY: self._document(tensors, shards)}
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        tmp = Path(tmp_name)
         try:
-            _write_tensors(tmp, tensors, metadata)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            with temp_file_beside(path) as tmp:  # locked: a later run's remove_stale knows it is ours
+                _write_tensors(tmp, tensors, metadata)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
         except BaseException as exc:
-            tmp.unlink(missing_ok=True)
             if isinstance(exc, OSError | ValueError) or type(exc).__name__ == "SafetensorError":
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 raise CheckpointError(f"{path}: cannot write the checkpoint ({reason})") from None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from graphforge.tempfiles import write_atomically
 from graphforge.train.config import LogConfig
 
 JSONL = "log.jsonl"
@@ -160,14 +160,7 @@ def _drop_records_after(path: Path, step: int) -> None:
             continue  # a line cut short by a crash
         if isinstance(record_step, int) and record_step <= step:
             kept.append(line + "\n")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, "".join(kept).encode("utf-8"))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

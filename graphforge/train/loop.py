@@ -52,6 +52,7 @@ from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
 from graphforge.runtime.lr_schedules import LRSchedule, make_schedule, schedule_from_state_dict
 from graphforge.runtime.runner import resolve_device
+from graphforge.tempfiles import remove_stale
 from graphforge.train.config import Config, load_config, shown
 from graphforge.train.data import ALL, ArraySource, Conformer, Shard, Source, Stream, open_source
 from graphforge.train.evaluation import evaluate
@@ -638,6 +639,8 @@ class Run:
             plan.out.mkdir(parents=True, exist_ok=True)
             save(plan.program, program_path)
         self._describe(program_path)
+        if self.lead:
+            self._remove_stale_temporaries()
         # a pipeline stage is its own optimizer (the update is in its segments): the schedule sets its rate
         optimizer = self.pipeline if self.pipeline is not None else Optimizer(self.module)
         schedule = self._schedule(optimizer)
@@ -975,6 +978,16 @@ class Run:
             signal.signal(signal.SIGINT, previous)
 
     # ------------------------------------------------------------------ what it prints
+
+    def _remove_stale_temporaries(self) -> None:
+        """A run killed while it wrote a checkpoint (or the program, a log, a profile) left that
+        file's temporary behind: remove those no live process is writing, in one line."""
+        out = self.plan.out
+        removed = [p for folder in (out, out / CHECKPOINTS, out / PROFILE_DIR) for p in remove_stale(folder)]
+        if removed:
+            shown = ", ".join(escape(str(p.relative_to(out))) for p in removed[:3])
+            more = f" and {len(removed) - 3} more" if len(removed) > 3 else ""
+            self._say(f"[bold]cleanup[/]  removed {len(removed)} temporary file(s) a stopped run left: {shown}{more}")
 
     def _say(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True)  # quiet on ranks other than 0

@@ -16,13 +16,13 @@ allocations; profile more than one step to see the steady state.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphforge.roles import PROGRAM_PARTS
 from graphforge.runtime import Module
+from graphforge.tempfiles import write_atomically
 
 PROFILE_DIR = "profile"
 
@@ -130,9 +130,7 @@ def merge_traces(traces: list[tuple[Path, int]], path: Path) -> list[list[dict]]
             if offset and isinstance(event.get("ts"), int | float):
                 event["ts"] = event["ts"] + offset
         sessions.append(events)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps([event for events in sessions for event in events]))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps([event for events in sessions for event in events]).encode())
     for file, _ in traces:
         file.unlink(missing_ok=True)
     return sessions

@@ -109,3 +109,42 @@ def test_stopped_by_steps_then_continued_equals_uninterrupted(uninterrupted):
     second = graphforge.train.run(config, out=folder / "fixed-split", quiet=True)
     assert second.resumed_from == first.checkpoint
     _assert_identical(_final_state(second), _final_state(straight))
+
+
+def test_a_resume_removes_the_temporaries_a_killed_run_left_and_says_so(uninterrupted, tmp_path, monkeypatch):
+    """A run killed while writing a checkpoint leaves its temporary: the resume removes it (and
+    one written before temporaries were locked) in one line, and ends as the uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+
+    folder, straight = uninterrupted
+    config = _config(folder)
+    out = tmp_path / "killed"
+    with monkeypatch.context() as patch:
+        _interrupt_at_batch(patch, 12)
+        with pytest.raises(Interrupted):
+            graphforge.train.run(config, out=out, quiet=True)
+    checkpoints = out / "checkpoints"
+    # a writer killed mid-write, as `kill -9` leaves one: its temporary, which it held locked
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from graphforge.tempfiles import "
+         "temp_file_beside\nwith temp_file_beside(Path(sys.argv[1])) as tmp:\n    tmp.write_bytes(b'half')\n"
+         "    print(tmp, flush=True); time.sleep(600)", str(checkpoints / "checkpoint-00000012.safetensors")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    killed = writer.stdout.readline().strip()
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=30)
+    writer.stdout.close()
+    unlocked = checkpoints / ".checkpoint-00000006.safetensors.x1y2z3.tmp"
+    unlocked.write_bytes(b"half")
+    left = sorted(p.name for p in checkpoints.iterdir() if p.name.endswith(".tmp"))
+    assert left == sorted([unlocked.name, killed.rsplit("/", 1)[-1]])
+
+    done = th.cli("train", config, "--out", out, "--resume", cwd=folder)
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("cleanup")]
+    assert "removed 2 temporary file(s) a stopped run left: checkpoints/" in line, line
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+    _assert_identical(CheckpointState.load(CheckpointManager(checkpoints).latest()), _final_state(straight[1]))
