@@ -501,7 +501,8 @@ class TorchTransport:
         if isinstance(got, BaseException):
             if isinstance(got, DistributedError):
                 raise DistributedError(str(got).replace("a prefetched message", what)) from None
-            raise self.world.failure(f"receiving {what} from stage {peer}", got)
+            waited = self.world.timeout_s if isinstance(got, TimeoutError) else None
+            raise self.world.failure(f"receiving {what} from stage {peer}", got, waited=waited)
         return got
 
     def _receive_now(self, peer: int, dtypes: Sequence[np.dtype], what: str) -> list[ort.OrtValue]:

@@ -6,10 +6,23 @@ joins the group through torch's ``env://`` rendezvous, on gloo (CPU) or NCCL (CU
 collective runs under one timeout (``timeout_s``, default 120 s).
 
 When a collective fails (a peer closed its connection, or the timeout ran out), the ranks
-still alive check in at the rendezvous store and wait a few seconds for each other: the
-ranks that never check in are the ones that died or hang, and the error names them. (Under
+still alive check in at the rendezvous store and wait for each other (``check_in_s``: 10 s,
+or the timeout where that is shorter): the ranks that never check in are the ones that died
+or hang, and the error names them, and which wait ran out: the collectives' timeout for a
+rank that hangs, the check-in after a connection that broke for one that died. (Under
 torchrun, the launcher also stops the other ranks as soon as one exits with an error, and
 its report names that rank.)
+
+How long a stuck rank takes to end a run, end to end:
+
+* a rank that died: its peers' collective fails at once, they check in for ``check_in_s``,
+  and exit with the error;
+* a rank that hangs (or is stopped): its peers' collective runs out ``timeout_s``, then the
+  check-in's ``check_in_s``, and they exit with the error. Under torchrun the launcher then
+  sends the hung rank SIGTERM, which it cannot act on, and kills it after its
+  ``--shutdown-timeout`` (30 s by default): ``timeout_s + check_in_s + 30`` s in all (20 s
+  gives 60 s); ``torchrun --shutdown-timeout 5`` shortens the last part. A rank that is
+  alive takes SIGTERM at once (it stops after the step it is in).
 """
 
 from __future__ import annotations
@@ -30,6 +43,8 @@ ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 120.0
 #: how long the ranks that survive a failed collective wait for each other to check in
 CHECK_IN_S = 10.0
+#: a collective that failed this close to the timeout (or later) ran the timeout out
+TIMED_OUT_SLACK_S = 0.5
 _CHECK_IN_KEY = "graphforge/alive/"
 
 
@@ -107,26 +122,36 @@ class World:
     def collective(self, what: str) -> Iterator[None]:
         """Turn a failure of the collectives inside into a DistributedError naming ``what``
         was under way and the ranks that did not answer afterwards."""
+        started = time.monotonic()
         try:
             yield
         except DistributedError:
             raise
         except Exception as exc:
-            raise self.failure(what, exc) from None
+            raise self.failure(what, exc, waited=time.monotonic() - started) from None
 
-    def failure(self, what: str, exc: BaseException) -> DistributedError:
-        """The error for a failed collective: check in, and name who did not."""
+    def failure(self, what: str, exc: BaseException, *, waited: float | None = None) -> DistributedError:
+        """The error for a failed collective (``waited`` seconds, when known): check in, and
+        name who did not. It names the timeout in force when the collective ran it out, and
+        the check-in's wait when a peer's connection broke first."""
         cause = one_line(exc)
         silent = self._silent_ranks()
         if silent is None:
             whom = "the rendezvous store is unreachable too (rank 0, or the launcher holding it, is gone)"
         elif silent:
-            listed, wait = ", ".join(map(str, silent)), self.check_in_s
-            whom = (
-                f"rank {listed} did not answer within {wait:g} s (died, hangs, or is unreachable)"
-                if len(silent) == 1
-                else f"ranks {listed} did not answer within {wait:g} s (died, hang, or are unreachable)"
-            )
+            who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
+            if waited is not None and waited >= self.timeout_s - TIMED_OUT_SLACK_S:
+                whom = (
+                    f"{who} did not answer within the collectives' timeout of {self.timeout_s:g} s, and did not "
+                    f"check in within {self.check_in_s:g} s after (hung, stopped, or unreachable)"
+                )
+            elif waited is not None:
+                whom = (
+                    f"{who} did not answer: the connection broke after {waited:.0f} s and {who} did not check "
+                    f"in within {self.check_in_s:g} s (died, or unreachable)"
+                )
+            else:
+                whom = f"{who} did not answer or check in within {self.check_in_s:g} s (died, hangs, or unreachable)"
         else:
             whom = "every rank still answers"
         return DistributedError(f"rank {self.rank}: {what} failed: {whom}; {self.backend} said: {cause}")
