@@ -30,8 +30,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two test processes on a 2-core machine (at most 4: each distributed test starts several
+# processes of its own); a module's tests stay in one process, so its fixtures are made once.
+# Bytecode is cached: the tests start a few hundred Python processes (CLI, torchrun ranks).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 	$(BIN)/graphforge golden check golden_models
 
 # Train a 64-64-10 MLP on the shipped 8×8 digits (examples/digits/train.toml), export the
