@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import tempfile
 from pathlib import Path
 
@@ -78,3 +79,85 @@ def _numpy_type(elem_type: int):
     list of ONNX types out again at each call: a third of the time an annotation took)."""
     found = get_numpy_type(elem_type)
     return elem_type if found is None else found
+
+
+#: the prefix of the dims ``relate_dims`` names (never one of ONNX inference's ``unk__<n>``)
+RELATED_PREFIX = "dim:"
+
+
+def relate_dims(model: Model) -> int:
+    """Give the dims that are equal one name, on the model's own tensors (after ``infer_shapes``).
+
+    ONNX's inference names each dim it cannot work out afresh (``unk__<n>``): after a Reshape
+    to a computed shape, a residual ``Add`` adds ``[unk__21, unk__19, 768]`` to ``[unk__0,
+    unk__2, 768]``, and nothing says the two are of one shape. onnxruntime's symbolic shape
+    inference follows dims through such shape arithmetic (sympy): both become ``[batch, seq,
+    768]``. Where it finds a dim ONNX's inference could not, its name (prefixed
+    RELATED_PREFIX, unless it is a graph input's own dim name) or value is written onto the
+    tensor (never over a size, or a name the model or ONNX's inference derived). It never merges
+    two dims on a guess (``auto_merge`` off: a broadcast of two
+    unknown dims stays unknown). Returns how many tensors changed; none where it cannot run
+    (a build without onnxruntime's tools, a model with subgraphs, an op it does not follow).
+    """
+    proto = model.to_proto(values=False)
+    if any(True for _ in subgraphs_of(proto.graph.node)):  # inner names may repeat from body to body
+        return 0
+    shapes = _symbolic_shapes(proto)
+    if not shapes:
+        return 0
+    inputs = {d for t in model.graph.inputs for d in (t.shape or ()) if isinstance(d, str)}
+    changed = 0
+    for name, tensor in model.graph.tensors().items():
+        found = shapes.get(name)
+        if not isinstance(tensor, gs.Variable) or tensor.shape is None or found is None:
+            continue
+        if len(found) != len(tensor.shape):
+            continue
+        shape = list(tensor.shape)
+        for i, (ours, theirs) in enumerate(zip(tensor.shape, found, strict=True)):
+            if theirs is None or not _unknown(ours):  # a size, or a name the model or ONNX's inference gave
+                continue
+            if isinstance(theirs, int):
+                shape[i] = theirs
+            elif isinstance(theirs, str) and theirs:
+                shape[i] = theirs if theirs in inputs else RELATED_PREFIX + theirs
+        if shape != list(tensor.shape):
+            tensor.shape = shape
+            changed += 1
+    return changed
+
+
+def _unknown(dim) -> bool:
+    """A dim ONNX's inference could not tell: none, or a fresh ``unk__<n>``."""
+    if isinstance(dim, str):
+        return not dim or dim.startswith("unk__")
+    return dim is None or (isinstance(dim, int) and dim < 0)
+
+
+def _symbolic_shapes(proto: onnx.ModelProto) -> dict[str, list] | None:
+    """Each value's shape as onnxruntime's symbolic shape inference finds it (int, str, or None
+    per dim), or None when it cannot run. Its class is driven step by step as its own
+    ``infer_shapes`` does, less the file that writes into the working folder when a value
+    stays unknown."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_shape_from_value_info
+    except ImportError:
+        return None
+    quiet = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # it warns of every broadcast it will not guess
+    try:
+        inference = SymbolicShapeInference(2**31 - 1, False, False, 0)
+        inference._preprocess(proto)
+        while inference.run_:
+            inference._infer_impl()
+        known = inference.known_vi_
+        return {
+            name: [d if isinstance(d, int | str) else None for d in get_shape_from_value_info(value)]
+            for name, value in known.items()
+            if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape")
+        }
+    except Exception:  # a model it cannot follow: ONNX's own names stay
+        return None
+    finally:
+        quiet.setLevel(level)

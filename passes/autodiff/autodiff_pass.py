@@ -25,7 +25,7 @@ from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import TORCH_FOLDED, TORCH_TRAINING_BATCHNORMS, gc_paused, is_parameter, recorded_torch_kinds
 from graphforge.pipeline import Fact, Pass, PassResult
-from graphforge.shapes import infer_shapes
+from graphforge.shapes import infer_shapes, relate_dims
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class Autodiff(Pass):
     def _run(self, model: Model) -> PassResult:
         _train_batchnorms_torch_trained(model, self.name)
         model = infer_shapes(model, in_place=True)
+        relate_dims(model)  # equal dims of one name: static unbroadcasts (the driver's case 5)
         graph = model.graph
         targets = self._targets(graph)
         what = self._what(targets)
