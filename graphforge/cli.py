@@ -30,6 +30,7 @@ from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
 from graphforge.errors import GraphforgeError
+from graphforge.inspect_host_syncs import host_sync_lines
 from graphforge.inspect_memory import memory_tables
 from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
@@ -159,15 +160,32 @@ def inspect(
             help="Predict the peak memory of a training step (a program) or an inference run, and its parts.",
         ),
     ] = False,
+    host_syncs: Annotated[
+        bool,
+        typer.Option(
+            "--host-syncs",
+            help="List the nodes of each session of the model's run (a training step's segments) that wait for the "
+            "host on a GPU, as the runner makes the session for the --dim sizes (specialized).",
+        ),
+    ] = False,
     dim: Annotated[
-        list[str] | None, typer.Option("--dim", help="With --memory: a symbolic dim's size, NAME=SIZE (repeatable).")
+        list[str] | None,
+        typer.Option("--dim", help="With --memory or --host-syncs: a symbolic dim's size, NAME=SIZE (repeatable)."),
     ] = None,
     two_buffers: Annotated[
         bool,
-        typer.Option("--two-buffers", help="With --memory: as Module(in_place=False) runs it (undoable steps)."),
+        typer.Option(
+            "--two-buffers",
+            help="With --memory or --host-syncs: as Module(in_place=False) runs it (undoable steps).",
+        ),
     ] = False,
 ) -> None:
     """Describe MODEL: inputs, outputs, parameters and their size, op histogram, opsets."""
+    if host_syncs:
+        proto = graphforge.load(model, load_external_data=False)
+        for line in host_sync_lines(proto, parse_dims(dim or []), in_place=not two_buffers):
+            out.print(escape(line), highlight=False, soft_wrap=True)
+        return
     if memory:
         proto = graphforge.load(model, load_external_data=False)
         for part in memory_tables(proto, parse_dims(dim or []), in_place=not two_buffers):

@@ -17,6 +17,7 @@ from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
 from graphforge.passes.pipeline_partition import PipelinePartition
 from graphforge.passes.prune import Prune
 from graphforge.passes.recompute import Recompute
+from graphforge.passes.specialize import Specialize
 from graphforge.passes.topo_sort import TopologicalSort
 
 from graphforge.pipeline import PassRegistry
@@ -42,6 +43,7 @@ REGISTRY = PassRegistry(
         IdentityElimination,
         TopologicalSort,
         Prune,
+        Specialize,
     ]
 )
 
@@ -63,6 +65,7 @@ __all__ = [
     "MixedPrecision",
     "PipelinePartition",
     "Prune",
+    "Specialize",
     "TopologicalSort",
     "VectorJacobian",
 ]

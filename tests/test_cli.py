@@ -694,6 +694,26 @@ def test_readme_memory_block_runs_as_written(tmp_path):
     assert "memory of a training step" in proc.stdout
 
 
+def test_readme_host_syncs_block_runs_as_written(tmp_path):
+    """The Static shapes section's command: at the batch's dims no session waits for the host;
+    without them the loss's shape computation still does, and the unbound dim is named."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    (tmp_path / "out").mkdir()
+    pipeline = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)"  # the Memory section's program
+    ok(graphforge_cli("compile", "examples/digits/model.onnx", "-p", pipeline, "-o", "out/digits_program.onnx",
+                      cwd=tmp_path))  # fmt: skip
+    (block,) = [b for b in _readme_blocks("sh") if "--host-syncs" in b]
+    proc = ok(subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=_env(), capture_output=True,
+                             text=True, timeout=300))  # fmt: skip
+    sessions = re.findall(r"^  (forward/backward|update): [\d,]+ nodes, (.*) \(unspecialized", proc.stdout, re.M)
+    assert sessions == [("forward/backward", "no node syncs with the host"), ("update", "no node syncs with the host")]
+    unbound = graphforge_cli("inspect", "out/digits_program.onnx", "--host-syncs", cwd=tmp_path)
+    assert unbound.returncode == 0, unbound.stderr
+    assert "symbolic dims left unbound (name them with --dim NAME=SIZE): batch" in unbound.stdout
+    assert "forward/backward: 44 nodes, 1 node(s) sync with the host" in unbound.stdout
+
+
 def test_compile_prints_a_pass_warning_as_one_line(tmp_path):
     """A pass's UserWarning reaches a CLI user as one 'warning:' line, not Python's
     file:line form with the source line under it."""

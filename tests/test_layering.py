@@ -45,7 +45,14 @@ PASSES = ("graphforge.passes",)
 RUNTIME = ("graphforge.runtime",)
 DISTRIBUTED = ("graphforge.distributed",)  # the runtime's schedules over torch.distributed
 DRIVER = ("graphforge.pass_manager",)
-TOOLS = ("graphforge.train", "graphforge.golden", "graphforge.diff", "graphforge.inspect_memory", "graphforge.torch")
+TOOLS = (
+    "graphforge.train",
+    "graphforge.golden",
+    "graphforge.diff",
+    "graphforge.inspect_memory",
+    "graphforge.inspect_host_syncs",
+    "graphforge.torch",
+)
 TOP = ("graphforge.cli", "graphforge.__main__", "graphforge")  # the CLI, and the package's public re-exports
 LAYERS = [CORE, PASSES, RUNTIME, DISTRIBUTED, DRIVER, TOOLS, TOP]
 #: what only the runtime side may import (passes write what must happen into the model)

@@ -22,8 +22,7 @@ from graphforge.analysis.memory import (
 )
 from graphforge.graph import Model, ModelSource
 from graphforge.program import ProgramRoles, program_proto
-from graphforge.runtime.sessions import lean_model
-from graphforge.runtime.training import IN_PLACE_ROLES, fused_outputs, segment_outputs, split_program
+from graphforge.runtime.training import IN_PLACE_ROLES, split_program, step_models
 
 
 @dataclass
@@ -69,18 +68,12 @@ def step_memory(
     roles = ProgramRoles.of_proto(proto).require_training_program()
     types = tensor_types(proto, dims)
     sizes = {name: size for name, (size, _) in types.items() if size is not None}
-    bound = {spec.input for spec in roles.carried}
     slots = {spec.input: 1 if in_place and spec.role in IN_PLACE_ROLES else 2 for spec in roles.carried}
     gradients: list[str] = []
     if in_place:
-        split = split_program(proto, roles, norm_first=True)
-        gradients = [n for n in split.sends if n in sizes]  # Module._gradient_buffers: those of a known size
-        models = {
-            "forward/backward": lean_model(split.grad, segment_outputs(split, 0, roles), bound=bound),
-            "update": lean_model(split.optim, segment_outputs(split, 1, roles), bound=bound),
-        }
-    else:
-        models = {"whole step": lean_model(proto, fused_outputs(roles), bound=bound)}
+        sends = split_program(proto, roles, norm_first=True).sends
+        gradients = [n for n in sends if n in sizes]  # Module._gradient_buffers: those of a known size
+    models = step_models(proto, roles, in_place=in_place)
     runs = {}
     for label, model in models.items():
         # the runner specializes a run to the batch's dims (Runner.session); the update's

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from onnx import helper, numpy_helper
 from graphforge.analysis.memory import in_place_safety
 from graphforge.cut import Segment
 from graphforge.errors import DeviceError, GraphforgeError, one_line
+from graphforge.passes.specialize import specialized
 from graphforge.program import CarriedSpec
 from graphforge.runtime.sessions import (
     CPU,
@@ -268,6 +270,8 @@ class Runner:
         self._spin = spin
         #: carried tensor -> why a session's model could not update it in place (the last reason)
         self.in_place_refused: dict[str, str] = {}
+        #: session (its ``where``) -> why its model runs unspecialized at a batch's dims
+        self.specialize_refused: dict[str, str] = {}
         self._sessions: dict[Any, BoundSession] = {}
         #: (profiled, key) -> the sets of dims a session of that key was specialized to
         self._specialized: dict[Any, set[tuple[tuple[str, int], ...]]] = {}
@@ -328,10 +332,12 @@ class Runner:
         profiling, a twin session with onnxruntime's profiling on, bound to the same buffers.
         ``dims``: the sizes of the inputs' symbolic dims this run has (``batch_dims``): a
         session specialized to them (onnxruntime's free-dimension overrides), up to
-        MAX_SPECIALIZED sets of dims per key, then the session for any dims. With the dims
-        known, onnxruntime folds every shape computation into a constant: a Shape that the
-        backward takes of a forward activation (a Reshape's gradient, say) no longer keeps
-        that activation alive until the backward reaches it (GPT-2 small: 120 MiB less)."""
+        MAX_SPECIALIZED sets of dims per key, then the session for any dims. The specialized
+        model is graphforge's own (the ``specialize`` pass: every value that depends only on
+        shapes folded into a constant, so no node waits for the host on a GPU), with
+        onnxruntime's free-dimension overrides besides. A Shape that the backward takes of a
+        forward activation (a Reshape's gradient, say) then no longer keeps that activation
+        alive until the backward reaches it (GPT-2 small: 120 MiB less)."""
         profiled = profile and self._profile_prefix is not None
         cache = self._profiled if profiled else self._sessions
         if dims:
@@ -365,6 +371,8 @@ class Runner:
         profiled: bool,
         dims: Mapping[str, int] | None = None,
     ) -> BoundSession:
+        if dims:
+            model = self._specialize(model, dims, where)
         model = lean_model(model, keep, bound=self.carried)
         if only_read_inputs:
             read = {n for node in model.graph.node for n in node_reads(node)} | {o.name for o in model.graph.output}
@@ -422,6 +430,19 @@ class Runner:
             free_inputs=[n for n in inputs if n not in self.carried],
             in_place=frozenset(in_place),
         )
+
+    def _specialize(self, model: onnx.ModelProto, dims: Mapping[str, int], where: str) -> onnx.ModelProto:
+        """``model`` specialized to ``dims`` (passes/specialize.py: its shape computations folded,
+        so that no node waits for the host), or as it is where that fails: an optimization never
+        stops a step; the reason is kept and said once."""
+        try:
+            return specialized(model, dims)
+        except Exception as exc:  # a model the shape inference or the folding cannot take
+            reason = one_line(exc) if isinstance(exc, GraphforgeError) else f"{type(exc).__name__}: {one_line(exc)}"
+            if where not in self.specialize_refused:
+                warnings.warn(f"{where} runs unspecialized at {dict(dims)}: {reason}", stacklevel=2)
+            self.specialize_refused[where] = reason
+            return model
 
     def _take_defaults(self, model: onnx.ModelProto) -> dict[str, ort.OrtValue]:
         """Move the initializers that are graph inputs too out of ``model``, as device values."""

@@ -58,6 +58,7 @@ from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
 from graphforge.runtime.inference import eval_model, export_inference_model
 from graphforge.runtime.runner import BoundSession, Carried, Hook, Runner, SegmentRun, batch_dims, resolve_device
+from graphforge.runtime.sessions import lean_model
 
 #: Module(dropout=...): counter-based masks, or onnxruntime's own Dropout
 DROPOUT_MODES = ("seeded", "onnxruntime")
@@ -599,6 +600,20 @@ def segment_outputs(split: _Split, index: int, roles: ProgramRoles, extra: Seque
     keep = [loss, *extra, *split.sends, *split.checks] if index == 0 else [*roles.step_reports, *extra]
     keep = [o for o in dict.fromkeys(keep) if o in produced]
     return keep + [c.output for c in roles.carried if c.output in produced]
+
+
+def step_models(program: onnx.ModelProto, roles: ProgramRoles, *, in_place: bool) -> dict[str, onnx.ModelProto]:
+    """The models one ``Module.train_step`` runs, by label, each as the runner makes it (lean:
+    computing only what the run hands on): in place, the forward/backward segment and the
+    update; with two buffers, the whole step."""
+    bound = {spec.input for spec in roles.carried}
+    if not in_place:
+        return {"whole step": lean_model(program, fused_outputs(roles), bound=bound)}
+    split = split_program(program, roles, norm_first=True)
+    return {
+        "forward/backward": lean_model(split.grad, segment_outputs(split, 0, roles), bound=bound),
+        "update": lean_model(split.optim, segment_outputs(split, 1, roles), bound=bound),
+    }
 
 
 def fused_outputs(roles: ProgramRoles, extra: Sequence[str] = ()) -> list[str]:
