@@ -361,3 +361,15 @@ def assert_same_outputs(
 def node_count(model: onnx.ModelProto | str | Path) -> int:
     proto = model if isinstance(model, onnx.ModelProto) else graphforge.load(model)
     return len(proto.graph.node)
+
+
+def without_key_bias(name: str, value: np.ndarray) -> np.ndarray:
+    """What of a GPT-2 parameter follows its gradient: all of it but the attention's key bias
+    (the middle third of c_attn's bias). Adding one vector to every key adds q·b to all of a
+    row's scores, which softmax takes away: its gradient is zero but for rounding, and Adam-like
+    optimizers turn rounding into full-size steps of any sign, so two runs that round apart move
+    it apart (seen: 4% as far as the query bias moves)."""
+    if not name.endswith("attn.c_attn.bias"):
+        return value
+    third = value.shape[0] // 3
+    return np.concatenate([value[:third], value[2 * third :]])

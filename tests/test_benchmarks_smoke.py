@@ -116,3 +116,18 @@ def test_mixed_precision_benchmark_reports_every_side(tmp_path, monkeypatch):
         assert "failed" not in row and row.count("|") == 7
     assert "first losses" in report
     assert [label for label, _ in mp.sides("cuda")][-1] == "torch eager, autocast(float16) + GradScaler"
+
+
+@pytest.mark.slow
+def test_update_benchmark_reports_every_optimizer(tmp_path):
+    """Every side of the update benchmark runs on a tiny MLP and the table has its rows."""
+    sys.path.insert(0, str(BENCH.parent))
+    import update_bench
+
+    tiny = _load().Spec("mlp", "MLP 8-4-3", 4, {"sizes": [8, 4, 3]}, steps=5)
+    rows = [(tiny.label, kind, update_bench.measure(tiny, kind, tmp_path, steps=2)) for kind in update_bench.UPDATES]
+    report = update_bench.report(rows)
+    for kind in update_bench.UPDATES:
+        assert f"| MLP 8-4-3 | {kind} | " in report
+    assert "adamw: torch._fused_adamw_" in report and "lamb: torch's foreach kernels" in report
+    assert "| — (none) |" in report  # torch.optim has no LAMB

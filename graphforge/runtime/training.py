@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,7 +57,16 @@ from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
 from graphforge.runtime.inference import eval_model, export_inference_model
-from graphforge.runtime.runner import BoundSession, Carried, Hook, Runner, SegmentRun, batch_dims, resolve_device
+from graphforge.runtime.runner import (
+    BoundSession,
+    Carried,
+    Execution,
+    Hook,
+    Runner,
+    SegmentRun,
+    batch_dims,
+    resolve_device,
+)
 from graphforge.runtime.sessions import lean_model
 
 #: Module(dropout=...): counter-based masks, or onnxruntime's own Dropout
@@ -85,6 +94,20 @@ class GradientReducer(Protocol):
 
     def mean(self, value: np.ndarray) -> np.ndarray:
         """``value`` (a loss) averaged over the replicas."""
+
+
+class UpdateKernel(Protocol):
+    """What runs a Module's update in place of its ONNX segment (graphforge.torch.fused_update:
+    torch's fused multi-tensor kernels over the runner's buffers). The ONNX update stays the
+    definition: a kernel computes the same arithmetic, for the programs it says it takes."""
+
+    #: one line: which kernel, for which optimizer
+    description: str
+
+    def apply(self, gradients: Mapping[str, ort.OrtValue], lr: float, step: int, grad_norm: float | None) -> None:
+        """Update every parameter and optimizer state in place from ``gradients`` (the values
+        segment 0 sent, by name) at learning rate ``lr``, ``step`` steps done before this one;
+        ``grad_norm``: the global gradient norm segment 0 computed (for clipping)."""
 
 
 @dataclass
@@ -194,6 +217,8 @@ class Module:
         #: data parallelism: this replica's index (its dropout masks) and what reduces its gradients
         self.replica = 0
         self.reducer: GradientReducer | None = None
+        #: what runs the update instead of segment 1 (use_update_kernel), or None: the ONNX segment
+        self.update_kernel: UpdateKernel | None = None
 
     # ------------------------------------------------------------------ modes
 
@@ -378,10 +403,20 @@ class Module:
             raise GraphforgeError("no gradients to apply: call the module on a batch (in train mode) first")
         self._update([])
 
+    def use_update_kernel(self, kernel: UpdateKernel | None) -> None:
+        """Run the update with ``kernel`` from now on (None: the program's ONNX update segment).
+        Only a Module that updates in place, on one process, runs one: its update is the last
+        thing a step does, into the buffers segment 0 does not write."""
+        if kernel is not None and (not self.runner.in_place or self.reducer is not None):
+            why = "updates with two buffers (in_place=False)" if not self.runner.in_place else "is data-parallel"
+            raise GraphforgeError(f"this Module {why}: its update runs as the program's ONNX segment")
+        self.update_kernel = kernel
+
     def _update(self, outputs: list[str]):
         """Segment 1 with the gradients segment 0 sent (reduced across replicas when
-        data-parallel); returns its execution, or None when the update is skipped: in place,
-        a loss or gradient norm that is not finite leaves the state as it is."""
+        data-parallel), or the update kernel in its place; returns its execution, or None when
+        the update is skipped: in place, a loss or gradient norm that is not finite leaves the
+        state as it is."""
         self.last_update_skipped = False
         checked = {n: float(np.asarray(v)) for n, v in self._checked.items()}
         # a program that scales its loss skips an update whose gradients are not finite
@@ -391,6 +426,8 @@ class Module:
             self.last_update_skipped = True
             self.last_grad_norm = checked.get(self.roles.grad_norm, self.last_grad_norm)
             return None
+        if self.update_kernel is not None and not outputs:  # the segment's own outputs need the segment
+            return self._kernel_update(checked)
         optim = self._segment_session(1, tuple(sorted(outputs)))
         fetch = [n for n in [*self.roles.step_reports, *outputs] if n in optim.outputs]
         received = dict(self._received)
@@ -399,6 +436,20 @@ class Module:
         done = self._execute([SegmentRun(optim, fetch)], received)
         self._after_update({**{n: np.asarray(v) for n, v in self._checked.items()}, **done.host})
         return done
+
+    def _kernel_update(self, checked: dict[str, float]) -> Execution:
+        """The update by ``update_kernel``, in place (it cannot be undone, as segment 1's in place)."""
+        state = self.state
+        before = _Undo(
+            [], [], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm
+        )
+        norm = checked.get(self.roles.grad_norm) if self.roles.grad_norm is not None else None
+        self.update_kernel.apply(self._received, self.learning_rate, int(state.step), norm)
+        before.overwritten = [c for c in self.runner.carried.values() if c.name in self.runner.in_place]
+        self._undo = before
+        host = {n: np.asarray(v) for n, v in self._checked.items()}
+        self._after_update(host)
+        return Execution(host, {}, [], list(before.overwritten))
 
     def _after_update(self, host: dict[str, np.ndarray]) -> None:
         self.state.step = int(self.state.step) + 1

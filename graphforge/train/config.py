@@ -181,8 +181,13 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """[train]: how long (``steps`` or ``epochs``), micro-batches per step, learning rate, device,
-    and the dropout masks: "seeded" (a pure function of data.seed, step, micro-batch, node and
-    element: runs repeat and resume bit-identically) or "onnxruntime" (its own unseeded Dropout)."""
+    the dropout masks: "seeded" (a pure function of data.seed, step, micro-batch, node and
+    element: runs repeat and resume bit-identically) or "onnxruntime" (its own unseeded Dropout),
+    and what runs the optimizer update: "onnx" (the program's own update segment), "torch"
+    (torch's fused kernels over the same buffers, graphforge/distributed/fused_update.py; an
+    error where the program's update is not one they run) or "auto" (torch's where they can,
+    else the program's; the run says which). A run with [profile] keeps the program's update,
+    which the trace then shows."""
 
     steps: int | None = field(default=None, metadata=accepts("int", minimum=1))
     epochs: int | None = field(default=None, metadata=accepts("int", minimum=1))
@@ -190,6 +195,7 @@ class TrainConfig:
     lr: float | None = field(default=None, metadata=accepts("float", minimum=0))
     device: str | None = field(default=None, metadata=accepts("str"))
     dropout: str = field(default="seeded", metadata=accepts("str", choices=("seeded", "onnxruntime")))
+    update: str = field(default="auto", metadata=accepts("str", choices=("auto", "onnx", "torch")))
 
 
 @dataclass(frozen=True)

@@ -81,18 +81,6 @@ def test_two_ranks_skip_together_and_equal_one_rank_of_the_doubled_batch(order, 
     assert int(want["loss_scale.skipped"]) == 1
     initial = CheckpointState.from_program(program).tensors
     for name in graphforge.ProgramRoles.of_proto(graphforge.load(program)).parameters:
-        start, ours, theirs = (_tracked(name, t[name]) for t in (initial, state, want))
+        start, ours, theirs = (models.without_key_bias(name, t[name]) for t in (initial, state, want))
         moved, error = np.linalg.norm(theirs - start), np.linalg.norm(ours - theirs)
         assert moved > 0 and error <= RELATIVE_TO_MOVEMENT * moved, f"{name}: {error / moved:.3g} of its movement"
-
-
-def _tracked(name: str, value: np.ndarray) -> np.ndarray:
-    """What of a parameter follows its gradient: all of it but the attention's key bias (the
-    middle third of c_attn's bias). Adding one vector to every key adds q·b to all of a row's
-    scores, which softmax takes away: its gradient is zero but for rounding, and AdamW turns
-    rounding into full-size steps of any sign (seen: it moves 4% as far as the query bias, and
-    the two runs' float16 roundings move it apart by more than that)."""
-    if not name.endswith("attn.c_attn.bias"):
-        return value
-    third = value.shape[0] // 3
-    return np.concatenate([value[:third], value[2 * third :]])

@@ -52,7 +52,7 @@ def test_four_micro_batches_of_two_equal_batches_of_eight(tmp_path):
 
 def test_profile_traces_exactly_the_chosen_steps_and_leaves_training_alone(tmp_path):
     folder = th.workspace(tmp_path)
-    plain = th.base_config(train={"steps": 6}, data={"eval": None})
+    plain = th.base_config(train={"steps": 6, "update": "onnx"}, data={"eval": None})  # a profile's update
     profiled = {**plain, "profile": {"start": 3, "steps": 2}}
     a = graphforge.train.run(th.write_config(folder, plain, "plain.toml"), out=folder / "plain", quiet=True)
     b = graphforge.train.run(th.write_config(folder, profiled, "profiled.toml"), out=folder / "profiled", quiet=True)
@@ -72,7 +72,9 @@ def test_profile_with_accumulation_traces_the_runs_that_train(tmp_path):
     """Two micro-batches and the update per step: three runs a step, one clock, training untouched."""
     folder = th.workspace(tmp_path)
     pipeline = th.PIPELINE.replace("adamw(lr=0.05)", "adamw(lr=0.05, accumulate=true)")
-    plain = th.base_config(model={"pipeline": pipeline}, train={"steps": 5, "accumulate": 2}, data={"eval": None})
+    plain = th.base_config(
+        model={"pipeline": pipeline}, train={"steps": 5, "accumulate": 2, "update": "onnx"}, data={"eval": None}
+    )
     profiled = {**plain, "profile": {"start": 2, "steps": 2}}
     a = graphforge.train.run(th.write_config(folder, plain, "plain.toml"), out=folder / "plain", quiet=True)
     b = graphforge.train.run(th.write_config(folder, profiled, "profiled.toml"), out=folder / "profiled", quiet=True)

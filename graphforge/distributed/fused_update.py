@@ -1,0 +1,272 @@
+"""A Module's update run by torch's fused multi-tensor kernels, on the runner's own buffers.
+
+The program's ONNX update is one small kernel per operation per parameter (about eleven for
+AdamW): on 2 CPU threads, GPT-2 2×256's update (14.5 M parameters) took 48 ms as onnxruntime
+runs it and 6.9 ms in ``torch._fused_adamw_``; on a GPU, thousands of launches against a few.
+ORTModule hands its optimizer to torch for the same reason. Here the kernels work on the very
+memory onnxruntime binds (DLPack views of the runner's OrtValues: parameters, optimizer states,
+and the gradient buffers segment 0 writes), so nothing is copied, and the ONNX update stays the
+definition: what a program's update does is read from its roles (the optimizer and its
+hyperparameters), the kernel computes the same arithmetic, and the tests hold the two equal
+over 20 steps. A program whose update does more than the kernels know (loss scaling, a
+data-parallel reduction, an optimizer without a kernel) keeps its ONNX update, and
+``refusal`` says why.
+
+1. SGD (momentum, Nesterov, L2 weight decay): ``torch._fused_sgd_``; with dampening, foreach
+   kernels in the program's own order of operations.
+2. Adam (L2 weight decay) and AdamW (decoupled): ``torch._fused_adam_``, ``torch._fused_adamw_``.
+3. LAMB: torch's foreach kernels (no fused LAMB exists), one trust ratio per tensor.
+4. Global-norm clipping multiplies the gradients by the program's own coefficient (from the
+   norm segment 0 computed) first; accumulation needs nothing (segment 0 sends the sums).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from graphforge.errors import GraphforgeError
+from graphforge.runtime.training import Module
+
+#: the optimizer kinds (passes/optimizers.py names) and the hyperparameters each reads
+KNOWN = {
+    "sgd": {"momentum", "dampening", "nesterov"},
+    "adam": {"beta1", "beta2", "eps"},
+    "adamw": {"beta1", "beta2", "eps"},
+    "lamb": {"beta1", "beta2", "eps"},
+}
+#: what every optimizer pass records besides its own (passes/optimizers.py, _Optimizer)
+COMMON = {"lr", "weight_decay", "clip_grad_norm", "accumulate", "batchnorm_variance"}
+#: the state each optimizer carries per parameter
+STATES = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq")}
+STATES["lamb"] = STATES["adam"]
+#: the fused kernel of each optimizer (LAMB has none: foreach kernels)
+KERNELS = {"sgd": "_fused_sgd_", "adam": "_fused_adam_", "adamw": "_fused_adamw_"}
+#: the dtypes torch's fused kernels update
+FLOATS = (np.float16, np.float32, np.float64)
+
+
+def refusal(module: Module, *, foreach: bool = True) -> str | None:
+    """Why ``module``'s update must stay its ONNX segment, or None when FusedUpdate runs it.
+    ``foreach=False``: not an optimizer torch has no fused kernel for (LAMB), whose foreach
+    kernels measured slower than the ONNX update on GPT-2 2×256 and faster on GPT-2 small, on the
+    CPU (docs/benchmarks.md, Optimizer update): no measured winner to make the default."""
+    roles = module.roles
+    kind = roles.optimizer
+    if kind not in KNOWN:
+        return f"no torch kernel for the {kind or 'unknown'} optimizer"
+    if not foreach and kind not in KERNELS:
+        return f"torch has no fused {kind} kernel; its foreach kernels run it only when asked (foreach=True)"
+    unknown = sorted(set(roles.hyperparameters) - KNOWN[kind] - COMMON)
+    if unknown:
+        return f"the {kind} update has settings the torch kernels do not take: {', '.join(unknown)}"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (pip install graphforge[torch])"
+    kernel = KERNELS.get(kind)
+    if kernel is not None and not hasattr(torch, kernel):
+        return f"this torch build has no torch.{kernel}"
+    if roles.loss_scaling is not None or roles.mixed_precision:
+        return "the program scales its loss (mixed precision): its update checks the unscaled gradients"
+    if roles.allreduce is not None or module.reducer is not None:
+        return "a data-parallel program: its update reads the reduced gradients"
+    if roles.pipeline is not None:
+        return "a pipeline program: each stage updates its own parameters"
+    if not module.runner.in_place:
+        return "the Module updates with two buffers (in_place=False)"
+    optimizer_states = {c.input for c in roles.carried if c.role == "optimizer"}
+    expected = set()
+    for name in _parameters(module):
+        spec = roles.carried_spec(name)
+        if spec is None or np.dtype(spec.dtype).type not in FLOATS:
+            return f"parameter {name!r} is of a type the torch kernels do not update"
+        expected |= {f"{name}.{state}" for state in _states(kind, roles.hyperparameters)}
+    if optimizer_states != expected:
+        extra = sorted(optimizer_states ^ expected)
+        return f"optimizer states the {kind} kernel does not keep as the program does: {', '.join(extra[:3])}"
+    return None
+
+
+def use_fused_update(module: Module, *, foreach: bool = False) -> str:
+    """Run ``module``'s update with FusedUpdate where it can; returns one line saying which
+    update runs (and why not the fused one). ``foreach``: LAMB too, in torch's foreach kernels."""
+    why = refusal(module, foreach=foreach)
+    if why is not None:
+        module.use_update_kernel(None)
+        return f"update: the program's ONNX update ({why})"
+    kernel = FusedUpdate(module)
+    module.use_update_kernel(kernel)
+    return f"update: {kernel.description}"
+
+
+def _parameters(module: Module) -> list[str]:
+    roles = module.roles
+    return [p for p in roles.parameters if p in roles.gradient_boundary and roles.carried_spec(p) is not None]
+
+
+def _states(kind: str, hyperparameters: Mapping) -> tuple[str, ...]:
+    if kind == "sgd" and not hyperparameters.get("momentum"):
+        return ()
+    return STATES[kind]
+
+
+@dataclass
+class _Group:
+    """The tensors of one dtype, in the order the kernels take them."""
+
+    params: list[str]
+    grads: list[str]
+    states: dict[str, list[str]]
+
+
+class FusedUpdate:
+    """graphforge.runtime.training.UpdateKernel: the module docstring's cases 1-4."""
+
+    def __init__(self, module: Module):
+        why = refusal(module)
+        if why is not None:
+            raise GraphforgeError(f"cannot run this Module's update with torch's kernels: {why}")
+        roles = module.roles
+        self.kind = roles.optimizer
+        self.hyper = dict(roles.hyperparameters)
+        self._runner = module.runner
+        states = _states(self.kind, self.hyper)
+        groups: dict[np.dtype, _Group] = {}
+        for name in _parameters(module):
+            group = groups.setdefault(np.dtype(roles.carried_spec(name).dtype), _Group([], [], {s: [] for s in states}))
+            group.params.append(name)
+            group.grads.append(roles.gradient_boundary[name])
+            for state in states:
+                group.states[state].append(f"{name}.{state}")
+        self._groups = list(groups.values())
+        #: id(OrtValue) -> (the OrtValue, kept so that its id is not reused; its torch view)
+        self._views: dict[int, tuple[ort.OrtValue, Any]] = {}
+        self._gradients: dict[str, tuple[ort.OrtValue, Any]] = {}  # name -> (its last value, its view)
+        self._steps: dict[int, Any] = {}  # group -> the step-count tensor the kernels read
+        import torch
+
+        device = module.runner.device
+        self._device = torch.device("cpu" if device.type == "cpu" else f"cuda:{device.id}")
+        kernel = KERNELS.get(self.kind)
+        what = f"torch.{kernel}" if kernel else "torch's foreach kernels"
+        count = sum(len(g.params) for g in self._groups)
+        self.description = f"{what} ({self.kind}) over {count} parameters in {len(self._groups)} dtype group(s)"
+
+    # ------------------------------------------------------------------ views
+
+    def _view(self, value: ort.OrtValue):
+        """A torch tensor on ``value``'s memory (cached: the runner's buffers stay put)."""
+        import torch
+
+        cached = self._views.get(id(value))
+        if cached is None:
+            cached = self._views[id(value)] = (value, torch.from_dlpack(value))
+        return cached[1]
+
+    def _gradient(self, name: str, value: ort.OrtValue):
+        """A torch view of the gradient ``name``: the same buffer every step where the Module
+        binds one (fixed shapes), else a fresh value, whose view replaces the last one."""
+        import torch
+
+        cached = self._gradients.get(name)
+        if cached is None or cached[0] is not value:
+            cached = self._gradients[name] = (value, torch.from_dlpack(value))
+        return cached[1]
+
+    def _carried(self, names: list[str]) -> list:
+        return [self._view(self._runner.carried[n].value) for n in names]
+
+    # ------------------------------------------------------------------ the update
+
+    def apply(self, gradients: Mapping[str, ort.OrtValue], lr: float, step: int, grad_norm: float | None) -> None:
+        import torch
+
+        lr = float(np.float32(lr))  # the program's lr input is float32
+        hp = self.hyper
+        coef = _clip_coefficient(hp.get("clip_grad_norm"), grad_norm)
+        for group in self._groups:
+            params = self._carried(group.params)
+            grads = [self._gradient(n, gradients[n]) for n in group.grads]
+            if coef is not None:
+                torch._foreach_mul_(grads, coef)
+            states = {s: self._carried(names) for s, names in group.states.items()}
+            wd = float(hp.get("weight_decay") or 0.0)
+            if self.kind == "sgd" and hp.get("dampening"):
+                _damped_sgd(params, grads, states["momentum_buffer"], lr, step, wd, float(hp["momentum"]),
+                            float(hp["dampening"]), bool(hp.get("nesterov")))  # fmt: skip
+                continue
+            if self.kind == "sgd":
+                torch._fused_sgd_(params, grads, states.get("momentum_buffer", []), weight_decay=wd,
+                                  momentum=float(hp.get("momentum") or 0.0), lr=lr,
+                                  dampening=float(hp.get("dampening") or 0.0), nesterov=bool(hp.get("nesterov")),
+                                  maximize=False, is_first_step=step == 0)  # fmt: skip
+                continue
+            beta1, beta2, eps = float(hp["beta1"]), float(hp["beta2"]), float(hp["eps"])
+            if self.kind == "lamb":
+                _lamb(params, grads, states["exp_avg"], states["exp_avg_sq"], lr, step + 1, beta1, beta2, eps, wd)
+                continue
+            counter = self._steps.get(id(group))
+            if counter is None:
+                counter = self._steps[id(group)] = torch.zeros((), dtype=torch.float32, device=self._device)
+            counter.fill_(float(step + 1))
+            steps = [counter] * len(params)
+            fused = getattr(torch, KERNELS[self.kind])
+            fused(params, grads, states["exp_avg"], states["exp_avg_sq"], [], steps, lr=lr, beta1=beta1,
+                  beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)  # fmt: skip
+
+
+def _clip_coefficient(max_norm: float | None, norm: float | None) -> float | None:
+    """The program's clipping factor, in float32 as it computes it: min(1, max_norm / (norm + 1e-6))."""
+    if max_norm is None:
+        return None
+    if norm is None:
+        raise GraphforgeError("the program clips its gradients, but segment 0 sent no gradient norm")
+    ratio = np.float32(max_norm) / (np.float32(norm) + np.float32(1e-6))
+    return float(min(ratio, np.float32(1.0)))
+
+
+def _damped_sgd(params, grads, buffers, lr: float, step: int, weight_decay, momentum, dampening, nesterov) -> None:
+    """SGD with dampening in foreach kernels, operation for operation as the program writes it
+    (Sgd.update): torch's fused kernel rounds ``momentum * buf + (1 - dampening) * grad`` in
+    another order, and over 20 steps of a small MLP that drifted 1.3e-6 of a buffer's norm away."""
+    import torch
+
+    d_p = torch._foreach_add(grads, torch._foreach_mul(params, weight_decay)) if weight_decay else list(grads)
+    if step == 0:  # torch starts the buffer at the first gradient
+        torch._foreach_copy_(buffers, d_p)
+    else:
+        torch._foreach_mul_(buffers, momentum)
+        torch._foreach_add_(buffers, torch._foreach_mul(d_p, 1.0 - dampening))
+    direction = torch._foreach_add(d_p, torch._foreach_mul(buffers, momentum)) if nesterov else buffers
+    torch._foreach_sub_(params, torch._foreach_mul(direction, lr))
+
+
+def _lamb(params, grads, exp_avgs, exp_avg_sqs, lr: float, t: int, beta1, beta2, eps, weight_decay) -> None:
+    """passes/optimizers.py's Lamb.update in foreach kernels: Adam's bias-corrected direction
+    plus decoupled weight decay, scaled per tensor by ||param|| / ||direction|| (1 where
+    either is 0); the scalars in float64, as the program computes them."""
+    import torch
+
+    bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    denom = torch._foreach_div(exp_avg_sqs, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    direction = torch._foreach_div(exp_avgs, bc1)
+    torch._foreach_div_(direction, denom)
+    if weight_decay:
+        torch._foreach_add_(direction, torch._foreach_mul(params, weight_decay))
+    w_norm = torch.stack(torch._foreach_norm([p.float() for p in params]))
+    d_norm = torch.stack(torch._foreach_norm([d.float() for d in direction]))
+    usable = (w_norm > 0) & (d_norm > 0)
+    trust = torch.where(usable, w_norm / torch.where(usable, d_norm, 1.0), torch.ones_like(w_norm))
+    scales = (trust.double() * lr).to(params[0].dtype).unbind()
+    torch._foreach_mul_(direction, scales)
+    torch._foreach_sub_(params, direction)
