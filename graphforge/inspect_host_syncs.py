@@ -9,7 +9,7 @@ import onnx
 
 from graphforge.analysis.host_sync import HostSync, host_syncs
 from graphforge.graph import Model
-from graphforge.passes.specialize import specialized
+from graphforge.passes.specialize import input_dims, specialized
 from graphforge.program import ProgramRoles
 from graphforge.runtime.sessions import lean_model
 from graphforge.runtime.training import step_models
@@ -37,7 +37,7 @@ def session_syncs(proto: onnx.ModelProto, dims: dict[str, int], *, in_place: boo
     found = []
     for label, model in models.items():
         general = host_syncs(Model.from_proto(model).graph)
-        special = specialized(model, dims) if dims else model
+        special = specialized(model, dims)
         found.append(
             SessionSyncs(
                 label,
@@ -54,7 +54,7 @@ def host_sync_lines(proto: onnx.ModelProto, dims: dict[str, int], *, in_place: b
     """What ``inspect --host-syncs`` prints."""
     at = ", ".join(f"{k}={v}" for k, v in sorted(dims.items())) or "no dims given"
     lines = [f"host syncs of each session at {at}, as the runner makes it (specialized to those dims):"]
-    unbound = sorted(_input_dims(proto) - set(dims))
+    unbound = sorted(input_dims(proto) - set(dims))
     if unbound:
         lines.append(f"  symbolic dims left unbound (name them with --dim NAME=SIZE): {', '.join(unbound)}")
     for s in session_syncs(proto, dims, in_place=in_place):
@@ -64,13 +64,3 @@ def host_sync_lines(proto: onnx.ModelProto, dims: dict[str, int], *, in_place: b
         )
         lines += [f"    {sync.describe()}" for sync in s.syncs]
     return lines
-
-
-def _input_dims(proto: onnx.ModelProto) -> set[str]:
-    return {
-        d.dim_param
-        for value in proto.graph.input
-        if value.type.HasField("tensor_type")
-        for d in value.type.tensor_type.shape.dim
-        if d.dim_param
-    }

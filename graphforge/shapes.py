@@ -22,9 +22,10 @@ from graphforge.graph import Model, exceeds_protobuf_limit, load, save
 from graphforge.ir import subgraphs_of
 
 
-def infer_shapes(model: Model, *, in_place: bool = False) -> Model:
+def infer_shapes(model: Model, *, in_place: bool = False, relate: bool = False) -> Model:
     """``model``'s tensors with the dtypes and shapes ONNX inference finds: a copy, or with
     ``in_place`` the model itself, annotated (for a pass, which owns the model it is given).
+    ``relate``: equal dims then get one name too (``relate_dims``, on the same export).
 
     Symbolic dims stay symbolic (data propagation is on, so shapes computed from
     ``Shape`` ops are found too). Inference runs on an export that leaves the values of
@@ -44,9 +45,12 @@ def infer_shapes(model: Model, *, in_place: bool = False) -> Model:
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except onnx.shape_inference.InferenceError as exc:
         raise InvalidModelError(f"shape inference failed: {str(exc).strip().splitlines()[0]}") from None
-    if in_place and _annotate(model.graph, inferred.graph):
-        return model
-    return Model.from_proto(inferred, values_from=model)
+    result = (
+        model if in_place and _annotate(model.graph, inferred.graph) else Model.from_proto(inferred, values_from=model)
+    )
+    if relate:
+        relate_dims(result, proto)
+    return result
 
 
 def _annotate(graph: gs.Graph, inferred: onnx.GraphProto) -> bool:
@@ -85,7 +89,7 @@ def _numpy_type(elem_type: int):
 RELATED_PREFIX = "dim:"
 
 
-def relate_dims(model: Model) -> int:
+def relate_dims(model: Model, proto: onnx.ModelProto | None = None) -> int:
     """Give the dims that are equal one name, on the model's own tensors (after ``infer_shapes``).
 
     ONNX's inference names each dim it cannot work out afresh (``unk__<n>``): after a Reshape
@@ -98,8 +102,9 @@ def relate_dims(model: Model) -> int:
     two dims on a guess (``auto_merge`` off: a broadcast of two
     unknown dims stays unknown). Returns how many tensors changed; none where it cannot run
     (a build without onnxruntime's tools, a model with subgraphs, an op it does not follow).
+    ``proto``: the model's export without values, where the caller has one (``infer_shapes``).
     """
-    proto = model.to_proto(values=False)
+    proto = model.to_proto(values=False) if proto is None else proto
     if any(True for _ in subgraphs_of(proto.graph.node)):  # inner names may repeat from body to body
         return 0
     shapes = _symbolic_shapes(proto)

@@ -12,7 +12,6 @@ machine sharing the folder; NFS clients take flock as POSIX locks, which the ser
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import shutil
@@ -26,8 +25,9 @@ except ImportError:  # Windows: no flock, so no temporary is ever known to be st
     fcntl = None  # type: ignore[assignment]
 
 SUFFIX = ".tmp"
-#: the names of the temporaries this module makes
-_TEMPORARY = re.compile(r"\..+\.tmp")
+#: the names of the temporaries this module makes: mkstemp's and mkdtemp's 8 random characters
+#: between the target's name and SUFFIX (a user's own ``.notes.tmp`` is not one)
+_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
 
 
 def _read_umask() -> int:
@@ -111,11 +111,6 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def is_temporary(path: Path) -> bool:
-    """Whether ``path`` is named as this module names temporaries."""
-    return _TEMPORARY.fullmatch(path.name) is not None
-
-
 def remove_stale(folder: Path) -> list[Path]:
     """Remove the temporaries in ``folder`` (not below it) that no live process holds: those a
     process killed mid-write left. Returns what was removed; what cannot be read or removed
@@ -124,7 +119,7 @@ def remove_stale(folder: Path) -> list[Path]:
         return []
     removed = []
     for entry in sorted(folder.iterdir()):
-        if not is_temporary(entry):
+        if _TEMPORARY.fullmatch(entry.name) is None:
             continue
         try:
             fd = os.open(entry, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -132,11 +127,9 @@ def remove_stale(folder: Path) -> list[Path]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        except OSError:  # its writer is alive (or the file system takes no locks: then nothing is known)
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                continue  # its writer is alive
-            raise
+            continue
         try:
             if _same(fd, entry):  # not a new one made under the same name meanwhile
                 _remove(entry)

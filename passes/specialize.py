@@ -14,7 +14,7 @@ from graphforge.analysis.cost import parse_dims
 from graphforge.analysis.host_sync import host_syncs, summary
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import fingerprint, gc_paused
+from graphforge.ir import fingerprint, gc_paused, recorded_json
 from graphforge.pipeline import Pass, PassResult
 from graphforge.shapes import infer_shapes
 
@@ -78,7 +78,7 @@ class Specialize(Pass):
             if not result.changed:
                 break
         graph = model.graph
-        recorded = {**json.loads(model.metadata.get(SPECIALIZED, "{}")), **sizes}
+        recorded = {**recorded_json(model.metadata, SPECIALIZED, dict, {}), **sizes}
         if recorded:
             model.metadata[SPECIALIZED] = json.dumps(recorded, sort_keys=True)
         return PassResult(model, fingerprint(graph) != before or bool(sizes), summary(host_syncs(graph)))
@@ -97,16 +97,21 @@ def _bind(graph: gs.Graph, sizes: dict[str, int]) -> None:
             tensor.shape = None
 
 
-def specialized(proto: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProto:
-    """``proto`` specialized to those of ``dims`` its inputs have (a batch's ``batch_dims`` may
-    name more: a segment reads some of the inputs only); ``proto`` itself when none."""
-    named = {
+def input_dims(proto: onnx.ModelProto) -> set[str]:
+    """The names of ``proto``'s symbolic input dims: what ``specialize`` may bind."""
+    return {
         d.dim_param
         for value in proto.graph.input
         if value.type.HasField("tensor_type")
         for d in value.type.tensor_type.shape.dim
         if d.dim_param
     }
+
+
+def specialized(proto: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProto:
+    """``proto`` specialized to those of ``dims`` its inputs have (a batch's ``batch_dims`` may
+    name more: a segment reads some of the inputs only); ``proto`` itself when none."""
+    named = input_dims(proto)
     chosen = tuple(f"{name}={int(size)}" for name, size in sorted(dims.items()) if name in named)
     if not chosen:
         return proto

@@ -56,13 +56,14 @@ def test_a_live_writers_temporary_stays_and_a_killed_ones_goes(tmp_path, kind):
 
 
 def test_only_temporaries_are_removed(tmp_path):
-    kept = [tmp_path / name for name in ("model.onnx", ".hidden", "notes.tmp", ".model.onnx.tmp.bak")]
+    names = ("model.onnx", ".hidden", "notes.tmp", ".notes.tmp", ".model.onnx.k3j_x8a2.tmp.bak")
+    kept = [tmp_path / name for name in names]
     for path in kept:
         path.write_text("keep me")
-    (tmp_path / ".folder.abc.tmp").mkdir()
-    stale = tmp_path / ".checkpoint-00000025.safetensors.k3j_x.tmp"
+    (tmp_path / ".folder.abcd1234.tmp").mkdir()
+    stale = tmp_path / ".checkpoint-00000025.safetensors.k3j_x8a2.tmp"
     stale.write_text("half-written")
-    assert remove_stale(tmp_path) == sorted([tmp_path / ".folder.abc.tmp", stale])
+    assert remove_stale(tmp_path) == sorted([tmp_path / ".folder.abcd1234.tmp", stale])
     assert sorted(tmp_path.iterdir()) == sorted(kept)
     assert remove_stale(tmp_path / "missing") == []
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
+from graphforge.constants import constant_value
+
 #: ops whose output shape depends on their inputs' values
 DATA_DEPENDENT = frozenset({"NonZero", "Unique", "Compress", "NonMaxSuppression", "StringSplit", "RegexFullMatch"})
 #: control flow: its condition or trip count is read on the host
@@ -104,9 +106,7 @@ def _reason(node: gs.Node) -> str | None:
 
 def _known(tensor: gs.Tensor) -> bool:
     """Whether ``tensor``'s value is known ahead of time: an initializer or a Constant's output."""
-    if isinstance(tensor, gs.Constant):
-        return True
-    return len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant"
+    return constant_value(tensor) is not None
 
 
 def summary(syncs: Iterable[HostSync], limit: int = 5) -> str:

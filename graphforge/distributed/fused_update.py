@@ -92,14 +92,22 @@ def refusal(module: Module, *, foreach: bool = True) -> str | None:
     return None
 
 
+class Refused(GraphforgeError):
+    """FusedUpdate cannot run this Module's update; ``why`` says why (``refusal``)."""
+
+    def __init__(self, why: str):
+        super().__init__(f"cannot run this Module's update with torch's kernels: {why}")
+        self.why = why
+
+
 def use_fused_update(module: Module, *, foreach: bool = False) -> str:
     """Run ``module``'s update with FusedUpdate where it can; returns one line saying which
     update runs (and why not the fused one). ``foreach``: LAMB too, in torch's foreach kernels."""
-    why = refusal(module, foreach=foreach)
-    if why is not None:
+    try:
+        kernel = FusedUpdate(module, foreach=foreach)
+    except Refused as exc:
         module.use_update_kernel(None)
-        return f"update: the program's ONNX update ({why})"
-    kernel = FusedUpdate(module)
+        return f"update: the program's ONNX update ({exc.why})"
     module.use_update_kernel(kernel)
     return f"update: {kernel.description}"
 
@@ -127,10 +135,10 @@ class _Group:
 class FusedUpdate:
     """graphforge.runtime.training.UpdateKernel: the module docstring's cases 1-4."""
 
-    def __init__(self, module: Module):
-        why = refusal(module)
+    def __init__(self, module: Module, *, foreach: bool = True):
+        why = refusal(module, foreach=foreach)
         if why is not None:
-            raise GraphforgeError(f"cannot run this Module's update with torch's kernels: {why}")
+            raise Refused(why)
         roles = module.roles
         self.kind = roles.optimizer
         self.hyper = dict(roles.hyperparameters)

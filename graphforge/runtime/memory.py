@@ -69,11 +69,10 @@ def step_memory(
     types = tensor_types(proto, dims)
     sizes = {name: size for name, (size, _) in types.items() if size is not None}
     slots = {spec.input: 1 if in_place and spec.role in IN_PLACE_ROLES else 2 for spec in roles.carried}
-    gradients: list[str] = []
-    if in_place:
-        sends = split_program(proto, roles, norm_first=True).sends
-        gradients = [n for n in sends if n in sizes]  # Module._gradient_buffers: those of a known size
-    models = step_models(proto, roles, in_place=in_place)
+    split = split_program(proto, roles, norm_first=True) if in_place else None
+    # Module._gradient_buffers: the gradients the update reads, those of a known size
+    gradients = [n for n in split.sends if n in sizes] if split is not None else []
+    models = step_models(proto, roles, in_place=in_place, split=split)
     runs = {}
     for label, model in models.items():
         # the runner specializes a run to the batch's dims (Runner.session); the update's

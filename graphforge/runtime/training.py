@@ -653,14 +653,17 @@ def segment_outputs(split: _Split, index: int, roles: ProgramRoles, extra: Seque
     return keep + [c.output for c in roles.carried if c.output in produced]
 
 
-def step_models(program: onnx.ModelProto, roles: ProgramRoles, *, in_place: bool) -> dict[str, onnx.ModelProto]:
+def step_models(
+    program: onnx.ModelProto, roles: ProgramRoles, *, in_place: bool, split: _Split | None = None
+) -> dict[str, onnx.ModelProto]:
     """The models one ``Module.train_step`` runs, by label, each as the runner makes it (lean:
     computing only what the run hands on): in place, the forward/backward segment and the
-    update; with two buffers, the whole step."""
+    update (of ``split``, the program's ``split_program(norm_first=True)``, where the caller
+    has it); with two buffers, the whole step."""
     bound = {spec.input for spec in roles.carried}
     if not in_place:
         return {"whole step": lean_model(program, fused_outputs(roles), bound=bound)}
-    split = split_program(program, roles, norm_first=True)
+    split = split_program(program, roles, norm_first=True) if split is None else split
     return {
         "forward/backward": lean_model(split.grad, segment_outputs(split, 0, roles), bound=bound),
         "update": lean_model(split.optim, segment_outputs(split, 1, roles), bound=bound),

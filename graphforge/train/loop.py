@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from graphforge.distributed import DataParallel, DistributedError, World, digest, launched
-from graphforge.distributed.fused_update import refusal, use_fused_update
+from graphforge.distributed.fused_update import FusedUpdate, Refused, use_fused_update
 from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
 from graphforge.graph import copy_without_initializers, load, save
@@ -342,20 +342,20 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         if module is not None:
             DataParallel(module, world, overlap=config.distributed.overlap)
     if module is not None and config.train.update != "onnx":
-        # a profile traces onnxruntime's runs, the update's among them
         insisted = config.train.update == "torch"
-        why = (
-            "[profile] traces the update as onnxruntime runs it"
-            if config.profile is not None
-            else refusal(module, foreach=insisted)
-        )
-        if why is not None and insisted:
-            raise ConfigError(f'{where}: train.update = "torch": {why}')
-        note(
-            f"update: the program's ONNX update ({why})"
-            if why is not None
-            else use_fused_update(module, foreach=insisted)
-        )
+        # a profile traces onnxruntime's runs, the update's among them
+        profiled = "[profile] traces the update as onnxruntime runs it" if config.profile is not None else None
+        if insisted:
+            try:
+                if profiled is not None:
+                    raise Refused(profiled)
+                kernel = FusedUpdate(module, foreach=True)
+            except Refused as exc:
+                raise ConfigError(f'{where}: train.update = "torch": {exc.why}') from None
+            module.use_update_kernel(kernel)
+            note(f"update: {kernel.description}")
+        else:
+            note(f"update: the program's ONNX update ({profiled})" if profiled else use_fused_update(module))
     return Plan(
         config=config,
         out=out,

@@ -25,7 +25,7 @@ from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import TORCH_FOLDED, TORCH_TRAINING_BATCHNORMS, gc_paused, is_parameter, recorded_torch_kinds
 from graphforge.pipeline import Fact, Pass, PassResult
-from graphforge.shapes import infer_shapes, relate_dims
+from graphforge.shapes import infer_shapes
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class Autodiff(Pass):
 
     def _run(self, model: Model) -> PassResult:
         _train_batchnorms_torch_trained(model, self.name)
-        model = infer_shapes(model, in_place=True)
-        relate_dims(model)  # equal dims of one name: static unbroadcasts (the driver's case 5)
+        # equal dims of one name: the driver's unbroadcasts are then static (its case 5)
+        model = infer_shapes(model, in_place=True, relate=True)
         graph = model.graph
         targets = self._targets(graph)
         what = self._what(targets)

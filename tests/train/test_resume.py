@@ -137,7 +137,7 @@ def test_a_resume_removes_the_temporaries_a_killed_run_left_and_says_so(uninterr
     writer.send_signal(signal.SIGKILL)
     writer.wait(timeout=30)
     writer.stdout.close()
-    unlocked = checkpoints / ".checkpoint-00000006.safetensors.x1y2z3.tmp"
+    unlocked = checkpoints / ".checkpoint-00000006.safetensors.x1y2z3w4.tmp"
     unlocked.write_bytes(b"half")
     left = sorted(p.name for p in checkpoints.iterdir() if p.name.endswith(".tmp"))
     assert left == sorted([unlocked.name, killed.rsplit("/", 1)[-1]])
