@@ -78,14 +78,19 @@ class CarriedSpec:
 
 @dataclass(frozen=True)
 class AllReduceRole:
-    """How the allreduce pass reduces the gradients across replicas: averaged or summed, and
-    the parameters of each bucket (in the order their gradients become ready in backward);
-    ``reduced``: parameter -> the reduced gradient everything after the boundary reads."""
+    """How the allreduce (or zero) pass reduces the gradients across replicas: averaged or
+    summed, and the parameters of each bucket (in the order their gradients become ready in
+    backward); ``reduced``: parameter -> the reduced gradient everything after the boundary
+    reads. ``zero``: 0 for an all-reduce (every replica updates everything), else the ZeRO
+    stage of the zero pass (the gradients reduce-scattered, each replica updating its shard,
+    the updated parameters all-gathered: ``gathered``, parameter -> the gathered output)."""
 
     average: bool
     bucket_mb: float
     buckets: tuple[tuple[str, ...], ...]
     reduced: Mapping[str, str]
+    zero: int = 0
+    gathered: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> AllReduceRole:
@@ -94,15 +99,20 @@ class AllReduceRole:
             float(entry["bucket_mb"]),
             tuple(tuple(bucket) for bucket in entry["buckets"]),
             dict(entry["reduced"]),
+            int(entry.get("zero", 0)),
+            dict(entry.get("gathered", {})),
         )
 
     def to_json(self) -> dict:
-        return {
+        entry = {
             "average": self.average,
             "bucket_mb": self.bucket_mb,
             "buckets": [list(b) for b in self.buckets],
             "reduced": dict(self.reduced),
         }
+        if self.zero:
+            entry.update(zero=self.zero, gathered=dict(self.gathered))
+        return entry
 
 
 @dataclass(frozen=True)

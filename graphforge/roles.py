@@ -64,10 +64,19 @@ OPTIM_PREFIX = "optim::"
 ALLREDUCE_PREFIX = "allreduce::"
 PIPELINE_PREFIX = "pipeline::"
 RECOMPUTE_PREFIX = "recompute::"
+ZERO_PREFIX = "zero::"
 #: the casts of the mixed_precision pass (precision.convert), and its loss scaling (under
 #: ``optim::``): not in GENERATED_PREFIXES, as a cast may produce a forward output
 AMP_PREFIX = "amp::"
-GENERATED_PREFIXES = (LOSS_PREFIX, GRAD_PREFIX, OPTIM_PREFIX, ALLREDUCE_PREFIX, PIPELINE_PREFIX, RECOMPUTE_PREFIX)
+GENERATED_PREFIXES = (
+    LOSS_PREFIX,
+    GRAD_PREFIX,
+    OPTIM_PREFIX,
+    ALLREDUCE_PREFIX,
+    PIPELINE_PREFIX,
+    RECOMPUTE_PREFIX,
+    ZERO_PREFIX,
+)
 #: what each generated part computes, as profiles name it (the rest is the forward)
 PROGRAM_PARTS = {
     LOSS_PREFIX: "loss",
@@ -76,12 +85,16 @@ PROGRAM_PARTS = {
     ALLREDUCE_PREFIX: "allreduce",
     PIPELINE_PREFIX: "optimizer",
     RECOMPUTE_PREFIX: "backward",  # the backward's own work: it runs among the backward's nodes
+    ZERO_PREFIX: "allreduce",
 }
 
 #: the model-local function marking a gradient's reduction across replicas: its body is an
 #: Identity, so a program runs as it is on one process; a runtime with more cuts there
 MARKER_DOMAIN = "graphforge"
 ALLREDUCE_OP = "AllReduce"
+#: the zero pass's markers: a gradient's reduce-scatter, and an updated parameter's all-gather
+REDUCE_SCATTER_OP = "ReduceScatter"
+ALL_GATHER_OP = "AllGather"
 
 #: suffix of a gradient output: the gradient of parameter P is the graph output P_grad
 GRAD_SUFFIX = "_grad"

@@ -19,6 +19,7 @@ from graphforge.passes.prune import Prune
 from graphforge.passes.recompute import Recompute
 from graphforge.passes.specialize import Specialize
 from graphforge.passes.topo_sort import TopologicalSort
+from graphforge.passes.zero import Zero
 
 from graphforge.pipeline import PassRegistry
 
@@ -44,6 +45,7 @@ REGISTRY = PassRegistry(
         TopologicalSort,
         Prune,
         Specialize,
+        Zero,
     ]
 )
 
@@ -68,4 +70,5 @@ __all__ = [
     "Specialize",
     "TopologicalSort",
     "VectorJacobian",
+    "Zero",
 ]

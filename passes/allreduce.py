@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import placed_early, topological_order
-from graphforge.analysis.size import nbytes
-from graphforge.errors import PassError
+from graphforge.analysis import placed_early
+from graphforge.buckets import fill_buckets, marker_call, marker_function, ready_order
 from graphforge.graph import Model
 from graphforge.pipeline import Fact, Pass, PassResult, check_number
 from graphforge.program import AllReduceRole, ProgramRoles
@@ -55,7 +53,7 @@ class AllReduce(Pass):
         # a gradient has its parameter's shape and type (the accumulated one may have lost them)
         parameters = {p: tensors[p] for p in boundary}
         buckets = fill_buckets(ready_order(graph, gradients), parameters, self.bucket_mb)
-        function = _marker_function(graph)
+        function = marker_function(graph, roles.ALLREDUCE_OP)
         reduced, calls = {}, {}
         for index, bucket in enumerate(buckets):
             for p in bucket:
@@ -66,67 +64,13 @@ class AllReduce(Pass):
         return PassResult(model, True, note=f"{len(reduced)} gradients in {len(buckets)} bucket(s)")
 
 
-def ready_order(graph: gs.Graph, gradients: dict[str, gs.Tensor]) -> list[str]:
-    """The parameters in the order backward makes their gradients: by the topological
-    position of each gradient's producer (a gradient no node makes, a constant, first)."""
-    position = {id(graph.nodes[i]): rank for rank, i in enumerate(topological_order(graph))}
-
-    def made_at(p: str) -> int:
-        producers = gradients[p].inputs
-        return position.get(id(producers[0]), -1) if producers else -1
-
-    return sorted(gradients, key=made_at)
-
-
-def fill_buckets(order: list[str], parameters: dict[str, gs.Tensor], bucket_mb: float) -> tuple[tuple[str, ...], ...]:
-    """Consecutive parameters of ``order`` in buckets of at most ``bucket_mb`` MiB of
-    gradients of one element type (a gradient larger than that alone in its own)."""
-    limit = bucket_mb * 2**20
-    buckets: list[list[str]] = []
-    size, dtype = 0.0, None
-    for p in order:
-        tensor = parameters[p]
-        count = nbytes(tensor.shape, tensor.dtype)
-        if count is None:
-            raise PassError(f"parameter {p!r} has no static shape and type; gradient buckets need its size")
-        if not buckets or tensor.dtype != dtype or (size + count > limit and size > 0):
-            buckets.append([])
-            size, dtype = 0.0, tensor.dtype
-        buckets[-1].append(p)
-        size += count
-    return tuple(tuple(b) for b in buckets)
-
-
 def _reduce(gradient: gs.Tensor, parameter: gs.Tensor, bucket: int) -> tuple[str, gs.Node]:
     """``gradient`` through a marker call; every reader of it reads the call's output
     instead. Returns that output's name and the call (not yet in the graph: placed right
     after the gradient's producer, so a runtime can reduce it while backward goes on)."""
     readers = list(gradient.outputs)
     reduced = gs.Variable(f"{roles.ALLREDUCE_PREFIX}{parameter.name}", dtype=parameter.dtype, shape=parameter.shape)
-    call = gs.Node(
-        roles.ALLREDUCE_OP,
-        name=f"{roles.ALLREDUCE_PREFIX}{parameter.name}/{roles.ALLREDUCE_OP}",
-        domain=roles.MARKER_DOMAIN,
-        attrs={"bucket": bucket},
-        inputs=[gradient],
-        outputs=[reduced],
-    )
+    call = marker_call(roles.ALLREDUCE_OP, gradient, reduced, bucket)
     for node in readers:
         node.inputs = [reduced if t is gradient else t for t in node.inputs]
     return reduced.name, call
-
-
-def _marker_function(graph: gs.Graph) -> gs.Function:
-    """``graphforge.AllReduce(x) = Identity(x)``, with the bucket as an attribute the body ignores."""
-    if any(f.domain == roles.MARKER_DOMAIN and f.name == roles.ALLREDUCE_OP for f in graph.functions):
-        raise PassError(f"the model already defines {roles.MARKER_DOMAIN}.{roles.ALLREDUCE_OP}")
-    x, y = gs.Variable("x", dtype=None), gs.Variable("y", dtype=None)
-    return gs.Function(
-        roles.ALLREDUCE_OP,
-        domain=roles.MARKER_DOMAIN,
-        nodes=[gs.Node("Identity", inputs=[x], outputs=[y])],
-        inputs=[x],
-        outputs=[y],
-        attrs={"bucket": None},
-        import_domains=[onnx.helper.make_opsetid("", graph.opset or 13)],
-    )

@@ -12,10 +12,21 @@
 ``graphforge train`` does this itself when torchrun starts it (graphforge/train/loop.py).
 world.py joins the group and turns failed collectives into one-line errors naming the
 ranks that are gone; data_parallel.py cuts the training step at the gradient buckets and
-reduces them while backward goes on. Needs torch (``pip install graphforge[torch]``).
+reduces them while backward goes on; zero.py shards the optimizer states and gradients
+(ZeRO stages 1 and 2: ``ZeroDataParallel`` for a program compiled with the zero pass). Needs torch (``pip install graphforge[torch]``).
 """
 
 from graphforge.distributed.data_parallel import CommStats, DataParallel
 from graphforge.distributed.world import DEFAULT_TIMEOUT_S, DistributedError, World, digest, launched
+from graphforge.distributed.zero import ZeroDataParallel
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommStats", "DataParallel", "DistributedError", "World", "digest", "launched"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "CommStats",
+    "DataParallel",
+    "DistributedError",
+    "World",
+    "ZeroDataParallel",
+    "digest",
+    "launched",
+]

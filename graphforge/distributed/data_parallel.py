@@ -77,29 +77,19 @@ class DataParallel:
     reduce each bucket while backward computes the next (else each as it completes, in turn).
     """
 
+    #: whether the reducer runs the update itself (ZeroDataParallel), or the program's segments do
+    shards_update = False
+
     def __init__(self, module: Module, world: World, *, overlap: bool = True):
         import torch
 
         role = module.roles.allreduce
-        if role is None:
+        if role is not None and role.zero:
             raise GraphforgeError(
-                "the program has no gradient allreduce: compile it with the allreduce pass after the "
-                'optimizer (e.g. "loss(...), autodiff, adamw(lr=1e-3), allreduce")'
+                f"the program shards its update (the zero pass, stage {role.zero}): run it with "
+                "graphforge.distributed.ZeroDataParallel"
             )
-        if module.reducer is not None:
-            raise GraphforgeError("this Module is already data-parallel")
-        expected = "cpu" if module.runner.device.type == "cpu" else f"cuda:{module.runner.device.id}"
-        if world.device != expected:
-            raise DistributedError(
-                f"rank {world.rank}: the Module runs on {module.device} but the group's collectives on "
-                f"{world.device} ({world.backend}); make both the same device"
-            )
-        # a data-parallel step keeps two buffers per carried tensor: its update is cut into
-        # several segments, and the train loop undoes a step whose loss is not finite
-        module.runner.disable_in_place()
-        self.module, self.world, self.overlap = module, world, overlap
-        self.average = role.average
-        self.stats = CommStats()
+        self._join(module, world, overlap)
         boundary = module.roles.gradient_boundary
         carried = module.runner.carried
         self.buckets: list[_Bucket] = []
@@ -117,11 +107,33 @@ class DataParallel:
                 offset += count
             self.buckets.append(bucket)
         self._bucket_of = {name: b for b in self.buckets for name in b.names}
-        self._segments: dict[Any, list[SegmentRun]] = {}
-        self._buffers = [name for name, c in carried.items() if c.spec.role == "buffer"]
         self.broadcast(list(carried), "broadcasting rank 0's parameters and state")
         module.replica = world.rank
         module.reducer = self
+
+    def _join(self, module: Module, world: World, overlap: bool) -> None:
+        """What every data-parallel Module needs: checks, and the state shared by the subclasses."""
+        if module.roles.allreduce is None:
+            raise GraphforgeError(
+                "the program has no gradient allreduce: compile it with the allreduce pass after the "
+                'optimizer (e.g. "loss(...), autodiff, adamw(lr=1e-3), allreduce")'
+            )
+        if module.reducer is not None:
+            raise GraphforgeError("this Module is already data-parallel")
+        expected = "cpu" if module.runner.device.type == "cpu" else f"cuda:{module.runner.device.id}"
+        if world.device != expected:
+            raise DistributedError(
+                f"rank {world.rank}: the Module runs on {module.device} but the group's collectives on "
+                f"{world.device} ({world.backend}); make both the same device"
+            )
+        # a data-parallel step keeps two buffers per carried tensor: its update is cut into
+        # several segments, and the train loop undoes a step whose loss is not finite
+        module.runner.disable_in_place()
+        self.module, self.world, self.overlap = module, world, overlap
+        self.average = module.roles.allreduce.average
+        self.stats = CommStats()
+        self._segments: dict[Any, list[SegmentRun]] = {}
+        self._buffers = [name for name, c in module.runner.carried.items() if c.spec.role == "buffer"]
 
     # ------------------------------------------------------------------ the Module's reducer
 

@@ -30,6 +30,7 @@ import numpy as np
 import onnxruntime as ort
 
 from graphforge.errors import GraphforgeError
+from graphforge.program import ProgramRoles
 from graphforge.runtime.training import Module
 
 #: the optimizer kinds (passes/optimizers.py names) and the hyperparameters each reads
@@ -56,6 +57,21 @@ def refusal(module: Module, *, foreach: bool = True) -> str | None:
     kernels measured slower than the ONNX update on GPT-2 2×256 and faster on GPT-2 small, on the
     CPU (docs/benchmarks.md, Optimizer update): no measured winner to make the default."""
     roles = module.roles
+    why = kernel_refusal(roles, foreach=foreach)
+    if why is not None:
+        return why
+    if roles.allreduce is not None or module.reducer is not None:
+        return "a data-parallel program: its update reads the reduced gradients"
+    if roles.pipeline is not None:
+        return "a pipeline program: each stage updates its own parameters"
+    if not module.runner.in_place:
+        return "the Module updates with two buffers (in_place=False)"
+    return state_refusal(roles)
+
+
+def kernel_refusal(roles: ProgramRoles, *, foreach: bool = True) -> str | None:
+    """Why torch's kernels cannot compute what ``roles``' optimizer update does (its kind,
+    its settings, loss scaling, this torch build), or None."""
     kind = roles.optimizer
     if kind not in KNOWN:
         return f"no torch kernel for the {kind or 'unknown'} optimizer"
@@ -73,19 +89,20 @@ def refusal(module: Module, *, foreach: bool = True) -> str | None:
         return f"this torch build has no torch.{kernel}"
     if roles.loss_scaling is not None or roles.mixed_precision:
         return "the program scales its loss (mixed precision): its update checks the unscaled gradients"
-    if roles.allreduce is not None or module.reducer is not None:
-        return "a data-parallel program: its update reads the reduced gradients"
-    if roles.pipeline is not None:
-        return "a pipeline program: each stage updates its own parameters"
-    if not module.runner.in_place:
-        return "the Module updates with two buffers (in_place=False)"
+    return None
+
+
+def state_refusal(roles: ProgramRoles) -> str | None:
+    """Why the parameters and optimizer states ``roles`` carries are not what the kernels
+    update (a dtype they do not take, states other than the optimizer's), or None."""
+    kind = roles.optimizer
     optimizer_states = {c.input for c in roles.carried if c.role == "optimizer"}
     expected = set()
-    for name in _parameters(module):
+    for name in updated_parameters(roles):
         spec = roles.carried_spec(name)
         if spec is None or np.dtype(spec.dtype).type not in FLOATS:
             return f"parameter {name!r} is of a type the torch kernels do not update"
-        expected |= {f"{name}.{state}" for state in _states(kind, roles.hyperparameters)}
+        expected |= {f"{name}.{state}" for state in states_of(kind, roles.hyperparameters)}
     if optimizer_states != expected:
         extra = sorted(optimizer_states ^ expected)
         return f"optimizer states the {kind} kernel does not keep as the program does: {', '.join(extra[:3])}"
@@ -112,12 +129,13 @@ def use_fused_update(module: Module, *, foreach: bool = False) -> str:
     return f"update: {kernel.description}"
 
 
-def _parameters(module: Module) -> list[str]:
-    roles = module.roles
+def updated_parameters(roles: ProgramRoles) -> list[str]:
+    """The parameters the update changes, in the program's order."""
     return [p for p in roles.parameters if p in roles.gradient_boundary and roles.carried_spec(p) is not None]
 
 
-def _states(kind: str, hyperparameters: Mapping) -> tuple[str, ...]:
+def states_of(kind: str, hyperparameters: Mapping) -> tuple[str, ...]:
+    """The optimizer states ``kind`` keeps per parameter (``<parameter>.<state>``)."""
     if kind == "sgd" and not hyperparameters.get("momentum"):
         return ()
     return STATES[kind]
@@ -143,9 +161,9 @@ class FusedUpdate:
         self.kind = roles.optimizer
         self.hyper = dict(roles.hyperparameters)
         self._runner = module.runner
-        states = _states(self.kind, self.hyper)
+        states = states_of(self.kind, self.hyper)
         groups: dict[np.dtype, _Group] = {}
-        for name in _parameters(module):
+        for name in updated_parameters(roles):
             group = groups.setdefault(np.dtype(roles.carried_spec(name).dtype), _Group([], [], {s: [] for s in states}))
             group.params.append(name)
             group.grads.append(roles.gradient_boundary[name])
@@ -192,43 +210,78 @@ class FusedUpdate:
     # ------------------------------------------------------------------ the update
 
     def apply(self, gradients: Mapping[str, ort.OrtValue], lr: float, step: int, grad_norm: float | None) -> None:
-        import torch
-
-        lr = float(np.float32(lr))  # the program's lr input is float32
-        hp = self.hyper
-        coef = _clip_coefficient(hp.get("clip_grad_norm"), grad_norm)
+        coef = clip_coefficient(self.hyper.get("clip_grad_norm"), grad_norm)
         for group in self._groups:
-            params = self._carried(group.params)
-            grads = [self._gradient(n, gradients[n]) for n in group.grads]
-            if coef is not None:
-                torch._foreach_mul_(grads, coef)
-            states = {s: self._carried(names) for s, names in group.states.items()}
-            wd = float(hp.get("weight_decay") or 0.0)
-            if self.kind == "sgd" and hp.get("dampening"):
-                _damped_sgd(params, grads, states["momentum_buffer"], lr, step, wd, float(hp["momentum"]),
-                            float(hp["dampening"]), bool(hp.get("nesterov")))  # fmt: skip
-                continue
-            if self.kind == "sgd":
-                torch._fused_sgd_(params, grads, states.get("momentum_buffer", []), weight_decay=wd,
-                                  momentum=float(hp.get("momentum") or 0.0), lr=lr,
-                                  dampening=float(hp.get("dampening") or 0.0), nesterov=bool(hp.get("nesterov")),
-                                  maximize=False, is_first_step=step == 0)  # fmt: skip
-                continue
-            beta1, beta2, eps = float(hp["beta1"]), float(hp["beta2"]), float(hp["eps"])
-            if self.kind == "lamb":
-                _lamb(params, grads, states["exp_avg"], states["exp_avg_sq"], lr, step + 1, beta1, beta2, eps, wd)
-                continue
             counter = self._steps.get(id(group))
             if counter is None:
-                counter = self._steps[id(group)] = torch.zeros((), dtype=torch.float32, device=self._device)
-            counter.fill_(float(step + 1))
-            steps = [counter] * len(params)
-            fused = getattr(torch, KERNELS[self.kind])
-            fused(params, grads, states["exp_avg"], states["exp_avg_sq"], [], steps, lr=lr, beta1=beta1,
-                  beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)  # fmt: skip
+                counter = self._steps[id(group)] = _step_counter(self._device)
+            update_tensors(
+                self.kind,
+                self.hyper,
+                self._carried(group.params),
+                [self._gradient(n, gradients[n]) for n in group.grads],
+                {s: self._carried(names) for s, names in group.states.items()},
+                lr=lr,
+                step=step,
+                clip=coef,
+                counter=counter,
+            )
 
 
-def _clip_coefficient(max_norm: float | None, norm: float | None) -> float | None:
+def _step_counter(device):
+    """The step-count tensor torch's fused Adam kernels read (one per dtype group, refilled each step)."""
+    import torch
+
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+def update_tensors(
+    kind: str,
+    hyper: Mapping[str, Any],
+    params: list,
+    grads: list,
+    states: Mapping[str, list],
+    *,
+    lr: float,
+    step: int,
+    clip: float | None,
+    counter,
+    norms=None,
+) -> None:
+    """The update of ``kind`` (an optimizer pass's name and ``hyper``, its hyperparameters)
+    over lists of torch tensors of one dtype: ``params`` and ``states`` updated in place from
+    ``grads`` at learning rate ``lr``, ``step`` steps done before this one. ``clip``: the
+    clipping factor (the gradients are scaled by it first, in place), or None. ``counter``:
+    a float32 scalar tensor for the fused kernels' step count. ``norms``: for LAMB, what
+    makes each tensor's norm whole from its squared partial norms (ZeRO's shards; None: the
+    tensors are whole)."""
+    import torch
+
+    lr = float(np.float32(lr))  # the program's lr input is float32
+    if clip is not None:
+        torch._foreach_mul_(grads, clip)
+    wd = float(hyper.get("weight_decay") or 0.0)
+    if kind == "sgd" and hyper.get("dampening"):
+        _damped_sgd(params, grads, states["momentum_buffer"], lr, step, wd, float(hyper["momentum"]),
+                    float(hyper["dampening"]), bool(hyper.get("nesterov")))  # fmt: skip
+        return
+    if kind == "sgd":
+        torch._fused_sgd_(params, grads, states.get("momentum_buffer", []), weight_decay=wd,
+                          momentum=float(hyper.get("momentum") or 0.0), lr=lr,
+                          dampening=float(hyper.get("dampening") or 0.0), nesterov=bool(hyper.get("nesterov")),
+                          maximize=False, is_first_step=step == 0)  # fmt: skip
+        return
+    beta1, beta2, eps = float(hyper["beta1"]), float(hyper["beta2"]), float(hyper["eps"])
+    if kind == "lamb":
+        _lamb(params, grads, states["exp_avg"], states["exp_avg_sq"], lr, step + 1, beta1, beta2, eps, wd, norms)
+        return
+    counter.fill_(float(step + 1))
+    fused = getattr(torch, KERNELS[kind])
+    fused(params, grads, states["exp_avg"], states["exp_avg_sq"], [], [counter] * len(params), lr=lr, beta1=beta1,
+          beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)  # fmt: skip
+
+
+def clip_coefficient(max_norm: float | None, norm: float | None) -> float | None:
     """The program's clipping factor, in float32 as it computes it: min(1, max_norm / (norm + 1e-6))."""
     if max_norm is None:
         return None
@@ -254,10 +307,12 @@ def _damped_sgd(params, grads, buffers, lr: float, step: int, weight_decay, mome
     torch._foreach_sub_(params, torch._foreach_mul(direction, lr))
 
 
-def _lamb(params, grads, exp_avgs, exp_avg_sqs, lr: float, t: int, beta1, beta2, eps, weight_decay) -> None:
+def _lamb(params, grads, exp_avgs, exp_avg_sqs, lr: float, t: int, beta1, beta2, eps, weight_decay, norms=None) -> None:
     """passes/optimizers.py's Lamb.update in foreach kernels: Adam's bias-corrected direction
     plus decoupled weight decay, scaled per tensor by ||param|| / ||direction|| (1 where
-    either is 0); the scalars in float64, as the program computes them."""
+    either is 0); the scalars in float64, as the program computes them. ``norms``: takes the
+    squared partial norms [2, n] (parameters, directions) of pieces of tensors and returns
+    those of the whole tensors, one column per piece (a shard's pieces; None: whole tensors)."""
     import torch
 
     bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
@@ -273,6 +328,9 @@ def _lamb(params, grads, exp_avgs, exp_avg_sqs, lr: float, t: int, beta1, beta2,
         torch._foreach_add_(direction, torch._foreach_mul(params, weight_decay))
     w_norm = torch.stack(torch._foreach_norm([p.float() for p in params]))
     d_norm = torch.stack(torch._foreach_norm([d.float() for d in direction]))
+    if norms is not None:
+        whole = norms(torch.stack([w_norm, d_norm]).double() ** 2).sqrt()
+        w_norm, d_norm = whole[0].float(), whole[1].float()
     usable = (w_norm > 0) & (d_norm > 0)
     trust = torch.where(usable, w_norm / torch.where(usable, d_norm, 1.0), torch.ones_like(w_norm))
     scales = (trust.double() * lr).to(params[0].dtype).unbind()

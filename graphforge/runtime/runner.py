@@ -270,6 +270,9 @@ class Runner:
         self._spin = spin
         #: carried tensor -> why a session's model could not update it in place (the last reason)
         self.in_place_refused: dict[str, str] = {}
+        #: work in flight that writes carried buffers (ZeroDataParallel's gather of the updated
+        #: parameters): finished before any run reads them or they are read back
+        self.awaiting: Callable[[], None] | None = None
         #: session (its ``where``) -> why its model runs unspecialized at a batch's dims
         self.specialize_refused: dict[str, str] = {}
         self._sessions: dict[Any, BoundSession] = {}
@@ -288,9 +291,37 @@ class Runner:
         before are made again, without in-place writes)."""
         if self.in_place:
             self.in_place = frozenset()
-            self._sessions.clear()
-            self._profiled.clear()
-            self._specialized.clear()
+            self._forget_sessions()
+
+    def release(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """Stop holding the carried tensors ``names`` (their buffers are freed): another holder
+        keeps them from now on (ZeroDataParallel, this process's shard of the optimizer
+        states), and no session made from now on binds them. Returns their current values."""
+        names = [n for n in names if n in self.carried]
+        values = self.read_tensors(names)
+        for name in names:
+            c = self.carried.pop(name)
+            self.by_output.pop(c.output, None)
+        self.in_place = self.in_place - set(names)
+        self._forget_sessions()
+        return values
+
+    def share(self, values: Mapping[str, ort.OrtValue]) -> None:
+        """Hold each carried tensor named in ``values`` in that one buffer from now on, memory the
+        caller owns (a view of the flat buffer ZeroDataParallel gathers parameters into); its
+        current value is copied there. No run may write it into another buffer: only a caller
+        that updates it itself shares it."""
+        for name, value in values.items():
+            c = self.carried[name]
+            value.update_inplace(to_numpy(c.value))
+            c.slots, c.current = [value], 0
+        self._forget_sessions()
+
+    def _forget_sessions(self) -> None:
+        """Sessions and bindings made before go (they bind buffers that changed)."""
+        self._sessions.clear()
+        self._profiled.clear()
+        self._specialized.clear()
 
     # ------------------------------------------------------------------ carried values
 
@@ -301,6 +332,8 @@ class Runner:
 
     def read_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """The current values of the carried tensors (``names``, default all), as host copies."""
+        if self.awaiting is not None:
+            self.awaiting()
         chosen = self.carried if names is None else {n: self.carried[n] for n in names}
         return {name: to_numpy(c.value) for name, c in chosen.items()}
 
@@ -560,6 +593,8 @@ class Runner:
         new current buffer (valid until the run after next writes it again); one in ``into``
         is written into the value given there. A carried tensor the session writes in place is
         read and written in its current buffer."""
+        if self.awaiting is not None:
+            self.awaiting()
         into = {n: v for n, v in (into or {}).items() if n in fetch_device}
         carried_in, carried_out = bound.carried_in, bound.carried_out
         for c in carried_out:

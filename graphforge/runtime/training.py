@@ -39,6 +39,7 @@ current parameters bound.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -95,6 +96,16 @@ class GradientReducer(Protocol):
     def mean(self, value: np.ndarray) -> np.ndarray:
         """``value`` (a loss) averaged over the replicas."""
 
+    #: whether the reducer runs the update itself (apply_update) instead of the program's
+    #: update segment (ZeroDataParallel: each replica its shard); its step segments then end
+    #: with the gradients
+    shards_update: bool
+
+    def apply_update(self, lr: float, step: int, loss: float | None) -> tuple[bool, dict[str, np.ndarray]]:
+        """After the gradients were reduced (shards_update only): the update at ``lr`` with
+        ``step`` steps done, unless a replica's loss or the gradient norm is not finite.
+        Returns whether it was applied (the same on every replica) and what the step reports."""
+
 
 class UpdateKernel(Protocol):
     """What runs a Module's update in place of its ONNX segment (graphforge.torch.fused_update:
@@ -150,6 +161,9 @@ class Module:
     repeat and resume bit-identically (graphforge/runtime/dropout.py); "onnxruntime" keeps
     onnxruntime's own Dropout, whose generator is unseeded and cannot be checkpointed.
     ``in_place``: update parameters and optimizer states in place (see the module docstring).
+    ``shard_optimizer_states``: leave the optimizer states out of the Module's buffers, for a
+    graphforge.distributed.ZeroDataParallel that keeps this process's shard of them (it
+    takes them from ``unheld_states``): so that no process ever holds them all.
     """
 
     def __init__(
@@ -162,6 +176,7 @@ class Module:
         inter_op_threads: int | None = None,
         dropout: str = "seeded",
         in_place: bool = True,
+        shard_optimizer_states: bool = False,
     ):
         if dropout not in DROPOUT_MODES:
             raise GraphforgeError(f"dropout={dropout!r}: use one of {', '.join(map(repr, DROPOUT_MODES))}")
@@ -191,16 +206,21 @@ class Module:
         self._key_input = KEY_INPUT if seeded else None
         self.input_names = roles.batch_input_names()
         self.output_names = list(roles.forward_outputs)
+        held = [s for s in roles.carried if not (shard_optimizer_states and s.role == "optimizer")]
         self.runner = Runner(
-            roles.carried,
+            held,
             device_,
             batch_inputs=self.input_names,
             intra_op_threads=intra_op_threads,
             inter_op_threads=inter_op_threads,
-            in_place=[s.input for s in roles.carried if s.role in IN_PLACE_ROLES] if in_place else (),
+            in_place=[s.input for s in held if s.role in IN_PLACE_ROLES] if in_place else (),
         )
         # a state trains in one Module at a time: attach refuses one another Module holds
-        self.runner.write_tensors(state.attach(self.runner))
+        tensors = state.attach(self.runner)
+        self.runner.write_tensors(tensors)
+        #: the carried tensors the runner does not hold, until their holder takes them
+        self.unheld_states = {n: v for n, v in tensors.items() if n not in self.runner.carried}
+        del tensors
         self.state = state
 
         self.training = True
@@ -312,10 +332,14 @@ class Module:
             self.reducer.before_forward()
             segments, hook = self.reducer.step_segments(("fused", extra), keep, fetch)
             done = self._execute(segments, feeds, hook)
-        self._after_update(done.host)
+        host = done.host
+        if self.reducer is not None and self.reducer.shards_update:
+            host = self._reducer_update(host, host.get(self.loss_name))
+        else:
+            self._after_update(host)
         self._received = None
         self.state.grad_reset_pending = True
-        return self._reported(done.host, outputs)
+        return self._reported(host, outputs)
 
     def _train_step_in_place(self, feeds: dict[str, Any], outputs: list[str]):
         """train_step as segment 0, then segment 1 unless the update is skipped."""
@@ -428,6 +452,12 @@ class Module:
             return None
         if self.update_kernel is not None and not outputs:  # the segment's own outputs need the segment
             return self._kernel_update(checked)
+        if self.reducer is not None and self.reducer.shards_update:
+            before = self._undo_record()
+            self.reducer.reduce(dict(self._received))
+            host = self._reducer_update({n: np.asarray(v) for n, v in self._checked.items()}, checked.get(self.loss_name))
+            self._undo = dataclasses.replace(before, overwritten=[] if self.last_update_skipped else self._shared())
+            return Execution(host, {}, [], list(self._undo.overwritten))
         optim = self._segment_session(1, tuple(sorted(outputs)))
         fetch = [n for n in [*self.roles.step_reports, *outputs] if n in optim.outputs]
         received = dict(self._received)
@@ -450,6 +480,31 @@ class Module:
         host = {n: np.asarray(v) for n, v in self._checked.items()}
         self._after_update(host)
         return Execution(host, {}, [], list(before.overwritten))
+
+    def _reducer_update(self, host: dict[str, np.ndarray], loss) -> dict[str, np.ndarray]:
+        """The update the reducer runs itself (ZeroDataParallel: this replica's shard, then the
+        gather), or none when a replica's loss or the global gradient norm is not finite
+        (``last_update_skipped``; the state stays as before it, undo_last_run takes back the rest)."""
+        applied, reports = self.reducer.apply_update(
+            self.learning_rate, int(self.state.step), None if loss is None else float(np.asarray(loss))
+        )
+        host = {**host, **reports}
+        self.last_update_skipped = not applied
+        if applied:
+            self._after_update(host)
+            if self._undo is not None:
+                self._undo.overwritten = self._undo.overwritten + self._shared()
+        elif self.roles.grad_norm in host:
+            self.last_grad_norm = float(host[self.roles.grad_norm])
+        return host
+
+    def _shared(self) -> list[Carried]:
+        """The carried tensors a reducer's update wrote in place (the parameters it gathers)."""
+        return [c for c in self.runner.carried.values() if c.spec.role == "parameter"]
+
+    def _undo_record(self) -> _Undo:
+        state = self.state
+        return _Undo([], [], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm)
 
     def _after_update(self, host: dict[str, np.ndarray]) -> None:
         self.state.step = int(self.state.step) + 1

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from graphforge.distributed import DataParallel, World
+from graphforge.distributed import DataParallel, World, ZeroDataParallel
 from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
 from graphforge.runtime import CheckpointState, Module, Optimizer
 
@@ -42,8 +42,12 @@ def stage(case: dict, world: World) -> None:
 
 def train(case: dict, world: World) -> None:
     batches = np.load(case["batches"])
-    module = Module(case["program"], device="cpu", intra_op_threads=1)
-    DataParallel(module, world, overlap=case.get("overlap", True))
+    zero = case.get("zero")
+    module = Module(case["program"], device="cpu", intra_op_threads=1, shard_optimizer_states=bool(zero))
+    if zero:
+        sharded = ZeroDataParallel(module, world, stage=zero, overlap=case.get("overlap", True))
+    else:
+        DataParallel(module, world, overlap=case.get("overlap", True))
     optimizer = Optimizer(module)
     accumulate = case.get("accumulate", 1)
     share = slice(world.rank, None, world.size)
@@ -56,6 +60,9 @@ def train(case: dict, world: World) -> None:
             optimizer.step()
             module.lazy_reset_grad()
     state = module.runner.read_tensors()
+    if zero:
+        state.update(sharded.gathered_states())
+        state["__state_bytes__"] = np.array(sharded.state_bytes())
     if case.get("broadcast_buffers_at_end"):  # what the next forward would start from
         before = {f"__before__{k}": v for k, v in module.runner.read_role("buffer").items()}
         module.reducer.before_forward()

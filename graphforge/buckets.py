@@ -1,0 +1,73 @@
+"""Gradient buckets and the marker calls of the passes that write collectives into a program
+(passes/allreduce.py, passes/zero.py): both fill buckets in the order backward makes the
+gradients, and both mark a collective by a call of a model-local function whose body is an
+Identity, so that the program runs as it is on one process and a runtime with more cuts there."""
+
+from __future__ import annotations
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from graphforge import roles
+from graphforge.analysis import topological_order
+from graphforge.analysis.size import nbytes
+from graphforge.errors import PassError
+
+
+def ready_order(graph: gs.Graph, gradients: dict[str, gs.Tensor]) -> list[str]:
+    """The parameters in the order backward makes their gradients: by the topological
+    position of each gradient's producer (a gradient no node makes, a constant, first)."""
+    position = {id(graph.nodes[i]): rank for rank, i in enumerate(topological_order(graph))}
+
+    def made_at(p: str) -> int:
+        producers = gradients[p].inputs
+        return position.get(id(producers[0]), -1) if producers else -1
+
+    return sorted(gradients, key=made_at)
+
+
+def fill_buckets(order: list[str], parameters: dict[str, gs.Tensor], bucket_mb: float) -> tuple[tuple[str, ...], ...]:
+    """Consecutive parameters of ``order`` in buckets of at most ``bucket_mb`` MiB of
+    gradients of one element type (a gradient larger than that alone in its own)."""
+    limit = bucket_mb * 2**20
+    buckets: list[list[str]] = []
+    size, dtype = 0.0, None
+    for p in order:
+        tensor = parameters[p]
+        count = nbytes(tensor.shape, tensor.dtype)
+        if count is None:
+            raise PassError(f"parameter {p!r} has no static shape and type; gradient buckets need its size")
+        if not buckets or tensor.dtype != dtype or (size + count > limit and size > 0):
+            buckets.append([])
+            size, dtype = 0.0, tensor.dtype
+        buckets[-1].append(p)
+        size += count
+    return tuple(tuple(b) for b in buckets)
+
+
+def marker_call(op: str, source: gs.Tensor, target: gs.Variable, bucket: int) -> gs.Node:
+    """A call of the marker function ``graphforge.<op>`` from ``source`` to ``target``."""
+    return gs.Node(
+        op,
+        name=f"{target.name}/{op}",
+        domain=roles.MARKER_DOMAIN,
+        attrs={"bucket": bucket},
+        inputs=[source],
+        outputs=[target],
+    )
+
+
+def marker_function(graph: gs.Graph, op: str) -> gs.Function:
+    """``graphforge.<op>(x) = Identity(x)``, with the bucket as an attribute the body ignores."""
+    if any(f.domain == roles.MARKER_DOMAIN and f.name == op for f in graph.functions):
+        raise PassError(f"the model already defines {roles.MARKER_DOMAIN}.{op}")
+    x, y = gs.Variable("x", dtype=None), gs.Variable("y", dtype=None)
+    return gs.Function(
+        op,
+        domain=roles.MARKER_DOMAIN,
+        nodes=[gs.Node("Identity", inputs=[x], outputs=[y])],
+        inputs=[x],
+        outputs=[y],
+        attrs={"bucket": None},
+        import_domains=[onnx.helper.make_opsetid("", graph.opset or 13)],
+    )

@@ -1,0 +1,449 @@
+"""Sharded data parallelism (ZeRO stages 1 and 2) for a Module: every replica runs the
+forward and backward on its share of the batch, but keeps and updates only its shard of the
+optimizer states (and at stage 2 of the reduced gradients), as DeepSpeed's ZeRO and
+PyTorch's FSDP (``SHARD_GRAD_OP``) do.
+
+The program says where (passes/zero.py): each gradient at the optimizer's boundary goes
+through a ``graphforge.ReduceScatter`` call, in buckets filled in the order backward makes
+them, and each updated parameter through ``graphforge.AllGather``. A step runs as follows.
+
+1. **Layout.** Each bucket's parameters are one flat buffer per bucket (padded to a multiple
+   of the world size N); the runner's parameter buffers are views of it (DLPack: no copy).
+   Replica r owns the r-th contiguous 1/N of every bucket, so shards split by bytes, not by
+   tensor count, and a tensor may straddle two replicas (``layout()`` says which ranges each
+   owns). Its optimizer states are flat buffers of its shards only.
+2. **Backward.** The step is cut after each bucket's gradients (as DataParallel cuts it);
+   segment k writes bucket k's gradients into a flat buffer (views bound through DLPack) and,
+   as soon as the bucket is complete, an asynchronous ``reduce_scatter`` sums it across the
+   replicas into this replica's shard gradient, while segment k + 1 computes the next bucket.
+   Stage 1 keeps a gradient buffer per bucket (as DataParallel); stage 2 writes the buckets
+   into two buffers in turn (one being reduced while the next is written), so that only the
+   shard of the reduced gradients stays: its gradient memory is two buckets, not the model.
+3. **Update.** The global gradient norm (for clipping and the report) is the square root of
+   the replicas' summed shard sums of squares, reduced once together with whether any
+   replica's loss is not finite, so every replica takes the same decision to skip. The
+   update is the program's own arithmetic in torch's kernels (graphforge/distributed/
+   fused_update.py, held equal to the ONNX update by its tests) over the shard: SGD, Adam and
+   AdamW elementwise over each bucket's shard at once, LAMB per piece of tensor, its trust
+   ratio from the whole tensors' norms (the pieces' squared norms summed across replicas).
+4. **Gather.** Each bucket's updated shard is all-gathered into the flat parameter buffer,
+   asynchronously: the runner waits for it before its next run or read of a carried tensor
+   (``Runner.awaiting``), so the gather overlaps what the host does between steps (the loop's
+   logging, the next batch's preparation, the BatchNorm buffers' broadcast).
+
+Gradient accumulation (``module(...)`` per micro-batch, then ``optimizer.step()``) runs the
+micro-batches without communication and reduce-scatters the accumulated gradients once.
+Checkpoints: each replica writes its shard of the states (``shard_tensors``) beside the
+checkpoint, which names them (graphforge.runtime.checkpoint); loading one makes the states
+whole again, so a run resumes on any number of replicas, or on one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from graphforge.distributed.data_parallel import DataParallel, ortvalue_of, tensor_of, torch_dtype
+from graphforge.distributed.fused_update import (
+    _step_counter,
+    clip_coefficient,
+    kernel_refusal,
+    state_refusal,
+    states_of,
+    update_tensors,
+)
+from graphforge.distributed.world import World
+from graphforge.errors import GraphforgeError
+from graphforge.runtime.runner import SegmentRun
+from graphforge.runtime.training import Module
+
+#: the ZeRO stages: 1 shards the optimizer states, 2 the reduced gradients too
+STAGES = (1, 2)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter (elements ``start``..``stop`` of it, flattened) that a
+    replica's shard of a bucket holds, at ``offset`` in that shard."""
+
+    parameter: str
+    bucket: int
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class _Bucket:
+    """One bucket: its parameters, where each lies in the flat buffer, and this replica's
+    shard of it (``chunk`` elements from ``rank * chunk``)."""
+
+    index: int
+    parameters: tuple[str, ...]
+    names: tuple[str, ...]  # the boundary gradient of each parameter, as segments send it
+    dtype: np.dtype
+    offsets: dict[str, tuple[int, int]]  # parameter -> (start, stop) in the flat buffer
+    chunk: int
+    params: Any = None  # torch: the flat parameter buffer [chunk * N]
+    grads: Any = None  # torch: the flat gradient buffer this bucket is written into [chunk * N]
+    grad_views: dict[str, Any] = field(default_factory=dict)  # torch views of ``grads``, by gradient name
+    values: dict[str, ort.OrtValue] = field(default_factory=dict)  # the same, as OrtValues
+    shard_grad: Any = None  # torch [chunk]: the reduced gradients of this replica's shard
+    states: dict[str, Any] = field(default_factory=dict)  # state -> torch [chunk]
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def used_total(self) -> int:
+        """Elements of the flat buffer that hold parameters (the rest, to ``chunk * N``, is padding)."""
+        return max(stop for _, stop in self.offsets.values())
+
+
+class ZeroDataParallel(DataParallel):
+    """Make ``module`` one replica of a sharded data-parallel group (ZeRO): its training runs
+    (``train_step``, ``module(...)`` + ``optimizer.step()``) reduce-scatter the gradients,
+    update this replica's shard and gather the parameters::
+
+        world = World.join()
+        module = Module("program.onnx", state, shard_optimizer_states=True)
+        zero = ZeroDataParallel(module, world)  # the states' shard taken; rank 0's parameters everywhere
+        for batch in my_share_of_each_batch:
+            loss = module.train_step(**batch)
+
+    The program must have the zero pass (``..., adamw(...), zero(stage=1)``); ``stage``
+    overrides the stage it records. A Module made without ``shard_optimizer_states`` works
+    too: its runner lets the full states go here (its peak memory then held them once).
+    ``overlap``: reduce each bucket while backward computes the next.
+    """
+
+    shards_update = True
+
+    def __init__(self, module: Module, world: World, *, stage: int | None = None, overlap: bool = True):
+        import torch
+
+        role = module.roles.allreduce
+        if role is None or not role.zero:
+            raise GraphforgeError(
+                "the program has no sharded reduction: compile it with the zero pass after the optimizer "
+                '(e.g. "loss(...), autodiff, adamw(lr=1e-3), zero(stage=1)")'
+            )
+        stage = role.zero if stage is None else stage
+        if stage not in STAGES:
+            raise GraphforgeError(f"ZeRO stage must be 1 or 2, got {stage!r}")
+        why = kernel_refusal(module.roles, foreach=True) or state_refusal(module.roles)
+        if why is not None:
+            raise GraphforgeError(f"cannot shard this program's update: {why}")
+        self._join(module, world, overlap)
+        self.stage = stage
+        roles = module.roles
+        self.kind, self.hyper = roles.optimizer, dict(roles.hyperparameters)
+        state_names = states_of(self.kind, self.hyper)
+        runner = module.runner
+        states = dict(module.unheld_states)
+        held = [f"{p}.{s}" for p in role.gathered for s in state_names if f"{p}.{s}" in runner.carried]
+        states.update(runner.release(held))
+        missing = sorted({f"{p}.{s}" for p in role.gathered for s in state_names} - set(states))
+        if missing:
+            raise GraphforgeError(f"the Module holds no optimizer state {missing[0]!r} to shard")
+        module.unheld_states = {}
+        self._device = torch.device(world.device)
+        self.buckets: list[_Bucket] = []
+        size, rank = world.size, world.rank
+        for index, parameters in enumerate(role.buckets):
+            specs = [runner.carried[p] for p in parameters]
+            offsets, total = {}, 0
+            for p, c in zip(parameters, specs, strict=True):
+                offsets[p] = (total, total + math.prod(c.shape))
+                total = offsets[p][1]
+            bucket = _Bucket(
+                index,
+                tuple(parameters),
+                tuple(roles.gradient_boundary[p] for p in parameters),
+                specs[0].dtype,
+                offsets,
+                -(-total // size),
+            )
+            low, high = rank * bucket.chunk, (rank + 1) * bucket.chunk
+            for p in parameters:
+                start, stop = offsets[p]
+                if start < high and stop > low:
+                    lo, hi = max(start, low), min(stop, high)
+                    bucket.pieces.append(Piece(p, index, lo - start, hi - start, lo - low))
+            dtype = torch_dtype(bucket.dtype)
+            bucket.params = torch.zeros(bucket.chunk * size, dtype=dtype, device=self._device)
+            bucket.shard_grad = torch.zeros(bucket.chunk, dtype=dtype, device=self._device)
+            for name in state_names:
+                shard = torch.zeros(bucket.chunk, dtype=dtype, device=self._device)
+                for piece in bucket.pieces:
+                    full = np.asarray(states.pop(f"{piece.parameter}.{name}")).reshape(-1)
+                    shard[piece.offset : piece.offset + piece.size] = torch.from_numpy(full[piece.start : piece.stop])
+                bucket.states[name] = shard
+            self.buckets.append(bucket)
+        del states  # the full states: only the shards stay
+        # the runner's parameter buffers become views of the buckets' flat buffers
+        views = {}
+        for bucket in self.buckets:
+            for p, (start, stop) in bucket.offsets.items():
+                views[p] = ortvalue_of(bucket.params[start:stop].view(runner.carried[p].shape))
+        runner.share(views)
+        runner.awaiting = self._wait_gathers
+        self._gradient_buffers()
+        self._bucket_of = {g: b for b in self.buckets for g in b.names}
+        self._groups: dict[np.dtype, list[_Bucket]] = {}
+        for bucket in self.buckets:
+            self._groups.setdefault(bucket.dtype, []).append(bucket)
+        self._counters = {dtype: _step_counter(self._device) for dtype in self._groups}
+        self._in_flight: list[_Reduction] = []
+        self._gathers: list = []
+        self.broadcast(list(runner.carried), "broadcasting rank 0's parameters and buffers")
+        module.replica = world.rank
+        module.reducer = self
+
+    def _gradient_buffers(self) -> None:
+        """Stage 1: a flat gradient buffer per bucket. Stage 2: two per dtype, of the largest
+        bucket, that the buckets are written into in turn."""
+        import torch
+
+        slots: dict[np.dtype, list] = {}
+        if self.stage == 2:
+            for bucket in self.buckets:
+                slots.setdefault(bucket.dtype, [0, []])[0] = max(slots.get(bucket.dtype, [0])[0], bucket.chunk)
+            for dtype, entry in slots.items():
+                entry[1] = [
+                    torch.zeros(entry[0] * self.world.size, dtype=torch_dtype(dtype), device=self._device)
+                    for _ in range(2)
+                ]
+        turn: dict[np.dtype, int] = {}
+        for bucket in self.buckets:
+            padded = bucket.chunk * self.world.size
+            if self.stage == 1:
+                bucket.grads = torch.zeros(padded, dtype=torch_dtype(bucket.dtype), device=self._device)
+            else:
+                k = turn[bucket.dtype] = turn.get(bucket.dtype, -1) + 1
+                bucket.grads = slots[bucket.dtype][1][k % 2][:padded]
+            for p, g in zip(bucket.parameters, bucket.names, strict=True):
+                start, stop = bucket.offsets[p]
+                view = bucket.grads[start:stop].view(self.module.runner.carried[p].shape)
+                bucket.grad_views[g], bucket.values[g] = view, ortvalue_of(view)
+
+    # ------------------------------------------------------------------ what replicas own
+
+    def layout(self) -> list[dict]:
+        """Which elements of which parameters each replica owns: per replica, per bucket,
+        (parameter, first element, end element) of each piece, flattened."""
+        owned = []
+        for rank in range(self.world.size):
+            pieces = []
+            for bucket in self.buckets:
+                low, high = rank * bucket.chunk, (rank + 1) * bucket.chunk
+                for p, (start, stop) in bucket.offsets.items():
+                    if start < high and stop > low:
+                        pieces.append((bucket.index, p, max(start, low) - start, min(stop, high) - start))
+            owned.append({"rank": rank, "pieces": pieces})
+        return owned
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this replica holds."""
+        return sum(t.numel() * t.element_size() for b in self.buckets for t in b.states.values())
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient buffers this replica holds (the buckets' buffers and the shard's)."""
+        seen, total = set(), 0
+        for b in self.buckets:
+            base = b.grads.untyped_storage().data_ptr()
+            if base not in seen:
+                seen.add(base)
+                total += b.grads.untyped_storage().nbytes()
+            total += b.shard_grad.numel() * b.shard_grad.element_size()
+        return total
+
+    def shard_tensors(self) -> dict[str, tuple[np.ndarray, int, tuple[int, ...]]]:
+        """This replica's pieces of the optimizer states, for a checkpoint's shard: state name
+        -> (its elements start.. as a flat array, start, the whole tensor's shape)."""
+        self._wait_gathers()
+        runner = self.module.runner
+        pieces = {}
+        for bucket in self.buckets:
+            for name, shard in bucket.states.items():
+                for piece in bucket.pieces:
+                    values = shard[piece.offset : piece.offset + piece.size].cpu().numpy().copy()
+                    pieces[f"{piece.parameter}.{name}"] = (values, piece.start, runner.carried[piece.parameter].shape)
+        return pieces
+
+    def gathered_states(self) -> dict[str, np.ndarray]:
+        """Every optimizer state whole (a collective: every replica calls it; all get them)."""
+        import torch
+        import torch.distributed as dist
+
+        self._wait_gathers()
+        runner, whole = self.module.runner, {}
+        for bucket in self.buckets:
+            for name, shard in bucket.states.items():
+                full = torch.empty(bucket.chunk * self.world.size, dtype=shard.dtype, device=self._device)
+                with self.world.collective(f"gathering the optimizer state {name}"):
+                    dist.all_gather_into_tensor(full, shard)
+                for p, (start, stop) in bucket.offsets.items():
+                    whole[f"{p}.{name}"] = full[start:stop].cpu().numpy().reshape(runner.carried[p].shape).copy()
+        return whole
+
+    # ------------------------------------------------------------------ the Module's reducer
+
+    def step_segments(self, key: Any, keep: list[str], fetch: list[str]):
+        runs = self._segments.get(key)
+        if runs is None:
+            runs = self._segments[key] = self._cut_step(key, keep)[:-1]  # the last segment is the update
+        runs = [SegmentRun(r.session, [n for n in fetch if n in r.session.outputs], r.sends, r.into) for r in runs]
+        self.stats.steps += 1
+        return runs, self._hook()
+
+    def _hook(self):
+        ready: set[str] = set()
+        pending = list(self.buckets)
+
+        def hook(index: int, sent: dict[str, ort.OrtValue]):
+            ready.update(n for n in sent if n in self._bucket_of)
+            complete = [b for b in pending if ready.issuperset(b.names)]
+            for b in complete:
+                pending.remove(b)
+                self._reduce_scatter(b)
+            return None
+
+        return hook
+
+    def reduce(self, gradients: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
+        for bucket in self.buckets:
+            for name in bucket.names:
+                bucket.grad_views[name].copy_(tensor_of(gradients[name]))
+            self._reduce_scatter(bucket)
+        self.stats.steps += 1
+        return gradients
+
+    def _reduce_scatter(self, bucket: _Bucket) -> None:
+        """Start bucket's reduce-scatter; at stage 2 first finish the one before it, whose
+        buffer the next bucket is written into (without overlap: finish this one too)."""
+        if self.stage == 2:
+            self._finish_reductions()
+            bucket.grads[bucket.used_total :].zero_()  # another bucket's gradients were there
+        self._in_flight.append(_Reduction(self, bucket))
+        if not self.overlap:
+            self._finish_reductions()
+
+    def _finish_reductions(self) -> None:
+        while self._in_flight:
+            self._in_flight.pop(0).wait()
+
+    # ------------------------------------------------------------------ the update
+
+    def apply_update(self, lr: float, step: int, loss: float | None) -> tuple[bool, dict[str, np.ndarray]]:
+        """This replica's shard of the update, then the gather of the parameters. Returns
+        whether it was applied (every replica decides alike: not when a loss or the global
+        gradient norm is not finite) and what the step reports (the gradient norm)."""
+        import torch
+
+        self._finish_reductions()
+        hp = self.hyper
+        sums = [
+            float(torch.stack([(b.shard_grad[: b.chunk].double() ** 2).sum() for b in group]).sum())
+            for group in self._groups.values()
+        ]
+        bad_loss = 0.0 if loss is None or math.isfinite(loss) else 1.0
+        started = time.perf_counter()
+        total, bad = self.world.sum([sum(sums), bad_loss], f"summing the gradient norm of step {step + 1}")
+        self.stats.other_s += time.perf_counter() - started
+        norm = math.sqrt(total) if math.isfinite(total) else math.nan
+        reports = {}
+        if self.module.roles.grad_norm is not None:
+            reports[self.module.roles.grad_norm] = np.asarray(norm, dtype=np.float32)
+        if bad or not math.isfinite(norm):
+            return False, reports
+        clip = clip_coefficient(hp.get("clip_grad_norm"), norm)
+        for dtype, group in self._groups.items():
+            if self.kind == "lamb":
+                pieces = [(b, p) for b in group for p in b.pieces]
+                params = [b.params[self.world.rank * b.chunk :][p.offset : p.offset + p.size] for b, p in pieces]
+                grads = [b.shard_grad[p.offset : p.offset + p.size] for b, p in pieces]
+                states = {s: [b.states[s][p.offset : p.offset + p.size] for b, p in pieces] for s in group[0].states}
+                norms = self._whole_norms([p for _, p in pieces], step)
+            else:  # elementwise: each bucket's shard at once (its padding stays zero)
+                params = [b.params[self.world.rank * b.chunk : (self.world.rank + 1) * b.chunk] for b in group]
+                grads = [b.shard_grad for b in group]
+                states = {s: [b.states[s] for b in group] for s in group[0].states}
+                norms = None
+            if not params:
+                if norms is not None:
+                    norms(torch.zeros((2, 0), dtype=torch.float64))  # the collective every replica joins
+                continue
+            update_tensors(
+                self.kind, hp, params, grads, states, lr=lr, step=step, clip=clip,
+                counter=self._counters[dtype], norms=norms,
+            )  # fmt: skip
+        self._start_gathers(step)
+        return True, reports
+
+    def _whole_norms(self, pieces: list[Piece], step: int):
+        """For LAMB: the squared norms [2, pieces] of this replica's pieces -> those of the
+        whole tensors each piece is of (summed across the replicas, one collective)."""
+        import torch
+        import torch.distributed as dist
+
+        index = {p: i for i, p in enumerate(b for bucket in self.buckets for b in bucket.parameters)}
+        columns = torch.tensor([index[p.parameter] for p in pieces], dtype=torch.long)
+
+        def norms(partial):
+            total = torch.zeros((2, len(index)), dtype=torch.float64)
+            total.index_add_(1, columns, partial.cpu())
+            total = total.to(self._device)
+            with self.world.collective(f"summing LAMB's tensor norms of step {step + 1}"):
+                dist.all_reduce(total)
+            return total[:, columns.to(self._device)]
+
+        return norms
+
+    def _start_gathers(self, step: int) -> None:
+        import torch.distributed as dist
+
+        with self.world.collective(f"gathering the parameters updated by step {step + 1}"):
+            for b in self.buckets:
+                shard = b.params[self.world.rank * b.chunk : (self.world.rank + 1) * b.chunk].clone()
+                self._gathers.append((dist.all_gather_into_tensor(b.params, shard, async_op=True), shard))
+
+    def _wait_gathers(self) -> None:
+        if not self._gathers:
+            return
+        started = time.perf_counter()
+        with self.world.collective("gathering the updated parameters"):
+            for work, _ in self._gathers:
+                work.wait()
+        self._gathers = []
+        self.stats.exposed_s += time.perf_counter() - started
+
+
+class _Reduction:
+    """An asynchronous reduce-scatter of one bucket into this replica's shard gradient;
+    ``wait`` finishes it (and averages)."""
+
+    def __init__(self, owner: ZeroDataParallel, bucket: _Bucket):
+        import torch.distributed as dist
+
+        self.owner, self.bucket = owner, bucket
+        self.what = f"the gradient reduce-scatter of step {owner._step()}"
+        with owner.world.collective(self.what):
+            self.work = dist.reduce_scatter_tensor(bucket.shard_grad, bucket.grads, async_op=True)
+
+    def wait(self) -> Mapping[str, ort.OrtValue] | None:
+        started = time.perf_counter()
+        with self.owner.world.collective(self.what):
+            self.work.wait()
+        if self.owner.world.size > 1:
+            self.bucket.shard_grad.div_(self.owner.world.size)
+        self.owner.stats.exposed_s += time.perf_counter() - started
+        return None
