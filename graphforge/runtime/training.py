@@ -455,7 +455,9 @@ class Module:
         if self.reducer is not None and self.reducer.shards_update:
             before = self._undo_record()
             self.reducer.reduce(dict(self._received))
-            host = self._reducer_update({n: np.asarray(v) for n, v in self._checked.items()}, checked.get(self.loss_name))
+            host = self._reducer_update(
+                {n: np.asarray(v) for n, v in self._checked.items()}, checked.get(self.loss_name)
+            )
             self._undo = dataclasses.replace(before, overwritten=[] if self.last_update_skipped else self._shared())
             return Execution(host, {}, [], list(self._undo.overwritten))
         optim = self._segment_session(1, tuple(sorted(outputs)))
@@ -504,7 +506,9 @@ class Module:
 
     def _undo_record(self) -> _Undo:
         state = self.state
-        return _Undo([], [], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm)
+        return _Undo(
+            [], [], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm
+        )
 
     def _after_update(self, host: dict[str, np.ndarray]) -> None:
         self.state.step = int(self.state.step) + 1
