@@ -282,7 +282,6 @@ class ZeroDataParallel(DataParallel):
     def gathered_states(self) -> dict[str, np.ndarray]:
         """Every optimizer state whole (a collective: every replica calls it; all get them)."""
         import torch
-        import torch.distributed as dist
 
         self._wait_gathers()
         runner, whole = self.module.runner, {}
@@ -290,7 +289,7 @@ class ZeroDataParallel(DataParallel):
             for name, shard in bucket.states.items():
                 full = torch.empty(bucket.chunk * self.world.size, dtype=shard.dtype, device=self._device)
                 with self.world.collective(f"gathering the optimizer state {name}"):
-                    dist.all_gather_into_tensor(full, shard)
+                    _collective("all_gather")(full, shard)
                 for p, (start, stop) in bucket.offsets.items():
                     whole[f"{p}.{name}"] = full[start:stop].cpu().numpy().reshape(runner.carried[p].shape).copy()
         return whole
@@ -409,12 +408,11 @@ class ZeroDataParallel(DataParallel):
         return norms
 
     def _start_gathers(self, step: int) -> None:
-        import torch.distributed as dist
 
         with self.world.collective(f"gathering the parameters updated by step {step + 1}"):
             for b in self.buckets:
                 shard = b.params[self.world.rank * b.chunk : (self.world.rank + 1) * b.chunk].clone()
-                self._gathers.append((dist.all_gather_into_tensor(b.params, shard, async_op=True), shard))
+                self._gathers.append((_collective("all_gather")(b.params, shard, async_op=True), shard))
 
     def _wait_gathers(self) -> None:
         if not self._gathers:
@@ -432,12 +430,11 @@ class _Reduction:
     ``wait`` finishes it (and averages)."""
 
     def __init__(self, owner: ZeroDataParallel, bucket: _Bucket):
-        import torch.distributed as dist
 
         self.owner, self.bucket = owner, bucket
         self.what = f"the gradient reduce-scatter of step {owner._step()}"
         with owner.world.collective(self.what):
-            self.work = dist.reduce_scatter_tensor(bucket.shard_grad, bucket.grads, async_op=True)
+            self.work = _collective("reduce_scatter")(bucket.shard_grad, bucket.grads, async_op=True)
 
     def wait(self) -> Mapping[str, ort.OrtValue] | None:
         started = time.perf_counter()
@@ -447,3 +444,13 @@ class _Reduction:
             self.bucket.shard_grad.div_(self.owner.world.size)
         self.owner.stats.exposed_s += time.perf_counter() - started
         return None
+
+
+def _collective(kind: str):
+    """torch.distributed's one-tensor reduce-scatter or all-gather (``reduce_scatter_single``,
+    ``all_gather_single`` since torch 2.10; before, the ``*_tensor`` names those replaced)."""
+    import torch.distributed as dist
+
+    new, old = {"reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+                "all_gather": ("all_gather_single", "all_gather_into_tensor")}[kind]  # fmt: skip
+    return getattr(dist, new, None) or getattr(dist, old)

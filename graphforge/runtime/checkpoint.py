@@ -66,6 +66,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     #: CRC-32 of the tensor's bytes as saved (None: not known, e.g. a checkpoint written before checksums)
     crc32: int | None = None
+    #: a piece of a tensor (a ZeRO shard's): (its first element in the whole tensor, flattened;
+    #: the whole tensor's shape); ``shape`` is then the piece's, one dimension. None: whole
+    part: tuple[int, tuple[int, ...]] | None = None
 
     def describe(self) -> str:
         return f"{self.dtype} {list(self.shape)}"
@@ -74,6 +77,8 @@ class TensorSpec:
         entry = {"name": self.name, "role": self.role, "dtype": self.dtype, "shape": list(self.shape)}
         if self.crc32 is not None:
             entry["crc32"] = self.crc32
+        if self.part is not None:
+            entry["part"] = {"start": self.part[0], "of": list(self.part[1])}
         return entry
 
 
@@ -209,7 +214,9 @@ class CheckpointState:
         """Refuse (CheckpointError) a state whose tensors do not match what ``program`` carries:
         a missing tensor, an extra one, or one of another dtype or shape."""
         specs = (
-            program if isinstance(program, Sequence) else ProgramRoles.read(program).require_training_program().carried
+            program
+            if isinstance(program, Sequence) and not isinstance(program, str | bytes)
+            else ProgramRoles.read(program).require_training_program().carried
         )
         expected = {s.name: s for s in _tensor_specs(specs)}
         tensors = self._tensors if self._holder is None else {s.name: s for s in self.specs}
@@ -231,8 +238,14 @@ class CheckpointState:
 
     # ------------------------------------------------------------------ files
 
-    def _document(self, tensors: Mapping[str, np.ndarray], shards: Sequence[str] = ()) -> str:
+    def _document(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        shards: Sequence[str] = (),
+        parts: Mapping[str, tuple[int, tuple[int, ...]]] | None = None,
+    ) -> str:
         roles_by_name = {s.name: s.role for s in self.specs}
+        parts = parts or {}
         document = {
             "format": FORMAT,
             "version": VERSION,
@@ -245,7 +258,9 @@ class CheckpointState:
             "grad_reset_pending": bool(self.grad_reset_pending),
             "micro_batch": self.micro_batch,
             "tensors": [
-                TensorSpec(n, roles_by_name.get(n, "unknown"), t.dtype.name, tuple(t.shape), checksum(t)).to_json()
+                TensorSpec(
+                    n, roles_by_name.get(n, "unknown"), t.dtype.name, tuple(t.shape), checksum(t), parts.get(n)
+                ).to_json()
                 for n, t in tensors.items()
             ],
         }
@@ -270,24 +285,40 @@ class CheckpointState:
                 raise CheckpointError(f"state.{key} cannot be saved as JSON: {exc}") from None
         return json.dumps(document, allow_nan=False)
 
-    def save(self, path: str | os.PathLike, *, names: Sequence[str] | None = None, shards: Sequence[str] = ()) -> Path:
+    def save(
+        self,
+        path: str | os.PathLike,
+        *,
+        names: Sequence[str] | None = None,
+        shards: Sequence[str] = (),
+        parts: Mapping[str, tuple[np.ndarray, int, tuple[int, ...]]] | None = None,
+    ) -> Path:
         """Write the checkpoint atomically (temp file beside ``path``, fsync, rename).
 
         On any failure the previous file at ``path`` is left as it was and no temp file stays.
         A sharded checkpoint (pipeline stages, each writing its own tensors): ``names``, the
         tensors this file holds (default all), and ``shards``, the files beside it holding
         the others (written before it: this file, the last, makes the checkpoint whole), which
-        :meth:`load` reads with it.
+        :meth:`load` reads with it. ``parts``: pieces of tensors this file holds besides (a
+        ZeRO replica's shard of the optimizer states: name -> (its elements, flat; the first
+        one's index in the whole tensor; the whole tensor's shape)); :meth:`load` puts the
+        pieces of every file together and refuses a tensor whose pieces do not cover it.
         """
         path = Path(path)
         if path.is_dir():
             raise CheckpointError(f"{path}: is a folder, expected a checkpoint file path")
         if not path.parent.is_dir():
             raise CheckpointError(f"{path}: folder {path.parent} does not exist")
-        held = self.tensors
-        chosen = held if names is None else {n: held[n] for n in names}
+        chosen = {} if names is not None and not names else self.tensors
+        chosen = chosen if names is None else {n: chosen[n] for n in names}
         tensors = {name: np.asarray(value, order="C") for name, value in chosen.items()}
-        metadata = {METADATA_KEY: self._document(tensors, shards)}
+        twice = sorted(set(parts or {}) & set(tensors))
+        if twice:
+            raise CheckpointError(f"{path}: tensor {twice[0]!r} is both whole and a part in one file")
+        for name, (values, _, _) in (parts or {}).items():
+            tensors[name] = np.ascontiguousarray(values).reshape(-1)
+        pieces = {name: (int(start), tuple(int(d) for d in shape)) for name, (_, start, shape) in (parts or {}).items()}
+        metadata = {METADATA_KEY: self._document(tensors, shards, pieces)}
         try:
             with temp_file_beside(path) as tmp:  # locked: a later run's remove_stale knows it is ours
                 _write_tensors(tmp, tensors, metadata)
@@ -303,7 +334,9 @@ class CheckpointState:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, program: ModelSource | Model | None = None) -> CheckpointState:
+    def load(
+        cls, path: str | os.PathLike, program: ModelSource | Model | None = None, *, _parts: dict | None = None
+    ) -> CheckpointState:
         """Read a checkpoint; with ``program``, also check that it matches what the program carries."""
         path = Path(path)
         if not path.is_file():
@@ -341,10 +374,14 @@ class CheckpointState:
             raise
         except Exception as exc:  # safetensors' own errors: truncated, bad header, not a safetensors file
             raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt: {exc})") from None
-        for shard in document.get("shards", []):  # a pipeline's checkpoint: the other stages' files
+        parts = {s.name: [(s, tensors.pop(s.name), path.name)] for s in manifest if s.part is not None}
+        manifest = [s for s in manifest if s.part is None]
+        for shard in document.get("shards", []):  # a sharded checkpoint: the other stages' (replicas') files
             if not isinstance(shard, str) or Path(shard).name != shard:
                 raise CheckpointError(f"{path}: malformed shard entry {str(shard)[:80]!r} (a file name beside it)")
-            other = cls.load(path.parent / shard)
+            if not (path.parent / shard).is_file():
+                raise CheckpointError(f"{path}: its shard {shard} is missing (the checkpoint is not whole without it)")
+            other = cls.load(path.parent / shard, _parts=parts)
             if other.step != document["step"]:
                 raise CheckpointError(
                     f"{path}: its shard {shard} is of step {other.step}, not {document['step']} (a stale file?)"
@@ -354,6 +391,15 @@ class CheckpointState:
                 raise CheckpointError(f"{path}: tensor {twice[0]!r} is in it and in its shard {shard}")
             tensors.update(other._tensors)
             manifest += other.specs
+        if _parts is not None:  # a shard: its pieces go to the checkpoint that lists it
+            for name, pieces in parts.items():
+                _parts.setdefault(name, []).extend(pieces)
+        else:
+            for name, pieces in parts.items():
+                if name in tensors:
+                    raise CheckpointError(f"{path}: tensor {name!r} is saved whole and in pieces")
+                spec, tensors[name] = _joined(path, name, pieces)
+                manifest.append(spec)
         state = cls(
             tensors,
             manifest,
@@ -433,11 +479,37 @@ def _parse_manifest(path: Path, document: dict) -> list[TensorSpec]:
             crc = entry.get("crc32")
             if crc is not None and (isinstance(crc, bool) or not isinstance(crc, int)):
                 raise TypeError
-            spec = TensorSpec(str(entry["name"]), str(entry["role"]), str(entry["dtype"]), tuple(entry["shape"]), crc)
+            part = entry.get("part")
+            if part is not None:
+                part = (int(part["start"]), tuple(int(d) for d in part["of"]))
+            spec = TensorSpec(
+                str(entry["name"]), str(entry["role"]), str(entry["dtype"]), tuple(entry["shape"]), crc, part
+            )
         except (KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{path}: malformed tensor manifest entry {str(entry)[:120]}") from None
         manifest.append(spec)
     return manifest
+
+
+def _joined(path: Path, name: str, pieces: list[tuple[TensorSpec, np.ndarray, str]]) -> tuple[TensorSpec, np.ndarray]:
+    """The whole tensor ``name`` from its pieces (spec, values, file), which must cover it once."""
+    spec = pieces[0][0]
+    shape = spec.part[1]
+    size = math.prod(shape)
+    whole = np.empty(size, dtype=pieces[0][1].dtype)
+    at = 0
+    for piece, values, file in sorted(pieces, key=lambda p: p[0].part[0]):
+        start = piece.part[0]
+        if piece.part[1] != shape or values.dtype != whole.dtype:
+            raise CheckpointError(f"{path}: the pieces of tensor {name!r} disagree on its shape or type ({file})")
+        if start != at:
+            what = f"elements {at}..{start} of it are in no shard" if start > at else f"{file} holds elements twice"
+            raise CheckpointError(f"{path}: tensor {name!r} is not whole: {what} (a shard missing or from another run)")
+        whole[start : start + values.size] = values.reshape(-1)
+        at = start + values.size
+    if at != size:
+        raise CheckpointError(f"{path}: tensor {name!r} is not whole: elements {at}..{size} of it are in no shard")
+    return TensorSpec(name, spec.role, spec.dtype, shape), whole.reshape(shape)
 
 
 def _check_layout(path: Path) -> None:
@@ -527,6 +599,17 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         return state.save(self.shard_path(int(state.step), stage, stages), names=names)
 
+    def part_path(self, step: int, rank: int, size: int) -> Path:
+        """Where ZeRO replica ``rank`` (of ``size``) writes its shard of the optimizer states."""
+        return self.directory / f"{self.prefix}-{step:08d}.zero{rank}-of-{size}.safetensors"
+
+    def save_part(
+        self, state: CheckpointState, parts: Mapping[str, tuple[np.ndarray, int, tuple[int, ...]]], rank: int, size: int
+    ) -> Path:
+        """Write one ZeRO replica's pieces of the optimizer states for ``state.step`` (before rank 0 writes the checkpoint)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return state.save(self.part_path(int(state.step), rank, size), names=[], parts=parts)
+
     def checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint in the folder, oldest first."""
         if not self.directory.is_dir():
@@ -555,6 +638,6 @@ class CheckpointManager:
             for step, old in self.checkpoints()[: -self.keep_last]:
                 if old != path:
                     old.unlink(missing_ok=True)  # the checkpoint first: a shard alone is never taken for one
-                    for shard in self.directory.glob(f"{self.prefix}-{step:08d}.stage*.safetensors"):
+                    for shard in self.directory.glob(f"{self.prefix}-{step:08d}.*.safetensors"):
                         shard.unlink(missing_ok=True)
         return path

@@ -265,13 +265,16 @@ class DistributedConfig:
     """[distributed]: a data-parallel run, when torchrun starts ``graphforge train`` as N
     processes (data.batch_size is per process). ``timeout_s``: how long a collective waits
     for the other processes before the run stops, naming the ones that did not answer;
-    ``bucket_mb``: the gradient bucket size of the allreduce pass added when the pipeline has
-    none; ``overlap``: reduce each bucket while backward computes the next. A single process
-    ignores the section."""
+    ``bucket_mb``: the gradient bucket size of the allreduce (or zero) pass added when the
+    pipeline has none; ``overlap``: reduce each bucket while backward computes the next;
+    ``zero``: 1 or 2 shards the optimizer states (and at 2 the gradients) across the processes
+    (ZeRO, graphforge.distributed.ZeroDataParallel), 0 keeps them whole on each. A single
+    process ignores the section."""
 
     timeout_s: float = field(default=120.0, metadata=accepts("float", minimum=1))
     bucket_mb: float = field(default=25.0, metadata=accepts("float", minimum=0.001))
     overlap: bool = field(default=True, metadata=accepts("bool"))
+    zero: int = field(default=0, metadata=accepts("int", minimum=0, maximum=2))
 
 
 SECTIONS: dict[str, type] = {

@@ -42,13 +42,13 @@ import onnx
 from rich.console import Console
 from rich.markup import escape
 
-from graphforge.distributed import DataParallel, DistributedError, World, digest, launched
+from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel, digest, launched
 from graphforge.distributed.fused_update import FusedUpdate, Refused, use_fused_update
 from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
 from graphforge.graph import copy_without_initializers, load, save
 from graphforge.pass_manager import PassManager, parse_pipeline
-from graphforge.passes import AllReduce
+from graphforge.passes import AllReduce, Zero
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
 from graphforge.runtime.lr_schedules import LRSchedule, make_schedule, schedule_from_state_dict
@@ -228,11 +228,27 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     staged = ProgramRoles.of_proto(program).pipeline
     if staged is not None:
         config = _pipeline_config(config, staged, world)
-    if world is not None and staged is None and ProgramRoles.of_proto(program).allreduce is None:
+    zero = config.distributed.zero
+    if zero and staged is not None:
+        raise ConfigError(
+            f"{where}: distributed.zero = {zero} with pipeline stages: each stage already keeps only its own "
+            "parameters' optimizer states; leave distributed.zero out (or 0)"
+        )
+    if world is not None and staged is None:
+        reduction = ProgramRoles.of_proto(program).allreduce
         bucket_mb = config.distributed.bucket_mb
-        program = PassManager([AllReduce(bucket_mb=bucket_mb)]).run(program).model
-        compiled_from += f", + allreduce(bucket_mb={bucket_mb:g})"
+        if reduction is None:
+            added = Zero(stage=zero, bucket_mb=bucket_mb) if zero else AllReduce(bucket_mb=bucket_mb)
+            program = PassManager([added]).run(program).model
+            compiled_from += f", + {added.name}({f'stage={zero}, ' if zero else ''}bucket_mb={bucket_mb:g})"
+        elif zero and not reduction.zero:
+            raise ConfigError(
+                f"{where}: distributed.zero = {zero}, but the program was compiled with the allreduce pass: "
+                f"compile it without it (graphforge train adds zero(stage={zero})) or with zero(stage={zero})"
+            )
     program_roles = ProgramRoles.of_proto(program)
+    sharded = world is not None and program_roles.allreduce is not None and program_roles.allreduce.zero > 0
+    zero_stage = (zero or program_roles.allreduce.zero) if sharded else 0
     # pipeline stages all read every micro-batch (the first its inputs, the last its labels);
     # data-parallel pipelines each their share, rank = replica × stages + stage
     shard = ALL
@@ -322,7 +338,14 @@ def prepare(config: Config, world: World | None = None) -> Plan:
                 program, state, transport, device=device, intra_op_threads=threads, replicas=replicas
             )
         else:
-            module = Module(program, state, device=device, dropout=config.train.dropout, intra_op_threads=threads)
+            module = Module(
+                program,
+                state,
+                device=device,
+                dropout=config.train.dropout,
+                intra_op_threads=threads,
+                shard_optimizer_states=sharded,
+            )
     except DeviceError as exc:
         raise ConfigError(f"{where}: train.device: {exc}") from None
     if world is not None:
@@ -339,9 +362,15 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             "train.device": (module or pipeline).runner.device.type,
         }
         world.agree("program and config", agreed)
-        if module is not None:
+        if module is not None and sharded:
+            zero_run = ZeroDataParallel(module, world, stage=zero_stage, overlap=config.distributed.overlap)
+            note(
+                f"zero: stage {zero_stage}, this process holds {_size(zero_run.state_bytes())} of optimizer state "
+                f"(1/{world.size}); its shard of the update runs in torch's kernels"
+            )
+        elif module is not None:
             DataParallel(module, world, overlap=config.distributed.overlap)
-    if module is not None and config.train.update != "onnx":
+    if module is not None and config.train.update != "onnx" and not sharded:
         insisted = config.train.update == "torch"
         # a profile traces onnxruntime's runs, the update's among them
         profiled = "[profile] traces the update as onnxruntime runs it" if config.profile is not None else None
@@ -400,6 +429,15 @@ def _pipeline_config(config: Config, staged, world: World | None) -> Config:
             f"(torchrun --nproc-per-node={staged.stages} or {2 * staged.stages}, ...)"
         )
     return dataclasses.replace(config, train=dataclasses.replace(config.train, accumulate=micro))
+
+
+def _size(count: int) -> str:
+    """Bytes as people read them."""
+    for unit in ("bytes", "KiB", "MiB"):
+        if count < 1024 or unit == "MiB":
+            return f"{count:,} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return ""
 
 
 def _threads_per_process() -> int:
@@ -864,12 +902,26 @@ class Run:
         state.data_position = position if position is not None else stream.position
         if self.pipeline is not None:
             path = self._save_stages(state)
+        elif self.module is not None and getattr(self.module.reducer, "shards_update", False):
+            path = self._save_shards(state)
         else:
             path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
         if self.world is not None:
             self.world.barrier(f"waiting for rank 0 to write the checkpoint of step {state.step}")
         self.saved_step = state.step
         return path
+
+    def _save_shards(self, state: CheckpointState) -> Path:
+        """A ZeRO run's checkpoint: each process writes its shard of the optimizer states beside
+        the checkpoint, then rank 0 the checkpoint file itself, with the parameters and buffers
+        and the list of shards: that file, the last written, makes the checkpoint whole."""
+        world, step = self.world, int(state.step)
+        self.checkpoints.save_part(state, self.module.reducer.shard_tensors(), world.rank, world.size)
+        self.world.barrier(f"waiting for every process's shard of the checkpoint of step {step}")
+        if not self.lead:
+            return self.checkpoints.path_for(step)
+        shards = [self.checkpoints.part_path(step, r, world.size) for r in range(world.size)]
+        return self.checkpoints.save(state, shards=shards)
 
     def _save_stages(self, state: CheckpointState) -> Path:
         """A pipeline's checkpoint: each stage of the first pipeline writes its own tensors
