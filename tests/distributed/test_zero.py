@@ -238,7 +238,7 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_and_undone(world_of_one):
 
 def test_the_wrong_wrapper_and_unsupported_programs_are_refused(world_of_one):
     zero = graphforge.compile(_mlp_program("sgd(lr=0.1)"), "zero(stage=1)").model
-    with pytest.raises(graphforge.GraphforgeError, match="run it with graphforge.distributed.ZeroDataParallel"):
+    with pytest.raises(graphforge.GraphforgeError, match=r"run it with graphforge\.distributed\.ZeroDataParallel"):
         DataParallel(Module(zero, device="cpu"), world_of_one)
     allreduce = graphforge.compile(_mlp_program("sgd(lr=0.1)"), "allreduce").model
     with pytest.raises(graphforge.GraphforgeError, match="compile it with the zero pass"):
@@ -248,5 +248,5 @@ def test_the_wrong_wrapper_and_unsupported_programs_are_refused(world_of_one):
         graphforge.GraphforgeError, match="cannot shard this program's update: the program scales its loss"
     ):
         ZeroDataParallel(Module(scaled, device="cpu"), world_of_one)
-    with pytest.raises(graphforge.PipelineSpecError, match="stage.*expected 1 | 2"):
+    with pytest.raises(graphforge.PipelineSpecError, match=r"stage.*expected 1 \| 2"):
         graphforge.compile(_mlp_program("sgd(lr=0.1)"), "zero(stage=3)")
