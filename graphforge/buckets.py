@@ -71,3 +71,25 @@ def marker_function(graph: gs.Graph, op: str) -> gs.Function:
         attrs={"bucket": None},
         import_domains=[onnx.helper.make_opsetid("", graph.opset or 13)],
     )
+
+
+def shard_layout(
+    buckets: tuple[tuple[str, ...], ...], sizes: dict[str, int], processes: int
+) -> list[list[tuple[int, str, int, int]]]:
+    """Which elements each of ``processes`` data-parallel processes owns under the zero pass:
+    process r holds the r-th contiguous 1/N of every bucket (its parameters' elements laid end
+    to end, padded to a multiple of N). Per process, (bucket, parameter, first element, end
+    element) of each piece, the elements counted in the parameter flattened."""
+    owned: list[list[tuple[int, str, int, int]]] = [[] for _ in range(processes)]
+    for index, bucket in enumerate(buckets):
+        offsets, total = {}, 0
+        for p in bucket:
+            offsets[p] = (total, total + sizes[p])
+            total += sizes[p]
+        chunk = -(-total // processes)
+        for rank in range(processes):
+            low, high = rank * chunk, (rank + 1) * chunk
+            for p, (start, stop) in offsets.items():
+                if start < high and stop > low:
+                    owned[rank].append((index, p, max(start, low) - start, min(stop, high) - start))
+    return owned

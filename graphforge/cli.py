@@ -26,6 +26,7 @@ import graphforge
 from graphforge import golden, roles, train
 from graphforge.analysis.cost import parse_dims
 from graphforge.analysis.size import human_bytes
+from graphforge.buckets import shard_layout
 from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
@@ -172,6 +173,15 @@ def inspect(
         list[str] | None,
         typer.Option("--dim", help="With --memory or --host-syncs: a symbolic dim's size, NAME=SIZE (repeatable)."),
     ] = None,
+    processes: Annotated[
+        int,
+        typer.Option(
+            "--processes",
+            min=1,
+            help="For a program compiled with the zero pass: which elements of which parameters each of this many "
+            "processes owns (updates, and keeps optimizer states for).",
+        ),
+    ] = 0,
     two_buffers: Annotated[
         bool,
         typer.Option(
@@ -237,6 +247,11 @@ def inspect(
 
     if program_roles.pipeline is not None:
         out.print(_stages_table(program_roles.pipeline))
+    if processes:
+        reduction = program_roles.allreduce
+        if reduction is None or not reduction.zero:
+            raise GraphforgeError(f"{model}: --processes needs a program compiled with the zero pass")
+        out.print(_shards_table(reduction, program_roles, processes))
 
     # the golden summaries' count: subgraphs and local functions included, domain::op outside ai.onnx
     histogram = Counter(op_histogram(proto))
@@ -248,6 +263,22 @@ def inspect(
     out.print(ops)
     for warning in tied_initializer_warnings(proto):
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+
+
+def _shards_table(reduction, program_roles: ProgramRoles, processes: int) -> Table:
+    """The zero pass's shards on ``processes`` processes: the pieces of parameters each owns."""
+    sizes = {p: int(np.prod(program_roles.carried_spec(p).shape)) for b in reduction.buckets for p in b}
+    table = Table(
+        title=f"zero stage {reduction.zero}: shards on {processes} processes ({len(reduction.buckets)} buckets)",
+        title_justify="left",
+    )
+    for column, justify in (("process", "right"), ("bucket", "right"), ("parameter", "left"), ("elements", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for rank, pieces in enumerate(shard_layout(reduction.buckets, sizes, processes)):
+        for bucket, name, start, stop in pieces:
+            whole = "" if (start, stop) == (0, sizes[name]) else f" of {sizes[name]:,}"
+            table.add_row(str(rank), str(bucket), escape(name), f"{start:,}..{stop:,}{whole}")
+    return table
 
 
 def _stages_table(role) -> Table:

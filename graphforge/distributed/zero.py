@@ -16,9 +16,10 @@ them, and each updated parameter through ``graphforge.AllGather``. A step runs a
    segment k writes bucket k's gradients into a flat buffer (views bound through DLPack) and,
    as soon as the bucket is complete, an asynchronous ``reduce_scatter`` sums it across the
    replicas into this replica's shard gradient, while segment k + 1 computes the next bucket.
-   Stage 1 keeps a gradient buffer per bucket (as DataParallel); stage 2 writes the buckets
-   into two buffers in turn (one being reduced while the next is written), so that only the
-   shard of the reduced gradients stays: its gradient memory is two buckets, not the model.
+   Stage 1 keeps a gradient buffer per bucket (as DataParallel) and reduces it in place;
+   stage 2 writes the buckets into two buffers in turn (one being reduced while the next is
+   written), so that only the shard of the reduced gradients stays: its gradient memory is
+   two buckets and 1/N of the model, not the model.
 3. **Update.** The global gradient norm (for clipping and the report) is the square root of
    the replicas' summed shard sums of squares, reduced once together with whether any
    replica's loss is not finite, so every replica takes the same decision to skip. The
@@ -33,9 +34,11 @@ them, and each updated parameter through ``graphforge.AllGather``. A step runs a
 
 Gradient accumulation (``module(...)`` per micro-batch, then ``optimizer.step()``) runs the
 micro-batches without communication and reduce-scatters the accumulated gradients once.
-Checkpoints: each replica writes its shard of the states (``shard_tensors``) beside the
-checkpoint, which names them (graphforge.runtime.checkpoint); loading one makes the states
-whole again, so a run resumes on any number of replicas, or on one.
+Checkpoints (``save``): each replica writes its shard of the states beside the checkpoint,
+which names them (graphforge.runtime.checkpoint); loading one makes the states whole again,
+so a run resumes on any number of replicas, or on one. The optimizer states start from each
+replica's own state (the same checkpoint or program on every one, as graphforge train
+checks); the parameters and buffers from rank 0's, as DataParallel's.
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
+from graphforge.buckets import shard_layout
 from graphforge.distributed.data_parallel import DataParallel, ortvalue_of, tensor_of, torch_dtype
 from graphforge.distributed.fused_update import (
     _step_counter,
@@ -98,7 +103,7 @@ class _Bucket:
     grads: Any = None  # torch: the flat gradient buffer this bucket is written into [chunk * N]
     grad_views: dict[str, Any] = field(default_factory=dict)  # torch views of ``grads``, by gradient name
     values: dict[str, ort.OrtValue] = field(default_factory=dict)  # the same, as OrtValues
-    shard_grad: Any = None  # torch [chunk]: the reduced gradients of this replica's shard
+    shard_grad: Any = None  # torch [chunk]: the reduced gradients of this replica's shard (stage 1: in grads)
     states: dict[str, Any] = field(default_factory=dict)  # state -> torch [chunk]
     pieces: list[Piece] = field(default_factory=list)
 
@@ -180,7 +185,6 @@ class ZeroDataParallel(DataParallel):
                     bucket.pieces.append(Piece(p, index, lo - start, hi - start, lo - low))
             dtype = torch_dtype(bucket.dtype)
             bucket.params = torch.zeros(bucket.chunk * size, dtype=dtype, device=self._device)
-            bucket.shard_grad = torch.zeros(bucket.chunk, dtype=dtype, device=self._device)
             for name in state_names:
                 shard = torch.zeros(bucket.chunk, dtype=dtype, device=self._device)
                 for piece in bucket.pieces:
@@ -209,27 +213,30 @@ class ZeroDataParallel(DataParallel):
         module.reducer = self
 
     def _gradient_buffers(self) -> None:
-        """Stage 1: a flat gradient buffer per bucket. Stage 2: two per dtype, of the largest
-        bucket, that the buckets are written into in turn."""
+        """Stage 1: a flat gradient buffer per bucket, reduce-scattered in place (this replica's
+        shard of the reduced gradients is its own chunk of it). Stage 2: two buffers per dtype,
+        that the buckets are written into in turn (each as large as the largest bucket of its
+        turn), reduce-scattered into a buffer of this replica's shards."""
         import torch
 
-        slots: dict[np.dtype, list] = {}
+        size, rank = self.world.size, self.world.rank
+        turns: dict[tuple, int] = {}
+        turn_of: dict[int, tuple] = {}
         if self.stage == 2:
+            seen: dict[np.dtype, int] = {}
             for bucket in self.buckets:
-                slots.setdefault(bucket.dtype, [0, []])[0] = max(slots.get(bucket.dtype, [0])[0], bucket.chunk)
-            for dtype, entry in slots.items():
-                entry[1] = [
-                    torch.zeros(entry[0] * self.world.size, dtype=torch_dtype(dtype), device=self._device)
-                    for _ in range(2)
-                ]
-        turn: dict[np.dtype, int] = {}
+                seen[bucket.dtype] = seen.get(bucket.dtype, -1) + 1
+                key = turn_of[bucket.index] = (bucket.dtype, seen[bucket.dtype] % 2)
+                turns[key] = max(turns.get(key, 0), bucket.chunk * size)
+        slots = {key: torch.zeros(n, dtype=torch_dtype(key[0]), device=self._device) for key, n in turns.items()}
         for bucket in self.buckets:
-            padded = bucket.chunk * self.world.size
+            padded = bucket.chunk * size
             if self.stage == 1:
                 bucket.grads = torch.zeros(padded, dtype=torch_dtype(bucket.dtype), device=self._device)
+                bucket.shard_grad = bucket.grads[rank * bucket.chunk : (rank + 1) * bucket.chunk]
             else:
-                k = turn[bucket.dtype] = turn.get(bucket.dtype, -1) + 1
-                bucket.grads = slots[bucket.dtype][1][k % 2][:padded]
+                bucket.grads = slots[turn_of[bucket.index]][:padded]
+                bucket.shard_grad = torch.zeros(bucket.chunk, dtype=torch_dtype(bucket.dtype), device=self._device)
             for p, g in zip(bucket.parameters, bucket.names, strict=True):
                 start, stop = bucket.offsets[p]
                 view = bucket.grads[start:stop].view(self.module.runner.carried[p].shape)
@@ -237,34 +244,24 @@ class ZeroDataParallel(DataParallel):
 
     # ------------------------------------------------------------------ what replicas own
 
-    def layout(self) -> list[dict]:
-        """Which elements of which parameters each replica owns: per replica, per bucket,
-        (parameter, first element, end element) of each piece, flattened."""
-        owned = []
-        for rank in range(self.world.size):
-            pieces = []
-            for bucket in self.buckets:
-                low, high = rank * bucket.chunk, (rank + 1) * bucket.chunk
-                for p, (start, stop) in bucket.offsets.items():
-                    if start < high and stop > low:
-                        pieces.append((bucket.index, p, max(start, low) - start, min(stop, high) - start))
-            owned.append({"rank": rank, "pieces": pieces})
-        return owned
+    def layout(self) -> list[list[tuple[int, str, int, int]]]:
+        """Which elements each replica owns (graphforge.buckets.shard_layout): per replica,
+        (bucket, parameter, first element, end element) of each piece, flattened."""
+        sizes = {p: stop - start for b in self.buckets for p, (start, stop) in b.offsets.items()}
+        return shard_layout(tuple(b.parameters for b in self.buckets), sizes, self.world.size)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this replica holds."""
         return sum(t.numel() * t.element_size() for b in self.buckets for t in b.states.values())
 
     def gradient_bytes(self) -> int:
-        """Bytes of gradient buffers this replica holds (the buckets' buffers and the shard's)."""
-        seen, total = set(), 0
-        for b in self.buckets:
-            base = b.grads.untyped_storage().data_ptr()
-            if base not in seen:
-                seen.add(base)
-                total += b.grads.untyped_storage().nbytes()
-            total += b.shard_grad.numel() * b.shard_grad.element_size()
-        return total
+        """Bytes of gradient buffers this replica holds (the buckets' buffers, the shard's)."""
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for b in self.buckets
+            for t in (b.grads, b.shard_grad)
+        }
+        return sum(storages.values())
 
     def shard_tensors(self) -> dict[str, tuple[np.ndarray, int, tuple[int, ...]]]:
         """This replica's pieces of the optimizer states, for a checkpoint's shard: state name
@@ -278,6 +275,20 @@ class ZeroDataParallel(DataParallel):
                     values = shard[piece.offset : piece.offset + piece.size].cpu().numpy().copy()
                     pieces[f"{piece.parameter}.{name}"] = (values, piece.start, runner.carried[piece.parameter].shape)
         return pieces
+
+    def save(self, checkpoints) -> Path:
+        """Checkpoint the Module's state into ``checkpoints`` (a CheckpointManager; a collective:
+        every replica calls it): each replica writes its shard of the optimizer states beside
+        the checkpoint, then rank 0 the checkpoint file itself, with the rest of the state and
+        the list of shards. That file, written last, makes the checkpoint whole; loading it
+        joins the shards (on any number of replicas). Returns the checkpoint's path."""
+        state, world = self.module.state, self.world
+        step = int(state.step)
+        checkpoints.save_part(state, self.shard_tensors(), world.rank, world.size)
+        world.barrier(f"waiting for every process's shard of the checkpoint of step {step}")
+        if world.rank != 0:
+            return checkpoints.path_for(step)
+        return checkpoints.save(state, shards=[checkpoints.part_path(step, r, world.size) for r in range(world.size)])
 
     def gathered_states(self) -> dict[str, np.ndarray]:
         """Every optimizer state whole (a collective: every replica calls it; all get them)."""
@@ -350,10 +361,8 @@ class ZeroDataParallel(DataParallel):
 
         self._finish_reductions()
         hp = self.hyper
-        sums = [
-            float(torch.stack([(b.shard_grad[: b.chunk].double() ** 2).sum() for b in group]).sum())
-            for group in self._groups.values()
-        ]
+        # float32 norms of each shard (no float64 copy of the gradients), their squares summed in float64
+        sums = [float(torch.linalg.vector_norm(b.shard_grad)) ** 2 for b in self.buckets]
         bad_loss = 0.0 if loss is None or math.isfinite(loss) else 1.0
         started = time.perf_counter()
         total, bad = self.world.sum([sum(sums), bad_loss], f"summing the gradient norm of step {step + 1}")
@@ -409,10 +418,13 @@ class ZeroDataParallel(DataParallel):
 
     def _start_gathers(self, step: int) -> None:
 
+        rank = self.world.rank
         with self.world.collective(f"gathering the parameters updated by step {step + 1}"):
-            for b in self.buckets:
-                shard = b.params[self.world.rank * b.chunk : (self.world.rank + 1) * b.chunk].clone()
+            for b in self.buckets:  # in place: this replica's chunk of the flat buffer is its input
+                shard = b.params[rank * b.chunk : (rank + 1) * b.chunk]
                 self._gathers.append((_collective("all_gather")(b.params, shard, async_op=True), shard))
+        if not self.overlap:
+            self._wait_gathers()
 
     def _wait_gathers(self) -> None:
         if not self._gathers:

@@ -903,25 +903,13 @@ class Run:
         if self.pipeline is not None:
             path = self._save_stages(state)
         elif self.module is not None and getattr(self.module.reducer, "shards_update", False):
-            path = self._save_shards(state)
+            path = self.module.reducer.save(self.checkpoints)  # each process its shard, then rank 0
         else:
             path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
         if self.world is not None:
             self.world.barrier(f"waiting for rank 0 to write the checkpoint of step {state.step}")
         self.saved_step = state.step
         return path
-
-    def _save_shards(self, state: CheckpointState) -> Path:
-        """A ZeRO run's checkpoint: each process writes its shard of the optimizer states beside
-        the checkpoint, then rank 0 the checkpoint file itself, with the parameters and buffers
-        and the list of shards: that file, the last written, makes the checkpoint whole."""
-        world, step = self.world, int(state.step)
-        self.checkpoints.save_part(state, self.module.reducer.shard_tensors(), world.rank, world.size)
-        self.world.barrier(f"waiting for every process's shard of the checkpoint of step {step}")
-        if not self.lead:
-            return self.checkpoints.path_for(step)
-        shards = [self.checkpoints.part_path(step, r, world.size) for r in range(world.size)]
-        return self.checkpoints.save(state, shards=shards)
 
     def _save_stages(self, state: CheckpointState) -> Path:
         """A pipeline's checkpoint: each stage of the first pipeline writes its own tensors

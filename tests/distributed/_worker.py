@@ -59,15 +59,28 @@ def train(case: dict, world: World) -> None:
         if accumulate > 1:
             optimizer.step()
             module.lazy_reset_grad()
+    # before anything here allocates more: the peak of the training itself, and its optimizer state
+    peak = _peak_rss()
+    held = [c for c in module.runner.carried.values() if c.spec.role == "optimizer"]
+    state_bytes = sharded.state_bytes() if zero else sum(len(c.slots) * c.value.numpy().nbytes for c in held)
+    if case.get("memory_only"):
+        np.savez(f"{case['out']}-rank{world.rank}.npz", __peak_rss__=peak, __state_bytes__=state_bytes)
+        return
     state = module.runner.read_tensors()
+    state["__state_bytes__"] = np.array(state_bytes)
     if zero:
         state.update(sharded.gathered_states())
-        state["__state_bytes__"] = np.array(sharded.state_bytes())
     if case.get("broadcast_buffers_at_end"):  # what the next forward would start from
         before = {f"__before__{k}": v for k, v in module.runner.read_role("buffer").items()}
         module.reducer.before_forward()
         state = {**module.runner.read_tensors(), **before}
     np.savez(f"{case['out']}-rank{world.rank}.npz", __losses__=np.array(losses), **state)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory, bytes (VmHWM: ru_maxrss would carry the launcher's over the fork)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def main() -> None:

@@ -7,7 +7,11 @@ runs every case (the DataParallel references among them)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import pytest
 from _launch import REPO, free_port, run_ranks
 
 import graphforge
+import graphforge.buckets
 from graphforge.distributed import DataParallel, World, ZeroDataParallel
 from graphforge.program import ProgramRoles
 from graphforge.runtime import Module, Optimizer
@@ -213,7 +218,7 @@ def test_one_replica_of_zero_equals_the_plain_module(world_of_one, tail):
     got = {**replica.runner.read_tensors(), **zero.gathered_states()}
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
-    owned = zero.layout()[0]["pieces"]
+    owned = zero.layout()[0]
     assert sum(stop - start for _, _, start, stop in owned) == sum(
         v.size for n, v in want.items() if n in plain.roles.parameters
     )
@@ -250,3 +255,22 @@ def test_the_wrong_wrapper_and_unsupported_programs_are_refused(world_of_one):
         ZeroDataParallel(Module(scaled, device="cpu"), world_of_one)
     with pytest.raises(graphforge.PipelineSpecError, match=r"stage.*expected 1 \| 2"):
         graphforge.compile(_mlp_program("sgd(lr=0.1)"), "zero(stage=3)")
+
+
+def test_inspect_says_which_elements_each_process_owns(tmp_path):
+    program = graphforge.compile(_mlp_program("adamw(lr=0.05)"), "zero(stage=1, bucket_mb=0.0001)").model
+    path = graphforge.save(program, tmp_path / "program.onnx")
+    run = [sys.executable, "-m", "graphforge", "inspect", str(path), "--processes", "3"]
+    done = subprocess.run(run, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    assert "zero stage 1: shards on 3 processes (4 buckets)" in done.stdout
+    roles = ProgramRoles.of_proto(program)
+    sizes = {p: int(np.prod(roles.carried_spec(p).shape)) for b in roles.allreduce.buckets for p in b}
+    owned = graphforge.buckets.shard_layout(roles.allreduce.buckets, sizes, 3)
+    for name, size in sizes.items():  # every element owned once, and the processes' shares within a bucket of equal
+        pieces = sorted((start, stop) for rank in owned for _, p, start, stop in rank if p == name)
+        assert pieces[0][0] == 0 and pieces[-1][1] == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+    plain = graphforge.save(_mlp_program("sgd(lr=0.1)"), tmp_path / "plain.onnx")
+    refused = subprocess.run([*run[:4], str(plain), "--processes", "2"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "--processes needs a program compiled with the zero pass" in refused.stderr
