@@ -174,14 +174,14 @@ def inspect(
         typer.Option("--dim", help="With --memory or --host-syncs: a symbolic dim's size, NAME=SIZE (repeatable)."),
     ] = None,
     processes: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--processes",
             min=1,
             help="For a program compiled with the zero pass: which elements of which parameters each of this many "
             "processes owns (updates, and keeps optimizer states for).",
         ),
-    ] = 0,
+    ] = None,
     two_buffers: Annotated[
         bool,
         typer.Option(

@@ -36,6 +36,7 @@ CORE = (
     "graphforge.constants",
     "graphforge.verify",
     "graphforge.program",
+    "graphforge.buckets",
     "graphforge.pipeline",
     "graphforge.cut",
     "graphforge.stages",

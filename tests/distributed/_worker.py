@@ -67,8 +67,8 @@ def train(case: dict, world: World) -> None:
         np.savez(f"{case['out']}-rank{world.rank}.npz", __peak_rss__=peak, __state_bytes__=state_bytes)
         return
     state = module.runner.read_tensors()
-    state["__state_bytes__"] = np.array(state_bytes)
     if zero:
+        state["__state_bytes__"] = np.array(state_bytes)
         state.update(sharded.gathered_states())
     if case.get("broadcast_buffers_at_end"):  # what the next forward would start from
         before = {f"__before__{k}": v for k, v in module.runner.read_role("buffer").items()}

@@ -94,7 +94,7 @@ def test_each_stage_writes_its_own_tensors_and_the_checkpoint_reads_them_all(run
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
     (broken / shard.name).unlink()
-    with pytest.raises(CheckpointError, match=f"{shard.name}: no such checkpoint file"):
+    with pytest.raises(CheckpointError, match=f"its shard {shard.name} is missing"):
         CheckpointState.load(broken / main.name)
 
 
