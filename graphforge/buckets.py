@@ -12,6 +12,23 @@ from graphforge import roles
 from graphforge.analysis import topological_order
 from graphforge.analysis.size import nbytes
 from graphforge.errors import PassError
+from graphforge.graph import Model
+from graphforge.program import ProgramRoles
+
+
+def gradient_buckets(
+    model: Model, bucket_mb: float
+) -> tuple[dict[str, gs.Tensor], dict[str, gs.Tensor], tuple[tuple[str, ...], ...]]:
+    """A program's gradients at the optimizer's boundary (parameter -> tensor), its parameters
+    (parameter -> tensor: a gradient has its parameter's shape and type, which the accumulated
+    one may have lost), and their buckets of at most ``bucket_mb`` MiB in the order backward
+    makes them."""
+    program_roles = ProgramRoles.of_model(model)
+    tensors = model.graph.tensors()
+    boundary = {p: tensors[name] for p, name in program_roles.gradient_boundary.items()}
+    gradients = {p: tensors[program_roles.gradients[p]] for p in boundary if p in program_roles.gradients}
+    parameters = {p: tensors[p] for p in boundary}
+    return boundary, parameters, fill_buckets(ready_order(model.graph, gradients), parameters, bucket_mb)
 
 
 def ready_order(graph: gs.Graph, gradients: dict[str, gs.Tensor]) -> list[str]:

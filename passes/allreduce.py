@@ -8,10 +8,10 @@ import onnx_graphsurgeon as gs
 
 from graphforge import roles
 from graphforge.analysis import placed_early
-from graphforge.buckets import fill_buckets, marker_call, marker_function, ready_order
+from graphforge.buckets import gradient_buckets, marker_call, marker_function
 from graphforge.graph import Model
 from graphforge.pipeline import Fact, Pass, PassResult, check_number
-from graphforge.program import AllReduceRole, ProgramRoles
+from graphforge.program import AllReduceRole
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,7 @@ class AllReduce(Pass):
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph
-        program_roles = ProgramRoles.of_model(model)
-        tensors = graph.tensors()
-        boundary = {p: tensors[name] for p, name in program_roles.gradient_boundary.items()}
-        gradients = {p: tensors[program_roles.gradients[p]] for p in boundary if p in program_roles.gradients}
-        # a gradient has its parameter's shape and type (the accumulated one may have lost them)
-        parameters = {p: tensors[p] for p in boundary}
-        buckets = fill_buckets(ready_order(graph, gradients), parameters, self.bucket_mb)
+        boundary, parameters, buckets = gradient_buckets(model, self.bucket_mb)
         function = marker_function(graph, roles.ALLREDUCE_OP)
         reduced, calls = {}, {}
         for index, bucket in enumerate(buckets):

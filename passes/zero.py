@@ -11,7 +11,7 @@ import onnx_graphsurgeon as gs
 
 from graphforge import roles
 from graphforge.analysis import placed_early
-from graphforge.buckets import fill_buckets, marker_call, marker_function, ready_order
+from graphforge.buckets import gradient_buckets, marker_call, marker_function
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.pipeline import Fact, Pass, PassResult, check_number
@@ -56,16 +56,12 @@ class Zero(Pass):
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph
-        program_roles = ProgramRoles.of_model(model)
         tensors = graph.tensors()
-        boundary = {p: tensors[name] for p, name in program_roles.gradient_boundary.items()}
-        gradients = {p: tensors[program_roles.gradients[p]] for p in boundary if p in program_roles.gradients}
-        parameters = {p: tensors[p] for p in boundary}
-        updated = {c.input: c.output for c in program_roles.carried_with_role("parameter")}
+        updated = {c.input: c.output for c in ProgramRoles.of_model(model).carried_with_role("parameter")}
+        boundary, parameters, buckets = gradient_buckets(model, self.bucket_mb)
         missing = [p for p in boundary if p not in updated]
         if missing:
             raise PassError(f"parameter {missing[0]!r} has a gradient boundary but no updated output to gather")
-        buckets = fill_buckets(ready_order(graph, gradients), parameters, self.bucket_mb)
         functions = [marker_function(graph, op) for op in (roles.REDUCE_SCATTER_OP, roles.ALL_GATHER_OP)]
         reduced, gathered, calls = {}, {}, []
         for index, bucket in enumerate(buckets):

@@ -199,17 +199,20 @@ class DataParallel:
         def hook(index: int, sent: dict[str, ort.OrtValue]):
             ready.update(n for n in sent if n in self._bucket_of)
             complete = [b for b in pending if ready.issuperset(b.names)]
-            if not complete:
-                return None
             for b in complete:
                 pending.remove(b)
-            reduction = _Reduction(self, complete)
-            if self.overlap:
-                return reduction
-            reduction.wait()
-            return None
+            return self._complete(complete) if complete else None
 
         return hook
+
+    def _complete(self, buckets: list) -> _Reduction | None:
+        """Start reducing ``buckets``, whose gradients are all written: the reduction to wait
+        for before a later segment reads them (with overlap), or None when it is done."""
+        reduction = _Reduction(self, buckets)
+        if self.overlap:
+            return reduction
+        reduction.wait()
+        return None
 
     def _step(self) -> int:
         return int(self.module.state.step) + 1

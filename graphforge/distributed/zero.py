@@ -315,19 +315,9 @@ class ZeroDataParallel(DataParallel):
         self.stats.steps += 1
         return runs, self._hook()
 
-    def _hook(self):
-        ready: set[str] = set()
-        pending = list(self.buckets)
-
-        def hook(index: int, sent: dict[str, ort.OrtValue]):
-            ready.update(n for n in sent if n in self._bucket_of)
-            complete = [b for b in pending if ready.issuperset(b.names)]
-            for b in complete:
-                pending.remove(b)
-                self._reduce_scatter(b)
-            return None
-
-        return hook
+    def _complete(self, buckets: list[_Bucket]) -> None:
+        for bucket in buckets:
+            self._reduce_scatter(bucket)  # waited for by the update (or at once, without overlap)
 
     def reduce(self, gradients: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
         for bucket in self.buckets:

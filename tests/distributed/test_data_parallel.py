@@ -14,6 +14,7 @@ from pathlib import Path
 import models
 import numpy as np
 import pytest
+from _batches import write_batches
 from _launch import REPO, free_port, run_ranks
 
 import graphforge
@@ -70,21 +71,7 @@ def workspace(tmp_path_factory, transformer_path) -> Path:
             model, optimizer, _ = CASES[base]
             program = graphforge.compile(str(forward[model]), f"{LOSS[model]}, {optimizer}, {allreduce}").model
             graphforge.save(program, folder / f"{name.replace('/', '-')}.onnx")
-    digits = np.load(REPO / "data" / "digits" / "train.npz")
-    rng = np.random.default_rng(0)
-    for model in ("digits", "gpt"):
-        for accumulate in (1, 2):
-            count, size = STEPS * accumulate, 4 * PER_RANK
-            if model == "digits":
-                rows = rng.integers(0, len(digits["labels"]), (count, size))
-                arrays = {"images": digits["images"][rows], "labels": digits["labels"][rows]}
-            else:
-                vocab = models.GPT2_CONFIG["vocab_size"]
-                arrays = {
-                    "input_ids": rng.integers(0, vocab, (count, size, SEQ)),
-                    "labels": rng.standard_normal((count, size, SEQ, vocab)).astype(np.float32),
-                }
-            np.savez(folder / f"{model}-{accumulate}.npz", **arrays)
+    write_batches(folder, STEPS, 4 * PER_RANK, seq=SEQ, seed=0)
     return folder
 
 
