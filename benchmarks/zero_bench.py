@@ -251,7 +251,7 @@ def report(measured: dict) -> str:
         notes.append(
             f"- {stage} beside graphforge DP: optimizer state {states[stage] / states[dp]:.2f}× (DP keeps two "
             f"buffers per state, so 1/{PROCESSES} of one is 1/{2 * PROCESSES} of DP's), peak RSS "
-            f"{(rss[dp] - rss[stage]) / mib:+.0f} MiB less, step time {1 / throughput[stage] * throughput[dp]:.2f}× DP's."
+            f"{(rss[dp] - rss[stage]) / mib:.0f} MiB lower, step time {1 / throughput[stage] * throughput[dp]:.2f}× DP's."
         )
     notes.append(
         f"- Overlap: graphforge ZeRO-1's step waits {best['graphforge ZeRO-1'][0]['exposed_s'] * 1e3:.1f} ms for its "
