@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -86,7 +85,8 @@ def worker_main(job: dict) -> int:
         "losses": losses,
         "step_s": times,
         "state_bytes": extra["state_bytes"](),
-        "peak_rss": _peak_rss(),
+        # VmHWM of this process (getrusage's ru_maxrss would carry the launcher's peak over the fork)
+        "peak_rss": int(tb._peak_mib() * 2**20),
     }
     if "exposed" in extra:
         result["exposed_s"] = (extra["exposed"]() - before) / job["steps"]
@@ -94,15 +94,6 @@ def worker_main(job: dict) -> int:
     world.leave()
     Path(f"{job['out']}.{world.rank}").write_text(json.dumps(result))
     return 0
-
-
-def _peak_rss() -> int:
-    """This process's peak resident memory in bytes: VmHWM (getrusage's ru_maxrss would carry
-    the launching process's peak over the fork)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _graphforge(job: dict, world):

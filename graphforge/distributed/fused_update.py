@@ -214,7 +214,7 @@ class FusedUpdate:
         for group in self._groups:
             counter = self._steps.get(id(group))
             if counter is None:
-                counter = self._steps[id(group)] = _step_counter(self._device)
+                counter = self._steps[id(group)] = step_counter(self._device)
             update_tensors(
                 self.kind,
                 self.hyper,
@@ -228,7 +228,7 @@ class FusedUpdate:
             )
 
 
-def _step_counter(device):
+def step_counter(device):
     """The step-count tensor torch's fused Adam kernels read (one per dtype group, refilled each step)."""
     import torch
 

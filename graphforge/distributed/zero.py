@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,11 +55,11 @@ import onnxruntime as ort
 from graphforge.buckets import shard_layout
 from graphforge.distributed.data_parallel import DataParallel, ortvalue_of, tensor_of, torch_dtype
 from graphforge.distributed.fused_update import (
-    _step_counter,
     clip_coefficient,
     kernel_refusal,
     state_refusal,
     states_of,
+    step_counter,
     update_tensors,
 )
 from graphforge.distributed.world import World
@@ -78,7 +77,6 @@ class Piece:
     replica's shard of a bucket holds, at ``offset`` in that shard."""
 
     parameter: str
-    bucket: int
     start: int
     stop: int
     offset: int
@@ -163,26 +161,26 @@ class ZeroDataParallel(DataParallel):
         self._device = torch.device(world.device)
         self.buckets: list[_Bucket] = []
         size, rank = world.size, world.rank
+        sizes = {p: math.prod(runner.carried[p].shape) for b in role.buckets for p in b}
+        mine = shard_layout(role.buckets, sizes, size)[rank]
         for index, parameters in enumerate(role.buckets):
-            specs = [runner.carried[p] for p in parameters]
             offsets, total = {}, 0
-            for p, c in zip(parameters, specs, strict=True):
-                offsets[p] = (total, total + math.prod(c.shape))
-                total = offsets[p][1]
+            for p in parameters:
+                offsets[p] = (total, total + sizes[p])
+                total += sizes[p]
             bucket = _Bucket(
                 index,
                 tuple(parameters),
                 tuple(roles.gradient_boundary[p] for p in parameters),
-                specs[0].dtype,
+                runner.carried[parameters[0]].dtype,
                 offsets,
                 -(-total // size),
             )
-            low, high = rank * bucket.chunk, (rank + 1) * bucket.chunk
-            for p in parameters:
-                start, stop = offsets[p]
-                if start < high and stop > low:
-                    lo, hi = max(start, low), min(stop, high)
-                    bucket.pieces.append(Piece(p, index, lo - start, hi - start, lo - low))
+            bucket.pieces = [
+                Piece(p, start, stop, offsets[p][0] + start - rank * bucket.chunk)
+                for b, p, start, stop in mine
+                if b == index
+            ]
             dtype = torch_dtype(bucket.dtype)
             bucket.params = torch.zeros(bucket.chunk * size, dtype=dtype, device=self._device)
             for name in state_names:
@@ -205,8 +203,10 @@ class ZeroDataParallel(DataParallel):
         self._groups: dict[np.dtype, list[_Bucket]] = {}
         for bucket in self.buckets:
             self._groups.setdefault(bucket.dtype, []).append(bucket)
-        self._counters = {dtype: _step_counter(self._device) for dtype in self._groups}
+        self._counters = {dtype: step_counter(self._device) for dtype in self._groups}
         self._in_flight: list[_Reduction] = []
+        #: every parameter's column in LAMB's vector of tensor norms (the same on every replica)
+        self._parameter_index = {p: i for i, p in enumerate(p for b in self.buckets for p in b.parameters)}
         self._gathers: list = []
         self.broadcast(list(runner.carried), "broadcasting rank 0's parameters and buffers")
         module.replica = world.rank
@@ -253,15 +253,6 @@ class ZeroDataParallel(DataParallel):
     def state_bytes(self) -> int:
         """Bytes of optimizer state this replica holds."""
         return sum(t.numel() * t.element_size() for b in self.buckets for t in b.states.values())
-
-    def gradient_bytes(self) -> int:
-        """Bytes of gradient buffers this replica holds (the buckets' buffers, the shard's)."""
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for b in self.buckets
-            for t in (b.grads, b.shard_grad)
-        }
-        return sum(storages.values())
 
     def shard_tensors(self) -> dict[str, tuple[np.ndarray, int, tuple[int, ...]]]:
         """This replica's pieces of the optimizer states, for a checkpoint's shard: state name
@@ -351,11 +342,13 @@ class ZeroDataParallel(DataParallel):
 
         self._finish_reductions()
         hp = self.hyper
-        # float32 norms of each shard (no float64 copy of the gradients), their squares summed in float64
-        sums = [float(torch.linalg.vector_norm(b.shard_grad)) ** 2 for b in self.buckets]
+        # float32 norms of each shard (no float64 copy of the gradients), their squares summed in
+        # float64, read back once
+        norms = torch.stack([torch.linalg.vector_norm(b.shard_grad) for b in self.buckets])
+        local = float(norms.double().square().sum())
         bad_loss = 0.0 if loss is None or math.isfinite(loss) else 1.0
         started = time.perf_counter()
-        total, bad = self.world.sum([sum(sums), bad_loss], f"summing the gradient norm of step {step + 1}")
+        total, bad = self.world.sum([local, bad_loss], f"summing the gradient norm of step {step + 1}")
         self.stats.other_s += time.perf_counter() - started
         norm = math.sqrt(total) if math.isfinite(total) else math.nan
         reports = {}
@@ -393,7 +386,7 @@ class ZeroDataParallel(DataParallel):
         import torch
         import torch.distributed as dist
 
-        index = {p: i for i, p in enumerate(b for bucket in self.buckets for b in bucket.parameters)}
+        index = self._parameter_index
         columns = torch.tensor([index[p.parameter] for p in pieces], dtype=torch.long)
 
         def norms(partial):
@@ -438,14 +431,13 @@ class _Reduction:
         with owner.world.collective(self.what):
             self.work = _collective("reduce_scatter")(bucket.shard_grad, bucket.grads, async_op=True)
 
-    def wait(self) -> Mapping[str, ort.OrtValue] | None:
+    def wait(self) -> None:
         started = time.perf_counter()
         with self.owner.world.collective(self.what):
             self.work.wait()
         if self.owner.world.size > 1:
             self.bucket.shard_grad.div_(self.owner.world.size)
         self.owner.stats.exposed_s += time.perf_counter() - started
-        return None
 
 
 def _collective(kind: str):

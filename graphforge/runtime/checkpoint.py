@@ -309,8 +309,11 @@ class CheckpointState:
             raise CheckpointError(f"{path}: is a folder, expected a checkpoint file path")
         if not path.parent.is_dir():
             raise CheckpointError(f"{path}: folder {path.parent} does not exist")
-        chosen = {} if names is not None and not names else self.tensors
-        chosen = chosen if names is None else {n: chosen[n] for n in names}
+        if names is None:
+            chosen = self.tensors
+        else:  # reading the holder's tensors back only when this file holds some
+            held = self.tensors if names else {}
+            chosen = {n: held[n] for n in names}
         tensors = {name: np.asarray(value, order="C") for name, value in chosen.items()}
         twice = sorted(set(parts or {}) & set(tensors))
         if twice:
@@ -334,11 +337,17 @@ class CheckpointState:
         return path
 
     @classmethod
-    def load(
-        cls, path: str | os.PathLike, program: ModelSource | Model | None = None, *, _parts: dict | None = None
-    ) -> CheckpointState:
+    def load(cls, path: str | os.PathLike, program: ModelSource | Model | None = None) -> CheckpointState:
         """Read a checkpoint; with ``program``, also check that it matches what the program carries."""
-        path = Path(path)
+        state = cls._load(Path(path), None)
+        if program is not None:
+            state.check(program)
+        return state
+
+    @classmethod
+    def _load(cls, path: Path, parts_of_parent: dict | None) -> CheckpointState:
+        """One file and the shards it lists. The pieces of tensors a shard holds go to
+        ``parts_of_parent`` (name -> pieces), for the checkpoint listing it to join."""
         if not path.is_file():
             raise CheckpointError(f"{path}: no such checkpoint file")
         import safetensors
@@ -381,7 +390,7 @@ class CheckpointState:
                 raise CheckpointError(f"{path}: malformed shard entry {str(shard)[:80]!r} (a file name beside it)")
             if not (path.parent / shard).is_file():
                 raise CheckpointError(f"{path}: its shard {shard} is missing (the checkpoint is not whole without it)")
-            other = cls.load(path.parent / shard, _parts=parts)
+            other = cls._load(path.parent / shard, parts)
             if other.step != document["step"]:
                 raise CheckpointError(
                     f"{path}: its shard {shard} is of step {other.step}, not {document['step']} (a stale file?)"
@@ -391,16 +400,16 @@ class CheckpointState:
                 raise CheckpointError(f"{path}: tensor {twice[0]!r} is in it and in its shard {shard}")
             tensors.update(other._tensors)
             manifest += other.specs
-        if _parts is not None:  # a shard: its pieces go to the checkpoint that lists it
+        if parts_of_parent is not None:  # a shard: its pieces go to the checkpoint that lists it
             for name, pieces in parts.items():
-                _parts.setdefault(name, []).extend(pieces)
+                parts_of_parent.setdefault(name, []).extend(pieces)
         else:
             for name, pieces in parts.items():
                 if name in tensors:
                     raise CheckpointError(f"{path}: tensor {name!r} is saved whole and in pieces")
                 spec, tensors[name] = _joined(path, name, pieces)
                 manifest.append(spec)
-        state = cls(
+        return cls(
             tensors,
             manifest,
             step=document["step"],
@@ -413,9 +422,6 @@ class CheckpointState:
             micro_batch=document.get("micro_batch", 0),
             source=f"checkpoint {path}",
         )
-        if program is not None:
-            state.check(program)
-        return state
 
 
 def _write_tensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:

@@ -39,7 +39,6 @@ current parameters bound.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -453,12 +452,11 @@ class Module:
         if self.update_kernel is not None and not outputs:  # the segment's own outputs need the segment
             return self._kernel_update(checked)
         if self.reducer is not None and self.reducer.shards_update:
-            before = self._undo_record()
+            self._undo = self._undo_record()
             self.reducer.reduce(dict(self._received))
             host = self._reducer_update(
                 {n: np.asarray(v) for n, v in self._checked.items()}, checked.get(self.loss_name)
             )
-            self._undo = dataclasses.replace(before, overwritten=[] if self.last_update_skipped else self._shared())
             return Execution(host, {}, [], list(self._undo.overwritten))
         optim = self._segment_session(1, tuple(sorted(outputs)))
         fetch = [n for n in [*self.roles.step_reports, *outputs] if n in optim.outputs]
@@ -472,9 +470,7 @@ class Module:
     def _kernel_update(self, checked: dict[str, float]) -> Execution:
         """The update by ``update_kernel``, in place (it cannot be undone, as segment 1's in place)."""
         state = self.state
-        before = _Undo(
-            [], [], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm
-        )
+        before = self._undo_record()
         norm = checked.get(self.roles.grad_norm) if self.roles.grad_norm is not None else None
         self.update_kernel.apply(self._received, self.learning_rate, int(state.step), norm)
         before.overwritten = [c for c in self.runner.carried.values() if c.name in self.runner.in_place]
@@ -494,17 +490,14 @@ class Module:
         self.last_update_skipped = not applied
         if applied:
             self._after_update(host)
-            if self._undo is not None:
-                self._undo.overwritten = self._undo.overwritten + self._shared()
+            # the parameters it gathered in place: the run cannot be undone
+            self._undo.overwritten += [c for c in self.runner.carried.values() if c.spec.role == "parameter"]
         elif self.roles.grad_norm in host:
             self.last_grad_norm = float(host[self.roles.grad_norm])
         return host
 
-    def _shared(self) -> list[Carried]:
-        """The carried tensors a reducer's update wrote in place (the parameters it gathers)."""
-        return [c for c in self.runner.carried.values() if c.spec.role == "parameter"]
-
     def _undo_record(self) -> _Undo:
+        """What undo_last_run needs of now, before a run (the carried tensors it writes: after)."""
         state = self.state
         return _Undo(
             [], [], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm
@@ -534,10 +527,7 @@ class Module:
 
     def _execute(self, segments: list[SegmentRun], feeds: dict[str, Any], hook: Hook | None = None):
         """One training execution, with the step's scalars fed, recorded for undo_last_run."""
-        state = self.state
-        before = _Undo(
-            [], [], state.step, state.micro_batch, state.grad_reset_pending, self._received, self.last_grad_norm
-        )
+        before = self._undo_record()
         done = self.runner.execute(segments, {**feeds, **self._scalars()}, hook=hook)
         before.written, before.overwritten = list(done.written), list(done.overwritten)
         self._undo = before  # the counters, flag and gradients are the callers' to change, after this

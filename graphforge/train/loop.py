@@ -42,6 +42,7 @@ import onnx
 from rich.console import Console
 from rich.markup import escape
 
+from graphforge.analysis.size import human_bytes
 from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel, digest, launched
 from graphforge.distributed.fused_update import FusedUpdate, Refused, use_fused_update
 from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
@@ -365,7 +366,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         if module is not None and sharded:
             zero_run = ZeroDataParallel(module, world, stage=zero_stage, overlap=config.distributed.overlap)
             note(
-                f"zero: stage {zero_stage}, this process holds {_size(zero_run.state_bytes())} of optimizer state "
+                f"zero: stage {zero_stage}, this process holds {human_bytes(zero_run.state_bytes())} of optimizer state "
                 f"(1/{world.size}); its shard of the update runs in torch's kernels"
             )
         elif module is not None:
@@ -429,15 +430,6 @@ def _pipeline_config(config: Config, staged, world: World | None) -> Config:
             f"(torchrun --nproc-per-node={staged.stages} or {2 * staged.stages}, ...)"
         )
     return dataclasses.replace(config, train=dataclasses.replace(config.train, accumulate=micro))
-
-
-def _size(count: int) -> str:
-    """Bytes as people read them."""
-    for unit in ("bytes", "KiB", "MiB"):
-        if count < 1024 or unit == "MiB":
-            return f"{count:,} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
-        count /= 1024
-    return ""
 
 
 def _threads_per_process() -> int:

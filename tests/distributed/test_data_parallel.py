@@ -15,10 +15,10 @@ import models
 import numpy as np
 import pytest
 from _batches import write_batches
-from _launch import REPO, free_port, run_ranks
+from _launch import REPO, run_ranks
 
 import graphforge
-from graphforge.distributed import DataParallel, World
+from graphforge.distributed import DataParallel
 from graphforge.runtime import Module, Optimizer
 
 pytest.importorskip("torch")
@@ -224,17 +224,6 @@ def test_batchnorm_statistics_are_rank_0s_before_each_forward_as_ddp_broadcast_b
     for name in ranks[0]:
         if not name.startswith("__"):
             assert np.array_equal(ranks[0][name], ranks[1][name]), name
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """This test process as the one rank of a group (gloo): DataParallel's whole path, no peers."""
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    world = World.join(timeout_s=30)
-    yield world
-    world.leave()
 
 
 @pytest.mark.parametrize("optimizer", ["adamw(lr=0.05, clip_grad_norm=0.5)", "sgd(lr=0.05, accumulate=true)"])

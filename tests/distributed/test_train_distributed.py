@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import _train_runs as runs
 import numpy as np
 import pytest
 from _launch import (
@@ -25,7 +26,6 @@ from _launch import (
     rank_environment,
     spawn,
     start_torchrun,
-    torchrun,
     wait_all,
 )
 from _tracebacks import assert_no_traceback
@@ -38,9 +38,7 @@ pytest.importorskip("torch")
 sys.path.insert(0, str(REPO / "tests" / "train"))
 import _train_helpers as th
 
-TIMEOUT_S = 180
 STEPS = 12
-TRAIN = ["-m", "graphforge", "train"]
 
 
 def config(folder: Path, name: str = "train.toml", **sections) -> Path:
@@ -50,9 +48,7 @@ def config(folder: Path, name: str = "train.toml", **sections) -> Path:
         "checkpoint": {"every": 3, "keep_last": 10},
         "distributed": {"timeout_s": 10},
     }
-    for name_, table in sections.items():
-        defaults[name_] = {**defaults.get(name_, {}), **table}
-    return th.write_config(folder, th.base_config(**defaults), name)
+    return runs.config(folder, name, defaults, **sections)
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +60,10 @@ def checkpoint(out: Path, step: int) -> CheckpointState:
     return CheckpointState.load(out / "checkpoints" / f"checkpoint-{step:08d}.safetensors")
 
 
-def launch(folder: Path, cfg: Path, out: Path, *extra: str, ranks: int = 2) -> subprocess.CompletedProcess:
-    args = ["--standalone", f"--nproc-per-node={ranks}", *TRAIN, str(cfg), "--out", str(out), *extra]
-    done = torchrun(args, timeout=TIMEOUT_S, cwd=folder)
-    assert done.returncode == 0, done.stdout[-4000:]
-    return done
-
-
 @pytest.fixture(scope="module")
 def two_process_run(folder) -> Path:
     out = folder / "out-2"
-    launch(folder, config(folder), out, "--steps", str(STEPS))
+    runs.launch(folder, config(folder), out, "--steps", str(STEPS))
     return out
 
 
@@ -105,9 +94,9 @@ def test_torchrun_trains_as_one_process_with_the_n_times_batch(folder, two_proce
 def test_a_two_process_run_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(folder, two_process_run):
     out = folder / "out-2-resumed"
     cfg = config(folder)
-    launch(folder, cfg, out, "--steps", "6")
+    runs.launch(folder, cfg, out, "--steps", "6")
     shutil.copytree(out, folder / "out-2-then-1")
-    launch(folder, cfg, out, "--steps", str(STEPS))
+    runs.launch(folder, cfg, out, "--steps", str(STEPS))
     resumed, uninterrupted = checkpoint(out, STEPS), checkpoint(two_process_run, STEPS)
     assert sorted(resumed.tensors) == sorted(uninterrupted.tensors)
     for name, value in uninterrupted.tensors.items():
@@ -129,11 +118,15 @@ def test_ranks_that_run_other_configs_are_refused_by_name(folder, tmp_path):
     port = free_port()
     procs = [
         _rank(
-            rank, count=2, port=port, argv=[*TRAIN, str(cfgs[rank]), "--out", str(tmp_path / "out"), "-q"], cwd=folder
+            rank,
+            count=2,
+            port=port,
+            argv=[*runs.TRAIN, str(cfgs[rank]), "--out", str(tmp_path / "out"), "-q"],
+            cwd=folder,
         )
         for rank in range(2)
     ]
-    finished = wait_all(procs, TIMEOUT_S)
+    finished = wait_all(procs, runs.TIMEOUT_S)
     for f in finished:
         assert f.returncode == 2, f.output
         assert "rank 1's train.lr is 0.02 but rank 0's is 0.05" in f.output, f.output
@@ -166,7 +159,7 @@ def test_a_rank_that_dies_or_hangs_stops_the_other_with_one_line_naming_it(folde
     )
     out = tmp_path / "out"
     port = free_port()
-    argv = [*TRAIN, str(cfg), "--out", str(out), "--steps", "1000000", "-q"]
+    argv = [*runs.TRAIN, str(cfg), "--out", str(out), "--steps", "1000000", "-q"]
     procs = [_rank(r, count=2, port=port, argv=argv, cwd=folder) for r in range(2)]
     _wait_for_checkpoint(out, procs)
     os.kill(procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
@@ -198,7 +191,7 @@ def test_a_rank_that_dies_or_hangs_stops_the_other_with_one_line_naming_it(folde
 def test_torchrun_stops_the_others_when_a_rank_is_killed(folder, tmp_path):
     cfg = config(folder, "long.toml", checkpoint={"every": 25, "keep_last": 2}, log={"every": 25})
     out = tmp_path / "out"
-    args = ["--standalone", "--nproc-per-node=2", *TRAIN, str(cfg), "--out", str(out), "--steps", "1000000", "-q"]
+    args = ["--standalone", "--nproc-per-node=2", *runs.TRAIN, str(cfg), "--out", str(out), "--steps", "1000000", "-q"]
     proc = start_torchrun(args, cwd=folder)
     try:
         _wait_for_checkpoint(out, [proc])
@@ -227,7 +220,7 @@ def test_two_launchers_rendezvous_as_two_nodes(folder, tmp_path):
             f"--node-rank={node}",
             "--nproc-per-node=1",
             f"--rdzv-endpoint=127.0.0.1:{port}",
-            *TRAIN,
+            *runs.TRAIN,
             str(cfg),
             "--out",
             str(out),
@@ -235,7 +228,7 @@ def test_two_launchers_rendezvous_as_two_nodes(folder, tmp_path):
             "6",
         ]
         nodes.append(start_torchrun(args, cwd=folder))
-    finished = wait_all(nodes, TIMEOUT_S)
+    finished = wait_all(nodes, runs.TIMEOUT_S)
     for f in finished:
         assert f.returncode == 0, f.output[-3000:]
     assert "data-parallel on 2 processes" in finished[0].output

@@ -12,9 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import _train_runs as runs
 import numpy as np
 import pytest
-from _launch import REPO, finish, free_port, kill, rank_environment, spawn, torchrun
+from _launch import REPO, finish, free_port, kill, rank_environment, spawn
 from _tracebacks import assert_no_traceback
 
 import graphforge.train
@@ -25,9 +26,7 @@ pytest.importorskip("torch")
 sys.path.insert(0, str(REPO / "tests" / "train"))
 import _train_helpers as th
 
-TIMEOUT_S = 180
 STEPS = 8
-TRAIN = ["-m", "graphforge", "train"]
 
 
 def config(folder: Path, name: str = "zero.toml", **sections) -> Path:
@@ -36,20 +35,11 @@ def config(folder: Path, name: str = "zero.toml", **sections) -> Path:
         "checkpoint": {"every": 4, "keep_last": 10},
         "distributed": {"timeout_s": 10, "zero": 2, "bucket_mb": 0.002},
     }
-    for name_, table in sections.items():
-        defaults[name_] = {**defaults.get(name_, {}), **table}
-    return th.write_config(folder, th.base_config(**defaults), name)
+    return runs.config(folder, name, defaults, **sections)
 
 
 def checkpoint(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"checkpoint-{step:08d}.safetensors"
-
-
-def launch(folder: Path, cfg: Path, out: Path, *extra: str, ranks: int = 2):
-    args = ["--standalone", f"--nproc-per-node={ranks}", *TRAIN, str(cfg), "--out", str(out), *extra]
-    done = torchrun(args, timeout=TIMEOUT_S, cwd=folder)
-    assert done.returncode == 0, done.stdout[-4000:]
-    return done
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +49,17 @@ def folder(tmp_path_factory) -> Path:
 
 def test_a_zero_run_resumes_bit_for_bit_and_on_other_process_counts(folder):
     cfg = config(folder)
-    whole = launch(folder, cfg, folder / "whole", "--steps", str(STEPS))
+    whole = runs.launch(folder, cfg, folder / "whole", "--steps", str(STEPS))
     assert "zero: stage 2" in whole.stdout and "(1/2)" in whole.stdout
     names = sorted(p.name for p in (folder / "whole" / "checkpoints").iterdir())
     assert names == [
         f"checkpoint-{s:08d}{part}.safetensors" for s in (4, 8) for part in ("", ".zero0-of-2", ".zero1-of-2")
     ]
     out = folder / "stopped"
-    launch(folder, cfg, out, "--steps", "4")
+    runs.launch(folder, cfg, out, "--steps", "4")
     for other in ("on-1", "on-4"):
         shutil.copytree(out, folder / other)
-    launch(folder, cfg, out, "--steps", str(STEPS))
+    runs.launch(folder, cfg, out, "--steps", str(STEPS))
     resumed, uninterrupted = (CheckpointState.load(checkpoint(o, STEPS)) for o in (out, folder / "whole"))
     assert sorted(resumed.tensors) == sorted(uninterrupted.tensors)
     assert any(n.endswith(".exp_avg_sq") for n in resumed.tensors)
@@ -80,7 +70,7 @@ def test_a_zero_run_resumes_bit_for_bit_and_on_other_process_counts(folder):
     result = graphforge.train.run(cfg, steps=6, out=folder / "on-1", quiet=True)
     assert result.resumed_from.name == "checkpoint-00000004.safetensors" and result.step == 6
     assert CheckpointState.load(result.checkpoint).properties["world_size"] == 1
-    four = launch(folder, cfg, folder / "on-4", "--steps", "6", ranks=4)
+    four = runs.launch(folder, cfg, folder / "on-4", "--steps", "6", ranks=4)
     assert "(1/4)" in four.stdout and "resuming a checkpoint of 2 process(es) on 4" in four.stdout
     assert CheckpointState.load(checkpoint(folder / "on-4", 6)).step == 6
     assert len(list((folder / "on-4" / "checkpoints").glob("checkpoint-00000006.zero*-of-4.safetensors"))) == 4
@@ -102,7 +92,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_the_checkpoints_load
     )
     out = tmp_path / "out"
     port = free_port()
-    argv = [sys.executable, *TRAIN, str(cfg), "--out", str(out), "--steps", "1000000", "-q"]
+    argv = [sys.executable, *runs.TRAIN, str(cfg), "--out", str(out), "--steps", "1000000", "-q"]
     procs = [spawn(argv, cwd=folder, env=rank_environment(r, 2, port)) for r in range(2)]
     deadline = time.monotonic() + 60
     while not list((out / "checkpoints").glob("checkpoint-????????.safetensors")):

@@ -20,11 +20,11 @@ import numpy as np
 import onnx
 import pytest
 from _batches import write_batches
-from _launch import REPO, free_port, run_ranks
+from _launch import REPO, run_ranks
 
 import graphforge
 import graphforge.buckets
-from graphforge.distributed import DataParallel, World, ZeroDataParallel
+from graphforge.distributed import DataParallel, ZeroDataParallel
 from graphforge.program import ProgramRoles
 from graphforge.runtime import Module, Optimizer
 
@@ -150,16 +150,6 @@ def test_zero_equals_data_parallelism_on_the_same_global_batch(name, ranks, requ
 
 
 # --------------------------------------------------------------------------- one process: the pass and the API
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    world = World.join(timeout_s=30)
-    yield world
-    world.leave()
 
 
 def _mlp_program(tail: str) -> onnx.ModelProto:
