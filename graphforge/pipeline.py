@@ -394,6 +394,8 @@ def convert_value(value: Any, tp: Any, *, where: str) -> Any:
     elif origin is Literal:
         if value in typing.get_args(tp):
             return value
+        if value is None and "none" in typing.get_args(tp):  # a bare none, where "none" is a choice
+            return "none"
     elif origin in (tuple, list):
         (item_type, *_) = typing.get_args(tp)
         items = value if isinstance(value, list) else [value]

@@ -159,7 +159,9 @@ class PipelineRole:
 class LossScaling:
     """The loss scaling of the mixed_precision pass: "dynamic" or "static", the carried
     scale, growth tracker and skipped-update count (inputs), the output saying whether this
-    step's update was skipped, and torch.amp.GradScaler's settings."""
+    step's update was skipped, torch.amp.GradScaler's settings, and each parameter's
+    gradient times 1/scale (what the update reads; {} in programs compiled before it was
+    recorded)."""
 
     kind: str
     scale: str
@@ -170,12 +172,14 @@ class LossScaling:
     growth_factor: float
     backoff_factor: float
     growth_interval: int
+    unscaled: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> LossScaling | None:
         if entry.get("kind", "none") == "none":
             return None
-        return cls(**{f.name: entry[f.name] for f in dataclasses.fields(cls)})
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in entry.items() if name in known})
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -162,7 +162,7 @@ class _LossScaler:
         self.model.initializer_inputs.append(SCALE)
         with b.scope("loss_scale"):
             self._scale_seed(scale)
-            found_inf = self._unscale(scale)
+            found_inf, unscaled = self._unscale(scale)
             self._skip_update(found_inf, skipped)
             growth, backoff = (1.0, 1.0) if static else (mp.growth_factor, mp.backoff_factor)
             updated = self._update_scale(scale, tracker, skipped, found_inf, growth, backoff)
@@ -192,6 +192,7 @@ class _LossScaler:
             growth,
             backoff,
             mp.growth_interval,
+            unscaled,
         )
 
     def _scale_seed(self, scale: gs.Tensor) -> None:
@@ -208,18 +209,20 @@ class _LossScaler:
         for node in readers:
             node.inputs = [scaled if t is seed else t for t in node.inputs]
 
-    def _unscale(self, scale: gs.Tensor) -> gs.Tensor:
+    def _unscale(self, scale: gs.Tensor) -> tuple[gs.Tensor, dict[str, str]]:
         """Each gradient where everything after the boundary reads it, times 1/scale; returns
-        whether any is not finite (their sum is not: inf and nan propagate through it)."""
+        whether any is not finite (their sum is not: inf and nan propagate through it), and
+        the name of each parameter's unscaled gradient."""
         b = self.b
         inverse = b.op("Reciprocal", scale)
         reduced = self.roles.allreduce.reduced if self.roles.allreduce else {}
-        sums = []
+        sums, names = [], {}
         for parameter, boundary in self.roles.gradient_boundary.items():
             gradient = self.tensors[reduced.get(parameter, boundary)]
             readers = list(gradient.outputs)
             unscaled = b.mul(gradient, b.cast_like(inverse, gradient))
             unscaled.dtype, unscaled.shape = gradient.dtype, gradient.shape
+            names[parameter] = unscaled.name
             for node in readers:
                 node.inputs = [unscaled if t is gradient else t for t in node.inputs]
             total = b.axes_op("ReduceSum", unscaled, None, keepdims=0)
@@ -227,7 +230,7 @@ class _LossScaler:
         if not sums:
             raise PassError("the program has no gradients at its gradient boundary to unscale")
         total = b.sum(sums)
-        return b.op("Or", b.op("IsInf", total), b.op("IsNaN", total))
+        return b.op("Or", b.op("IsInf", total), b.op("IsNaN", total)), names
 
     def _skip_update(self, found_inf: gs.Tensor, skipped: gs.Tensor) -> None:
         """On a step whose gradients are not finite, every parameter and optimizer state keeps

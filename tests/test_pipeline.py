@@ -191,6 +191,10 @@ def test_builtin_parameters_convert():
     (fold,) = parse_pipeline("fold_constants(size_limit_mb=4, fold_parameters=true)")
     assert fold.size_limit_mb == 4.0 and isinstance(fold.size_limit_mb, float)
     assert fold.fold_parameters is True
+    # "none" is one of loss_scale's words: written bare it reads as none, and means that word
+    (amp,) = parse_pipeline("mixed_precision(provider=cpu, loss_scale=none)")
+    assert amp.loss_scale == "none"
+    assert parse_pipeline(amp.spec()) == [amp]
 
 
 # --------------------------------------------------------------------------- parsing: errors

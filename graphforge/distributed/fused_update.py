@@ -8,9 +8,8 @@ memory onnxruntime binds (DLPack views of the runner's OrtValues: parameters, op
 and the gradient buffers segment 0 writes), so nothing is copied, and the ONNX update stays the
 definition: what a program's update does is read from its roles (the optimizer and its
 hyperparameters), the kernel computes the same arithmetic, and the tests hold the two equal
-over 20 steps. A program whose update does more than the kernels know (loss scaling, a
-data-parallel reduction, an optimizer without a kernel) keeps its ONNX update, and
-``refusal`` says why.
+over 20 steps. A program whose update does more than the kernels know (a data-parallel
+reduction, an optimizer without a kernel) keeps its ONNX update, and ``refusal`` says why.
 
 1. SGD (momentum, Nesterov, L2 weight decay): ``torch._fused_sgd_``; with dampening, foreach
    kernels in the program's own order of operations.
@@ -18,6 +17,11 @@ data-parallel reduction, an optimizer without a kernel) keeps its ONNX update, a
 3. LAMB: torch's foreach kernels (no fused LAMB exists), one trust ratio per tensor.
 4. Global-norm clipping multiplies the gradients by the program's own coefficient (from the
    norm segment 0 computed) first; accumulation needs nothing (segment 0 sends the sums).
+5. Loss scaling (mixed_precision): segment 0 sends the gradients times 1/scale (it computes
+   them for the norm and the finite check); a step whose gradients are not finite (segment 0
+   says so: ``update_skipped``) updates nothing; the optimizer's step count is the step less
+   the skipped updates; and the scale, its growth tracker and the skipped count move as the
+   program moves them (torch.amp.GradScaler's rule), in torch ops on their own buffers.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 import onnxruntime as ort
 
 from graphforge.errors import GraphforgeError
-from graphforge.program import ProgramRoles
+from graphforge.program import LossScaling, ProgramRoles
 from graphforge.runtime.training import Module
 
 #: the optimizer kinds (passes/optimizers.py names) and the hyperparameters each reads
@@ -87,8 +91,9 @@ def kernel_refusal(roles: ProgramRoles, *, foreach: bool = True) -> str | None:
     kernel = KERNELS.get(kind)
     if kernel is not None and not hasattr(torch, kernel):
         return f"this torch build has no torch.{kernel}"
-    if roles.loss_scaling is not None or roles.mixed_precision:
-        return "the program scales its loss (mixed precision): its update checks the unscaled gradients"
+    scaling = roles.loss_scaling
+    if scaling is not None and any(p not in scaling.unscaled for p in updated_parameters(roles)):
+        return "the program's loss scaling does not name its unscaled gradients (compile it again)"
     return None
 
 
@@ -96,7 +101,7 @@ def state_refusal(roles: ProgramRoles) -> str | None:
     """Why the parameters and optimizer states ``roles`` carries are not what the kernels
     update (a dtype they do not take, states other than the optimizer's), or None."""
     kind = roles.optimizer
-    optimizer_states = {c.input for c in roles.carried if c.role == "optimizer"}
+    optimizer_states = {c.input for c in roles.carried if c.role == "optimizer"} - set(scaling_states(roles))
     expected = set()
     for name in updated_parameters(roles):
         spec = roles.carried_spec(name)
@@ -127,6 +132,12 @@ def use_fused_update(module: Module, *, foreach: bool = False) -> str:
         return f"update: the program's ONNX update ({exc.why})"
     module.use_update_kernel(kernel)
     return f"update: {kernel.description}"
+
+
+def scaling_states(roles: ProgramRoles) -> tuple[str, ...]:
+    """The carried scalars of the program's loss scaling (scale, growth tracker, skipped count), or ()."""
+    scaling = roles.loss_scaling
+    return () if scaling is None else (scaling.scale, scaling.growth_tracker, scaling.skipped)
 
 
 def updated_parameters(roles: ProgramRoles) -> list[str]:
@@ -166,10 +177,17 @@ class FusedUpdate:
         for name in updated_parameters(roles):
             group = groups.setdefault(np.dtype(roles.carried_spec(name).dtype), _Group([], [], {s: [] for s in states}))
             group.params.append(name)
-            group.grads.append(roles.gradient_boundary[name])
+            # what the update reads: with loss scaling, the gradient times 1/scale (segment 0
+            # computes it, for the gradient norm and the finite check)
+            group.grads.append(
+                roles.loss_scaling.unscaled[name] if roles.loss_scaling else roles.gradient_boundary[name]
+            )
             for state in states:
                 group.states[state].append(f"{name}.{state}")
         self._groups = list(groups.values())
+        self._norm = roles.grad_norm
+        self._scaling = roles.loss_scaling
+        self._scaling_states = list(scaling_states(roles))
         #: id(OrtValue) -> (the OrtValue, kept so that its id is not reused; its torch view)
         self._views: dict[int, tuple[ort.OrtValue, Any]] = {}
         self._gradients: dict[str, tuple[ort.OrtValue, Any]] = {}  # name -> (its last value, its view)
@@ -209,12 +227,23 @@ class FusedUpdate:
 
     # ------------------------------------------------------------------ the update
 
-    def apply(self, gradients: Mapping[str, ort.OrtValue], lr: float, step: int, grad_norm: float | None) -> None:
-        coef = clip_coefficient(self.hyper.get("clip_grad_norm"), grad_norm)
+    def apply(self, gradients: Mapping[str, ort.OrtValue], lr: float, step: int, checks: Mapping[str, float]) -> None:
+        if self._scaling is not None:
+            scale, tracker, skipped = self._carried(self._scaling_states)
+            found_inf = bool(checks[self._scaling.update_skipped])
+            _scale_update(self._scaling, scale, tracker, skipped, found_inf)
+            if found_inf:
+                return
+            step -= int(skipped)  # the optimizer counts the updates it made, as the program does
+        norm = checks.get(self._norm) if self._norm is not None else None
+        coef = clip_coefficient(self.hyper.get("clip_grad_norm"), norm)
         for group in self._groups:
             counter = self._steps.get(id(group))
             if counter is None:
                 counter = self._steps[id(group)] = step_counter(self._device)
+            missing = [n for n in group.grads if n not in gradients]
+            if missing:
+                raise GraphforgeError(f"segment 0 sent no gradient {missing[0]!r} for the update")
             update_tensors(
                 self.kind,
                 self.hyper,
@@ -226,6 +255,25 @@ class FusedUpdate:
                 clip=coef,
                 counter=counter,
             )
+
+
+def _scale_update(scaling: LossScaling, scale, tracker, skipped, found_inf: bool) -> None:
+    """The program's loss-scale update (passes/mixed_precision.py, _update_scale) on the carried
+    scalars' own buffers: backoff on a step that is not finite, growth after
+    ``growth_interval`` finite steps in a row unless the grown scale is not finite."""
+    import torch
+
+    if found_inf:
+        scale.mul_(torch.tensor(scaling.backoff_factor, dtype=scale.dtype))
+        tracker.zero_()
+        skipped.add_(1)
+        return
+    counted = tracker + 1
+    grow = counted >= scaling.growth_interval
+    grown = scale * torch.tensor(scaling.growth_factor, dtype=scale.dtype)
+    grown = torch.where(torch.isinf(grown), scale, grown)
+    scale.copy_(torch.where(grow, grown, scale))
+    tracker.copy_(torch.where(grow, torch.zeros_like(counted), counted))
 
 
 def step_counter(device):

@@ -143,6 +143,11 @@ class ZeroDataParallel(DataParallel):
         if stage not in STAGES:
             raise GraphforgeError(f"ZeRO stage must be 1 or 2, got {stage!r}")
         why = kernel_refusal(module.roles, foreach=True) or state_refusal(module.roles)
+        if module.roles.loss_scaling is not None:
+            # a float16 program cut into bucket segments overflowed where the uncut program,
+            # which onnxruntime folds a float32 -> float16 -> float32 round trip in, did not:
+            # DataParallel is no oracle for a sharded scaled update until the two agree
+            why = "the program scales its loss (mixed precision): a sharded scaled update is not built"
         if why is not None:
             raise GraphforgeError(f"cannot shard this program's update: {why}")
         self._join(module, world, overlap)

@@ -114,10 +114,11 @@ class UpdateKernel(Protocol):
     #: one line: which kernel, for which optimizer
     description: str
 
-    def apply(self, gradients: Mapping[str, ort.OrtValue], lr: float, step: int, grad_norm: float | None) -> None:
+    def apply(self, gradients: Mapping[str, ort.OrtValue], lr: float, step: int, checks: Mapping[str, float]) -> None:
         """Update every parameter and optimizer state in place from ``gradients`` (the values
         segment 0 sent, by name) at learning rate ``lr``, ``step`` steps done before this one;
-        ``grad_norm``: the global gradient norm segment 0 computed (for clipping)."""
+        ``checks``: what segment 0 computed for the update, by name (the loss, the global
+        gradient norm for clipping, loss scaling's ``update_skipped``)."""
 
 
 @dataclass
@@ -471,8 +472,7 @@ class Module:
         """The update by ``update_kernel``, in place (it cannot be undone, as segment 1's in place)."""
         state = self.state
         before = self._undo_record()
-        norm = checked.get(self.roles.grad_norm) if self.roles.grad_norm is not None else None
-        self.update_kernel.apply(self._received, self.learning_rate, int(state.step), norm)
+        self.update_kernel.apply(self._received, self.learning_rate, int(state.step), checked)
         before.overwritten = [c for c in self.runner.carried.values() if c.name in self.runner.in_place]
         self._undo = before
         host = {n: np.asarray(v) for n, v in self._checked.items()}
