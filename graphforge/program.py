@@ -174,6 +174,11 @@ class LossScaling:
     growth_interval: int
     unscaled: Mapping[str, str] = field(default_factory=dict)
 
+    @property
+    def carried(self) -> tuple[str, str, str]:
+        """The carried scalars: the scale, its growth tracker and the skipped-update count."""
+        return (self.scale, self.growth_tracker, self.skipped)
+
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> LossScaling | None:
         if entry.get("kind", "none") == "none":

@@ -136,8 +136,7 @@ def use_fused_update(module: Module, *, foreach: bool = False) -> str:
 
 def scaling_states(roles: ProgramRoles) -> tuple[str, ...]:
     """The carried scalars of the program's loss scaling (scale, growth tracker, skipped count), or ()."""
-    scaling = roles.loss_scaling
-    return () if scaling is None else (scaling.scale, scaling.growth_tracker, scaling.skipped)
+    return () if roles.loss_scaling is None else roles.loss_scaling.carried
 
 
 def updated_parameters(roles: ProgramRoles) -> list[str]:
@@ -231,7 +230,7 @@ class FusedUpdate:
         if self._scaling is not None:
             scale, tracker, skipped = self._carried(self._scaling_states)
             found_inf = bool(checks[self._scaling.update_skipped])
-            _scale_update(self._scaling, scale, tracker, skipped, found_inf)
+            scale_update(self._scaling, scale, tracker, skipped, found_inf)
             if found_inf:
                 return
             step -= int(skipped)  # the optimizer counts the updates it made, as the program does
@@ -257,7 +256,7 @@ class FusedUpdate:
             )
 
 
-def _scale_update(scaling: LossScaling, scale, tracker, skipped, found_inf: bool) -> None:
+def scale_update(scaling: LossScaling, scale, tracker, skipped, found_inf: bool) -> None:
     """The program's loss-scale update (passes/mixed_precision.py, _update_scale) on the carried
     scalars' own buffers: backoff on a step that is not finite, growth after
     ``growth_interval`` finite steps in a row unless the grown scale is not finite."""

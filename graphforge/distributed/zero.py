@@ -57,6 +57,8 @@ from graphforge.distributed.data_parallel import DataParallel, ortvalue_of, tens
 from graphforge.distributed.fused_update import (
     clip_coefficient,
     kernel_refusal,
+    scale_update,
+    scaling_states,
     state_refusal,
     states_of,
     step_counter,
@@ -143,11 +145,6 @@ class ZeroDataParallel(DataParallel):
         if stage not in STAGES:
             raise GraphforgeError(f"ZeRO stage must be 1 or 2, got {stage!r}")
         why = kernel_refusal(module.roles, foreach=True) or state_refusal(module.roles)
-        if module.roles.loss_scaling is not None:
-            # a float16 program cut into bucket segments overflowed where the uncut program,
-            # which onnxruntime folds a float32 -> float16 -> float32 round trip in, did not:
-            # DataParallel is no oracle for a sharded scaled update until the two agree
-            why = "the program scales its loss (mixed precision): a sharded scaled update is not built"
         if why is not None:
             raise GraphforgeError(f"cannot shard this program's update: {why}")
         self._join(module, world, overlap)
@@ -342,11 +339,25 @@ class ZeroDataParallel(DataParallel):
     def apply_update(self, lr: float, step: int, loss: float | None) -> tuple[bool, dict[str, np.ndarray]]:
         """This replica's shard of the update, then the gather of the parameters. Returns
         whether it was applied (every replica decides alike: not when a loss or the global
-        gradient norm is not finite) and what the step reports (the gradient norm)."""
+        gradient norm is not finite) and what the step reports (the gradient norm).
+
+        A program that scales its loss (mixed_precision) multiplies the reduced gradients by
+        1/scale first, as its update does; gradients that are not finite then are its own
+        skip, as in the program: the parameters and states stay, the scale backs off and the
+        step counts (applied, ``update_skipped`` reported). The program tells them by the sum
+        of the gradients, this by their norm: the same but where finite gradients' squares
+        overflow (beyond 1e19), which clipping's norm could not take either."""
         import torch
 
         self._finish_reductions()
         hp = self.hyper
+        scaling = self.module.roles.loss_scaling
+        if scaling is not None:
+            runner = self.module.runner
+            scale, tracker, skipped = (tensor_of(runner.carried[n].value) for n in scaling_states(self.module.roles))
+            inverse = torch.reciprocal(scale)
+            for b in self.buckets:
+                b.shard_grad.mul_(inverse.to(b.shard_grad.dtype))
         # float32 norms of each shard (no float64 copy of the gradients), their squares summed in
         # float64, read back once
         norms = torch.stack([torch.linalg.vector_norm(b.shard_grad) for b in self.buckets])
@@ -359,7 +370,16 @@ class ZeroDataParallel(DataParallel):
         reports = {}
         if self.module.roles.grad_norm is not None:
             reports[self.module.roles.grad_norm] = np.asarray(norm, dtype=np.float32)
-        if bad or not math.isfinite(norm):
+        if bad:
+            return False, reports
+        if scaling is not None:
+            found_inf = not math.isfinite(norm)
+            scale_update(scaling, scale, tracker, skipped, found_inf)
+            reports[scaling.update_skipped] = np.asarray(found_inf)
+            if found_inf:
+                return True, reports
+            step -= int(skipped)  # the optimizer counts the updates it made, as the program does
+        elif not math.isfinite(norm):
             return False, reports
         clip = clip_coefficient(hp.get("clip_grad_norm"), norm)
         for dtype, group in self._groups.items():

@@ -161,9 +161,10 @@ class Module:
     repeat and resume bit-identically (graphforge/runtime/dropout.py); "onnxruntime" keeps
     onnxruntime's own Dropout, whose generator is unseeded and cannot be checkpointed.
     ``in_place``: update parameters and optimizer states in place (see the module docstring).
-    ``shard_optimizer_states``: leave the optimizer states out of the Module's buffers, for a
-    graphforge.distributed.ZeroDataParallel that keeps this process's shard of them (it
-    takes them from ``unheld_states``): so that no process ever holds them all.
+    ``shard_optimizer_states``: leave the optimizer's states of each parameter out of the
+    Module's buffers, for a graphforge.distributed.ZeroDataParallel that keeps this process's
+    shard of them (it takes them from ``unheld_states``): so that no process ever holds them
+    all (the loss scale's scalars stay).
     """
 
     def __init__(
@@ -206,7 +207,13 @@ class Module:
         self._key_input = KEY_INPUT if seeded else None
         self.input_names = roles.batch_input_names()
         self.output_names = list(roles.forward_outputs)
-        held = [s for s in roles.carried if not (shard_optimizer_states and s.role == "optimizer")]
+        # a sharded update keeps the optimizer's states per parameter; the loss scale's scalars stay
+        scalars = roles.loss_scaling.carried if roles.loss_scaling is not None else ()
+        held = [
+            s
+            for s in roles.carried
+            if not (shard_optimizer_states and s.role == "optimizer" and s.input not in scalars)
+        ]
         self.runner = Runner(
             held,
             device_,
