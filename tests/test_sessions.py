@@ -191,6 +191,33 @@ def test_tf32_is_turned_on_only_by_the_variable_set_to_1(monkeypatch, value, exp
     ]
 
 
+def test_the_sessions_of_a_device_share_one_arena(monkeypatch):
+    """CPU: one arena in onnxruntime's environment, which each session is told to use. CUDA
+    (wired here; its memory is measured on a GPU): one per device, registered with that device's
+    id and the strategy of each session's own arena; where onnxruntime refuses, sessions keep
+    their own."""
+    options = ort.SessionOptions()
+    assert sessions.share_arena(options)
+    assert options.get_session_config_entry("session.use_env_allocators") == "1"
+    calls = []
+    monkeypatch.setattr(sessions, "_shared_arenas", {})
+    monkeypatch.setattr(ort, "create_and_register_allocator_v2", lambda *args: calls.append(args))
+    cuda = ort.SessionOptions()
+    assert sessions.share_arena(cuda, "cuda", 1) and sessions.share_arena(ort.SessionOptions(), "cuda", 1)
+    ((provider, info, provider_options, _),) = calls  # registered once for the device
+    assert (provider, info.name, info.device_id, provider_options) == (CUDA, "Cuda", 1, {"device_id": "1"})
+    assert cuda.get_session_config_entry("session.use_env_allocators") == "1"
+
+    def refused(*args):
+        raise ort.capi.onnxruntime_pybind11_state.Fail("no CUDA allocator in this build")
+
+    monkeypatch.setattr(ort, "create_and_register_allocator_v2", refused)
+    own = ort.SessionOptions()
+    assert not sessions.share_arena(own, "cuda", 2)
+    with pytest.raises(Exception):  # noqa: B017 (onnxruntime raises a bare RuntimeError for a missing entry)
+        own.get_session_config_entry("session.use_env_allocators")
+
+
 @pytest.mark.skipif(NO_CUDA_DEVICE or not sessions.provider_works(CUDA), reason="no working CUDA provider here")
 def test_a_cuda_session_runs_in_full_float32_precision():
     rng = np.random.default_rng(0)

@@ -45,7 +45,7 @@ from graphforge.runtime.sessions import (
     node_reads,
     provider_works,
     session_options,
-    share_cpu_arena,
+    share_arena,
 )
 
 #: host outputs of a fixed shape up to this many elements get a preallocated buffer
@@ -428,8 +428,7 @@ class Runner:
         options.enable_mem_pattern = False
         for name, size in (dims or {}).items():
             options.add_free_dimension_override_by_name(name, int(size))
-        if self.device.type == "cpu":
-            share_cpu_arena(options)
+        share_arena(options, self.device.type, self.device.id)
         if profiled:
             options.enable_profiling = True
             options.profile_file_prefix = self._profile_prefix

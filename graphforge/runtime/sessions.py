@@ -101,27 +101,41 @@ def _provider_name(entry: Any) -> str:
     return entry[0] if isinstance(entry, tuple) else entry
 
 
-_shared_cpu_arena: bool | None = None  # registered in onnxruntime's environment (None: not tried yet)
+#: (device type, id) -> whether one arena for it is registered in onnxruntime's environment
+_shared_arenas: dict[tuple[str, int], bool] = {}
 
 
-def share_cpu_arena(options: ort.SessionOptions) -> bool:
-    """Make ``options``' session allocate CPU tensors from one arena that every session of
-    this process sharing it uses (onnxruntime's environment allocator), instead of an arena
-    of its own. A training step of two or more sessions (forward/backward, then the update;
-    data-parallel or pipeline segments) then reuses one peak's worth of memory, where each
-    arena of its own would keep its session's peak for good. Returns False where this
-    onnxruntime cannot register one (the session keeps its own arena)."""
-    global _shared_cpu_arena
-    if _shared_cpu_arena is None:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+def share_arena(options: ort.SessionOptions, device_type: str = "cpu", device_id: int = 0) -> bool:
+    """Make ``options``' session allocate its tensors on the device from one arena that every
+    session of this process sharing it uses (onnxruntime's environment allocator, one per
+    device), instead of an arena of its own. A training step of two or more sessions
+    (forward/backward, then the update; data-parallel or pipeline segments) then reuses one
+    peak's worth of memory, where each arena of its own would keep its session's peak for
+    good. On CUDA the arena grows by what is asked (CUDA_DEFAULT_OPTIONS' strategy). Returns
+    False where this onnxruntime cannot register one (the session keeps its own arena).
+
+    A session captured as a CUDA graph must not share it: the graph replays into the blocks
+    its capture used, which the arena has since handed to values other sessions still hold."""
+    key = (device_type, device_id)
+    if key not in _shared_arenas:
         try:
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))
-            _shared_cpu_arena = True
+            if device_type == "cpu":
+                info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+                ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))
+            else:
+                info = ort.OrtMemoryInfo(
+                    "Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_id, ort.OrtMemType.DEFAULT
+                )
+                # kSameAsRequested, as each session's own CUDA arena (cuda_defaults)
+                ort.create_and_register_allocator_v2(
+                    CUDA, info, {"device_id": str(device_id)}, ort.OrtArenaCfg({"arena_extend_strategy": 1})
+                )
+            _shared_arenas[key] = True
         except (AttributeError, RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail):
-            _shared_cpu_arena = False
-    if _shared_cpu_arena:
+            _shared_arenas[key] = False
+    if _shared_arenas[key]:
         options.add_session_config_entry("session.use_env_allocators", "1")
-    return _shared_cpu_arena
+    return _shared_arenas[key]
 
 
 def session_options(
