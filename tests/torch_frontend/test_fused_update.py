@@ -8,6 +8,8 @@ does not know keep their ONNX one, saying why."""
 
 from __future__ import annotations
 
+import os
+
 import models
 import numpy as np
 import pytest
@@ -38,7 +40,7 @@ UPDATES = [
 
 
 def _modules(program) -> tuple[graphforge.Module, graphforge.Module]:
-    onnx_update, fused = (graphforge.Module(program, device="cpu") for _ in range(2))
+    onnx_update, fused = (graphforge.Module(program, device=DEVICE) for _ in range(2))
     for module in (onnx_update, fused):
         graphforge.Optimizer(module)
     assert use_fused_update(fused, foreach=True).startswith("update: torch")
@@ -76,9 +78,13 @@ def test_the_fused_update_equals_the_programs_own_over_20_steps(update):
     assert fused.state.step == onnx_update.state.step == STEPS
 
 
-#: float16 programs that scale their loss (the CPU computes float16 between casts, so a scale this
-#: large overflows only in float32: the batches with labels 1e18 times as large, not the others)
-HUGE = 2.0**80
+#: where the Modules run: the CPU here and in CI; GRAPHFORGE_TEST_DEVICE=cuda runs the same tests on a GPU
+DEVICE = os.environ.get("GRAPHFORGE_TEST_DEVICE", "cpu")
+PROVIDER = DEVICE.split(":")[0]
+#: float16 programs that scale their loss, from a scale at which only the batches with labels
+#: 1e18 times as large overflow: on the CPU, which computes float16 between casts, in float32;
+#: on a GPU in float16 itself
+HUGE = 2.0**80 if DEVICE == "cpu" else 2.0**10
 SCALED = [
     ("adamw(lr=0.01, clip_grad_norm=0.5)", f"init_scale={HUGE}, growth_interval=3"),
     ("sgd(lr=0.05, momentum=0.9)", f"init_scale={HUGE}, growth_interval=4"),
@@ -92,7 +98,7 @@ SCALED = [
 def test_the_fused_update_of_a_scaled_program_equals_the_programs_own(update, scaling):
     """Steps 4, 9 and 10 overflow the scaled gradients (their loss stays finite): both
     Modules skip the same updates and end with the same scale, skipped count and state."""
-    pipeline = f"{LOSS}, {update}, mixed_precision(dtype=float16, provider=cpu, {scaling})"
+    pipeline = f"{LOSS}, {update}, mixed_precision(dtype=float16, provider={PROVIDER}, {scaling})"
     program = graphforge.compile(models.tanh_mlp(scalar_scale=True), pipeline).model
     onnx_update, fused = _modules(program)
     initial = fused.runner.read_tensors()
