@@ -174,11 +174,6 @@ class LossScaling:
     growth_interval: int
     unscaled: Mapping[str, str] = field(default_factory=dict)
 
-    @property
-    def carried(self) -> tuple[str, str, str]:
-        """The carried scalars: the scale, its growth tracker and the skipped-update count."""
-        return (self.scale, self.growth_tracker, self.skipped)
-
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> LossScaling | None:
         if entry.get("kind", "none") == "none":
@@ -397,6 +392,13 @@ class ProgramRoles:
         gradient norm, and whether loss scaling skipped the update."""
         skipped = self.loss_scaling.update_skipped if self.loss_scaling else None
         return [n for n in (self.grad_norm, skipped) if n is not None]
+
+    @property
+    def loss_scale_states(self) -> tuple[str, ...]:
+        """The carried scalars of loss scaling (the scale, its growth tracker, the skipped-update
+        count), or () without it."""
+        s = self.loss_scaling
+        return () if s is None else (s.scale, s.growth_tracker, s.skipped)
 
     @property
     def update_outputs(self) -> set[str]:

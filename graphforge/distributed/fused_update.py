@@ -101,7 +101,7 @@ def state_refusal(roles: ProgramRoles) -> str | None:
     """Why the parameters and optimizer states ``roles`` carries are not what the kernels
     update (a dtype they do not take, states other than the optimizer's), or None."""
     kind = roles.optimizer
-    optimizer_states = {c.input for c in roles.carried if c.role == "optimizer"} - set(scaling_states(roles))
+    optimizer_states = {c.input for c in roles.carried if c.role == "optimizer"} - set(roles.loss_scale_states)
     expected = set()
     for name in updated_parameters(roles):
         spec = roles.carried_spec(name)
@@ -132,11 +132,6 @@ def use_fused_update(module: Module, *, foreach: bool = False) -> str:
         return f"update: the program's ONNX update ({exc.why})"
     module.use_update_kernel(kernel)
     return f"update: {kernel.description}"
-
-
-def scaling_states(roles: ProgramRoles) -> tuple[str, ...]:
-    """The carried scalars of the program's loss scaling (scale, growth tracker, skipped count), or ()."""
-    return () if roles.loss_scaling is None else roles.loss_scaling.carried
 
 
 def updated_parameters(roles: ProgramRoles) -> list[str]:
@@ -186,7 +181,7 @@ class FusedUpdate:
         self._groups = list(groups.values())
         self._norm = roles.grad_norm
         self._scaling = roles.loss_scaling
-        self._scaling_states = list(scaling_states(roles))
+        self._scaling_states = list(roles.loss_scale_states)
         #: id(OrtValue) -> (the OrtValue, kept so that its id is not reused; its torch view)
         self._views: dict[int, tuple[ort.OrtValue, Any]] = {}
         self._gradients: dict[str, tuple[ort.OrtValue, Any]] = {}  # name -> (its last value, its view)
@@ -228,26 +223,25 @@ class FusedUpdate:
 
     def apply(self, gradients: Mapping[str, ort.OrtValue], lr: float, step: int, checks: Mapping[str, float]) -> None:
         if self._scaling is not None:
-            scale, tracker, skipped = self._carried(self._scaling_states)
-            found_inf = bool(checks[self._scaling.update_skipped])
-            scale_update(self._scaling, scale, tracker, skipped, found_inf)
-            if found_inf:
+            views = self._carried(self._scaling_states)
+            step = loss_scale_step(self._scaling, views, bool(checks[self._scaling.update_skipped]), step)
+            if step is None:
                 return
-            step -= int(skipped)  # the optimizer counts the updates it made, as the program does
         norm = checks.get(self._norm) if self._norm is not None else None
         coef = clip_coefficient(self.hyper.get("clip_grad_norm"), norm)
         for group in self._groups:
             counter = self._steps.get(id(group))
             if counter is None:
                 counter = self._steps[id(group)] = step_counter(self._device)
-            missing = [n for n in group.grads if n not in gradients]
-            if missing:
-                raise GraphforgeError(f"segment 0 sent no gradient {missing[0]!r} for the update")
+            try:
+                grads = [self._gradient(n, gradients[n]) for n in group.grads]
+            except KeyError as exc:
+                raise GraphforgeError(f"segment 0 sent no gradient {exc.args[0]!r} for the update") from None
             update_tensors(
                 self.kind,
                 self.hyper,
                 self._carried(group.params),
-                [self._gradient(n, gradients[n]) for n in group.grads],
+                grads,
                 {s: self._carried(names) for s, names in group.states.items()},
                 lr=lr,
                 step=step,
@@ -256,23 +250,28 @@ class FusedUpdate:
             )
 
 
-def scale_update(scaling: LossScaling, scale, tracker, skipped, found_inf: bool) -> None:
-    """The program's loss-scale update (passes/mixed_precision.py, _update_scale) on the carried
-    scalars' own buffers: backoff on a step that is not finite, growth after
-    ``growth_interval`` finite steps in a row unless the grown scale is not finite."""
+def loss_scale_step(scaling: LossScaling, views, found_inf: bool, step: int) -> int | None:
+    """A loss-scaled step's own part of the update, as the program writes it
+    (passes/mixed_precision.py, _update_scale and _skip_update), on ``views`` (torch views of
+    the carried scale, growth tracker and skipped count): backoff when the gradients are not
+    finite, growth after ``growth_interval`` finite steps in a row unless the grown scale is not
+    finite. Returns the optimizer's step count (``step`` less the skipped updates), or None
+    when the update is skipped."""
     import torch
 
+    scale, tracker, skipped = views
     if found_inf:
         scale.mul_(torch.tensor(scaling.backoff_factor, dtype=scale.dtype))
         tracker.zero_()
         skipped.add_(1)
-        return
+        return None
     counted = tracker + 1
     grow = counted >= scaling.growth_interval
     grown = scale * torch.tensor(scaling.growth_factor, dtype=scale.dtype)
     grown = torch.where(torch.isinf(grown), scale, grown)
     scale.copy_(torch.where(grow, grown, scale))
     tracker.copy_(torch.where(grow, torch.zeros_like(counted), counted))
+    return step - int(skipped)
 
 
 def step_counter(device):

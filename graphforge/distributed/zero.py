@@ -57,8 +57,7 @@ from graphforge.distributed.data_parallel import DataParallel, ortvalue_of, tens
 from graphforge.distributed.fused_update import (
     clip_coefficient,
     kernel_refusal,
-    scale_update,
-    scaling_states,
+    loss_scale_step,
     state_refusal,
     states_of,
     step_counter,
@@ -210,6 +209,8 @@ class ZeroDataParallel(DataParallel):
         #: every parameter's column in LAMB's vector of tensor norms (the same on every replica)
         self._parameter_index = {p: i for i, p in enumerate(p for b in self.buckets for p in b.parameters)}
         self._gathers: list = []
+        # the loss scale's scalars stay the runner's, in buffers no segment writes (the update is ours)
+        self._scaling_views = [tensor_of(runner.carried[n].value) for n in roles.loss_scale_states]
         self.broadcast(list(runner.carried), "broadcasting rank 0's parameters and buffers")
         module.replica = world.rank
         module.reducer = self
@@ -345,17 +346,15 @@ class ZeroDataParallel(DataParallel):
         1/scale first, as its update does; gradients that are not finite then are its own
         skip, as in the program: the parameters and states stay, the scale backs off and the
         step counts (applied, ``update_skipped`` reported). The program tells them by the sum
-        of the gradients, this by their norm: the same but where finite gradients' squares
-        overflow (beyond 1e19), which clipping's norm could not take either."""
+        of the gradients, this by their norm: the same but where finite gradients have a norm
+        beyond float32's range, which clipping's norm could not take either."""
         import torch
 
         self._finish_reductions()
         hp = self.hyper
         scaling = self.module.roles.loss_scaling
         if scaling is not None:
-            runner = self.module.runner
-            scale, tracker, skipped = (tensor_of(runner.carried[n].value) for n in scaling_states(self.module.roles))
-            inverse = torch.reciprocal(scale)
+            inverse = torch.reciprocal(self._scaling_views[0])
             for b in self.buckets:
                 b.shard_grad.mul_(inverse.to(b.shard_grad.dtype))
         # float32 norms of each shard (no float64 copy of the gradients), their squares summed in
@@ -374,11 +373,10 @@ class ZeroDataParallel(DataParallel):
             return False, reports
         if scaling is not None:
             found_inf = not math.isfinite(norm)
-            scale_update(scaling, scale, tracker, skipped, found_inf)
             reports[scaling.update_skipped] = np.asarray(found_inf)
-            if found_inf:
+            step = loss_scale_step(scaling, self._scaling_views, found_inf, step)
+            if step is None:
                 return True, reports
-            step -= int(skipped)  # the optimizer counts the updates it made, as the program does
         elif not math.isfinite(norm):
             return False, reports
         clip = clip_coefficient(hp.get("clip_grad_norm"), norm)

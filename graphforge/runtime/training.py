@@ -103,7 +103,9 @@ class GradientReducer(Protocol):
     def apply_update(self, lr: float, step: int, loss: float | None) -> tuple[bool, dict[str, np.ndarray]]:
         """After the gradients were reduced (shards_update only): the update at ``lr`` with
         ``step`` steps done, unless a replica's loss or the gradient norm is not finite.
-        Returns whether it was applied (the same on every replica) and what the step reports."""
+        Returns whether it was applied (the same on every replica; a program that scales its
+        loss skips by its own rule, which counts as applied: the scale moved, the step counts)
+        and what the step reports."""
 
 
 class UpdateKernel(Protocol):
@@ -208,11 +210,10 @@ class Module:
         self.input_names = roles.batch_input_names()
         self.output_names = list(roles.forward_outputs)
         # a sharded update keeps the optimizer's states per parameter; the loss scale's scalars stay
-        scalars = roles.loss_scaling.carried if roles.loss_scaling is not None else ()
         held = [
             s
             for s in roles.carried
-            if not (shard_optimizer_states and s.role == "optimizer" and s.input not in scalars)
+            if not (shard_optimizer_states and s.role == "optimizer" and s.input not in roles.loss_scale_states)
         ]
         self.runner = Runner(
             held,

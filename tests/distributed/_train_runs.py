@@ -9,6 +9,8 @@ from pathlib import Path
 
 from _launch import REPO, torchrun
 
+from graphforge.runtime.checkpoint import CheckpointManager
+
 sys.path.insert(0, str(REPO / "tests" / "train"))
 import _train_helpers as th
 
@@ -30,3 +32,8 @@ def launch(folder: Path, cfg: Path, out: Path, *extra: str, ranks: int = 2) -> s
     done = torchrun(args, timeout=TIMEOUT_S, cwd=folder)
     assert done.returncode == 0, done.stdout[-4000:]
     return done
+
+
+def checkpoint_path(out: Path, step: int) -> Path:
+    """Where a run into ``out`` writes the checkpoint of ``step``."""
+    return CheckpointManager(out / "checkpoints").path_for(step)

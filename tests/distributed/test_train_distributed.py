@@ -57,7 +57,7 @@ def folder(tmp_path_factory) -> Path:
 
 
 def checkpoint(out: Path, step: int) -> CheckpointState:
-    return CheckpointState.load(out / "checkpoints" / f"checkpoint-{step:08d}.safetensors")
+    return CheckpointState.load(runs.checkpoint_path(out, step))
 
 
 @pytest.fixture(scope="module")

@@ -38,10 +38,6 @@ def config(folder: Path, name: str = "zero.toml", **sections) -> Path:
     return runs.config(folder, name, defaults, **sections)
 
 
-def checkpoint(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"checkpoint-{step:08d}.safetensors"
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return th.workspace(tmp_path_factory.mktemp("zero-train"), count=256, eval_count=37)
@@ -60,7 +56,7 @@ def test_a_zero_run_resumes_bit_for_bit_and_on_other_process_counts(folder):
     for other in ("on-1", "on-4"):
         shutil.copytree(out, folder / other)
     runs.launch(folder, cfg, out, "--steps", str(STEPS))
-    resumed, uninterrupted = (CheckpointState.load(checkpoint(o, STEPS)) for o in (out, folder / "whole"))
+    resumed, uninterrupted = (CheckpointState.load(runs.checkpoint_path(o, STEPS)) for o in (out, folder / "whole"))
     assert sorted(resumed.tensors) == sorted(uninterrupted.tensors)
     assert any(n.endswith(".exp_avg_sq") for n in resumed.tensors)
     for name, value in uninterrupted.tensors.items():
@@ -72,13 +68,13 @@ def test_a_zero_run_resumes_bit_for_bit_and_on_other_process_counts(folder):
     assert CheckpointState.load(result.checkpoint).properties["world_size"] == 1
     four = runs.launch(folder, cfg, folder / "on-4", "--steps", "6", ranks=4)
     assert "(1/4)" in four.stdout and "resuming a checkpoint of 2 process(es) on 4" in four.stdout
-    assert CheckpointState.load(checkpoint(folder / "on-4", 6)).step == 6
+    assert CheckpointState.load(runs.checkpoint_path(folder / "on-4", 6)).step == 6
     assert len(list((folder / "on-4" / "checkpoints").glob("checkpoint-00000006.zero*-of-4.safetensors"))) == 4
 
     name = "checkpoint-00000004.zero1-of-2.safetensors"
     (out / "checkpoints" / name).unlink()
     with pytest.raises(CheckpointError, match=f"its shard {name} is missing"):
-        CheckpointState.load(checkpoint(out, 4))
+        CheckpointState.load(runs.checkpoint_path(out, 4))
 
 
 def test_a_killed_process_stops_the_other_with_one_line_and_the_checkpoints_load(folder, tmp_path):

@@ -26,7 +26,6 @@ from _launch import REPO, run_ranks
 import graphforge
 import graphforge.buckets
 from graphforge.distributed import DataParallel, ZeroDataParallel
-from graphforge.distributed.fused_update import scaling_states
 from graphforge.program import ProgramRoles
 from graphforge.runtime import Module, Optimizer
 
@@ -139,7 +138,7 @@ def _tracked(name: str, value: np.ndarray) -> np.ndarray:
 
 def _optimizer_bytes(folder: Path, name: str) -> int:
     roles = ProgramRoles.of_proto(graphforge.load(folder / f"{name}-dp.onnx"))
-    scaling = set(scaling_states(roles))  # the loss scale's scalars: every process holds them
+    scaling = set(roles.loss_scale_states)  # the loss scale's scalars: every process holds them
     return sum(
         int(np.prod(c.shape)) * np.dtype(c.dtype).itemsize
         for c in roles.carried_with_role("optimizer")
