@@ -17,8 +17,8 @@ from graphforge.errors import (
     PipelineSpecError,
 )
 from graphforge.graph import Model, load, save
+from graphforge.pass_infra import Pass, PassRegistry, PassResult
 from graphforge.pass_manager import CompileResult, PassManager, PassRecord, compile, default_registry, parse_pipeline
-from graphforge.pipeline import Pass, PassRegistry, PassResult
 from graphforge.program import ProgramRoles
 from graphforge.runtime import (
     CheckpointManager,

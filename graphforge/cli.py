@@ -26,7 +26,6 @@ import graphforge
 from graphforge import golden, roles, train
 from graphforge.analysis.cost import parse_dims
 from graphforge.analysis.size import human_bytes
-from graphforge.buckets import shard_layout
 from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
@@ -35,6 +34,7 @@ from graphforge.inspect_host_syncs import host_sync_lines
 from graphforge.inspect_memory import memory_tables
 from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
+from graphforge.placement.buckets import shard_layout
 from graphforge.program import ProgramRoles
 
 app = typer.Typer(

@@ -17,8 +17,8 @@ import onnx
 from graphforge.errors import GraphforgeError, ModelSaveError, PassError, PipelineError
 from graphforge.graph import Model, ModelSource, load, mark_lengths_checked, names_kept, save
 from graphforge.ir import gc_paused, op_histogram
+from graphforge.pass_infra import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
 from graphforge.passes import REGISTRY
-from graphforge.pipeline import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
 from graphforge.roles import metadata_of
 from graphforge.runtime.sessions import check_loads
 from graphforge.verify import verify_model

@@ -21,7 +21,7 @@ from graphforge.passes.specialize import Specialize
 from graphforge.passes.topo_sort import TopologicalSort
 from graphforge.passes.zero import Zero
 
-from graphforge.pipeline import PassRegistry
+from graphforge.pass_infra import PassRegistry
 
 REGISTRY = PassRegistry(
     [

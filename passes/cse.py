@@ -19,7 +19,7 @@ from graphforge.ir import (
     remove_nodes_left_dead,
     replace_uses,
 )
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pass_infra import Pass, PassResult
 
 
 @dataclass(frozen=True)

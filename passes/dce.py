@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from graphforge.graph import Model
 from graphforge.ir import fingerprint
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pass_infra import Pass, PassResult
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from graphforge.errors import one_line
 from graphforge.graph import Model
 from graphforge.ir import FLOAT_TYPES, NONDETERMINISTIC_OPS, every_graph, fingerprint, is_parameter, onnx_dtype
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
-from graphforge.pipeline import Pass, PassResult, check_number
+from graphforge.pass_infra import Pass, PassResult, check_number
 
 
 @dataclass(frozen=True)

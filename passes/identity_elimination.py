@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 from graphforge.constants import constant_value
 from graphforge.graph import Model
 from graphforge.ir import every_graph, live_nodes, onnx_dtype, remove_nodes_left_dead, replace_uses
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pass_infra import Pass, PassResult
 
 
 @dataclass(frozen=True)

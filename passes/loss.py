@@ -12,7 +12,7 @@ from graphforge import roles
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.pipeline import Fact, Pass, PassResult, check_number
+from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.shapes import infer_shapes
 
 LossKind = Literal["cross_entropy", "mse", "l1", "bce_with_logits", "nll"]

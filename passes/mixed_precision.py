@@ -15,8 +15,8 @@ from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ort_compat import resolve_provider
-from graphforge.pipeline import Fact, Pass, PassResult, check_number
-from graphforge.precision import LOW_TYPES, convert, kernel_check, program_policy
+from graphforge.pass_infra import Fact, Pass, PassResult, check_number
+from graphforge.placement.precision import LOW_TYPES, convert, kernel_check, program_policy
 from graphforge.program import CarriedSpec, LossScaling, ProgramRoles
 from graphforge.shapes import infer_shapes
 
@@ -34,7 +34,7 @@ class MixedPrecision(Pass):
     bias gradient makes, are placed by the same rules as the forward's, and the loss
     scaling has the gradient boundary to work at).
 
-    1. Precision (graphforge.precision): GEMMs and convolutions compute in ``dtype``; what
+    1. Precision (graphforge.placement.precision): GEMMs and convolutions compute in ``dtype``; what
        loses too much in 16 bits (softmax, exp/log/pow, reductions, normalization
        statistics, the loss and its gradient) in float32; the rest in the type of the
        activations it reads. ``keep_fp32``: op types, node names or the forward nodes whose

@@ -26,7 +26,7 @@ from graphforge import roles
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.pipeline import Fact, Pass, PassResult, check_number
+from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.program import CarriedSpec, ProgramRoles
 
 

@@ -13,9 +13,8 @@ from graphforge.analysis.cost import model_flops, parse_dims
 from graphforge.analysis.partition import balanced_cuts
 from graphforge.errors import GraphforgeError, PassError
 from graphforge.graph import Model
-from graphforge.pipeline import Fact, Pass, PassResult, check_number
-from graphforge.program import PipelineRole, ProgramRoles
-from graphforge.stages import (
+from graphforge.pass_infra import Fact, Pass, PassResult, check_number
+from graphforge.placement.stages import (
     StageError,
     carried_stages,
     forward_chain,
@@ -24,6 +23,7 @@ from graphforge.stages import (
     plan_stages,
     stage_costs,
 )
+from graphforge.program import PipelineRole, ProgramRoles
 
 SCHEDULES = ("gpipe", "1f1b")
 

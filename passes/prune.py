@@ -17,8 +17,8 @@ from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import every_graph, fingerprint, inline_marker_calls
 from graphforge.ort_compat import resolve_provider
-from graphforge.pipeline import Pass, PassResult
-from graphforge.precision import LOW_TYPES, convert, kernel_check, program_policy, remove_casts
+from graphforge.pass_infra import Pass, PassResult
+from graphforge.placement.precision import LOW_TYPES, convert, kernel_check, program_policy, remove_casts
 from graphforge.program import ProgramRoles
 from graphforge.shapes import infer_shapes
 
@@ -55,7 +55,7 @@ class Prune(Pass):
        are inlined where a kept output still needs a call, and go.
     8. The casts of ``mixed_precision`` go: the model computes in float32, as its trained
        float32 weights allow. ``dtype=float16`` (or bfloat16) instead exports it computing
-       in that type by the rules mixed_precision trains with (graphforge.precision; kernels
+       in that type by the rules mixed_precision trains with (graphforge.placement.precision; kernels
        checked on ``provider``), its weights stored in that type; inputs and outputs keep
        their types.
     9. The forward nodes ``fuse`` rewrote into forms tuned to the CPU's kernels (a small-image

@@ -14,8 +14,8 @@ from graphforge.analysis.memory import tensor_sizes
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import NONDETERMINISTIC_OPS
-from graphforge.pipeline import Fact, Pass, PassResult, check_number
-from graphforge.stages import forward_chain, plan_stages
+from graphforge.pass_infra import Fact, Pass, PassResult, check_number
+from graphforge.placement.stages import forward_chain, plan_stages
 
 #: ops never recomputed: a second run would not give the values the forward used
 NEVER = {op: "not deterministic: a second run draws other values" for op in NONDETERMINISTIC_OPS}

@@ -15,7 +15,7 @@ from graphforge.analysis.host_sync import host_syncs, summary
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import fingerprint, gc_paused, recorded_json
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pass_infra import Pass, PassResult
 from graphforge.shapes import infer_shapes
 
 #: metadata key: the dims a model was specialized to, JSON object name -> size

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from graphforge.analysis import topological_order
 from graphforge.graph import Model
 from graphforge.ir import every_graph
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pass_infra import Pass, PassResult
 
 
 @dataclass(frozen=True)

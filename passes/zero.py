@@ -11,10 +11,10 @@ import onnx_graphsurgeon as gs
 
 from graphforge import roles
 from graphforge.analysis import placed_early
-from graphforge.buckets import gradient_buckets, marker_call, marker_function
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.pipeline import Fact, Pass, PassResult, check_number
+from graphforge.pass_infra import Fact, Pass, PassResult, check_number
+from graphforge.placement.buckets import gradient_buckets, marker_call, marker_function
 from graphforge.program import AllReduceRole, ProgramRoles
 
 

@@ -18,8 +18,8 @@ from _tracebacks import assert_no_traceback
 from onnx import helper
 
 import graphforge
+from graphforge.pass_infra import PassRegistry
 from graphforge.pass_manager import default_registry
-from graphforge.pipeline import PassRegistry
 
 REPO = Path(__file__).resolve().parent.parent
 #: the console script installed beside the interpreter running the tests

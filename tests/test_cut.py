@@ -10,7 +10,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import graphforge
-from graphforge.cut import cut
+from graphforge.placement.cut import cut
 from graphforge.runtime.runner import Runner, resolve_device
 
 

@@ -12,10 +12,10 @@ import pytest
 
 import graphforge
 from graphforge import Model, Pass, PassResult, roles
-from graphforge.cut import cut
 from graphforge.errors import PipelineError
+from graphforge.pass_infra import Fact, PassRegistry, facts_of, unmet_requirement
 from graphforge.pass_manager import default_registry
-from graphforge.pipeline import Fact, PassRegistry, facts_of, unmet_requirement
+from graphforge.placement.cut import cut
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointState
 from graphforge.runtime.runner import Runner, resolve_device

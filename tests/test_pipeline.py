@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from graphforge import GraphforgeError, Pass, PassRegistry, PassResult, PipelineSpecError, parse_pipeline
 from graphforge.pass_manager import default_registry
-from graphforge.pipeline import convert_value
+from graphforge.pass_spec import convert_value
 
 REPO = Path(__file__).resolve().parent.parent
 #: passes that must always ship; more are added as graphforge grows
@@ -281,7 +281,26 @@ def test_syntax_error_names_the_text(text):
 
 
 def test_syntax_error_column_points_into_the_text():
-    assert spec_error("dce, cse cse") == "pipeline syntax error at column 6: 'dce, cse cse'"
+    assert spec_error("dce, cse cse") == (
+        "pipeline syntax error at column 6 (invalid syntax. Perhaps you forgot a comma?): 'dce, cse cse'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (
+            "loss(kind=mse, output=y), autodiff, adamw(lr=3e-4",
+            "at column 42 (the '(' opened there is never closed: a ')' is missing)",
+        ),
+        ("dce(", "at column 4 (the '(' opened there is never closed: a ')' is missing)"),
+        ("dce)", "at column 4 (')' closes nothing)"),
+        ("adamw(lr=[1, 2), cse", "at column 15 (')' does not close the '[' opened at column 10)"),
+        ("x(a=')'", "at column 2 (the '(' opened there is never closed: a ')' is missing)"),
+    ],
+)
+def test_syntax_error_says_which_bracket(text, where):
+    assert spec_error(text) == f"pipeline syntax error {where}: {text!r}"
 
 
 @pytest.mark.parametrize("text", ["", "   ", "\n\t"])

@@ -3,7 +3,7 @@ batch, and the gradients are reduced between them as PyTorch's DDP does.
 
 The program says where (passes/allreduce.py): each gradient at the optimizer's boundary
 goes through a ``graphforge.AllReduce`` call, grouped in buckets in the order backward
-makes them. A training step (``module.train_step``) is cut (graphforge.cut) after each
+makes them. A training step (``module.train_step``) is cut (graphforge.placement.cut) after each
 bucket's gradients, so the program runs as segments 0..B-1, each ending with a bucket's
 gradients, and a last one with the update. Each bucket is one flat torch tensor; the
 segment that makes its gradients writes them straight into views of it (bound to
@@ -32,9 +32,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphforge.cut import cut
 from graphforge.distributed.world import DistributedError, World
 from graphforge.errors import GraphforgeError
+from graphforge.placement.cut import cut
 from graphforge.runtime.runner import SegmentRun
 from graphforge.runtime.training import Module
 

@@ -49,11 +49,11 @@ from graphforge.distributed.schedules import (
 from graphforge.distributed.world import DistributedError
 from graphforge.errors import GraphforgeError
 from graphforge.graph import ModelSource
+from graphforge.placement.stages import StageSegments, stage_segments
 from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
 from graphforge.runtime.runner import BoundSession, Runner, SegmentRun, resolve_device, to_numpy
-from graphforge.stages import StageSegments, stage_segments
 
 #: the most dims a tensor of a message may have (the header's room per tensor)
 MAX_RANK = 8

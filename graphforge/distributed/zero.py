@@ -52,7 +52,6 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from graphforge.buckets import shard_layout
 from graphforge.distributed.data_parallel import DataParallel, ortvalue_of, tensor_of, torch_dtype
 from graphforge.distributed.fused_update import (
     clip_coefficient,
@@ -65,6 +64,7 @@ from graphforge.distributed.fused_update import (
 )
 from graphforge.distributed.world import World
 from graphforge.errors import GraphforgeError
+from graphforge.placement.buckets import shard_layout
 from graphforge.runtime.runner import SegmentRun
 from graphforge.runtime.training import Module
 
@@ -248,7 +248,7 @@ class ZeroDataParallel(DataParallel):
     # ------------------------------------------------------------------ what replicas own
 
     def layout(self) -> list[list[tuple[int, str, int, int]]]:
-        """Which elements each replica owns (graphforge.buckets.shard_layout): per replica,
+        """Which elements each replica owns (graphforge.placement.buckets.shard_layout): per replica,
         (bucket, parameter, first element, end element) of each piece, flattened."""
         sizes = {p: stop - start for b in self.buckets for p, (start, stop) in b.offsets.items()}
         return shard_layout(tuple(b.parameters for b in self.buckets), sizes, self.world.size)

@@ -32,9 +32,9 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from graphforge.analysis.memory import in_place_safety
-from graphforge.cut import Segment
 from graphforge.errors import DeviceError, GraphforgeError, one_line
 from graphforge.passes.specialize import specialized
+from graphforge.placement.cut import Segment
 from graphforge.program import CarriedSpec
 from graphforge.runtime.sessions import (
     CPU,
@@ -396,7 +396,7 @@ class Runner:
         return bound
 
     def segment(self, segment: Segment, *, key: Any = None, fetch: Sequence[str] | None = None) -> SegmentRun:
-        """A segment of a cut (graphforge.cut) ready to execute: its session (cached under
+        """A segment of a cut (graphforge.placement.cut) ready to execute: its session (cached under
         ``key``, default its index), fetching ``fetch`` (default: the program outputs it
         makes) and sending on what the cut says crosses after it."""
         where = f"segment {segment.index}"

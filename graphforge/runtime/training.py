@@ -20,7 +20,7 @@ optimizer state, accumulator, buffer) on the device, so parameters and states ne
 onnxruntime between steps and nothing is copied per step; they come back to numpy only
 when asked (``state.tensors``, ``module.parameters``, ``state.save``).
 
-The program is cut (graphforge.cut) at the optimizer's gradient boundary into segment 0,
+The program is cut (graphforge.placement.cut) at the optimizer's gradient boundary into segment 0,
 forward + backward (+ accumulate, + the gradient norm), and segment 1, the update; the
 gradients (or accumulated gradients) cross between them as device OrtValues. ``module(...)``
 runs segment 0, ``optimizer.step()`` segment 1, and ``train_step`` both in turn.
@@ -50,9 +50,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphforge.cut import cut
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model, ModelSource, save, without_values
+from graphforge.placement.cut import cut
 from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout

@@ -5,7 +5,7 @@ On the first call with a new input signature (each input's dtype and rank, wheth
 gradient, and the module's train/eval mode) the wrapped module is exported in that mode
 (``export_for_training``), its parameters and buffers become graph inputs, and the ``vjp`` pass
 builds the backward from the outputs' gradients (the ``<output>_seed`` inputs: what torch hands
-the backward) to the parameters that require a gradient and the inputs that do. The result is cut (``graphforge.cut``) into a forward
+the backward) to the parameters that require a gradient and the inputs that do. The result is cut (``graphforge.placement.cut``) into a forward
 segment, which computes the outputs and BatchNorm's new running statistics, and a backward
 segment, which receives what the forward stashed and computes the gradients. Both run in a
 ``torch.autograd.Function``: ``loss.backward()`` fills each parameter's ``.grad``, so any
@@ -35,13 +35,13 @@ import onnxruntime as ort
 import torch
 
 from graphforge.builder import Builder
-from graphforge.cut import cut
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model, save
 from graphforge.ir import FLOAT_TYPES, TORCH_FROZEN, recorded_json, recorded_torch_kinds, replace_uses
 from graphforge.pass_manager import PassManager
 from graphforge.passes.autodiff import VectorJacobian
 from graphforge.passes.optimizers import torch_running_variance
+from graphforge.placement.cut import cut
 from graphforge.roles import grad_name, metadata_of
 from graphforge.runtime.runner import Device, resolve_device
 from graphforge.runtime.sessions import create_session, session_options

@@ -24,7 +24,7 @@ from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import TORCH_FOLDED, TORCH_TRAINING_BATCHNORMS, gc_paused, is_parameter, recorded_torch_kinds
-from graphforge.pipeline import Fact, Pass, PassResult
+from graphforge.pass_infra import Fact, Pass, PassResult
 from graphforge.shapes import infer_shapes
 
 

@@ -13,7 +13,7 @@ from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import every_graph, replace_uses
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pass_infra import Pass, PassResult
 from graphforge.shapes import infer_shapes
 
 #: the domain of ONNX's training operators (Gradient, Adagrad, Adam, Momentum)

@@ -9,7 +9,7 @@ from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ort_compat import nchwc_block_size, resolve_provider
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pass_infra import Pass, PassResult
 from graphforge.shapes import infer_shapes
 
 from .engine import Context, apply

@@ -24,7 +24,7 @@ from _batches import write_batches
 from _launch import REPO, run_ranks
 
 import graphforge
-import graphforge.buckets
+import graphforge.placement.buckets
 from graphforge.distributed import DataParallel, ZeroDataParallel
 from graphforge.program import ProgramRoles
 from graphforge.runtime import Module, Optimizer
@@ -266,7 +266,7 @@ def test_inspect_says_which_elements_each_process_owns(tmp_path):
     assert "zero stage 1: shards on 3 processes (4 buckets)" in done.stdout
     roles = ProgramRoles.of_proto(program)
     sizes = {p: int(np.prod(roles.carried_spec(p).shape)) for b in roles.allreduce.buckets for p in b}
-    owned = graphforge.buckets.shard_layout(roles.allreduce.buckets, sizes, 3)
+    owned = graphforge.placement.buckets.shard_layout(roles.allreduce.buckets, sizes, 3)
     for name, size in sizes.items():  # every element owned once, and the processes' shares within a bucket of equal
         pieces = sorted((start, stop) for rank in owned for _, p, start, stop in rank if p == name)
         assert pieces[0][0] == 0 and pieces[-1][1] == size

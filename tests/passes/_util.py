@@ -20,7 +20,7 @@ from onnx import helper
 
 import graphforge
 from graphforge.graph import Model
-from graphforge.pipeline import Pass, PassResult
+from graphforge.pass_infra import Pass, PassResult
 
 #: the generic cleanup pipeline, in the order a user writes it
 GENERIC_PIPELINE = "identity_elimination, fold_constants, cse, dce, topo_sort"

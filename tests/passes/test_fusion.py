@@ -24,10 +24,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphforge
 from graphforge import roles
-from graphforge.cut import cut
 from graphforge.errors import InvalidModelError
 from graphforge.graph import Model
 from graphforge.ort_compat import NCHWC_DOMAIN, nchwc_block_size
+from graphforge.placement.cut import cut
 from tests.models import random_inputs, run, tanh_mlp
 
 CLASSES = 5

@@ -23,7 +23,7 @@ import pytest
 
 import graphforge
 from graphforge.errors import PipelineError
-from graphforge.precision import Policy, convert, op_policy
+from graphforge.placement.precision import Policy, convert, op_policy
 from graphforge.runtime import Module, Optimizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -365,7 +365,7 @@ def test_a_pass_that_cannot_lower_anything_says_so(transformer_path, monkeypatch
     import graphforge.ort_compat as ort_compat
 
     monkeypatch.setattr(ort_compat, "node_kernel", lambda *a: None)
-    import graphforge.precision as precision
+    import graphforge.placement.precision as precision
 
     monkeypatch.setattr(precision, "node_kernel", lambda *a: None)
     with pytest.raises(PipelineError, match="no node can compute in float16"):

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 import graphforge
-from graphforge.cut import cut
+from graphforge.placement.cut import cut
 from graphforge.program import ProgramRoles
 from graphforge.runtime.runner import Runner, SegmentRun, resolve_device
 

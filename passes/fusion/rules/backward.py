@@ -14,7 +14,7 @@ from graphforge.builder import Builder, is_zeros, rank
 from graphforge.constants import constant_value
 from graphforge.ir import onnx_dtype
 from graphforge.ort_compat import NATIVE, node_kernel
-from graphforge.precision import node_key
+from graphforge.placement.precision import node_key
 
 from ..engine import Context, Match, Pattern, Rule
 

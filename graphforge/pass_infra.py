@@ -1,21 +1,13 @@
-"""Passes: the Pass protocol, an explicit registry, and the textual pipeline parser.
+"""Passes: the Pass protocol, the facts a pass requires, refuses and ensures, and an explicit
+registry of passes by name.
 
 The shipped passes' registry lives with them (``graphforge.passes.REGISTRY``), and the
 PassManager that runs a pipeline above both (``graphforge/pass_manager.py``): passes import
-this module, so it names none of them.
-
-A pipeline is written the same way in Python and on the command line::
-
-    "dce, cse, fold_constants, autodiff, adamw(lr=3e-4, weight_decay=0.01)"
-
-``PassRegistry.parse`` reads it with Python's own expression parser (``ast``): a pass is a bare name or a
-call with keyword arguments; bare words in values are strings, ``true``/``false`` are
-booleans, ``[a, b]`` is a list. Values are converted to the types the pass declares.
+this module, so it names none of them. Pipeline text is read by ``graphforge/pass_spec.py``.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import enum
 import inspect
@@ -23,15 +15,15 @@ import keyword
 import math
 import numbers
 import operator
-import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from graphforge import roles
 from graphforge.errors import PipelineSpecError
 from graphforge.graph import Model
+from graphforge.pass_spec import ParameterValueError, format_value, parse_passes, type_name
 
 
 class Fact(enum.Enum):
@@ -153,7 +145,7 @@ class Pass:
     def spec(self) -> str:
         """This pass written back as pipeline text."""
         args = [
-            f"{p.name}={_format_value(getattr(self, p.name))}"
+            f"{p.name}={format_value(getattr(self, p.name))}"
             for p in self.parameters()
             if getattr(self, p.name) != p.default
         ]
@@ -182,52 +174,11 @@ class Parameter:
         return self.default is _REQUIRED
 
     def describe(self) -> str:
-        default = "" if self.required else f" = {_format_value(self.default)}"
-        return f"{self.name}: {_type_name(self.type)}{default}"
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(_format_value(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin in (tuple, list):
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    if tp is type(None):
-        return "none"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _format_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "none"
-    if isinstance(value, tuple | list):
-        return "[" + ", ".join(_format_value(v) for v in value) + "]"
-    if isinstance(value, str) and not _reads_back_as_bare_word(value):
-        return repr(value)  # quoted, so that spec() text parses back to the same string
-    return str(value)
-
-
-def _reads_back_as_bare_word(text: str) -> bool:
-    """Whether ``text`` written unquoted parses back as this same string (see ``_literal``)."""
-    # ASCII only: Python NFKC-normalizes non-ASCII identifiers, so "ﬁ" would read back as "fi"
-    parts = text.split(".")
-    return (
-        text.isascii()
-        and text.lower() not in ("true", "false", "none")
-        and all(part.isidentifier() and not keyword.iskeyword(part) for part in parts)
-    )
+        default = "" if self.required else f" = {format_value(self.default)}"
+        return f"{self.name}: {type_name(self.type)}{default}"
 
 
 # --------------------------------------------------------------------------- parameter ranges
-
-
-class ParameterValueError(ValueError):
-    """A pass parameter outside its valid range; the message names the pass, the parameter,
-    the value and what is expected, as the parser's type errors do."""
 
 
 def check_number(
@@ -251,7 +202,7 @@ def check_number(
     if not ok:
         raise ParameterValueError(
             f"pass {pass_.name!r} parameter {parameter!r}: expected {_range_text(at_least, above, below, at_most)}, "
-            f"got {_format_value(value)}"
+            f"got {format_value(value)}"
         )
 
 
@@ -309,113 +260,4 @@ class PassRegistry:
     def parse(self, text: str) -> list[Pass]:
         """Pipeline text as instances of this registry's passes; every mistake names what and
         where. (``graphforge.parse_pipeline`` is this on the shipped passes' registry.)"""
-        return _parse_pipeline(text, self)
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-def _parse_pipeline(text: str, registry: PassRegistry) -> list[Pass]:
-    if not text.strip():
-        raise PipelineSpecError("the pipeline is empty")
-    try:
-        tree = ast.parse(f"[{text}]", mode="eval")
-    except SyntaxError as exc:
-        col = max((exc.offset or 1) - 2, 0)
-        raise PipelineSpecError(f"pipeline syntax error at column {col + 1}: {text!r}") from None
-    if not isinstance(tree.body, ast.List):  # e.g. "dce] + [cse" parses as an expression
-        raise PipelineSpecError(f"expected a comma-separated list of passes, got: {text!r}")
-    return [_build_pass(item, registry, text) for item in tree.body.elts]
-
-
-def _build_pass(item: ast.expr, registry: PassRegistry, text: str) -> Pass:
-    if isinstance(item, ast.Name):
-        name, keywords = item.id, []
-    elif isinstance(item, ast.Call) and isinstance(item.func, ast.Name):
-        name, keywords = item.func.id, item.keywords
-        if item.args:
-            raise PipelineSpecError(f"pass {name!r}: write parameters as name=value (got a positional value)")
-    else:
-        raise PipelineSpecError(
-            f"expected a pass name or name(param=value, ...) at: {ast.get_source_segment(f'[{text}]', item)!r}"
-        )
-    cls = registry.get(name)
-    params = {p.name: p for p in cls.parameters()}
-    kwargs: dict[str, Any] = {}
-    for kw in keywords:
-        if kw.arg is None:  # name(**value)
-            raise PipelineSpecError(f"pass {name!r}: write parameters as name=value")
-        if kw.arg not in params:
-            valid = ", ".join(p.describe() for p in params.values()) or "none"
-            raise PipelineSpecError(f"pass {name!r} has no parameter {kw.arg!r}; its parameters: {valid}")
-        if kw.arg in kwargs:  # ast accepts f(a=1, a=2); only compiling it would refuse
-            raise PipelineSpecError(f"pass {name!r}: parameter {kw.arg!r} given twice")
-        raw = _literal(kw.value, name, kw.arg)
-        kwargs[kw.arg] = convert_value(raw, params[kw.arg].type, where=f"pass {name!r} parameter {kw.arg!r}")
-    missing = [p.name for p in params.values() if p.required and p.name not in kwargs]
-    if missing:
-        raise PipelineSpecError(f"pass {name!r} needs parameter(s) {', '.join(missing)}")
-    try:
-        return cls(**kwargs)
-    except ParameterValueError as exc:  # already names the pass
-        raise PipelineSpecError(str(exc)) from None
-    except (ValueError, TypeError) as exc:
-        raise PipelineSpecError(f"pass {name!r}: {exc}") from None
-
-
-def _literal(node: ast.expr, pass_name: str, param: str) -> Any:
-    """A value as written: numbers, strings, bare words (as strings), true/false/none, lists."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name):
-        lowered = node.id.lower()
-        return {"true": True, "false": False, "none": None}.get(lowered, node.id)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        inner = _literal(node.operand, pass_name, param)
-        if isinstance(inner, int | float) and not isinstance(inner, bool):
-            return -inner if isinstance(node.op, ast.USub) else inner
-    if isinstance(node, ast.List | ast.Tuple):
-        return [_literal(e, pass_name, param) for e in node.elts]
-    if isinstance(node, ast.Attribute):
-        # dotted names such as a tensor "h.0.attn" are strings too
-        return ast.unparse(node)
-    raise PipelineSpecError(f"pass {pass_name!r} parameter {param!r}: cannot read value {ast.unparse(node)!r}")
-
-
-def convert_value(value: Any, tp: Any, *, where: str) -> Any:
-    """Convert a written value to the declared type, or say what was expected."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            try:
-                return convert_value(value, option, where=where)
-            except PipelineSpecError:
-                continue
-    elif origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        if value is None and "none" in typing.get_args(tp):  # a bare none, where "none" is a choice
-            return "none"
-    elif origin in (tuple, list):
-        (item_type, *_) = typing.get_args(tp)
-        items = value if isinstance(value, list) else [value]
-        converted = [convert_value(v, item_type, where=where) for v in items]
-        return tuple(converted) if origin is tuple else converted
-    elif tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return str(value)
-    raise PipelineSpecError(f"{where}: expected {_type_name(tp)}, got {_format_value(value)!r}")
+        return parse_passes(text, self.get)

@@ -1,7 +1,7 @@
 """Pipeline stages of a training program: where each node runs, and each stage's segments.
 
 The pipeline pass records only the forward tensors the stages are cut after
-(``graphforge.pipeline``); everything else follows from the program, the same way in the
+(the ``graphforge.pipeline`` metadata key); everything else follows from the program, the same way in the
 pass and in the runtime:
 
 - **Phases.** A node the gradient boundary (or an output the update does not write: the
@@ -37,9 +37,9 @@ import onnx_graphsurgeon as gs
 from graphforge import roles
 from graphforge.analysis import outer_inputs, topological_order
 from graphforge.analysis.cost import model_flops, tensor_bytes
-from graphforge.cut import Segment, restore_initializer_inputs, segment_model
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
+from graphforge.placement.cut import Segment, restore_initializer_inputs, segment_model
 from graphforge.program import ProgramRoles
 from graphforge.shapes import infer_shapes
 
