@@ -34,8 +34,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from graphforge.graph import is_stand_in
 from graphforge.ort_compat import NCHWC_DOMAIN, NCHWC_WEIGHT_PERM, nchwc_block_size
+from graphforge.payloads import is_stand_in
 
 RUNS, WARMUP = 30, 3
 ACTIVATIONS = ([32, 32, 32, 32], [16, 64, 56, 56])

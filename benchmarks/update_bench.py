@@ -1,5 +1,5 @@
 """Optimizer-update benchmark: a Module's update as the program's ONNX segment runs it, beside
-torch's fused kernels over the same buffers (graphforge/distributed/fused_update.py), and
+torch's fused kernels over the same buffers (graphforge/runtime/fused_update.py), and
 beside ``torch.optim`` on torch's own tensors, for AdamW, SGD with momentum and LAMB.
 
 Each row: one model's parameters (the GPT-2 programs of the Training step section, AdamW with

@@ -16,7 +16,8 @@ from graphforge.errors import (
     PipelineError,
     PipelineSpecError,
 )
-from graphforge.graph import Model, load, save
+from graphforge.graph import Model
+from graphforge.model_io import load, save
 from graphforge.pass_infra import Pass, PassRegistry, PassResult
 from graphforge.pass_manager import CompileResult, PassManager, PassRecord, compile, default_registry, parse_pipeline
 from graphforge.program import ProgramRoles

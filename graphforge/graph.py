@@ -1,30 +1,24 @@
-"""Model I/O in one place: load, save, and the Model that passes work on.
+"""The Model that passes work on: an onnx-graphsurgeon graph plus the model-level fields it
+does not keep, and its way to and from a ModelProto without copying the weights more than once
+(large values stay in the TensorProto they were read from, stand-ins while exporting).
 
-Every path in and out of graphforge goes through here so that three rules hold everywhere:
-the IR version and opset written are ones the installed onnxruntime reads, external data
-never escapes the model's folder, and a save is atomic (temp file + rename).
+Files are read and written by ``graphforge/model_io.py``; payload-free copies of protos are
+``graphforge/payloads.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
-import shutil
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from google.protobuf.message import DecodeError, EncodeError
-from onnx import external_data_helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
-from graphforge.errors import ModelLoadError, ModelSaveError, one_line
 from graphforge.ir import (
     FLOAT_TYPES,
     TORCH_FOLDED,
@@ -37,19 +31,16 @@ from graphforge.ir import (
     torch_padding_rows,
     torch_training_batchnorms,
 )
-from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
+from graphforge.model_io import load
+from graphforge.payloads import (
+    EXTERNAL_DATA_THRESHOLD,
+    can_leave_out,
+    is_stand_in,
+    long_enough,
+    stand_in,
+    without_values,
+)
 from graphforge.roles import metadata_of
-from graphforge.tempfiles import temp_folder_beside
-
-#: protobuf refuses to serialize a message of 2 GiB or more
-PROTOBUF_LIMIT = 2**31 - 1
-#: tensors at least this large go to the external data file when one is written
-EXTERNAL_DATA_THRESHOLD = 1024
-#: the external-data location that a tensor whose values were left out names (a stand-in);
-#: no file of that name is ever read: the checker only sees that one exists
-LEFT_OUT = "graphforge-values-left-out"
-
-ModelSource = str | os.PathLike | bytes | onnx.ModelProto
 
 
 @dataclass
@@ -80,7 +71,7 @@ class Model:
         TensorProto they write a constant from (``Model.to_proto`` never does), so a pass that
         renames a weight and exports the graph itself would rename it in ``proto`` too; read it
         within ``names_kept(proto)``, which puts the names back."""
-        large = [t for t in proto.graph.initializer if _can_leave_out(t)]
+        large = [t for t in proto.graph.initializer if can_leave_out(t)]
         shared = {t.name: t for t in large}
         if len(shared) != len(large):  # two of one name: which is which?
             return cls.from_proto(load(proto))
@@ -197,81 +188,8 @@ def _type_empty_constant_lists(graph: gs.Graph) -> None:
                     node.attrs["value"] = gs.Constant(node.name or key, np.zeros(0, dtype))
 
 
-# --------------------------------------------------------------------------- values left out
-#
-# Shape inference and the checker read an initializer's type and shape, and its values only
-# when they are a small constant input (a Reshape's shape, Range's bounds, Resize's scales);
-# the checker also checks the values are long enough. A model with hundreds of megabytes of
-# weights spends nearly all of its inference and checking time serializing and parsing them,
-# so these copies leave the large floating-point ones out (integers are kept: shapes are
-# integers). A stand-in is marked as external data at LEFT_OUT, which both tools accept
-# without reading; the checker needs a file of that name beside the model it checks.
-
-
-def _stand_in(name: str, data_type: int, dims) -> onnx.TensorProto:
-    tensor = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims))
-    tensor.data_location = onnx.TensorProto.EXTERNAL
-    tensor.external_data.add(key="location", value=LEFT_OUT)
-    return tensor
-
-
-def is_stand_in(tensor: onnx.TensorProto) -> bool:
-    """Whether ``tensor`` is a stand-in whose values were left out of a copy."""
-    return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
-        e.key == "location" and e.value == LEFT_OUT for e in tensor.external_data
-    )
-
-
-def _can_leave_out(tensor: onnx.TensorProto) -> bool:
-    """A floating-point initializer of at least EXTERNAL_DATA_THRESHOLD bytes, held in
-    raw_data alone (the one storage whose check is only its length, see ``_long_enough``)."""
-    if tensor.data_type not in FLOAT_TYPES or tensor.data_type not in _ELEMENT_BITS:
-        return False
-    if tensor.data_location == onnx.TensorProto.EXTERNAL or not tensor.HasField("raw_data"):
-        return False
-    return _raw_data_size(tensor) >= EXTERNAL_DATA_THRESHOLD and not any(
-        len(getattr(tensor, f)) for f in _TENSOR_DATA_FIELDS[1:]
-    )
-
-
-def _long_enough(tensor: onnx.TensorProto) -> bool:
-    """What the checker checks of a tensor ``_can_leave_out`` accepts: enough bytes for its
-    shape. (Measuring raw_data copies it, ~0.15 ms per MB, so only verification does.)"""
-    return len(tensor.raw_data) >= _raw_data_size(tensor)
-
-
-def copy_leaving_values_out(proto: onnx.ModelProto, long_enough: Collection[str] = ()) -> onnx.ModelProto | None:
-    """A copy of ``proto`` for the checker, whose large floating-point main-graph
-    initializers are stand-ins, their lengths checked here (but for those named in
-    ``long_enough``, known to be: ``known_long_enough``); None when there is none."""
-    initializers = proto.graph.initializer
-    left_out = [_can_leave_out(t) and (t.name in long_enough or _long_enough(t)) for t in initializers]
-    if not any(left_out):
-        return None
-    out = copy_without_initializers(proto)
-    for tensor, leave_out in zip(initializers, left_out, strict=True):
-        if leave_out:
-            out.graph.initializer.append(_stand_in(tensor.name, tensor.data_type, tensor.dims))
-        else:
-            out.graph.initializer.add().CopyFrom(tensor)
-    return out
-
-
-def without_values(proto: onnx.ModelProto, names: Collection[str]) -> onnx.ModelProto:
-    """A copy of ``proto`` whose main-graph initializers named in ``names`` are stand-ins
-    (``is_stand_in``: name, type and shape, no values), for a holder that gets their values
-    elsewhere; the others are copied."""
-    out = copy_without_initializers(proto)
-    for tensor in proto.graph.initializer:
-        if tensor.name in names:
-            out.graph.initializer.append(_stand_in(tensor.name, tensor.data_type, tensor.dims))
-        else:
-            out.graph.initializer.add().CopyFrom(tensor)
-    return out
-
-
 #: set on a LazyValues whose tensor's raw_data was found long enough: its bytes never change,
-#: and measuring them copies them (``_long_enough``), once per pass otherwise
+#: and measuring them copies them (``long_enough``), once per pass otherwise
 _LENGTH_CHECKED = "graphforge_length_checked"
 
 
@@ -283,7 +201,7 @@ def stand_ins_long_enough(proto: onnx.ModelProto, model: Model) -> bool:
         tensor = _lazy_tensor(constant) if constant.name in left_out else None
         if tensor is None or getattr(constant._values, _LENGTH_CHECKED, False):
             continue
-        if not _long_enough(tensor):
+        if not long_enough(tensor):
             return False
         setattr(constant._values, _LENGTH_CHECKED, True)
     return True
@@ -363,11 +281,11 @@ def _stand_in_for(constant: gs.Constant, values: bool) -> onnx.TensorProto | Non
 
     With ``values`` (the stand-in is filled afterwards): every constant still read from a
     TensorProto, so the export never touches that TensorProto (onnx-graphsurgeon's renames
-    it), and every large NumPy one. Without: the large floating-point ones (``_can_leave_out``)."""
+    it), and every large NumPy one. Without: the large floating-point ones (``can_leave_out``)."""
     tensor = _lazy_tensor(constant)
     if tensor is not None:
-        if values or _can_leave_out(tensor):
-            return _stand_in(constant.name, tensor.data_type, tensor.dims)
+        if values or can_leave_out(tensor):
+            return stand_in(constant.name, tensor.data_type, tensor.dims)
         return None
     array = constant._values
     if not isinstance(array, np.ndarray) or array.nbytes < EXTERNAL_DATA_THRESHOLD:
@@ -375,7 +293,7 @@ def _stand_in_for(constant: gs.Constant, values: bool) -> onnx.TensorProto | Non
     data_type = dtype_to_onnx(constant.export_dtype)
     if not values and data_type not in FLOAT_TYPES:
         return None
-    return _stand_in(constant.name, data_type, array.shape)
+    return stand_in(constant.name, data_type, array.shape)
 
 
 @contextlib.contextmanager
@@ -505,364 +423,3 @@ def _take_values(graph: gs.Graph, source: gs.Graph) -> None:
         constant._values = original._values
         constant.data_location = original.data_location
         constant._export_dtype = original._export_dtype
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load(source: ModelSource, *, load_external_data: bool = True, copy: bool = True) -> onnx.ModelProto:
-    """Load a model from a path, bytes or a ModelProto (returned as a copy; with
-    ``copy=False``, itself, checked, for a caller that only reads it and would rather not
-    copy its weights).
-
-    External data is read from the model's folder; a location that escapes that folder
-    (absolute, or with ``..``) is refused before anything is read. Bytes and a ModelProto
-    have no folder, so one that still refers to external data is refused unless
-    ``load_external_data=False`` (the caller then resolves it).
-    """
-    if isinstance(source, onnx.ModelProto):
-        proto = source
-        if copy:
-            proto = onnx.ModelProto()
-            proto.CopyFrom(source)
-        proto = _checked(proto, "<ModelProto>")
-        if load_external_data:
-            refuse_unresolved_external_data(proto, where="<ModelProto>")
-        return proto
-    if isinstance(source, bytes | bytearray):
-        proto = _checked(_parse(bytes(source), "<bytes>"), "<bytes>")
-        if load_external_data:
-            refuse_unresolved_external_data(proto, where="<bytes>")
-        return proto
-    path = Path(source)
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file")
-    if path.is_dir():
-        raise ModelLoadError(f"{path}: is a folder, expected an .onnx file")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    proto = _checked(_parse(data, str(path)), str(path))
-    check_external_data_locations(proto, path.parent, where=str(path))
-    if load_external_data and _uses_external_data(proto):
-        try:
-            external_data_helper.load_external_data_for_model(proto, str(path.parent))
-        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
-            raise ModelLoadError(f"{path}: cannot read its external data ({one_line(exc)})") from None
-    return proto
-
-
-def _parse(data: bytes, where: str) -> onnx.ModelProto:
-    proto = onnx.ModelProto()
-    try:
-        proto.ParseFromString(data)
-    except (DecodeError, RuntimeError, ValueError):
-        raise ModelLoadError(f"{where}: not an ONNX model (the bytes do not parse as a ModelProto)") from None
-    return proto
-
-
-def _checked(proto: onnx.ModelProto, where: str) -> onnx.ModelProto:
-    # protobuf parses many byte strings leniently (unknown fields are skipped), so a text
-    # file or random bytes can "parse"; a real model always has an IR version and opsets.
-    if proto.ir_version <= 0 or not proto.HasField("graph") or not proto.opset_import:
-        raise ModelLoadError(f"{where}: not an ONNX model (no IR version, graph or opset import)")
-    return proto
-
-
-def _uses_external_data(proto: onnx.ModelProto) -> bool:
-    return any(external_data_helper.uses_external_data(t) for t in _all_tensors(proto))
-
-
-def _all_tensors(proto: onnx.ModelProto):
-    return external_data_helper._get_all_tensors(proto)
-
-
-def _external_location(tensor: onnx.TensorProto) -> str:
-    return next((e.value for e in tensor.external_data if e.key == "location"), "")
-
-
-def check_external_data_locations(proto: onnx.ModelProto, base_dir: Path, *, where: str) -> None:
-    """Refuse external data that would be read from outside the model's folder."""
-    base = base_dir.resolve()
-    for tensor in _all_tensors(proto):
-        if not external_data_helper.uses_external_data(tensor):
-            continue
-        location = _external_location(tensor)
-        if not location:
-            raise ModelLoadError(f"{where}: tensor {tensor.name!r} is marked as external data but names no file")
-        target = (base / location).resolve()
-        if os.path.isabs(location) or not target.is_relative_to(base):
-            raise ModelLoadError(
-                f"{where}: tensor {tensor.name!r} stores its data at {location!r}, outside the model's "
-                f"folder {base}; refusing to read it"
-            )
-
-
-def refuse_unresolved_external_data(proto: onnx.ModelProto, *, where: str) -> None:
-    """Refuse a model held in memory that still refers to external data files.
-
-    Such a model has no folder to read them from (onnxruntime would read them relative to
-    the current directory, unchecked), so it must be loaded from its path instead.
-    """
-    for tensor in _all_tensors(proto):
-        if external_data_helper.uses_external_data(tensor):
-            raise ModelLoadError(
-                f"{where}: tensor {tensor.name!r} keeps its data in the external file "
-                f"{_external_location(tensor)!r}, which a model held in memory has no folder to read from; "
-                f"load the model from its path instead"
-            )
-
-
-def exceeds_protobuf_limit(proto: onnx.ModelProto) -> bool:
-    """Whether ``proto`` is too large to serialize as one protobuf (2 GiB).
-
-    The initializers' payloads are summed first: protobuf's own ByteSize() serializes the
-    whole message to measure it, and raises instead of answering for a message over the limit.
-    Tensors held in node attributes are left to ByteSize(): finding them walks every node in
-    Python, which took longer than ByteSize() itself on the light exports that the checks and
-    shape inference measure (GPT-2 small's training program: 23 ms against 3 ms).
-    """
-    if sum(_raw_data_size(t) for t in proto.graph.initializer) > PROTOBUF_LIMIT:
-        return True
-    try:
-        return proto.ByteSize() > PROTOBUF_LIMIT
-    except (EncodeError, ValueError):
-        return True
-
-
-def _element_bits() -> dict[int, int]:
-    bits = {}
-    for data_type in onnx.TensorProto.DataType.values():
-        if data_type in (onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING):
-            continue
-        try:
-            bits[data_type] = onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize * 8
-        except (KeyError, ValueError, TypeError):
-            continue
-    # packed types: numpy holds one per byte, raw_data packs them; others unknown here are measured
-    for name, width in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)):
-        if hasattr(onnx.TensorProto, name):
-            bits[getattr(onnx.TensorProto, name)] = width
-    for name in ("FLOAT6E2M3", "FLOAT6E3M2"):
-        bits.pop(getattr(onnx.TensorProto, name, -1), None)
-    return bits
-
-
-_ELEMENT_BITS = _element_bits()
-
-
-def _raw_data_size(tensor: onnx.TensorProto) -> int:
-    """Bytes in a tensor's raw_data, from its dims and type where they tell: reading the
-    field would copy it (a second gigabyte for a gigabyte tensor)."""
-    if not tensor.HasField("raw_data"):
-        return 0
-    bits = _ELEMENT_BITS.get(tensor.data_type)
-    if bits is None:
-        return len(tensor.raw_data)
-    return (math.prod(tensor.dims) * bits + 7) // 8
-
-
-# --------------------------------------------------------------------------- saving
-
-
-def save(
-    model: onnx.ModelProto | Model,
-    path: str | os.PathLike,
-    *,
-    external_data: bool | None = None,
-    runtime_compatible: bool = True,
-) -> Path:
-    """Write a model atomically, readable by the installed onnxruntime.
-
-    ``external_data=None`` writes tensors to ``<name>.data`` beside the model only when the
-    model would not fit in one protobuf (2 GiB); True forces it, False forbids it. The
-    caller's model is not modified. Either both files are replaced, or neither is.
-    ``runtime_compatible=False`` keeps the IR version and opsets as they are (for a file
-    that only onnx's own tools read).
-    """
-    proto = model.to_proto() if isinstance(model, Model) else model
-    path = Path(path)
-    if not path.parent.is_dir():
-        what = "is not a folder" if path.parent.exists() else "does not exist"
-        raise ModelSaveError(f"{path}: folder {path.parent} {what}")
-    for tensor in _all_tensors(proto):
-        if external_data_helper.uses_external_data(tensor):
-            raise ModelSaveError(
-                f"{path}: tensor {tensor.name!r} still refers to external data ({_external_location(tensor)!r}); "
-                f"load the model with its external data before saving it"
-            )
-    # A model that needs no change is written as it is (a copy would copy its weights), and
-    # serializing it measures it: ByteSize() would serialize it a second time, just to measure.
-    serialized = None
-    if external_data is not True and (not runtime_compatible or is_runtime_compatible(proto)):
-        serialized = _serialized_within_limit(proto)
-    if serialized is not None:
-        to_external, out, payload_sources, runtime_compatible = False, proto, {}, False
-    else:
-        over_limit = exceeds_protobuf_limit(proto)
-        if external_data is False and over_limit:
-            raise ModelSaveError(f"{path}: the model is over 2 GiB and must be saved with external data")
-        to_external = over_limit if external_data is None else external_data
-        # Moving tensors to external data rewrites them in place: work on a copy. One that will
-        # go to the data file leaves the large payloads out, to be read from the caller's model.
-        if to_external:
-            out, payload_sources = _copy_leaving_out_payloads(proto)
-        else:
-            out, payload_sources = onnx.ModelProto(), {}
-            out.CopyFrom(proto)
-    data_name = path.name + ".data"
-    data_path = path.parent / data_name
-    try:
-        with temp_folder_beside(path) as tmp_dir:  # locked: a later run's remove_stale knows it is ours
-            tmp_model, tmp_data, backup = tmp_dir / path.name, tmp_dir / data_name, tmp_dir / "previous.data"
-            if to_external:
-                _move_tensors_to_file(out, tmp_data, location=data_name, sources=payload_sources)
-            # after moving the tensors out: onnx's version converter cannot take a model over 2 GiB
-            if runtime_compatible:
-                make_runtime_compatible(out)
-            tmp_model.write_bytes(out.SerializeToString() if serialized is None else serialized)
-            del serialized
-            if not tmp_data.exists():
-                os.replace(tmp_model, path)
-                return path
-            if data_path.exists():
-                _link_or_copy(data_path, backup)
-            os.replace(tmp_data, data_path)
-            try:
-                os.replace(tmp_model, path)
-            except OSError:
-                if backup.exists():
-                    os.replace(backup, data_path)
-                else:
-                    data_path.unlink()
-                raise
-    except ModelSaveError as exc:
-        raise ModelSaveError(f"{path}: {exc}") from None
-    except (OSError, ValueError, EncodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
-        raise ModelSaveError(f"{path}: cannot write ({reason})") from None
-    return path
-
-
-def _serialized_within_limit(proto: onnx.ModelProto) -> bytes | None:
-    """``proto`` serialized, or None when it is over protobuf's limit (2 GiB)."""
-    if sum(_raw_data_size(t) for t in _all_tensors(proto)) > PROTOBUF_LIMIT:
-        return None
-    try:
-        data = proto.SerializeToString()
-    except (EncodeError, ValueError):
-        return None
-    return data if len(data) <= PROTOBUF_LIMIT else None
-
-
-def _copy_leaving_out_payloads(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
-    """A copy of ``proto`` without the raw_data of its large main-graph initializers, and
-    for each of those (by position) the caller's tensor that still holds it.
-
-    Copying a >2 GiB model whole just to move its weights out would hold them twice.
-    """
-    out = copy_without_initializers(proto)
-    sources: dict[int, onnx.TensorProto] = {}
-    for index, tensor in enumerate(proto.graph.initializer):
-        copy = out.graph.initializer.add()
-        if _raw_data_size(tensor) >= EXTERNAL_DATA_THRESHOLD:
-            _copy_fields(tensor, copy, "raw_data")
-            sources[index] = tensor
-        else:
-            copy.CopyFrom(tensor)
-    return out, sources
-
-
-def copy_without_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``proto`` with everything but its main graph's initializers, which are never
-    read (so never copied): the caller adds the ones it keeps, or stand-ins for them."""
-    out = onnx.ModelProto()
-    _copy_fields(proto, out, "graph")
-    _copy_fields(proto.graph, out.graph, "initializer")
-    return out
-
-
-def _copy_fields(src, dst, skip: str) -> None:
-    """Copy every field of protobuf message ``src`` into ``dst`` but ``skip``, never reading
-    ``skip`` (reading a bytes field copies it)."""
-    for field_descriptor in src.DESCRIPTOR.fields:
-        name = field_descriptor.name
-        if name == skip:
-            continue
-        repeated = getattr(field_descriptor, "is_repeated", None)
-        if repeated is None:  # protobuf before 5: the label tells
-            repeated = field_descriptor.label == field_descriptor.LABEL_REPEATED
-        if repeated:
-            if len(getattr(src, name)):
-                getattr(dst, name).extend(getattr(src, name))
-        elif src.HasField(name):
-            if field_descriptor.message_type is not None:
-                getattr(dst, name).CopyFrom(getattr(src, name))
-            else:
-                setattr(dst, name, getattr(src, name))
-
-
-def _move_tensors_to_file(
-    proto: onnx.ModelProto,
-    data_file: Path,
-    *,
-    location: str,
-    sources: dict[int, onnx.TensorProto] | None = None,
-) -> None:
-    """Write every initializer of at least EXTERNAL_DATA_THRESHOLD bytes to ``data_file``
-    and point the tensor at it (``location``, relative to the model's folder). ``sources``
-    maps main-graph initializers, by position, to the tensor that holds their payload.
-
-    onnx's own helpers test the location against the current directory and skip tensors
-    kept in typed fields (float_data, ...), so this writes the file itself; each tensor's
-    payload is copied out of the protobuf once, and offsets are page aligned for mmap.
-    """
-    sources = sources or {}
-    with open(data_file, "wb") as f:
-        # the main graph's initializers come first, in order, then those of subgraphs
-        for position, tensor in enumerate(external_data_helper._get_initializer_tensors(proto)):
-            if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
-                continue
-            source = sources.get(position)
-            if source is not None:
-                payload = source.raw_data
-            elif tensor.HasField("raw_data"):
-                payload = tensor.raw_data
-                if len(payload) < EXTERNAL_DATA_THRESHOLD:
-                    continue
-            else:  # typed fields hold little-endian values once written raw: from_array does that
-                payload = numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
-                if len(payload) < EXTERNAL_DATA_THRESHOLD:
-                    continue
-            offset = -f.tell() % 4096 + f.tell()
-            f.seek(offset)
-            f.write(payload)
-            del payload
-            for data_field in _TENSOR_DATA_FIELDS:
-                tensor.ClearField(data_field)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            length = f.tell() - offset
-            for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-                tensor.external_data.add(key=key, value=value)
-        if f.tell() == 0:
-            f.close()
-            data_file.unlink()
-
-
-_TENSOR_DATA_FIELDS = (
-    "raw_data",
-    "float_data",
-    "int32_data",
-    "string_data",
-    "int64_data",
-    "double_data",
-    "uint64_data",
-)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

@@ -1,7 +1,7 @@
 """onnxruntime compatibility: which IR versions and opsets the installed onnxruntime reads,
 converting a model down to them, and whether it builds a session for a model.
 
-One module for what ``graph.save`` (every file written is one onnxruntime reads), the
+One module for what ``model_io.save`` (every file written is one onnxruntime reads), the
 runtime's sessions and the checker (``verify_model(with_ort=True)``) all need, so none
 of them reaches into another for it. Everything is probed from onnxruntime itself, never
 from a version table, so a newer or older onnxruntime is handled without an edit here.

@@ -15,8 +15,9 @@ from pathlib import Path
 import onnx
 
 from graphforge.errors import GraphforgeError, ModelSaveError, PassError, PipelineError
-from graphforge.graph import Model, ModelSource, load, mark_lengths_checked, names_kept, save
+from graphforge.graph import Model, mark_lengths_checked, names_kept
 from graphforge.ir import gc_paused, op_histogram
+from graphforge.model_io import ModelSource, load, save
 from graphforge.pass_infra import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
 from graphforge.passes import REGISTRY
 from graphforge.roles import metadata_of

@@ -26,8 +26,9 @@ from onnx import helper
 
 from graphforge import roles
 from graphforge.errors import GraphforgeError
-from graphforge.graph import Model, ModelSource, load
+from graphforge.graph import Model
 from graphforge.ir import onnx_dtype
+from graphforge.model_io import ModelSource, load
 
 #: what a carried tensor is (``CarriedSpec.role``)
 CARRIED_ROLES = ("parameter", "optimizer", "accumulator", "buffer")

@@ -8,12 +8,9 @@ Passes write roles through these keys and helpers; everything else reads them th
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import onnx
-
-if TYPE_CHECKING:
-    from graphforge.graph import Model
 
 LOSS = "graphforge.loss"  # name of the scalar loss output
 LABELS = "graphforge.labels"  # name of the labels input the loss pass added
@@ -124,10 +121,16 @@ def metadata_of(proto: onnx.ModelProto) -> dict[str, str]:
     return {p.key: p.value for p in proto.metadata_props}
 
 
-def get_json(model: Model, key: str, default):
+class HasMetadata(Protocol):
+    """What holds roles: a Model (graphforge.graph), whose metadata becomes metadata_props."""
+
+    metadata: dict[str, str]
+
+
+def get_json(model: HasMetadata, key: str, default):
     text = model.metadata.get(key)
     return default if text is None else json.loads(text)
 
 
-def set_json(model: Model, key: str, value) -> None:
+def set_json(model: HasMetadata, key: str, value) -> None:
     model.metadata[key] = json.dumps(value, sort_keys=isinstance(value, dict))

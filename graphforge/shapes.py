@@ -18,8 +18,10 @@ from onnx_graphsurgeon.importers.onnx_importer import (
 from onnx_graphsurgeon.util.exception import OnnxGraphSurgeonException
 
 from graphforge.errors import InvalidModelError
-from graphforge.graph import Model, exceeds_protobuf_limit, load, save
+from graphforge.graph import Model
 from graphforge.ir import subgraphs_of
+from graphforge.model_io import load, save
+from graphforge.payloads import exceeds_protobuf_limit
 
 
 def infer_shapes(model: Model, *, in_place: bool = False, relate: bool = False) -> Model:

@@ -12,16 +12,9 @@ from pathlib import Path
 import onnx
 
 from graphforge.errors import InvalidModelError, one_line
-from graphforge.graph import (
-    LEFT_OUT,
-    Model,
-    copy_leaving_values_out,
-    exceeds_protobuf_limit,
-    is_stand_in,
-    known_long_enough,
-    save,
-    stand_ins_long_enough,
-)
+from graphforge.graph import Model, known_long_enough, stand_ins_long_enough
+from graphforge.model_io import save
+from graphforge.payloads import LEFT_OUT, copy_leaving_values_out, exceeds_protobuf_limit, is_stand_in
 
 #: what the ONNX checker and its strict shape inference raise for an invalid model
 CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)

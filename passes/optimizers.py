@@ -15,7 +15,7 @@ torch's after hundreds of steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -499,3 +499,16 @@ def _numpy_dtype(dtype) -> np.dtype | None:
     """``dtype`` as NumPy's, or None where it is unknown or one NumPy lacks (onnx-graphsurgeon
     keeps bfloat16 as ONNX's type number)."""
     return np.dtype(dtype) if isinstance(dtype, np.dtype | type) else None
+
+
+#: the optimizer passes by the kind a program records (``graphforge.optimizer``)
+OPTIMIZERS = {cls.name: cls for cls in (SGD, Adam, AdamW, Lamb)}
+
+
+def state_names(kind: str, hyperparameters: Mapping[str, Any]) -> tuple[str, ...]:
+    """The states the optimizer ``kind`` keeps per parameter (``<parameter>.<state>``) with the
+    hyperparameters a program recorded: what its pass carries, for the runtime's update
+    kernels to keep the same."""
+    cls = OPTIMIZERS[kind]
+    known = {p.name for p in cls.parameters()}
+    return tuple(cls(**{k: v for k, v in hyperparameters.items() if k in known}).state_names)

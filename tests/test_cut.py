@@ -11,7 +11,8 @@ from onnx import helper, numpy_helper
 
 import graphforge
 from graphforge.placement.cut import cut
-from graphforge.runtime.runner import Runner, resolve_device
+from graphforge.runtime.devices import resolve_device
+from graphforge.runtime.runner import Runner
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ from _io_models import (
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 import graphforge
-from graphforge import graph as gio
-from graphforge import ort_compat, tempfiles
+from graphforge import model_io, ort_compat, payloads, tempfiles
 from graphforge.errors import ModelLoadError, ModelSaveError
-from graphforge.graph import Model, load, save
+from graphforge.graph import Model
+from graphforge.model_io import load, save
 from graphforge.ort_compat import make_runtime_compatible, runtime_limits
 
 
@@ -574,7 +574,7 @@ def test_saving_a_model_whose_external_data_is_not_loaded_is_refused(tmp_path):
 
 
 def test_save_chooses_external_data_over_the_protobuf_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", 4096)  # the 8 KiB weight is "too big" for one protobuf
+    monkeypatch.setattr(payloads, "PROTOBUF_LIMIT", 4096)  # the 8 KiB weight is "too big" for one protobuf
     model, w, b = affine_model()
     path = save(model, tmp_path / "m.onnx")
     assert listing(tmp_path) == ["m.onnx", "m.onnx.data"]
@@ -586,7 +586,7 @@ def test_save_chooses_external_data_over_the_protobuf_limit(tmp_path, monkeypatc
 
 
 def test_save_without_external_data_over_the_limit_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", 4096)
+    monkeypatch.setattr(payloads, "PROTOBUF_LIMIT", 4096)
     path = tmp_path / "m.onnx"
     with pytest.raises(ModelSaveError) as info:
         save(affine_model()[0], path, external_data=False)
@@ -596,11 +596,11 @@ def test_save_without_external_data_over_the_limit_is_refused(tmp_path, monkeypa
 
 def test_exceeds_protobuf_limit(monkeypatch):
     model, w, _ = affine_model()
-    assert not gio.exceeds_protobuf_limit(model)
-    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", w.nbytes - 1)  # the payload alone is over
-    assert gio.exceeds_protobuf_limit(model)
-    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", model.ByteSize() - 1)  # payload under, whole model over
-    assert gio.exceeds_protobuf_limit(model)
+    assert not payloads.exceeds_protobuf_limit(model)
+    monkeypatch.setattr(payloads, "PROTOBUF_LIMIT", w.nbytes - 1)  # the payload alone is over
+    assert payloads.exceeds_protobuf_limit(model)
+    monkeypatch.setattr(payloads, "PROTOBUF_LIMIT", model.ByteSize() - 1)  # payload under, whole model over
+    assert payloads.exceeds_protobuf_limit(model)
     # weights held by Constant nodes, as some exporters write them, count too
     held = helper.make_model(
         helper.make_graph(
@@ -610,10 +610,10 @@ def test_exceeds_protobuf_limit(monkeypatch):
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(w.shape))],
         )
     )
-    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", w.nbytes - 1)
-    assert gio.exceeds_protobuf_limit(held)
-    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", held.ByteSize())
-    assert not gio.exceeds_protobuf_limit(held)
+    monkeypatch.setattr(payloads, "PROTOBUF_LIMIT", w.nbytes - 1)
+    assert payloads.exceeds_protobuf_limit(held)
+    monkeypatch.setattr(payloads, "PROTOBUF_LIMIT", held.ByteSize())
+    assert not payloads.exceeds_protobuf_limit(held)
 
 
 def test_raw_data_size_is_read_from_dims_and_type():
@@ -630,8 +630,8 @@ def test_raw_data_size_is_read_from_dims_and_type():
     tensors.append(numpy_helper.from_array(np.zeros((0, 4), np.float32), "empty"))
     for tensor in tensors:
         assert tensor.HasField("raw_data"), tensor.name
-        assert gio._raw_data_size(tensor) == len(tensor.raw_data), tensor.name
-    assert gio._raw_data_size(helper.make_tensor("typed", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])) == 0
+        assert payloads.raw_data_size(tensor) == len(tensor.raw_data), tensor.name
+    assert payloads.raw_data_size(helper.make_tensor("typed", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])) == 0
 
 
 def _available_memory() -> int:
@@ -678,7 +678,7 @@ def test_model_over_2_gib_round_trip(tmp_path):
         tensor.dims.append(n)
         tensor.raw_data = w.tobytes()
         del w
-    assert gio.exceeds_protobuf_limit(model)
+    assert payloads.exceeds_protobuf_limit(model)
 
     path = save(model, tmp_path / "big.onnx")
     assert listing(tmp_path) == ["big.onnx", "big.onnx.data"]
@@ -722,7 +722,7 @@ def test_failed_rename_leaves_the_destination_unchanged(saved, monkeypatch, exte
     def fail(src, dst):
         raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
 
-    monkeypatch.setattr(gio.os, "replace", fail)
+    monkeypatch.setattr(model_io.os, "replace", fail)
     with pytest.raises(ModelSaveError) as info:
         save(affine_model(seed=6)[0], saved[0], external_data=external)
     assert str(info.value) == f"{saved[0]}: cannot write ({os.strerror(errno.EXDEV)})"
@@ -738,7 +738,7 @@ def test_failed_rename_of_the_model_after_its_data_restores_the_old_data(saved, 
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         real_replace(src, dst)
 
-    monkeypatch.setattr(gio.os, "replace", fail_for_the_model)
+    monkeypatch.setattr(model_io.os, "replace", fail_for_the_model)
     with pytest.raises(ModelSaveError, match="Input/output error"):
         save(affine_model(seed=6)[0], saved[0], external_data=True)
     monkeypatch.undo()
@@ -766,7 +766,7 @@ def test_serializer_failure_leaves_the_destination_unchanged(saved, monkeypatch)
         data_file.write_bytes(b"partial")
         raise ValueError("Message onnx.ModelProto exceeds maximum protobuf size of 2GB")
 
-    monkeypatch.setattr(gio, "_move_tensors_to_file", refuse)
+    monkeypatch.setattr(model_io, "_move_tensors_to_file", refuse)
     with pytest.raises(ModelSaveError) as info:
         save(affine_model(seed=6)[0], saved[0], external_data=True)
     assert str(info.value) == f"{saved[0]}: cannot write (Message onnx.ModelProto exceeds maximum protobuf size of 2GB)"

@@ -18,7 +18,8 @@ from graphforge.pass_manager import default_registry
 from graphforge.placement.cut import cut
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointState
-from graphforge.runtime.runner import Runner, resolve_device
+from graphforge.runtime.devices import resolve_device
+from graphforge.runtime.runner import Runner
 
 
 @dataclass(frozen=True)

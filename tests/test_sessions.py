@@ -13,10 +13,9 @@ import pytest
 from _io_models import affine_model, inputs, relu_model, set_location
 
 import graphforge
-from graphforge import graph as gio
-from graphforge import ort_compat
+from graphforge import ort_compat, payloads
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelLoadError
-from graphforge.graph import load, save
+from graphforge.model_io import load, save
 from graphforge.ort_compat import runtime_limits
 from graphforge.runtime import sessions
 from graphforge.runtime.sessions import CPU, CUDA, available_providers, create_session, session_options
@@ -444,7 +443,7 @@ def test_session_refuses_a_model_in_memory_that_refers_to_external_data(tmp_path
 
 def test_session_over_the_protobuf_limit_goes_through_a_temporary_file(tmp_path, affine, monkeypatch):
     model, x, expected = affine
-    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", 4096)
+    monkeypatch.setattr(payloads, "PROTOBUF_LIMIT", 4096)
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     before = model.SerializeToString()

@@ -12,7 +12,7 @@ import pytest
 from _io_models import affine_model, relu_model
 from onnx import TensorProto, helper, numpy_helper
 
-from graphforge import graph as gio
+from graphforge import payloads
 from graphforge.errors import GraphforgeError, InvalidModelError
 from graphforge.ort_compat import runtime_limits
 from graphforge.runtime.sessions import check_loads
@@ -168,7 +168,7 @@ def test_verify_does_not_mutate_the_model():
 def tiny_protobuf_limit(monkeypatch, tmp_path):
     """Pretend protobuf's limit is 4 KiB, so an 8 KiB weight takes the >2 GiB path; temp
     folders go to tmp_path/tmp so the test can see they are removed."""
-    monkeypatch.setattr(gio, "PROTOBUF_LIMIT", 4096)
+    monkeypatch.setattr(payloads, "PROTOBUF_LIMIT", 4096)
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     return tmp_path / "tmp"
@@ -176,7 +176,7 @@ def tiny_protobuf_limit(monkeypatch, tmp_path):
 
 def test_model_over_the_limit_is_checked_from_a_file(tiny_protobuf_limit):
     model, _, _ = affine_model()
-    assert gio.exceeds_protobuf_limit(model)
+    assert payloads.exceeds_protobuf_limit(model)
     verify_model(model)
     check_loads(model, where="model")
     broken = onnx.ModelProto()
@@ -206,6 +206,6 @@ def test_model_over_the_limit_is_checked_as_it_is_not_converted(tiny_protobuf_li
         ),
         opset_imports=[helper.make_opsetid("", 28)],
     )
-    assert gio.exceeds_protobuf_limit(model)
+    assert payloads.exceeds_protobuf_limit(model)
     verify_model(model)
     assert os.listdir(tiny_protobuf_limit) == []

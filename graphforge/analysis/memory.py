@@ -36,8 +36,8 @@ from onnx.reference import ReferenceEvaluator
 from graphforge.analysis.cost import DEFAULT_DIM
 from graphforge.analysis.size import nbytes
 from graphforge.errors import InvalidModelError
-from graphforge.graph import copy_leaving_values_out, copy_without_initializers, is_stand_in
 from graphforge.ir import node_reads
+from graphforge.payloads import copy_leaving_values_out, copy_without_initializers, is_stand_in
 from graphforge.program import CarriedSpec, ProgramRoles
 from graphforge.roles import node_origin
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from graphforge.diff.engine import diff_models
 from graphforge.diff.result import SCHEMA, SCHEMA_VERSION, GraphDiff, ModelDiff
-from graphforge.graph import ModelSource
+from graphforge.model_io import ModelSource
 from graphforge.roles import node_origin as origin_of
 
 

@@ -34,7 +34,7 @@ from graphforge.diff.source import Side, bytes_equal, model_problem, open_side, 
 from graphforge.diff.stats import value_stats
 from graphforge.diff.view import GraphView, Init, NodeRec, Value, function_view, graph_view, opset_map
 from graphforge.errors import InvalidModelError
-from graphforge.graph import ModelSource
+from graphforge.model_io import ModelSource
 from graphforge.roles import metadata_of, node_origin
 
 

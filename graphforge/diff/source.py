@@ -21,7 +21,8 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
 from graphforge.errors import one_line
-from graphforge.graph import LEFT_OUT, ModelSource, copy_leaving_values_out, exceeds_protobuf_limit, load
+from graphforge.model_io import ModelSource, load
+from graphforge.payloads import LEFT_OUT, copy_leaving_values_out, exceeds_protobuf_limit
 from graphforge.verify import CHECK_ERRORS, light_problem
 
 #: raw_data payloads at least this large stay in the file

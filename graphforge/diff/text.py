@@ -1,22 +1,15 @@
 """The diff as text: a summary, then the details. Lines are lists of (text, style) segments,
-so the same lines print plain, with ANSI colours, or through rich in the CLI."""
+so the same lines print plain, with ANSI colours, or through rich in the CLI.
+
+What it renders are graphforge.diff.result's types (a ModelDiff, its GraphDiffs, NodeGroups,
+NumericReport); it reads their fields and imports nothing of result.py, whose
+``ModelDiff.to_text`` calls ``render_text``: one arrow, result -> text."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # annotations only: result.py renders itself with this module
-    from graphforge.diff.result import (
-        GraphDiff,
-        ModelDiff,
-        NodeGroup,
-        NodeRef,
-        NumericReport,
-        TensorNumeric,
-        ValueStats,
-    )
+from typing import Any
 
 Line = list[tuple[str, str]]
 
@@ -49,7 +42,7 @@ RENAMES_SHOWN = 10
 NUMERIC_SHOWN = 15
 
 
-def render_text(diff: ModelDiff, *, color: bool = False, brief: bool = False) -> str:
+def render_text(diff, *, color: bool = False, brief: bool = False) -> str:
     lines = summary_lines(diff) + ([] if brief else detail_lines(diff))
     return "\n".join(_plain(line, color) for line in lines) + "\n"
 
@@ -60,7 +53,7 @@ def _plain(line: Line, color: bool) -> str:
     return "".join(f"\x1b[{ANSI[style]}m{text}\x1b[0m" if ANSI.get(style) else text for text, style in line)
 
 
-def verdict(diff: ModelDiff) -> tuple[str, str]:
+def verdict(diff) -> tuple[str, str]:
     if diff.identical:
         return "identical", "same"
     if diff.structurally_identical:
@@ -68,7 +61,7 @@ def verdict(diff: ModelDiff) -> tuple[str, str]:
     return "different", "different"
 
 
-def summary_lines(diff: ModelDiff) -> list[Line]:
+def summary_lines(diff) -> list[Line]:
     s = diff.summary()
     text, style = verdict(diff)
     lines: list[Line] = [
@@ -107,7 +100,7 @@ def summary_lines(diff: ModelDiff) -> list[Line]:
     return lines
 
 
-def _numeric_headline(report: NumericReport) -> Line:
+def _numeric_headline(report) -> Line:
     first = report.first_divergence
     diverging = sum(t.diverges for t in report.tensors)
     if first is None and report.warnings:
@@ -126,7 +119,7 @@ def _numeric_headline(report: NumericReport) -> Line:
     ]
 
 
-def detail_lines(diff: ModelDiff) -> list[Line]:
+def detail_lines(diff) -> list[Line]:
     lines: list[Line] = []
     if diff.model:
         lines.append([("model", "title")])
@@ -151,7 +144,7 @@ def detail_lines(diff: ModelDiff) -> list[Line]:
     return lines
 
 
-def graph_lines(g: GraphDiff) -> list[Line]:
+def graph_lines(g) -> list[Line]:
     if g.identical:
         return []
     title = f"graph {g.path}" if g.path == "main" else f"subgraph {g.path}"
@@ -205,14 +198,14 @@ def graph_lines(g: GraphDiff) -> list[Line]:
     return lines
 
 
-def _node_list(sign: str, style: str, nodes: list[NodeRef]) -> list[Line]:
+def _node_list(sign: str, style: str, nodes: list) -> list[Line]:
     lines: list[Line] = [[(f"  {sign} ", style), (n.label, style)] for n in nodes[:LIST_LIMIT]]
     if len(nodes) > LIST_LIMIT:
         lines.append([(f"  {sign} … and {len(nodes) - LIST_LIMIT} more ({_ops(nodes[LIST_LIMIT:])})", style)])
     return lines
 
 
-def _group_line(group: NodeGroup) -> Line:
+def _group_line(group) -> Line:
     if group.kind == "origin":
         anchor = group.anchor_b or group.anchor_a
         if anchor is not None:
@@ -232,7 +225,7 @@ def _group_line(group: NodeGroup) -> Line:
     return line
 
 
-def _ops(nodes: list[NodeRef]) -> str:
+def _ops(nodes: list) -> str:
     counts = Counter(n.op_type for n in nodes)
     return ", ".join(op if k == 1 else f"{op} ×{k}" for op, k in sorted(counts.items(), key=lambda x: (-x[1], x[0])))
 
@@ -251,7 +244,7 @@ def _value_line(kind: str, status: str, a, b, fields) -> Line:
     return [(f"  ~ {kind} {a['name']!r}: ", "changed"), ("; ".join(parts), "")]
 
 
-def _initializer_line(status: str, a, b, fields, values: ValueStats | None) -> Line:
+def _initializer_line(status: str, a, b, fields, values) -> Line:
     if status == "added":
         return [(f"  + initializer {b['name']!r} {_type(b)}", "added")]
     if status == "removed":
@@ -301,7 +294,7 @@ def _num(value: float) -> str:
     return f"{value:.6g}"
 
 
-def _numeric_detail(t: TensorNumeric) -> str:
+def _numeric_detail(t) -> str:
     if t.status == "shape":
         return f"shape {t.shape_a} → {t.shape_b}"
     if t.status in ("dtype", "missing"):
@@ -313,7 +306,7 @@ def _numeric_detail(t: TensorNumeric) -> str:
     return f"max abs {_num(t.stats.max_abs)}, max rel {_num(t.stats.max_rel)}, {counted}"
 
 
-def numeric_lines(report: NumericReport) -> list[Line]:
+def numeric_lines(report) -> list[Line]:
     generated = [name for name, info in report.inputs.items() if info.get("generated")]
     lines: list[Line] = [
         [("numeric", "title"), (f"  rtol {report.rtol:g}, atol {report.atol:g}; seed {report.seed}", "dim")],

@@ -35,6 +35,7 @@ import onnxruntime as ort
 from graphforge.distributed.world import DistributedError, World
 from graphforge.errors import GraphforgeError
 from graphforge.placement.cut import cut
+from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_dtype
 from graphforge.runtime.runner import SegmentRun
 from graphforge.runtime.training import Module
 
@@ -108,8 +109,7 @@ class DataParallel:
             self.buckets.append(bucket)
         self._bucket_of = {name: b for b in self.buckets for name in b.names}
         self.broadcast(list(carried), "broadcasting rank 0's parameters and state")
-        module.replica = world.rank
-        module.reducer = self
+        module.attach_reducer(self, world.rank)
 
     def _join(self, module: Module, world: World, overlap: bool) -> None:
         """What every data-parallel Module needs: checks, and the state shared by the subclasses."""
@@ -118,7 +118,7 @@ class DataParallel:
                 "the program has no gradient allreduce: compile it with the allreduce pass after the "
                 'optimizer (e.g. "loss(...), autodiff, adamw(lr=1e-3), allreduce")'
             )
-        if module.reducer is not None:
+        if module.reducer is not None:  # before anything changes (attach_reducer would refuse it last)
             raise GraphforgeError("this Module is already data-parallel")
         expected = "cpu" if module.runner.device.type == "cpu" else f"cuda:{module.runner.device.id}"
         if world.device != expected:
@@ -140,13 +140,13 @@ class DataParallel:
     def before_forward(self) -> None:
         if self._buffers and self.world.size > 1:
             started = time.perf_counter()
-            self.broadcast(self._buffers, f"broadcasting the BatchNorm buffers before step {self._step()}")
+            self.broadcast(self._buffers, f"broadcasting the BatchNorm buffers before step {self.step_number}")
             self.stats.other_s += time.perf_counter() - started
 
     def step_segments(self, key: Any, keep: list[str], fetch: list[str]):
         runs = self._segments.get(key)
         if runs is None:
-            runs = self._segments[key] = self._cut_step(key, keep)
+            runs = self._segments[key] = self.cut_step(key, keep)
         runs = [SegmentRun(r.session, [n for n in fetch if n in r.session.outputs], r.sends, r.into) for r in runs]
         self.stats.steps += 1
         return runs, self._hook()
@@ -161,7 +161,7 @@ class DataParallel:
 
     def mean(self, value: np.ndarray) -> np.ndarray:
         started = time.perf_counter()
-        (mean,) = self.world.mean([float(value)], f"averaging the loss of step {self._step()}")
+        (mean,) = self.world.mean([float(value)], f"averaging the loss of step {self.step_number}")
         self.stats.other_s += time.perf_counter() - started
         return np.asarray(mean, dtype=np.asarray(value).dtype)
 
@@ -172,7 +172,7 @@ class DataParallel:
         if self.world.size > 1:
             broadcast_carried(self.world, self.module.runner, names, 0, what)
 
-    def _cut_step(self, key: Any, keep: list[str]) -> list[SegmentRun]:
+    def cut_step(self, key: Any, keep: list[str]) -> list[SegmentRun]:
         """The training step cut after each bucket: segment k makes bucket k's gradients
         (writing them into the bucket) and what later segments need; the last one updates."""
         module = self.module
@@ -214,7 +214,9 @@ class DataParallel:
         reduction.wait()
         return None
 
-    def _step(self) -> int:
+    @property
+    def step_number(self) -> int:
+        """The step being run, counted from 1 (for what a failed collective names)."""
         return int(self.module.state.step) + 1
 
 
@@ -227,7 +229,7 @@ class _Reduction:
 
         self.owner, self.buckets = owner, buckets
         self.covers = [n for b in buckets for n in b.names]
-        self.what = f"the gradient allreduce of step {owner._step()}"
+        self.what = f"the gradient allreduce of step {owner.step_number}"
         with owner.world.collective(self.what):
             self.works = [dist.all_reduce(b.flat, async_op=True) for b in buckets]
 
@@ -241,39 +243,6 @@ class _Reduction:
                 b.flat.div_(self.owner.world.size)
         self.owner.stats.exposed_s += time.perf_counter() - started
         return None  # the gradients were reduced in place, in the memory the segments wrote
-
-
-# --------------------------------------------------------------------------- torch <-> onnxruntime
-
-
-def ortvalue_of(tensor) -> ort.OrtValue:
-    """An OrtValue over ``tensor``'s memory (no copy): DLPack, or on the CPU numpy."""
-    try:
-        return ort.OrtValue.from_dlpack(tensor)
-    except (AttributeError, TypeError, RuntimeError):
-        if tensor.device.type != "cpu":
-            raise DistributedError(
-                "this onnxruntime cannot share CUDA memory with torch (its OrtValue has no DLPack import); "
-                "install onnxruntime-gpu 1.16 or later"
-            ) from None
-        return ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
-
-
-def tensor_of(value: ort.OrtValue):
-    """A torch tensor over an OrtValue's memory (no copy)."""
-    import torch
-
-    if _dlpack(value):
-        return torch.from_dlpack(value)
-    if value.device_name().lower() != "cpu":
-        raise DistributedError(
-            "this onnxruntime cannot share CUDA memory with torch (its OrtValue has no DLPack export)"
-        )
-    return torch.from_numpy(value.numpy())
-
-
-def _dlpack(value: ort.OrtValue) -> bool:
-    return hasattr(value, "__dlpack__")
 
 
 def broadcast_carried(world: World, runner, names, source: int, what: str, group=None) -> None:
@@ -293,10 +262,3 @@ def broadcast_carried(world: World, runner, names, source: int, what: str, group
         for view in views:
             view.copy_(flat[offset : offset + view.numel()])
             offset += view.numel()
-
-
-def torch_dtype(dtype: np.dtype):
-    """The torch dtype of a NumPy one."""
-    import torch
-
-    return torch.from_numpy(np.zeros(0, dtype)).dtype

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from graphforge.distributed.data_parallel import broadcast_carried, ortvalue_of, tensor_of, torch_dtype
+from graphforge.distributed.data_parallel import broadcast_carried
 from graphforge.distributed.schedules import (
     BACKWARD,
     FORWARD,
@@ -48,12 +48,14 @@ from graphforge.distributed.schedules import (
 )
 from graphforge.distributed.world import DistributedError
 from graphforge.errors import GraphforgeError
-from graphforge.graph import ModelSource
+from graphforge.model_io import ModelSource
 from graphforge.placement.stages import StageSegments, stage_segments
 from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
+from graphforge.runtime.devices import resolve_device
+from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_dtype
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
-from graphforge.runtime.runner import BoundSession, Runner, SegmentRun, resolve_device, to_numpy
+from graphforge.runtime.runner import BoundSession, Runner, SegmentRun, to_numpy
 
 #: the most dims a tensor of a message may have (the header's room per tensor)
 MAX_RANK = 8

@@ -29,7 +29,7 @@ them, and each updated parameter through ``graphforge.AllGather``. A step runs a
    ratio from the whole tensors' norms (the pieces' squared norms summed across replicas).
 4. **Gather.** Each bucket's updated shard is all-gathered into the flat parameter buffer,
    asynchronously: the runner waits for it before its next run or read of a carried tensor
-   (``Runner.awaiting``), so the gather overlaps what the host does between steps (the loop's
+   (``Runner.wait_before_reads``), so the gather overlaps what the host does between steps (the loop's
    logging, the next batch's preparation, the BatchNorm buffers' broadcast).
 
 Gradient accumulation (``module(...)`` per micro-batch, then ``optimizer.step()``) runs the
@@ -52,19 +52,20 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from graphforge.distributed.data_parallel import DataParallel, ortvalue_of, tensor_of, torch_dtype
-from graphforge.distributed.fused_update import (
+from graphforge.distributed.data_parallel import DataParallel
+from graphforge.distributed.world import World
+from graphforge.errors import GraphforgeError
+from graphforge.passes.optimizers import state_names
+from graphforge.placement.buckets import shard_layout
+from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_device, torch_dtype
+from graphforge.runtime.fused_update import (
     clip_coefficient,
     kernel_refusal,
     loss_scale_step,
     state_refusal,
-    states_of,
     step_counter,
     update_tensors,
 )
-from graphforge.distributed.world import World
-from graphforge.errors import GraphforgeError
-from graphforge.placement.buckets import shard_layout
 from graphforge.runtime.runner import SegmentRun
 from graphforge.runtime.training import Module
 
@@ -98,7 +99,7 @@ class _Bucket:
     dtype: np.dtype
     offsets: dict[str, tuple[int, int]]  # parameter -> (start, stop) in the flat buffer
     chunk: int
-    params: Any = None  # torch: the flat parameter buffer [chunk * N]
+    flat_params: Any = None  # torch: the flat parameter buffer [chunk * N]
     grads: Any = None  # torch: the flat gradient buffer this bucket is written into [chunk * N]
     grad_views: dict[str, Any] = field(default_factory=dict)  # torch views of ``grads``, by gradient name
     values: dict[str, ort.OrtValue] = field(default_factory=dict)  # the same, as OrtValues
@@ -132,8 +133,6 @@ class ZeroDataParallel(DataParallel):
     shards_update = True
 
     def __init__(self, module: Module, world: World, *, stage: int | None = None, overlap: bool = True):
-        import torch
-
         role = module.roles.allreduce
         if role is None or not role.zero:
             raise GraphforgeError(
@@ -148,22 +147,48 @@ class ZeroDataParallel(DataParallel):
             raise GraphforgeError(f"cannot shard this program's update: {why}")
         self._join(module, world, overlap)
         self.stage = stage
-        roles = module.roles
+        roles, runner = module.roles, module.runner
         self.kind, self.hyper = roles.optimizer, dict(roles.hyperparameters)
-        state_names = states_of(self.kind, self.hyper)
-        runner = module.runner
-        states = dict(module.unheld_states)
-        held = [f"{p}.{s}" for p in role.gathered for s in state_names if f"{p}.{s}" in runner.carried]
-        states.update(runner.release(held))
-        missing = sorted({f"{p}.{s}" for p in role.gathered for s in state_names} - set(states))
+        self._device = torch_device(runner.device)
+        self.buckets = self._shard_buckets(self._full_states())
+        self._share_parameters()
+        self._gradient_buffers()
+        self._bucket_of = {g: b for b in self.buckets for g in b.names}
+        self._groups: dict[np.dtype, list[_Bucket]] = {}
+        for bucket in self.buckets:
+            self._groups.setdefault(bucket.dtype, []).append(bucket)
+        self._counters = {dtype: step_counter(self._device) for dtype in self._groups}
+        self._in_flight: list[_Reduction] = []
+        #: every parameter's column in LAMB's vector of tensor norms (the same on every replica)
+        self._parameter_index = {p: i for i, p in enumerate(p for b in self.buckets for p in b.parameters)}
+        self._gathers: list = []
+        # the loss scale's scalars stay the runner's, in buffers no segment writes (the update is ours)
+        self._scaling_views = [tensor_of(runner.carried[n].value) for n in roles.loss_scale_states]
+        self.broadcast(list(runner.carried), "broadcasting rank 0's parameters and buffers")
+        module.attach_reducer(self, world.rank)
+
+    def _full_states(self) -> dict[str, np.ndarray]:
+        """Every optimizer state whole, taken from the Module: those it left unheld
+        (``shard_optimizer_states``) and those its runner held until now (then let go)."""
+        module, role = self.module, self.module.roles.allreduce
+        names = {f"{p}.{s}" for p in role.gathered for s in state_names(self.kind, self.hyper)}
+        states = module.take_unheld_states()
+        states.update(module.runner.release(sorted(n for n in names if n in module.runner.carried)))
+        missing = sorted(names - set(states))
         if missing:
             raise GraphforgeError(f"the Module holds no optimizer state {missing[0]!r} to shard")
-        module.unheld_states = {}
-        self._device = torch.device(world.device)
-        self.buckets: list[_Bucket] = []
-        size, rank = world.size, world.rank
+        return states
+
+    def _shard_buckets(self, states: dict[str, np.ndarray]) -> list[_Bucket]:
+        """The buckets, each with its flat parameter buffer and this replica's shard of each
+        optimizer state (``states`` are consumed: only the shards stay)."""
+        import torch
+
+        role, roles, runner = self.module.roles.allreduce, self.module.roles, self.module.runner
+        size, rank = self.world.size, self.world.rank
         sizes = {p: math.prod(runner.carried[p].shape) for b in role.buckets for p in b}
         mine = shard_layout(role.buckets, sizes, size)[rank]
+        buckets = []
         for index, parameters in enumerate(role.buckets):
             offsets, total = {}, 0
             for p in parameters:
@@ -183,37 +208,26 @@ class ZeroDataParallel(DataParallel):
                 if b == index
             ]
             dtype = torch_dtype(bucket.dtype)
-            bucket.params = torch.zeros(bucket.chunk * size, dtype=dtype, device=self._device)
-            for name in state_names:
+            bucket.flat_params = torch.zeros(bucket.chunk * size, dtype=dtype, device=self._device)
+            for name in state_names(self.kind, self.hyper):
                 shard = torch.zeros(bucket.chunk, dtype=dtype, device=self._device)
                 for piece in bucket.pieces:
                     full = np.asarray(states.pop(f"{piece.parameter}.{name}")).reshape(-1)
                     shard[piece.offset : piece.offset + piece.size] = torch.from_numpy(full[piece.start : piece.stop])
                 bucket.states[name] = shard
-            self.buckets.append(bucket)
-        del states  # the full states: only the shards stay
-        # the runner's parameter buffers become views of the buckets' flat buffers
+            buckets.append(bucket)
+        return buckets
+
+    def _share_parameters(self) -> None:
+        """The runner's parameter buffers become views of the buckets' flat buffers, which the
+        gathers write; the runner waits for a gather in flight before it reads them."""
+        runner = self.module.runner
         views = {}
         for bucket in self.buckets:
             for p, (start, stop) in bucket.offsets.items():
-                views[p] = ortvalue_of(bucket.params[start:stop].view(runner.carried[p].shape))
+                views[p] = ortvalue_of(bucket.flat_params[start:stop].view(runner.carried[p].shape))
         runner.share(views)
-        runner.awaiting = self._wait_gathers
-        self._gradient_buffers()
-        self._bucket_of = {g: b for b in self.buckets for g in b.names}
-        self._groups: dict[np.dtype, list[_Bucket]] = {}
-        for bucket in self.buckets:
-            self._groups.setdefault(bucket.dtype, []).append(bucket)
-        self._counters = {dtype: step_counter(self._device) for dtype in self._groups}
-        self._in_flight: list[_Reduction] = []
-        #: every parameter's column in LAMB's vector of tensor norms (the same on every replica)
-        self._parameter_index = {p: i for i, p in enumerate(p for b in self.buckets for p in b.parameters)}
-        self._gathers: list = []
-        # the loss scale's scalars stay the runner's, in buffers no segment writes (the update is ours)
-        self._scaling_views = [tensor_of(runner.carried[n].value) for n in roles.loss_scale_states]
-        self.broadcast(list(runner.carried), "broadcasting rank 0's parameters and buffers")
-        module.replica = world.rank
-        module.reducer = self
+        runner.wait_before_reads(self._wait_gathers)
 
     def _gradient_buffers(self) -> None:
         """Stage 1: a flat gradient buffer per bucket, reduce-scattered in place (this replica's
@@ -304,7 +318,7 @@ class ZeroDataParallel(DataParallel):
     def step_segments(self, key: Any, keep: list[str], fetch: list[str]):
         runs = self._segments.get(key)
         if runs is None:
-            runs = self._segments[key] = self._cut_step(key, keep)[:-1]  # the last segment is the update
+            runs = self._segments[key] = self.cut_step(key, keep)[:-1]  # the last segment is the update
         runs = [SegmentRun(r.session, [n for n in fetch if n in r.session.outputs], r.sends, r.into) for r in runs]
         self.stats.steps += 1
         return runs, self._hook()
@@ -383,12 +397,12 @@ class ZeroDataParallel(DataParallel):
         for dtype, group in self._groups.items():
             if self.kind == "lamb":
                 pieces = [(b, p) for b in group for p in b.pieces]
-                params = [b.params[self.world.rank * b.chunk :][p.offset : p.offset + p.size] for b, p in pieces]
+                params = [b.flat_params[self.world.rank * b.chunk :][p.offset : p.offset + p.size] for b, p in pieces]
                 grads = [b.shard_grad[p.offset : p.offset + p.size] for b, p in pieces]
                 states = {s: [b.states[s][p.offset : p.offset + p.size] for b, p in pieces] for s in group[0].states}
                 norms = self._whole_norms([p for _, p in pieces], step)
             else:  # elementwise: each bucket's shard at once (its padding stays zero)
-                params = [b.params[self.world.rank * b.chunk : (self.world.rank + 1) * b.chunk] for b in group]
+                params = [b.flat_params[self.world.rank * b.chunk : (self.world.rank + 1) * b.chunk] for b in group]
                 grads = [b.shard_grad for b in group]
                 states = {s: [b.states[s] for b in group] for s in group[0].states}
                 norms = None
@@ -427,8 +441,8 @@ class ZeroDataParallel(DataParallel):
         rank = self.world.rank
         with self.world.collective(f"gathering the parameters updated by step {step + 1}"):
             for b in self.buckets:  # in place: this replica's chunk of the flat buffer is its input
-                shard = b.params[rank * b.chunk : (rank + 1) * b.chunk]
-                self._gathers.append((_collective("all_gather")(b.params, shard, async_op=True), shard))
+                shard = b.flat_params[rank * b.chunk : (rank + 1) * b.chunk]
+                self._gathers.append((_collective("all_gather")(b.flat_params, shard, async_op=True), shard))
         if not self.overlap:
             self._wait_gathers()
 
@@ -450,7 +464,7 @@ class _Reduction:
     def __init__(self, owner: ZeroDataParallel, bucket: _Bucket):
 
         self.owner, self.bucket = owner, bucket
-        self.what = f"the gradient reduce-scatter of step {owner._step()}"
+        self.what = f"the gradient reduce-scatter of step {owner.step_number}"
         with owner.world.collective(self.what):
             self.work = _collective("reduce_scatter")(bucket.shard_grad, bucket.grads, async_op=True)
 

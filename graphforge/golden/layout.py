@@ -36,7 +36,7 @@ from onnx import numpy_helper
 
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelLoadError
 from graphforge.golden.fingerprint import graph_inputs, iter_float_initializers
-from graphforge.graph import load
+from graphforge.model_io import load
 from graphforge.tempfiles import write_atomically
 from graphforge.verify import verify_model
 

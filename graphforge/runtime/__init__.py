@@ -2,6 +2,7 @@
 API, checkpoints and LR schedules."""
 
 from graphforge.runtime.checkpoint import CheckpointManager, CheckpointState
+from graphforge.runtime.devices import Device, resolve_device
 from graphforge.runtime.lr_schedules import (
     ConstantSchedule,
     CosineSchedule,
@@ -11,7 +12,7 @@ from graphforge.runtime.lr_schedules import (
     make_schedule,
     schedule_from_state_dict,
 )
-from graphforge.runtime.runner import Execution, Runner, SegmentRun, resolve_device
+from graphforge.runtime.runner import Execution, Runner, SegmentRun
 from graphforge.runtime.sessions import available_providers, create_session
 from graphforge.runtime.training import Module, Optimizer
 
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointState",
     "ConstantSchedule",
     "CosineSchedule",
+    "Device",
     "Execution",
     "LRSchedule",
     "LinearSchedule",

@@ -42,7 +42,8 @@ import numpy as np
 from onnx import numpy_helper
 
 from graphforge.errors import CheckpointError, GraphforgeError
-from graphforge.graph import Model, ModelSource
+from graphforge.graph import Model
+from graphforge.model_io import ModelSource
 from graphforge.program import CarriedSpec, ProgramRoles, program_proto
 from graphforge.tempfiles import temp_file_beside
 

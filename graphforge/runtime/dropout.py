@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphforge.graph import copy_without_initializers
+from graphforge.payloads import copy_without_initializers
 
 #: the program input the runtime feeds the per-run key to
 KEY_INPUT = "graphforge.dropout_key"

@@ -14,8 +14,9 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge.errors import GraphforgeError
-from graphforge.graph import Model, ModelSource, load, names_kept
+from graphforge.graph import Model, names_kept
 from graphforge.ir import onnx_dtype
+from graphforge.model_io import ModelSource, load
 from graphforge.passes.prune import Prune
 from graphforge.program import ProgramRoles
 from graphforge.verify import verify_model

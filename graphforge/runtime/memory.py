@@ -20,7 +20,8 @@ from graphforge.analysis.memory import (
     predict,
     tensor_types,
 )
-from graphforge.graph import Model, ModelSource
+from graphforge.graph import Model
+from graphforge.model_io import ModelSource
 from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.training import IN_PLACE_ROLES, split_program, step_models
 

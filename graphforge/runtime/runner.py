@@ -32,62 +32,15 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from graphforge.analysis.memory import in_place_safety
-from graphforge.errors import DeviceError, GraphforgeError, one_line
+from graphforge.errors import GraphforgeError, one_line
 from graphforge.passes.specialize import specialized
 from graphforge.placement.cut import Segment
 from graphforge.program import CarriedSpec
-from graphforge.runtime.sessions import (
-    CPU,
-    CUDA,
-    available_providers,
-    create_session,
-    lean_model,
-    node_reads,
-    provider_works,
-    session_options,
-    share_arena,
-)
+from graphforge.runtime.devices import Device
+from graphforge.runtime.sessions import create_session, lean_model, node_reads, session_options, share_arena
 
 #: host outputs of a fixed shape up to this many elements get a preallocated buffer
 PREALLOCATED_MAX = 4096
-
-
-@dataclass(frozen=True)
-class Device:
-    """Where a runner's buffers live and its sessions run: an OrtValue device type and id,
-    and the providers its sessions use."""
-
-    type: str
-    id: int
-    providers: tuple
-
-    @property
-    def name(self) -> str:
-        return self.type if self.type == "cpu" else f"{self.type}:{self.id}"
-
-
-def resolve_device(device: str | None) -> Device:
-    """The Device for "cpu", "cuda", "cuda:N", or None (the best that works here)."""
-    if device is None:
-        providers = available_providers()
-        if providers[0] != CUDA:
-            return Device("cpu", 0, tuple(providers))
-        device = "cuda"
-    text = str(device).strip().lower()
-    kind, _, index = text.partition(":")
-    if kind == "cpu" and not index:
-        return Device("cpu", 0, (CPU,))
-    if kind in ("cuda", "gpu") and (not index or index.isdigit()):
-        device_id = int(index or 0)
-        if not provider_works(CUDA):
-            why = (
-                "this onnxruntime build has no CUDA provider (install onnxruntime-gpu)"
-                if CUDA not in ort.get_available_providers()
-                else "no CUDA device is usable on this machine"
-            )
-            raise DeviceError(f"device {device!r} asks for CUDA, but {why}; use device 'cpu'")
-        return Device("cuda", device_id, ((CUDA, {"device_id": str(device_id)}), CPU))
-    raise DeviceError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
 
 
 @dataclass
@@ -133,6 +86,20 @@ class _Binding:
     cleared: bool = False
     #: whether its inputs were (the values another segment sent it)
     inputs_cleared: bool = True
+
+
+@dataclass(frozen=True)
+class _RunPlan:
+    """One run's binding and what it fetches: to the host, to the device (``bound_device``:
+    those onnxruntime allocates there), from the carried buffers (``in_buffers``, by output
+    name), or into the caller's values (``into``)."""
+
+    cached: _Binding
+    fetch_host: list[str]
+    fetch_device: list[str]
+    bound_device: list[str]
+    in_buffers: dict[str, Carried]
+    into: dict[str, ort.OrtValue]
 
 
 @dataclass
@@ -279,9 +246,8 @@ class Runner:
         self._spin = spin
         #: carried tensor -> why a session's model could not update it in place (the last reason)
         self.in_place_refused: dict[str, str] = {}
-        #: work in flight that writes carried buffers (ZeroDataParallel's gather of the updated
-        #: parameters): finished before any run reads them or they are read back
-        self.awaiting: Callable[[], None] | None = None
+        #: work in flight that writes carried buffers (wait_before_reads)
+        self._awaiting: Callable[[], None] | None = None
         #: session (its ``where``) -> why its model runs unspecialized at a batch's dims
         self.specialize_refused: dict[str, str] = {}
         self._sessions: dict[Any, BoundSession] = {}
@@ -326,6 +292,12 @@ class Runner:
             c.slots, c.current = [value], 0
         self._forget_sessions()
 
+    def wait_before_reads(self, wait: Callable[[], None] | None) -> None:
+        """Call ``wait`` before any run reads the carried buffers and before they are read back:
+        the holder of work in flight that writes them (ZeroDataParallel's gather of the updated
+        parameters, overlapping what the host does between steps) finishes it there."""
+        self._awaiting = wait
+
     def _forget_sessions(self) -> None:
         """Sessions and bindings made before go (they bind buffers that changed)."""
         self._sessions.clear()
@@ -341,8 +313,8 @@ class Runner:
 
     def read_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """The current values of the carried tensors (``names``, default all), as host copies."""
-        if self.awaiting is not None:
-            self.awaiting()
+        if self._awaiting is not None:
+            self._awaiting()
         chosen = self.carried if names is None else {n: self.carried[n] for n in names}
         return {name: to_numpy(c.value) for name, c in chosen.items()}
 
@@ -600,31 +572,52 @@ class Runner:
         the host fetches and the device ones. A carried output fetched to the device is its
         new current buffer (valid until the run after next writes it again); one in ``into``
         is written into the value given there. A carried tensor the session writes in place is
-        read and written in its current buffer."""
-        if self.awaiting is not None:
-            self.awaiting()
+        read and written in its current buffer.
+
+        In four steps: the binding for this buffer assignment and these fetches (made once,
+        then cached), what changes each run bound on it, the run, and its outputs collected."""
+        if self._awaiting is not None:
+            self._awaiting()
+        plan = self._plan(bound, fetch_host, fetch_device, into)
+        self._bind_run(bound, plan, feeds)
+        self._launch(bound, plan, feeds)
+        return self._collect(bound, plan)
+
+    def _plan(
+        self,
+        bound: BoundSession,
+        fetch_host: Sequence[str],
+        fetch_device: Sequence[str],
+        into: Mapping[str, ort.OrtValue] | None,
+    ) -> _RunPlan:
+        """Step 1: the second buffer of each carried output that has none yet, and the cached
+        binding for the buffers this run reads and writes and what it fetches."""
         into = {n: v for n, v in (into or {}).items() if n in fetch_device}
-        carried_in, carried_out = bound.carried_in, bound.carried_out
-        for c in carried_out:
+        for c in bound.carried_out:
             if len(c.slots) == 1 and not bound.writes_in_place(c):
                 c.slots.append(
                     ort.OrtValue.ortvalue_from_shape_and_type(c.shape, c.dtype, self.device.type, self.device.id)
                 )
         fetch_host, fetch_device = list(dict.fromkeys(fetch_host)), list(dict.fromkeys(fetch_device))
         key = (
-            tuple(c.current for c in carried_in),
-            tuple(_write_slot(bound, c) for c in carried_out),
+            tuple(c.current for c in bound.carried_in),
+            tuple(_write_slot(bound, c) for c in bound.carried_out),
             tuple(fetch_host),
             tuple(fetch_device),
             tuple(n for n in fetch_device if n in into),
         )
-        cached = bound.bindings.get(key)
-        in_buffers = {c.output: c for c in carried_out}  # read from the buffers after the run
+        in_buffers = {c.output: c for c in bound.carried_out}  # read from the buffers after the run
         bound_host = [n for n in fetch_host if n not in in_buffers and n not in into]
         bound_device = [n for n in fetch_device if n not in in_buffers and n not in into]
+        cached = bound.bindings.get(key)
         if cached is None:
             cached = bound.bindings[key] = self._binding(bound, bound_host, bound_device)
-        binding = cached.binding
+        return _RunPlan(cached, fetch_host, fetch_device, bound_device, in_buffers, into)
+
+    def _bind_run(self, bound: BoundSession, plan: _RunPlan, feeds: Mapping[str, Any]) -> None:
+        """Step 2: what a run binds afresh: the fixed buffers a run before cleared, the feeds
+        (or the inputs' defaults), and the outputs of unknown shape or sent on."""
+        cached, binding = plan.cached, plan.cached.binding
         if cached.cleared:
             for name, value in cached.fixed:
                 binding.bind_ortvalue_output(name, value)
@@ -644,11 +637,16 @@ class Runner:
         # outputs of unknown shape are bound afresh each run, so onnxruntime allocates them
         for name in cached.allocated:
             binding.bind_output(name, "cpu")
-        for name in bound_device:
+        for name in plan.bound_device:
             binding.bind_output(name, self.device.type, self.device.id)
-        for name in fetch_device:
-            if name in into:
-                binding.bind_ortvalue_output(name, into[name])
+        for name in plan.fetch_device:
+            if name in plan.into:
+                binding.bind_ortvalue_output(name, plan.into[name])
+
+    @staticmethod
+    def _launch(bound: BoundSession, plan: _RunPlan, feeds: Mapping[str, Any]) -> None:
+        """Step 3: the run."""
+        binding = plan.cached.binding
         try:
             bound.session.run_with_iobinding(binding)
         except Exception as exc:
@@ -661,26 +659,31 @@ class Runner:
             # either alone left it at 1282)
             if any(isinstance(feeds.get(name), ort.OrtValue) for name in bound.free_inputs):
                 binding.clear_binding_inputs()
-                cached.inputs_cleared = True
+                plan.cached.inputs_cleared = True
+
+    @staticmethod
+    def _collect(bound: BoundSession, plan: _RunPlan) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
+        """Step 4: the host and device fetches; the buffers written become current."""
+        cached, binding, into, in_buffers = plan.cached, plan.cached.binding, plan.into, plan.in_buffers
         host = {name: np.array(value.numpy(), copy=True) for name, value in cached.preallocated.items()}
         device = {}
-        if cached.allocated or bound_device:
+        if cached.allocated or plan.bound_device:
             values = binding.get_outputs()  # in the order bound
-            offset = len(carried_out) + len(cached.preallocated)
+            offset = len(bound.carried_out) + len(cached.preallocated)
             host.update({n: values[offset + i].numpy() for i, n in enumerate(cached.allocated)})
             offset += len(cached.allocated)
-            device = {n: values[offset + i] for i, n in enumerate(bound_device)}
+            device = {n: values[offset + i] for i, n in enumerate(plan.bound_device)}
             host.update({n: to_numpy(device[n]) for n in cached.via_device})
             # and to the outputs onnxruntime allocated: cleared, they live as long as the caller keeps them
             del values
             binding.clear_binding_outputs()
             cached.cleared = True
-        for c in carried_out:
+        for c in bound.carried_out:
             c.current = _write_slot(bound, c)
-        host.update({n: to_numpy(in_buffers[n].value) for n in fetch_host if n in in_buffers})
-        device.update({n: in_buffers[n].value for n in fetch_device if n in in_buffers})
-        device.update({n: into[n] for n in fetch_device if n in into and n not in in_buffers})
-        host.update({n: to_numpy(into[n]) for n in fetch_host if n in into and n not in in_buffers})
+        host.update({n: to_numpy(in_buffers[n].value) for n in plan.fetch_host if n in in_buffers})
+        device.update({n: in_buffers[n].value for n in plan.fetch_device if n in in_buffers})
+        device.update({n: into[n] for n in plan.fetch_device if n in into and n not in in_buffers})
+        host.update({n: to_numpy(into[n]) for n in plan.fetch_host if n in into and n not in in_buffers})
         return host, device
 
     def _binding(self, bound: BoundSession, fetch_host: list[str], fetch_device: list[str]) -> _Binding:

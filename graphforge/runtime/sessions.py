@@ -21,15 +21,8 @@ from onnx import external_data_helper, helper
 
 from graphforge import roles
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelSaveError, one_line
-from graphforge.graph import (
-    ModelSource,
-    copy_without_initializers,
-    exceeds_protobuf_limit,
-    load,
-    refuse_unresolved_external_data,
-    save,
-)
 from graphforge.ir import node_reads
+from graphforge.model_io import ModelSource, load, refuse_unresolved_external_data, save
 from graphforge.ort_compat import (
     CPU,
     CUDA,
@@ -41,6 +34,7 @@ from graphforge.ort_compat import (
     nchwc_block_size,
     provider_works,
 )
+from graphforge.payloads import copy_without_initializers, exceeds_protobuf_limit
 from graphforge.program import ProgramRoles
 
 _SHORT_NAMES = {"cuda": CUDA, "cpu": CPU, "tensorrt": TENSORRT}

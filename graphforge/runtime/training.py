@@ -51,10 +51,13 @@ import onnx
 import onnxruntime as ort
 
 from graphforge.errors import GraphforgeError
-from graphforge.graph import Model, ModelSource, save, without_values
+from graphforge.graph import Model
+from graphforge.model_io import ModelSource, save
+from graphforge.payloads import without_values
 from graphforge.placement.cut import cut
 from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
+from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
 from graphforge.runtime.inference import eval_model, export_inference_model
 from graphforge.runtime.runner import (
@@ -65,7 +68,6 @@ from graphforge.runtime.runner import (
     Runner,
     SegmentRun,
     batch_dims,
-    resolve_device,
 )
 from graphforge.runtime.sessions import lean_model
 
@@ -109,7 +111,7 @@ class GradientReducer(Protocol):
 
 
 class UpdateKernel(Protocol):
-    """What runs a Module's update in place of its ONNX segment (graphforge.torch.fused_update:
+    """What runs a Module's update in place of its ONNX segment (graphforge.runtime.fused_update:
     torch's fused multi-tensor kernels over the runner's buffers). The ONNX update stays the
     definition: a kernel computes the same arithmetic, for the programs it says it takes."""
 
@@ -165,7 +167,7 @@ class Module:
     ``in_place``: update parameters and optimizer states in place (see the module docstring).
     ``shard_optimizer_states``: leave the optimizer's states of each parameter out of the
     Module's buffers, for a graphforge.distributed.ZeroDataParallel that keeps this process's
-    shard of them (it takes them from ``unheld_states``): so that no process ever holds them
+    shard of them (it takes them with ``take_unheld_states``): so that no process ever holds them
     all (the loss scale's scalars stay).
     """
 
@@ -227,7 +229,7 @@ class Module:
         tensors = state.attach(self.runner)
         self.runner.write_tensors(tensors)
         #: the carried tensors the runner does not hold, until their holder takes them
-        self.unheld_states = {n: v for n, v in tensors.items() if n not in self.runner.carried}
+        self._unheld = {n: v for n, v in tensors.items() if n not in self.runner.carried}
         del tensors
         self.state = state
 
@@ -247,6 +249,21 @@ class Module:
         self.reducer: GradientReducer | None = None
         #: what runs the update instead of segment 1 (use_update_kernel), or None: the ONNX segment
         self.update_kernel: UpdateKernel | None = None
+
+    # ------------------------------------------------------------------ data parallelism
+
+    def attach_reducer(self, reducer: GradientReducer, replica: int) -> None:
+        """Make this Module a data-parallel replica: ``reducer`` reduces its gradients (and with
+        ``shards_update`` runs the update), ``replica`` is its index (its dropout masks)."""
+        if self.reducer is not None:
+            raise GraphforgeError("this Module is already data-parallel")
+        self.reducer, self.replica = reducer, replica
+
+    def take_unheld_states(self) -> dict[str, np.ndarray]:
+        """The carried tensors this Module's runner does not hold (``shard_optimizer_states``),
+        handed to their holder once: the Module keeps no reference to them."""
+        unheld, self._unheld = self._unheld, {}
+        return unheld
 
     # ------------------------------------------------------------------ modes
 

@@ -1,7 +1,7 @@
 """The PyTorch front end: ``nn.Module`` in, graphforge program out (needs the torch extra,
 ``pip install graphforge[torch]``; importing ``graphforge`` alone never imports torch)."""
 
-from graphforge.distributed.fused_update import FusedUpdate, use_fused_update
+from graphforge.runtime.fused_update import FusedUpdate, use_fused_update
 from graphforge.torch.export import export_for_training, train_program
 from graphforge.torch.module import GraphforgeModule
 

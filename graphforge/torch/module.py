@@ -29,22 +29,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import torch
 
 from graphforge.builder import Builder
 from graphforge.errors import GraphforgeError
-from graphforge.graph import Model, save
+from graphforge.graph import Model
 from graphforge.ir import FLOAT_TYPES, TORCH_FROZEN, recorded_json, recorded_torch_kinds, replace_uses
+from graphforge.model_io import save
 from graphforge.pass_manager import PassManager
 from graphforge.passes.autodiff import VectorJacobian
 from graphforge.passes.optimizers import torch_running_variance
 from graphforge.placement.cut import cut
 from graphforge.roles import grad_name, metadata_of
-from graphforge.runtime.runner import Device, resolve_device
-from graphforge.runtime.sessions import create_session, session_options
+from graphforge.runtime.devices import Device, resolve_device
+from graphforge.runtime.dlpack import ortvalue_of, tensor_of
+from graphforge.runtime.runner import BoundSession, Runner
 from graphforge.torch.export import EXPORTERS, export_for_training, first_that_works
 
 #: the prefix of the nodes this wrapper adds to the export (running statistics)
@@ -63,13 +64,16 @@ class _Compiled:
     statistics: dict[str, str]  # buffer -> the forward output holding its new value
     counters: list[str]  # BatchNorm's num_batches_tracked buffers, one more each training forward
     previous: dict[str, str]  # an input fed a copy of a running variance -> its buffer
-    forward: Any  # onnxruntime session
-    forward_inputs: set[str]
+    runner: Runner  # no carried tensors: the parameters are the module's, fed at each call
+    forward: BoundSession
     forward_outputs: list[str]
-    backward: Any | None
-    device: Device
+    backward: BoundSession | None
     exporter: str  # which of export.EXPORTERS made it
     backward_inputs: list[str] = field(default_factory=list)
+
+    @property
+    def device(self) -> Device:
+        return self.runner.device
 
 
 class GraphforgeModule(torch.nn.Module):
@@ -280,8 +284,10 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None, device
         for segment in segments:
             save(segment.model, folder / f"segment{segment.index}.onnx")
     first, second = segments[0], segments[-1] if len(segments) > 1 else None
-    options = session_options(spin=False)  # torch's loss and optimizer run next, on the same cores
-    forward = create_session(first.model, providers=list(device.providers), options=options)
+    # torch's loss and optimizer run next, on the same cores: the sessions' threads do not spin
+    runner = Runner([], device, spin=False)
+    forward = runner.segment(first).session
+    backward = runner.segment(second).session if second is not None else None
     return _Compiled(
         inputs=names,
         outputs=outputs,
@@ -291,15 +297,12 @@ def _compile(module: torch.nn.Module, args, dynamic, folder: Path | None, device
         statistics=statistics,
         previous=previous,
         counters=sorted({f"{b.rsplit('.', 1)[0]}.num_batches_tracked" for b in statistics}),
+        runner=runner,
         forward=forward,
         exporter=exporter,
-        forward_inputs={i.name for i in forward.get_inputs()},
         forward_outputs=[o.name for o in first.model.graph.output],
-        backward=create_session(second.model, providers=list(device.providers), options=options)
-        if second is not None
-        else None,
-        device=device,
-        backward_inputs=[i.name for i in second.model.graph.input] if second is not None else [],
+        backward=backward,
+        backward_inputs=backward.inputs if backward is not None else [],
     )
 
 
@@ -341,45 +344,21 @@ def _running_statistics(b: Builder, kinds: dict[str, str]) -> tuple[dict[str, st
     return statistics, previous
 
 
-def _feed(t: torch.Tensor) -> np.ndarray | ort.OrtValue:
-    """A tensor as a session reads it, on its memory: a NumPy view on the CPU, an OrtValue
-    (DLPack) on CUDA. A CUDA bool tensor is the exception, copied through the host: torch hands
-    bool over DLPack as a type onnxruntime 1.31 does not read."""
-    t = t.detach().contiguous()
-    if t.device.type == "cpu":
-        return t.numpy()
-    if t.dtype == torch.bool:
-        return ort.OrtValue.ortvalue_from_numpy(t.cpu().numpy(), "cuda", t.device.index or 0)
-    return ort.OrtValue.from_dlpack(t)
+def _feed(t: torch.Tensor) -> ort.OrtValue:
+    """A tensor as a session reads it, on its memory (the one bridge, graphforge.runtime.dlpack)."""
+    return ortvalue_of(t.detach().contiguous())
 
 
-def _run(session: Any, device: Device, feeds: dict[str, Any], outputs: list[str]) -> dict[str, ort.OrtValue]:
-    """Run ``session`` on ``feeds`` (``_feed``'s values, or OrtValues a previous run made) and
-    return its ``outputs`` as the OrtValues onnxruntime wrote them into, on ``device``: bound, not
-    copied out as ``session.run`` would copy them (the forward's stash, a GPT-2's logits)."""
-    binding = session.io_binding()
-    for name, value in feeds.items():
-        if isinstance(value, ort.OrtValue):
-            binding.bind_ortvalue_input(name, value)
-        else:
-            binding.bind_cpu_input(name, value)
-    for name in outputs:
-        binding.bind_output(name, device.type, device.id)
+def _run(compiled: _Compiled, session: BoundSession, feeds: dict[str, Any], outputs: list[str]) -> dict:
+    """Run ``session`` through the signature's runner on ``feeds`` (``_feed``'s values, or
+    OrtValues a previous run made) and return its ``outputs`` as the OrtValues onnxruntime wrote
+    them into, on the device: bound, not copied out as ``session.run`` would copy them (the
+    forward's stash, a GPT-2's logits)."""
+    device = compiled.device
     if device.type == "cuda":
         # torch's kernels that write the inputs run on torch's stream, onnxruntime's on its own
         torch.cuda.current_stream(device.id).synchronize()
-    session.run_with_iobinding(binding)
-    if device.type == "cuda":
-        binding.synchronize_outputs()
-    return dict(zip(outputs, binding.get_outputs(), strict=True))
-
-
-def _torch(value: ort.OrtValue) -> torch.Tensor:
-    """An OrtValue as a torch tensor on its memory (DLPack), which it keeps alive."""
-    tensor = torch.from_dlpack(value)
-    if value.data_type() == "tensor(bool)" and tensor.dtype != torch.bool:  # DLPack hands bool over as uint8
-        tensor = tensor.view(torch.bool)
-    return tensor
+    return compiled.runner.run(session, feeds, fetch_device=outputs)[1]
 
 
 def _run_forward(compiled: _Compiled, tensors: dict[str, torch.Tensor], args) -> tuple[list[torch.Tensor], dict]:
@@ -387,19 +366,14 @@ def _run_forward(compiled: _Compiled, tensors: dict[str, torch.Tensor], args) ->
     feeds.update({name: _feed(tensors[name]) for name in compiled.fed})
     # a copy: onnxruntime's BatchNormalization writes the new variance where it read the old one
     feeds.update({previous: _feed(tensors[name].detach().clone()) for previous, name in compiled.previous.items()})
-    done = _run(
-        compiled.forward,
-        compiled.device,
-        {k: v for k, v in feeds.items() if k in compiled.forward_inputs},
-        compiled.forward_outputs,
-    )
+    done = _run(compiled, compiled.forward, feeds, compiled.forward_outputs)
     with torch.no_grad():
         for buffer, name in compiled.statistics.items():
-            tensors[buffer].copy_(_torch(done[name]))
+            tensors[buffer].copy_(tensor_of(done[name]))
         for buffer in compiled.counters:
             if buffer in tensors:
                 tensors[buffer].add_(1)
-    outputs = [_torch(done[name]) for name in compiled.outputs]
+    outputs = [tensor_of(done[name]) for name in compiled.outputs]
     return outputs, {**{k: v for k, v in feeds.items() if k not in compiled.inputs}, **done}
 
 
@@ -426,14 +400,9 @@ class _Run(torch.autograd.Function):
                     grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
                 )
         wanted = [grad_name(n) for n in (*compiled.differentiated, *compiled.trained)]
-        done = _run(
-            compiled.backward,
-            compiled.device,
-            {k: v for k, v in feeds.items() if k in compiled.backward_inputs},
-            wanted,
-        )
+        done = _run(compiled, compiled.backward, feeds, wanted)
         input_grads = [
-            _torch(done[grad_name(name)]) if name in compiled.differentiated else None for name in compiled.inputs
+            tensor_of(done[grad_name(name)]) if name in compiled.differentiated else None for name in compiled.inputs
         ]
-        param_grads = [_torch(done[grad_name(name)]) for name in compiled.trained]
+        param_grads = [tensor_of(done[grad_name(name)]) for name in compiled.trained]
         return (None, None, None, *input_grads, *param_grads)

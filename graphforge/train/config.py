@@ -184,7 +184,7 @@ class TrainConfig:
     the dropout masks: "seeded" (a pure function of data.seed, step, micro-batch, node and
     element: runs repeat and resume bit-identically) or "onnxruntime" (its own unseeded Dropout),
     and what runs the optimizer update: "onnx" (the program's own update segment), "torch"
-    (torch's fused kernels over the same buffers, graphforge/distributed/fused_update.py; an
+    (torch's fused kernels over the same buffers, graphforge/runtime/fused_update.py; an
     error where the program's update is not one they run) or "auto" (torch's where they can,
     else the program's; the run says which). A run with [profile] keeps the program's update,
     which the trace then shows."""

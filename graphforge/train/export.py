@@ -14,7 +14,8 @@ from pathlib import Path
 
 from graphforge.analysis.size import ModelSize, human_bytes
 from graphforge.errors import CheckpointError, GraphforgeError
-from graphforge.graph import Model, ModelSource, load, save
+from graphforge.graph import Model
+from graphforge.model_io import ModelSource, load, save
 from graphforge.runtime import CheckpointManager, CheckpointState
 from graphforge.runtime.inference import export_inference_model
 from graphforge.train.loop import CHECKPOINTS

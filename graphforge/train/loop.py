@@ -44,16 +44,17 @@ from rich.markup import escape
 
 from graphforge.analysis.size import human_bytes
 from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel, digest, launched
-from graphforge.distributed.fused_update import FusedUpdate, Refused, use_fused_update
 from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
-from graphforge.graph import copy_without_initializers, load, save
+from graphforge.model_io import load, save
 from graphforge.pass_manager import PassManager, parse_pipeline
 from graphforge.passes import AllReduce, Zero
+from graphforge.payloads import copy_without_initializers
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
+from graphforge.runtime.devices import resolve_device
+from graphforge.runtime.fused_update import FusedUpdate, Refused, use_fused_update
 from graphforge.runtime.lr_schedules import LRSchedule, make_schedule, schedule_from_state_dict
-from graphforge.runtime.runner import resolve_device
 from graphforge.tempfiles import remove_stale
 from graphforge.train.config import Config, load_config, shown
 from graphforge.train.data import ALL, ArraySource, Conformer, Shard, Source, Stream, open_source

@@ -14,7 +14,8 @@ import pytest
 import graphforge
 from graphforge import roles
 from graphforge.program import ProgramRoles
-from graphforge.runtime.runner import Runner, SegmentRun, resolve_device
+from graphforge.runtime.devices import resolve_device
+from graphforge.runtime.runner import Runner, SegmentRun
 from graphforge.runtime.sessions import check_loads
 
 PREFIX = "loss(kind=mse, output=y), autodiff"

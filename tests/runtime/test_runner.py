@@ -14,7 +14,8 @@ import pytest
 import graphforge
 from graphforge.placement.cut import cut
 from graphforge.program import ProgramRoles
-from graphforge.runtime.runner import Runner, SegmentRun, resolve_device
+from graphforge.runtime.devices import resolve_device
+from graphforge.runtime.runner import Runner, SegmentRun
 
 
 def mlp_program(pipeline: str) -> onnx.ModelProto:

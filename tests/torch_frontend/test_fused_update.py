@@ -1,4 +1,4 @@
-"""The update run by torch's fused kernels (graphforge/distributed/fused_update.py) against its
+"""The update run by torch's fused kernels (graphforge/runtime/fused_update.py) against its
 definition, the program's ONNX update: two Modules from one program and state, one updating
 through each, equal over 20 steps (every parameter and optimizer state within 1e-6 of its
 norm or of its movement, whichever is larger: a parameter that passes near zero, the losses
@@ -19,7 +19,7 @@ from graphforge.errors import GraphforgeError
 
 torch = pytest.importorskip("torch")
 
-from graphforge.distributed.fused_update import refusal  # noqa: E402
+from graphforge.runtime.fused_update import refusal  # noqa: E402
 from graphforge.torch import FusedUpdate, use_fused_update  # noqa: E402  (needs torch)
 
 STEPS = 20

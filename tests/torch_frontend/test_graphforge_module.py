@@ -2,8 +2,8 @@
 torch.optim.AdamW loop, wrapped and not, gives the same losses, parameters, BatchNorm running
 statistics and input gradients step for step; the compiled programs are reused across batch
 sizes and made again when an input's rank or dtype changes; no_grad and eval run the forward
-alone; what cannot be compiled falls back to torch with one warning, or raises; tensors cross
-between torch and onnxruntime on their memory.
+alone; what cannot be compiled falls back to torch with one warning, or raises. (How tensors
+cross between torch and onnxruntime: test_dlpack.py.)
 
 The models train on the CPU here and in CI; ``GRAPHFORGE_TEST_DEVICE=cuda`` trains them on a GPU
 (module and batches on CUDA, the sessions on onnxruntime's CUDA provider)."""
@@ -289,25 +289,6 @@ def test_embedding_padding_rows_get_no_gradient_from_the_lookup_as_in_torch():
             atol=ATOL,
             err_msg=f"tied={tied}",
         )
-
-
-def test_tensors_cross_on_their_memory():
-    """What the sessions read is the torch tensor's memory, and what torch gets is the memory
-    onnxruntime wrote (no copy either way); a bool output stays bool (DLPack hands it over as uint8)."""
-    import onnxruntime as ort
-
-    from graphforge.torch.module import _feed, _torch
-
-    x = torch.randn(3, 4, device=DEVICE)
-    fed = _feed(x)
-    pointer = fed.data_ptr() if isinstance(fed, ort.OrtValue) else fed.ctypes.data
-    assert pointer == x.data_ptr()
-    for array in (np.arange(12, dtype=np.float32).reshape(3, 4), np.array([[True, False], [False, True]])):
-        value = ort.OrtValue.ortvalue_from_numpy(array, torch.device(DEVICE).type, 0)
-        tensor = _torch(value)
-        assert tensor.dtype == torch.from_numpy(array).dtype and tensor.device.type == torch.device(DEVICE).type
-        assert tensor.data_ptr() == value.data_ptr()
-        np.testing.assert_array_equal(values(tensor), array)
 
 
 def test_inputs_and_parameters_must_share_a_device_that_onnxruntime_runs():

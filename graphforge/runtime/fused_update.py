@@ -34,7 +34,9 @@ import numpy as np
 import onnxruntime as ort
 
 from graphforge.errors import GraphforgeError
+from graphforge.passes.optimizers import state_names
 from graphforge.program import LossScaling, ProgramRoles
+from graphforge.runtime.dlpack import tensor_of, torch_device
 from graphforge.runtime.training import Module
 
 #: the optimizer kinds (passes/optimizers.py names) and the hyperparameters each reads
@@ -46,9 +48,6 @@ KNOWN = {
 }
 #: what every optimizer pass records besides its own (passes/optimizers.py, _Optimizer)
 COMMON = {"lr", "weight_decay", "clip_grad_norm", "accumulate", "batchnorm_variance"}
-#: the state each optimizer carries per parameter
-STATES = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq")}
-STATES["lamb"] = STATES["adam"]
 #: the fused kernel of each optimizer (LAMB has none: foreach kernels)
 KERNELS = {"sgd": "_fused_sgd_", "adam": "_fused_adam_", "adamw": "_fused_adamw_"}
 #: the dtypes torch's fused kernels update
@@ -107,7 +106,7 @@ def state_refusal(roles: ProgramRoles) -> str | None:
         spec = roles.carried_spec(name)
         if spec is None or np.dtype(spec.dtype).type not in FLOATS:
             return f"parameter {name!r} is of a type the torch kernels do not update"
-        expected |= {f"{name}.{state}" for state in states_of(kind, roles.hyperparameters)}
+        expected |= {f"{name}.{state}" for state in state_names(kind, roles.hyperparameters)}
     if optimizer_states != expected:
         extra = sorted(optimizer_states ^ expected)
         return f"optimizer states the {kind} kernel does not keep as the program does: {', '.join(extra[:3])}"
@@ -139,13 +138,6 @@ def updated_parameters(roles: ProgramRoles) -> list[str]:
     return [p for p in roles.parameters if p in roles.gradient_boundary and roles.carried_spec(p) is not None]
 
 
-def states_of(kind: str, hyperparameters: Mapping) -> tuple[str, ...]:
-    """The optimizer states ``kind`` keeps per parameter (``<parameter>.<state>``)."""
-    if kind == "sgd" and not hyperparameters.get("momentum"):
-        return ()
-    return STATES[kind]
-
-
 @dataclass
 class _Group:
     """The tensors of one dtype, in the order the kernels take them."""
@@ -166,7 +158,7 @@ class FusedUpdate:
         self.kind = roles.optimizer
         self.hyper = dict(roles.hyperparameters)
         self._runner = module.runner
-        states = states_of(self.kind, self.hyper)
+        states = state_names(self.kind, self.hyper)
         groups: dict[np.dtype, _Group] = {}
         for name in updated_parameters(roles):
             group = groups.setdefault(np.dtype(roles.carried_spec(name).dtype), _Group([], [], {s: [] for s in states}))
@@ -186,10 +178,7 @@ class FusedUpdate:
         self._views: dict[int, tuple[ort.OrtValue, Any]] = {}
         self._gradients: dict[str, tuple[ort.OrtValue, Any]] = {}  # name -> (its last value, its view)
         self._steps: dict[int, Any] = {}  # group -> the step-count tensor the kernels read
-        import torch
-
-        device = module.runner.device
-        self._device = torch.device("cpu" if device.type == "cpu" else f"cuda:{device.id}")
+        self._device = torch_device(module.runner.device)
         kernel = KERNELS.get(self.kind)
         what = f"torch.{kernel}" if kernel else "torch's foreach kernels"
         count = sum(len(g.params) for g in self._groups)
@@ -199,21 +188,17 @@ class FusedUpdate:
 
     def _view(self, value: ort.OrtValue):
         """A torch tensor on ``value``'s memory (cached: the runner's buffers stay put)."""
-        import torch
-
         cached = self._views.get(id(value))
         if cached is None:
-            cached = self._views[id(value)] = (value, torch.from_dlpack(value))
+            cached = self._views[id(value)] = (value, tensor_of(value))
         return cached[1]
 
     def _gradient(self, name: str, value: ort.OrtValue):
         """A torch view of the gradient ``name``: the same buffer every step where the Module
         binds one (fixed shapes), else a fresh value, whose view replaces the last one."""
-        import torch
-
         cached = self._gradients.get(name)
         if cached is None or cached[0] is not value:
-            cached = self._gradients[name] = (value, torch.from_dlpack(value))
+            cached = self._gradients[name] = (value, tensor_of(value))
         return cached[1]
 
     def _carried(self, names: list[str]) -> list:
