@@ -43,6 +43,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: rich's panels cut long flag names at 80 columns (--allow-config-ch…)
+    # and label every flag <bool>, as if it took a value
+    rich_markup_mode=None,
 )
 # Piped output (CI logs, make demo under tee) gets a wide fixed width instead of 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -171,7 +174,11 @@ def inspect(
     ] = False,
     dim: Annotated[
         list[str] | None,
-        typer.Option("--dim", help="With --memory or --host-syncs: a symbolic dim's size, NAME=SIZE (repeatable)."),
+        typer.Option(
+            "--dim",
+            metavar="NAME=SIZE",
+            help="With --memory or --host-syncs: a symbolic dim's size, NAME=SIZE (repeatable).",
+        ),
     ] = None,
     processes: Annotated[
         int | None,
@@ -449,6 +456,7 @@ def diff_command(
         list[str] | None,
         typer.Option(
             "--dim",
+            metavar="NAME=N",
             help="Size of a symbolic dimension in the inputs --numeric generates, NAME=N (repeatable; default 8).",
         ),
     ] = None,

@@ -3,6 +3,8 @@ and the README's examples, run as written so the docs never rot."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -583,7 +585,6 @@ def test_readme_tour_runs_as_written(readme_workspace):
     assert (out / "diff.html").is_file()
 
     api_block = next(b for b in _readme_blocks("python") if "graphforge.compile(" in b)
-    (readme_workspace / "out" / "demo.onnx").unlink()
     proc = ok(
         subprocess.run(
             [sys.executable, "-c", api_block],
@@ -596,8 +597,8 @@ def test_readme_tour_runs_as_written(readme_workspace):
     )
     printed = proc.stdout.splitlines()
     assert [line.split()[:2] for line in printed] == [["1", "fold_constants"], ["2", "cse"], ["3", "dce"]]
-    assert (out / "demo.onnx").is_file()
-    models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", out / "demo.onnx")
+    # its own file: the diff block above compares the CLI block's out/demo.onnx
+    models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", out / "demo_api.onnx")
 
 
 def test_readme_api_block_runs_in_a_fresh_folder(readme_workspace):
@@ -606,15 +607,21 @@ def test_readme_api_block_runs_in_a_fresh_folder(readme_workspace):
     assert not (readme_workspace / "out").exists()
     ok(subprocess.run([sys.executable, "-c", api_block], cwd=readme_workspace, env=_env(), capture_output=True,
                       text=True, timeout=300))  # fmt: skip
-    models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", readme_workspace / "out" / "demo.onnx")
+    models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", readme_workspace / "out" / "demo_api.onnx")
 
 
 def test_readme_pass_example_registers_and_runs():
+    """The class block, then the block that registers it beside the built-in passes."""
     (block,) = [b for b in _readme_blocks("python") if "class DropDebugOutputs" in b]
+    (registering,) = [b for b in _readme_blocks("python") if "PassRegistry(" in b]
     namespace: dict = {"__name__": "readme_example"}
-    exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
-    drop = namespace["DropDebugOutputs"]
-    registry = PassRegistry([drop, *default_registry()])
+    for code in (block, registering):
+        exec(compile(code, "README.md", "exec", dont_inherit=True), namespace)
+    drop, registry = namespace["DropDebugOutputs"], namespace["registry"]
+    assert isinstance(registry, PassRegistry) and {"drop_debug_outputs", "dce", "autodiff"} <= {
+        c.name for c in registry
+    }
+    assert [p.spec() for p in namespace["manager"].passes] == ["drop_debug_outputs(prefix='dbg/')", "dce"]
     with pytest.raises(ValueError, match="registered twice"):
         registry.register(drop)
     x, y, debug = (helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["N", 4]) for n in ("x", "y", "debug/h"))
@@ -687,11 +694,17 @@ def test_readme_memory_block_runs_as_written(tmp_path):
                             "--dim", "batch=x"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert wrong.returncode == 2 and "dims entry 'batch=x': write name=size" in wrong.stderr
     assert_no_traceback(wrong.stderr)
+    (tmp_path / "golden_models").symlink_to(REPO / "golden_models")
     proc = ok(subprocess.run(["bash", "-euo", "pipefail", "-c", recompute], cwd=tmp_path, env=_env(),
                              capture_output=True, text=True, timeout=300))  # fmt: skip
-    program = onnx.load(tmp_path / "out/digits_recompute.onnx")
+    program = onnx.load(tmp_path / "out/gpt2_recompute.onnx")
     assert any(n.name.startswith("recompute::") for n in program.graph.node)
-    assert "memory of a training step" in proc.stdout
+    # the tour shows a gain: the note's saved bytes fall, and so do the predicted peak and activations
+    kept = re.search(r"saved activations ([\d,]+) → ([\d,]+) bytes", proc.stdout)
+    assert kept and int(kept[2].replace(",", "")) < 0.75 * int(kept[1].replace(",", ""))
+    peaks = [float(p) for p in re.findall(r"memory of a training step \(.*\): peak ([\d.]+) MiB", proc.stdout)]
+    saved = [float(p) for p in re.findall(r"^│ saved activations │\s+([\d.]+) MiB", proc.stdout, re.M)]
+    assert len(peaks) == len(saved) == 2 and peaks[1] < 0.9 * peaks[0] and saved[1] < 0.9 * saved[0], proc.stdout
 
 
 def test_readme_host_syncs_block_runs_as_written(tmp_path):
@@ -730,3 +743,35 @@ def test_compile_prints_a_pass_warning_as_one_line(tmp_path):
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
         "warning: autodiff: the loss does not depend on 1 parameter(s), which get no gradient: head"
     ]
+
+
+# --------------------------------------------------------------------------- help
+
+
+def _commands():
+    import typer.main
+
+    from graphforge.cli import app
+
+    group = typer.main.get_command(app)
+    return group, sorted(group.commands)
+
+
+@pytest.mark.parametrize("name", _commands()[1])
+def test_help_at_80_columns_names_every_flag_whole(name):
+    """A narrow terminal wraps the help, never cuts a flag's name (rich's panels cut
+    --allow-config-change to --allow-config-ch…), and a flag that takes no value shows none
+    (they showed <bool>, and --memory true was then refused)."""
+    group, _ = _commands()
+    command = group.commands[name]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), pytest.raises(SystemExit) as done:
+        group.main([name, "--help"], prog_name="graphforge", terminal_width=80, max_content_width=80)
+    assert done.value.code == 0
+    help_text = text.getvalue()
+    assert "…" not in help_text and "<bool>" not in help_text, help_text
+    assert max(len(line) for line in help_text.splitlines()) <= 80, help_text
+    for param in command.params:
+        for flag in [*param.opts, *param.secondary_opts]:
+            if flag.startswith("-"):
+                assert re.search(rf"(^|[\s,/]){re.escape(flag)}(\s|,|$)", help_text, re.M), (flag, help_text)

@@ -1122,8 +1122,8 @@ def _listed(names: list[str], limit: int = 3) -> str:
 
 def _line(record: dict, total: int) -> str:
     text = f"step {record['step']:>{len(str(total))}}/{total}"
-    if "loss" in record:
-        text += f"  loss {record['loss']:.4f}"
+    if "loss" in record:  # the logged interval's mean (the summary's last line names its last batch's)
+        text += f"  mean loss {record['loss']:.4f}"
     if "lr" in record:
         text += f"  lr {record['lr']:.3g}"
     if "samples_per_s" in record:

@@ -24,11 +24,12 @@ def test_readme_export_block_runs(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
-    exported = onnx.load("net_ts.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing written beside the reader's files
+    exported = onnx.load("out/net_ts.onnx")
     batch_norm = next(n for n in exported.graph.node if n.op_type == "BatchNormalization")
     assert any(a.name == "training_mode" and a.i == 1 for a in batch_norm.attribute)
     assert "Dropout" in {n.op_type for n in exported.graph.node}
-    params = {i.name for i in onnx.load("mlp_dynamo.onnx").graph.initializer}
+    params = {i.name for i in onnx.load("out/mlp_dynamo.onnx").graph.initializer}
     assert {"0.weight", "0.bias", "2.weight", "2.bias"} <= params
     program = namespace["program"]  # the last one compiled: the dynamo export's
     assert {o.name for o in program.graph.output} >= {"loss", "0.weight_grad", "2.bias_grad"}
