@@ -9,7 +9,7 @@ from rich.table import Table
 from graphforge.analysis.memory import CATEGORIES, predict
 from graphforge.analysis.size import human_bytes
 from graphforge.program import ProgramRoles
-from graphforge.runtime.memory import step_memory
+from graphforge.runtime.step_memory import step_memory
 
 #: the tensors listed as live at the peak
 LARGEST = 10

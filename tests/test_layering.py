@@ -56,13 +56,13 @@ RUNTIME = (
     ("graphforge.runtime.devices",),
     ("graphforge.runtime.dlpack", "graphforge.runtime.runner"),
     ("graphforge.runtime.training",),  # Module: one client of the runner
-    ("graphforge.runtime.fused_update", "graphforge.runtime.memory"),
+    ("graphforge.runtime.fused_update", "graphforge.runtime.step_memory"),
     ("graphforge.runtime",),  # the package's re-exports
 )
 DISTRIBUTED = (  # the runtime's schedules over torch.distributed
     ("graphforge.distributed.world", "graphforge.distributed.schedules"),
     ("graphforge.distributed.simulate", "graphforge.distributed.data_parallel"),
-    ("graphforge.distributed.zero", "graphforge.distributed.pipeline_parallel"),
+    ("graphforge.distributed.zero_data_parallel", "graphforge.distributed.pipeline_parallel"),
     ("graphforge.distributed",),
 )
 DRIVER = (("graphforge.pass_manager",),)

@@ -18,7 +18,7 @@ reduces them while backward goes on; zero.py shards the optimizer states and gra
 
 from graphforge.distributed.data_parallel import CommStats, DataParallel
 from graphforge.distributed.world import DEFAULT_TIMEOUT_S, DistributedError, World, digest, launched
-from graphforge.distributed.zero import ZeroDataParallel
+from graphforge.distributed.zero_data_parallel import ZeroDataParallel
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -15,7 +15,7 @@ from graphforge.golden.layout import (
     read_expectation,
     write_expectation,
 )
-from graphforge.golden.runner import STAGES, CaseResult, Report, check, update
+from graphforge.golden.suite import STAGES, CaseResult, Report, check, update
 
 __all__ = [
     "STAGES",

@@ -14,7 +14,7 @@ scalars, profiling.py the onnxruntime trace, export.py the inference model.
 """
 
 from graphforge.train.config import Config, load_config
-from graphforge.train.export import ExportReport, export, find_checkpoint
+from graphforge.train.inference_export import ExportReport, export, find_checkpoint
 from graphforge.train.loop import Interrupted, NonFiniteLoss, TrainResult, prepare, run
 
 __all__ = [

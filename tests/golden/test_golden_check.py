@@ -17,6 +17,7 @@ from onnx import numpy_helper
 
 from graphforge import PassResult, golden
 from graphforge.golden import compare as golden_compare
+from graphforge.golden import suite as golden_suite
 from graphforge.golden.layout import read_expectation, write_expectation
 
 GRAPHFORGE = Path(sys.executable).parent / "graphforge"
@@ -295,10 +296,8 @@ def test_expectation_with_an_unknown_stage_is_refused(golden_copy, run_cli):
 def test_a_wrong_optimizer_update_fails_the_training_stages(golden_copy, run_cli, monkeypatch):
     """The optimizer's arithmetic is checked too: one step more changes every trained
     parameter and the trained inference model's outputs, and nothing else."""
-    from graphforge.golden import runner
-
     folder = golden_copy("demo_mlp")
-    monkeypatch.setattr(runner, "TRAIN_STEPS", runner.TRAIN_STEPS + 1)
+    monkeypatch.setattr(golden_suite, "TRAIN_STEPS", golden_suite.TRAIN_STEPS + 1)
     result = run_cli("golden", "check", folder)
     assert result.code == 1, result.out
     assert "demo_mlp / train_adamw: train_steps 'fc1.weight' (test_data_set_0) value:" in result.out

@@ -20,7 +20,7 @@ from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.program import ProgramRoles
 from graphforge.runtime import Module
-from graphforge.runtime.memory import step_memory
+from graphforge.runtime.step_memory import step_memory
 
 pytest.importorskip("torch")
 
