@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 #: the test accuracy `make demo` must reach (README); its run reaches about 0.98
 DEMO_MIN_ACCURACY := 0.93
 
-.PHONY: install test demo lint bench conformance clean
+.PHONY: install test demo lint bench conformance cuda-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+
+# The GPU check (benchmarks/cuda_check.py): on a lent GPU machine, with .gpu/ made beforehand
+# (`.venv/bin/python benchmarks/cuda_check.py --prepare`), it sets up onnxruntime-gpu, runs the
+# CUDA tests and the CUDA benchmark, and writes report.md/.json into OUT. It needs no .venv:
+# the machine's python3 (with torch) runs it. Without a GPU it says so and exits 0.
+OUT ?= out/cuda-check
+cuda-check:
+	$(PYTHON) benchmarks/cuda_check.py --out "$(OUT)"
 
 # Every case of onnx's backend node tests through autodiff against central differences in
 # float64 (make test checks the same); records docs/ops-conformance.json and docs/ops.md.

@@ -10,6 +10,7 @@ section recorded elsewhere.
     python benchmarks/run.py               # every benchmark
     python benchmarks/run.py autodiff      # only benchmarks/autodiff_bench.py
     python benchmarks/run.py --quick       # small sizes, written to out/benchmarks.quick.md instead
+    python benchmarks/run.py cuda --doc D  # written to D (make cuda-check: what comes back from a GPU)
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="small sizes only; results go to out/")
+    parser.add_argument("--doc", type=Path, help="write the sections into this file instead (the GPU check's report)")
     args = parser.parse_args(argv)
     available = discover()
     unknown = [n for n in args.names if n not in available]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; available: {', '.join(available)}")
-    target = QUICK_DOC if args.quick else DOC
+    target = args.doc or (QUICK_DOC if args.quick else DOC)
     from_make = "MAKELEVEL" in os.environ and not args.names and not args.quick
     command = "make bench" if from_make else _command()
     for name in args.names or list(available):
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         document = target.read_text() if target.exists() else HEADER
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(replace_section(document, module.TITLE, body))
-        print(f"{name}: done in {took:.0f} s, written to {target.relative_to(REPO)}", flush=True)
+        print(f"{name}: done in {took:.0f} s, written to {target}", flush=True)
     return 0
 
 

@@ -1,7 +1,8 @@
 """One rank of a data-parallel or pipeline test run: ``python _worker.py SPEC.json`` under the
 environment torchrun sets. For each case of the spec it trains a program, data-parallel on
 its share of the global batches (rows rank::N of each), or as one pipeline stage (a case
-with ``"pipeline": true``: every micro-batch whole), and writes its final carried state and
+with ``"pipeline": true``: every micro-batch whole), on the spec's ``device`` (the CPU by
+default; "cuda": NCCL, one GPU per rank), and writes its final carried state and
 the losses it reported to ``<out>/<case>-rank<r>.npz``."""
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def stage(case: dict, world: World) -> None:
     stages = case["stages"]
     replicas = StageReplicas(world, stages) if world.size > stages else None
     transport = TorchTransport(world, first=world.rank - world.rank % stages, stages=stages)
-    pipeline = PipelineStage(case["program"], state, transport, device="cpu", intra_op_threads=1, replicas=replicas)
+    pipeline = PipelineStage(
+        case["program"], state, transport, device=case.get("device", "cpu"), intra_op_threads=1, replicas=replicas
+    )
     share = slice(world.rank // stages, None, world.size // stages)
     m = pipeline.microbatches
     losses = []
@@ -43,7 +46,9 @@ def stage(case: dict, world: World) -> None:
 def train(case: dict, world: World) -> None:
     batches = np.load(case["batches"])
     zero = case.get("zero")
-    module = Module(case["program"], device="cpu", intra_op_threads=1, shard_optimizer_states=bool(zero))
+    module = Module(
+        case["program"], device=case.get("device", "cpu"), intra_op_threads=1, shard_optimizer_states=bool(zero)
+    )
     if zero:
         sharded = ZeroDataParallel(module, world, stage=zero, overlap=case.get("overlap", True))
     else:
@@ -86,9 +91,11 @@ def _peak_rss() -> int:
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    world = World.join(timeout_s=spec.get("timeout_s", 60))
+    device = spec.get("device", "cpu")  # "cuda": NCCL, one GPU per rank
+    world = World.join(cuda=device == "cuda", timeout_s=spec.get("timeout_s", 60))
     try:
         for case in spec["cases"]:
+            case.setdefault("device", device)
             (stage if case.get("pipeline") else train)(case, world)
     finally:
         world.leave()
