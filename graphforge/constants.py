@@ -31,11 +31,30 @@ def constant_value(tensor: gs.Tensor, opset: int | None = None) -> np.ndarray | 
     return value
 
 
+def is_constant(tensor: gs.Tensor) -> bool:
+    """Whether ``constant_value(tensor)`` (without ``opset``) is a value, told without reading
+    it: a weight's bytes stay where they are (a stand-in's are nowhere)."""
+    if isinstance(tensor, gs.Constant):
+        return True
+    producer = _constant_node(tensor)
+    return producer is not None and (
+        isinstance(producer.attrs.get("value"), gs.Constant)
+        or any(n in producer.attrs and not isinstance(producer.attrs[n], gs.Node.AttributeRef) for n in _CONSTANT_LISTS)
+    )
+
+
+def _constant_node(tensor: gs.Tensor) -> gs.Node | None:
+    producer = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+    if producer is None or producer.op != "Constant" or producer.domain not in (None, "", "ai.onnx"):
+        return None
+    return producer
+
+
 def _stored_value(tensor: gs.Tensor) -> np.ndarray | None:
     if isinstance(tensor, gs.Constant):
         return np.asarray(tensor.values)
-    producer = tensor.inputs[0] if len(tensor.inputs) == 1 else None
-    if producer is None or producer.op != "Constant" or producer.domain not in (None, "", "ai.onnx"):
+    producer = _constant_node(tensor)
+    if producer is None:
         return None
     value = producer.attrs.get("value")
     if isinstance(value, gs.Constant):

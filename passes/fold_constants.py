@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,7 +32,8 @@ class FoldConstants(Pass):
        (with ``fold_parameters=true`` it becomes an initializer).
     2. ``Shape`` of a tensor whose shape is fully static folds (its ``start``/``end``
        respected), and so does a ``Gather`` or ``Slice`` of a ``Shape`` that picks only
-       static dims; symbolic dims never do, so dynamic batch and sequence dims stay dynamic.
+       static dims, and ``Size`` of a tensor whose shape is fully static; symbolic dims never
+       do, so dynamic batch and sequence dims stay dynamic.
     3. Floating-point initializers are parameters and are *not* folded into derived
        constants (folding ``Transpose(W)`` would make ``W`` vanish from training); set
        ``fold_parameters=true`` for an inference-only model.
@@ -241,7 +243,12 @@ def _reattach(constant_nodes: list) -> None:
 def _fold_shapes(graph: gs.Graph) -> None:
     here = {id(node) for node in graph.nodes}
     for node in list(graph.nodes):
-        if node.op != "Shape" or len(node.outputs) != 1 or isinstance(node.outputs[0], gs.Constant):
+        if node.op not in ("Shape", "Size") or len(node.outputs) != 1 or isinstance(node.outputs[0], gs.Constant):
+            continue
+        if node.op == "Size":  # the element count: static when every dim is
+            shape = node.inputs[0].shape
+            if shape is not None and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                _make_constant(node.outputs[0], np.array(math.prod(shape), dtype=np.int64))
             continue
         try:
             dims = _shape_dims(node)

@@ -724,7 +724,9 @@ def test_readme_host_syncs_block_runs_as_written(tmp_path):
     unbound = graphforge_cli("inspect", "out/digits_program.onnx", "--host-syncs", cwd=tmp_path)
     assert unbound.returncode == 0, unbound.stderr
     assert "symbolic dims left unbound (name them with --dim NAME=SIZE): batch" in unbound.stdout
-    assert "forward/backward: 44 nodes, 1 node(s) sync with the host" in unbound.stdout
+    # the loss's gradient takes the batch's shape at run time: the Shape, and what reads it on the host
+    assert "forward/backward: 44 nodes, 2 node(s) sync with the host" in unbound.stdout
+    assert "a shape computed on the host at run time" in unbound.stdout
 
 
 def test_compile_prints_a_pass_warning_as_one_line(tmp_path):

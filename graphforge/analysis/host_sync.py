@@ -8,7 +8,11 @@ A node syncs with the host when
 2. it reads, at an input the provider reads on the host (a Reshape's shape, a ReduceSum's
    axes, a Slice's bounds, a ConstantOfShape's shape, ...), a value computed at run time:
    that value is copied to the host first (onnxruntime inserts a MemcpyToHost);
-3. it is control flow (If's condition, Loop's trip count and condition are read on the host).
+3. it is control flow (If's condition, Loop's trip count and condition are read on the host);
+4. it is a ``Shape`` or ``Size`` left at run time: onnxruntime computes it on the host, where
+   its output lives, and so is shape arithmetic whose every computed input is such a value;
+5. it reads a value case 4 computed on the host at any input: the value is copied to the
+   device first (a copy of a host value a CUDA graph cannot replay), or the node runs on the host.
 
 A value is known ahead of time when it is an initializer or a Constant node's output;
 ``specialize`` folds the shape computations of a program at fixed dims into such constants,
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from graphforge.constants import constant_value
+from graphforge.constants import is_constant
 
 #: ops whose output shape depends on their inputs' values
 DATA_DEPENDENT = frozenset({"NonZero", "Unique", "Compress", "NonMaxSuppression", "StringSplit", "RegexFullMatch"})
@@ -76,27 +80,47 @@ class HostSync:
         return f"{self.op} {self.node!r}: {self.reason}"
 
 
+#: ops onnxruntime computes on the host: their output is a shape, read from the input's metadata
+ON_HOST = frozenset({"Shape", "Size"})
+
+
 def host_syncs(graph: gs.Graph) -> list[HostSync]:
     """The nodes of ``graph`` (main graph; a node with subgraphs counts as one) that sync with
-    the host, in graph order."""
+    the host, in graph order (a topological one: what case 4 computes on the host is known
+    before its readers are met)."""
     found = []
+    on_host: set[int] = set()  # ids of the tensors case 4 computes on the host
     for node in graph.nodes:
-        reason = _reason(node)
+        reason = _reason(node, on_host)
         if reason is not None:
             found.append(HostSync(node.name or "", node.op, reason))
     return found
 
 
-def _reason(node: gs.Node) -> str | None:
+def _reason(node: gs.Node, on_host: set[int]) -> str | None:
     if node.domain not in (None, "", "ai.onnx"):
         return None
+    if node.op in ON_HOST:
+        on_host.update(id(t) for t in node.outputs)
+        return "a shape computed on the host at run time"
+    host_slots = HOST_INPUTS.get(node.op, ())
+    # the inputs a kernel reads on the device; a shape op's result stays on the host when all
+    # of these are host values (a Gather of a Shape, a Concat of dims): ConstantOfShape and
+    # Range, which read shapes only, write theirs on the device
+    data = [t for i, t in enumerate(node.inputs) if i not in host_slots and not t.is_empty() and not _known(t)]
+    from_host = [t.name for t in data if id(t) in on_host]
+    if data and len(from_host) == len(data) and node.op not in DATA_DEPENDENT | CONTROL_FLOW:
+        on_host.update(id(t) for t in node.outputs)
+        return f"shape arithmetic on the host, over {', '.join(from_host)}"
+    if from_host:
+        return f"reads {', '.join(from_host)}, computed on the host"
     if node.op in DATA_DEPENDENT:
         return "its output's shape depends on its input's values"
     if node.op in CONTROL_FLOW:
         return "control flow: its condition is read on the host"
     computed = [
         node.inputs[i].name
-        for i in HOST_INPUTS.get(node.op, ())
+        for i in host_slots
         if i < len(node.inputs) and not node.inputs[i].is_empty() and not _known(node.inputs[i])
     ]
     if computed:
@@ -106,7 +130,7 @@ def _reason(node: gs.Node) -> str | None:
 
 def _known(tensor: gs.Tensor) -> bool:
     """Whether ``tensor``'s value is known ahead of time: an initializer or a Constant's output."""
-    return constant_value(tensor) is not None
+    return is_constant(tensor)
 
 
 def summary(syncs: Iterable[HostSync], limit: int = 5) -> str:

@@ -78,6 +78,23 @@ def test_the_exports_hold_what_the_dynamo_exporter_writes(compiled):
     assert dims[0].dim_param and dims[1].dim_param  # batch and sequence stay symbolic
 
 
+def test_at_fixed_dims_no_node_of_the_step_stays_on_the_host(compiled):
+    """Specialized to a batch's dims (as the runner makes its sessions), the step computes no
+    shape on the host: RMSNorm's mean and rotary's slices take their gradients' sizes from
+    Size nodes, which fold as Shape does (a Llama export kept 18 Range nodes over them)."""
+    from graphforge.passes.specialize import input_dims
+
+    from graphforge.inspect_host_syncs import session_syncs
+
+    *_, program = compiled
+    with_optimizer = graphforge.compile(program, "adamw(lr=1e-3)").model
+    batch, seq = next(i for i in program.graph.input if i.name == "input_ids").type.tensor_type.shape.dim
+    dims = {batch.dim_param: 3, seq.dim_param: 7}
+    assert set(dims) == input_dims(program)
+    for session in session_syncs(with_optimizer, dims):
+        assert session.syncs == [], (session.label, [s.describe() for s in session.syncs[:5]])
+
+
 @pytest.mark.parametrize(("batch", "seq"), SIZES)
 def test_gradients_match_torch(compiled, batch, seq):
     _, module, _, uses, program = compiled

@@ -154,6 +154,68 @@ def test_host_syncs_name_each_kind_of_node():
     found = {s.op: s.reason for s in _syncs(model)}
     assert found == {
         "NonZero": "its output's shape depends on its input's values",
+        "Shape": "a shape computed on the host at run time",
         "Reshape": "reads count on the host, computed at run time",
         "If": "control flow: its condition is read on the host",
     }
+
+
+def test_shapes_left_at_run_time_and_what_reads_them_are_on_the_host():
+    """A Shape or Size the step computes, the arithmetic over it, and a node that reads the
+    result beside device values: each needs the host (a CUDA graph cannot replay them)."""
+    model = models.parse("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        shapes (float[N, 4] x) => (float[N, 4] y, float[N, 4] z) {
+            s = Shape(x)
+            zero = Constant <value = int64[1] {0}> ()
+            n = Gather(s, zero)
+            n2 = Mul(n, n)
+            nf = Cast <to = 1> (n2)
+            y = Add(x, nf)
+            count = Size(x)
+            cf = Cast <to = 1> (count)
+            two = Constant <value = float[1] {2.0}> ()
+            twice = Mul(cf, two)
+            z = Mul(x, twice)
+        }
+    """)  # fmt: skip
+    found = [(s.node or s.op, s.reason) for s in _syncs(model)]
+    names = {n.output[0]: n.op_type for n in model.graph.node}
+    assert [names.get(n, n) for n, _ in found] == [
+        "Shape",
+        "Gather",
+        "Mul",
+        "Cast",
+        "Add",
+        "Size",
+        "Cast",
+        "Mul",
+        "Mul",
+    ]
+    reasons = [r for _, r in found]
+    assert reasons[0] == reasons[5] == "a shape computed on the host at run time"
+    assert (
+        reasons[1] == "shape arithmetic on the host, over s" and reasons[3] == "shape arithmetic on the host, over n2"
+    )
+    assert reasons[4] == "reads nf, computed on the host" and reasons[8] == "reads twice, computed on the host"
+
+
+def test_size_folds_at_fixed_dims_as_shape_does():
+    """The gradient of a slice or a mean takes its element count from a Size: at fixed dims
+    it is a constant, and the Range over it no longer waits for the host."""
+    model = models.parse("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        sized (float[N, S] x) => (float[M] y) {
+            count = Size(x)
+            zero = Constant <value = int64 {0}> ()
+            one = Constant <value = int64 {1}> ()
+            r = Range(zero, count, one)
+            y = Cast <to = 1> (r)
+        }
+    """)  # fmt: skip
+    assert {s.op for s in _syncs(model)} == {"Size", "Range"}  # the Cast reads what Range wrote on the device
+    fixed = specialized(model, {"N": 3, "S": 5})
+    assert _syncs(fixed) == [] and "Size" not in {n.op_type for n in fixed.graph.node}
+    feeds = {"x": np.ones((3, 5), np.float32)}
+    np.testing.assert_array_equal(_run(fixed, feeds)[0], _run(model, feeds)[0])
+    np.testing.assert_array_equal(_run(fixed, feeds)[0], np.arange(15, dtype=np.float32))
