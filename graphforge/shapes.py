@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import sys
 import tempfile
 from pathlib import Path
 
@@ -146,10 +148,10 @@ def _symbolic_shapes(proto: onnx.ModelProto) -> dict[str, list] | None:
     per dim), or None when it cannot run. Its class is driven step by step as its own
     ``infer_shapes`` does, less the file that writes into the working folder when a value
     stays unknown."""
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_shape_from_value_info
-    except ImportError:
+    module = _symbolic_shape_infer()
+    if module is None:
         return None
+    SymbolicShapeInference, get_shape_from_value_info = module.SymbolicShapeInference, module.get_shape_from_value_info
     quiet = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # it warns of every broadcast it will not guess
@@ -168,3 +170,28 @@ def _symbolic_shapes(proto: onnx.ModelProto) -> dict[str, list] | None:
         return None
     finally:
         quiet.setLevel(level)
+
+
+@functools.cache
+def _symbolic_shape_infer():
+    """onnxruntime's ``tools/symbolic_shape_infer.py``, loaded from its file: importing it as
+    ``onnxruntime.tools.symbolic_shape_infer`` first runs the package's ``__init__``, which
+    imports torch for an unrelated export helper (3-5 s of a 13-node model's compile here);
+    the module itself needs only onnx, numpy and sympy. None where it is not there."""
+    name = "onnxruntime.tools.symbolic_shape_infer"
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        package = importlib.util.find_spec("onnxruntime")
+    except (ImportError, ValueError):
+        return None
+    path = Path(package.origin).parent / "tools" / "symbolic_shape_infer.py" if package and package.origin else None
+    if path is None or not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("graphforge_symbolic_shape_infer", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError:  # no sympy
+        return None
+    return module
