@@ -157,7 +157,9 @@ def child(job: dict) -> dict:
         extra["state_mib"] = (memory.used() - memory.base) / MIB if memory else None
         if job.get("checkpoint"):  # torch.utils.checkpoint around each block, as transformers does it
             module.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        step = tb.torch_adamw_step(module, device, autocast=job.get("autocast"))
+        # torch.compile's default mode (inductor; Triton kernels on CUDA), compiled in the warm-up
+        forward = torch.compile(module) if job.get("compile") else None
+        step = tb.torch_adamw_step(module, device, forward=forward, autocast=job.get("autocast"))
 
         def finish():
             if device == "cuda":
@@ -217,6 +219,7 @@ def _sides(spec: tb.Spec, recompute: bool) -> list[tuple[str, dict]]:
         ("graphforge, in place", {"side": "graphforge"}),
         ("graphforge, in place, TF32", {"side": "graphforge", "tf32": True}),
         ("torch eager", {"side": "torch"}),
+        ("torch.compile", {"side": "torch", "compile": True}),
     ]
     if recompute:
         sides += [(f"graphforge, recompute({s})", {"side": "graphforge", "recompute": s}) for s in RECOMPUTE]
@@ -256,11 +259,13 @@ def run(quick: bool = False) -> str:
             results[label] = measure(job)
             print(f"  {spec.label}: {label}: {json.dumps(results[label])[:300]}", flush=True)
         torch_side, ours = results["torch eager"], results["graphforge, in place"]
+        compiled = results["torch.compile"]
         for label, r in results.items():
             if "error" in r:
-                rows.append(f"| {spec.label} | {label} | failed: {' '.join(r['error'].split())[-200:]} | | | | |")
+                rows.append(f"| {spec.label} | {label} | failed: {' '.join(r['error'].split())[-200:]} | | | | | |")
                 continue
             speed = f"{torch_side['step_s'] / r['step_s']:.2f}×" if "step_s" in torch_side else "—"
+            vs_compiled = f"{compiled['step_s'] / r['step_s']:.2f}×" if "step_s" in compiled else "—"
             peak = "—" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
             vs = (
                 f"{r['peak_mib'] / torch_side['peak_mib']:.2f}×"
@@ -270,6 +275,7 @@ def run(quick: bool = False) -> str:
             allocated = f"{r['torch_allocated_mib']:.0f}" if "torch_allocated_mib" in r else "—"
             rows.append(
                 f"| {spec.label} | {label} | {r['step_s'] * 1000:.2f} ± {r['iqr_s'] * 1000 / 2:.2f} | {speed} | "
+                f"{vs_compiled} | "
                 f"{peak} | {vs} | {allocated} |"
             )
         notes.append(tb.first_losses(spec.label, results))
@@ -281,13 +287,13 @@ def run(quick: bool = False) -> str:
     body = [
         f"Training steps on {_device_name()}: graphforge's `Module.train_step` on onnxruntime's CUDA provider "
         "beside PyTorch eager on the same GPU (AdamW, the Training step section's models and batches; "
-        "GPT-2 small at batch 8 × sequence 64). Device memory: the GPU's memory in use (NVML) at its highest, "
+        "GPT-2 small at batch 8 × sequence 64), and torch.compile (its default mode, compiled during the warm-up). Device memory: the GPU's memory in use (NVML) at its highest, "
         "above its use once the process's CUDA context was made; torch's `max_memory_allocated` beside it. "
         "Each side in a fresh process.",
         "",
-        "| model | side | step ms (median ± IQR/2) | × torch eager speed | device MiB | × torch eager | "
-        "torch allocated MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| model | side | step ms (median ± IQR/2) | × torch eager speed | × torch.compile speed | device MiB | "
+        "× torch eager | torch allocated MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
         *notes,

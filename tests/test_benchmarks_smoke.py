@@ -77,8 +77,8 @@ def test_pipeline_benchmark_measures_and_simulates_every_row(tmp_path):
 
 @pytest.mark.slow
 def test_cuda_benchmark_sides_train_alike(tmp_path, monkeypatch):
-    """The CUDA benchmark's two measuring processes, run on the CPU (its trial mode): both
-    train the same model to the same losses and report a step time; without a working CUDA
+    """The CUDA benchmark's measuring processes, run on the CPU (its trial mode): graphforge,
+    torch eager and torch.compile train the same model to the same losses and report a step time; without a working CUDA
     provider the benchmark says why it is skipped."""
     from dataclasses import asdict
 
@@ -94,8 +94,10 @@ def test_cuda_benchmark_sides_train_alike(tmp_path, monkeypatch):
     common = {"spec": asdict(tiny), "batches": str(batches), "device": "cpu"}
     ours = cuda_bench.measure({**common, "side": "graphforge", "program": str(program)})
     torch_side = cuda_bench.measure({**common, "side": "torch"})
-    assert "error" not in ours and "error" not in torch_side, (ours, torch_side)
+    compiled = cuda_bench.measure({**common, "side": "torch", "compile": True})
+    assert "error" not in ours and "error" not in torch_side and "error" not in compiled, (ours, torch_side, compiled)
     assert ours["losses"] == pytest.approx(torch_side["losses"], rel=1e-5)
+    assert compiled["losses"] == pytest.approx(torch_side["losses"], rel=1e-5)  # torch.compile trains alike
     assert ours["step_s"] > 0 and ours["peak_mib"] is None  # no device memory on the CPU
     monkeypatch.setattr(cuda_bench, "DEVICE", "cuda")
     assert (cuda_bench.unavailable() is None) == provider_works(CUDA)
