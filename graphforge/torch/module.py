@@ -13,11 +13,12 @@ segment, which receives what the forward stashed and computes the gradients. Bot
 module's, read at every call. Under ``torch.no_grad()`` only the forward segment runs.
 
 Dims are symbolic in the export, so another batch size or sequence length reuses the compiled
-program. Tensors cross without copies: inputs, parameters and buffers bound to the sessions as
-they are (NumPy views of CPU tensors; CUDA tensors through DLPack, the sessions then on
+program. Tensors cross without copies, through the one bridge (graphforge.runtime.dlpack):
+inputs, parameters and buffers bound to the sessions as they are (on CUDA the sessions run on
 onnxruntime's CUDA provider on the tensors' GPU); outputs, gradients and the forward's stash as
 the OrtValues onnxruntime wrote on that device, the stash bound as they are to the backward, the
-rest handed to torch through DLPack. On CUDA a run first waits for torch's current stream (its
+rest handed to torch. The sessions are a Runner's (with no carried tensors: the parameters are
+the module's), as every client's are. On CUDA a run first waits for torch's current stream (its
 kernels may still be writing an input), and onnxruntime's own stream is done when a run returns.
 """
 
