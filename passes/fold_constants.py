@@ -245,11 +245,6 @@ def _fold_shapes(graph: gs.Graph) -> None:
     for node in list(graph.nodes):
         if node.op not in ("Shape", "Size") or len(node.outputs) != 1 or isinstance(node.outputs[0], gs.Constant):
             continue
-        if node.op == "Size":  # the element count: static when every dim is
-            shape = node.inputs[0].shape
-            if shape is not None and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                _make_constant(node.outputs[0], np.array(math.prod(shape), dtype=np.int64))
-            continue
         try:
             dims = _shape_dims(node)
         except (TypeError, ValueError):  # start/end given by a function attribute
@@ -257,8 +252,10 @@ def _fold_shapes(graph: gs.Graph) -> None:
         if dims is None:
             continue
         result = node.outputs[0]
-        if all(d is not None for d in dims):
-            _make_constant(result, np.array(dims, dtype=np.int64))
+        if all(d is not None for d in dims):  # Size: the element count, static when every dim is
+            _make_constant(result, np.array(math.prod(dims) if node.op == "Size" else dims, dtype=np.int64))
+            continue
+        if node.op == "Size":
             continue
         for consumer in list(result.outputs):
             if id(consumer) in here and consumer.inputs and consumer.inputs[0] is result:
@@ -268,7 +265,8 @@ def _fold_shapes(graph: gs.Graph) -> None:
 
 
 def _shape_dims(node: gs.Node) -> list[int | None] | None:
-    """What a Shape node returns: ints, None for a symbolic dim; None if the rank is unknown."""
+    """What a Shape node returns: ints, None for a symbolic dim; None if the rank is unknown.
+    (For a Size node, which has no start or end: every dim of its input.)"""
     shape = node.inputs[0].shape
     if shape is None:
         return None

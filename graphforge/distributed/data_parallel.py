@@ -35,7 +35,7 @@ import onnxruntime as ort
 from graphforge.distributed.world import DistributedError, World
 from graphforge.errors import GraphforgeError
 from graphforge.placement.cut import cut
-from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_dtype
+from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_device, torch_dtype
 from graphforge.runtime.runner import SegmentRun
 from graphforge.runtime.training import Module
 
@@ -120,7 +120,7 @@ class DataParallel:
             )
         if module.reducer is not None:  # before anything changes (attach_reducer would refuse it last)
             raise GraphforgeError("this Module is already data-parallel")
-        expected = "cpu" if module.runner.device.type == "cpu" else f"cuda:{module.runner.device.id}"
+        expected = str(torch_device(module.runner.device))
         if world.device != expected:
             raise DistributedError(
                 f"rank {world.rank}: the Module runs on {module.device} but the group's collectives on "

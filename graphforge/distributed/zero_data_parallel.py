@@ -149,6 +149,7 @@ class ZeroDataParallel(DataParallel):
         self.stage = stage
         roles, runner = module.roles, module.runner
         self.kind, self.hyper = roles.optimizer, dict(roles.hyperparameters)
+        self._states = state_names(self.kind, self.hyper)  # what the optimizer keeps per parameter
         self._device = torch_device(runner.device)
         self.buckets = self._shard_buckets(self._full_states())
         self._share_parameters()
@@ -171,7 +172,7 @@ class ZeroDataParallel(DataParallel):
         """Every optimizer state whole, taken from the Module: those it left unheld
         (``shard_optimizer_states``) and those its runner held until now (then let go)."""
         module, role = self.module, self.module.roles.allreduce
-        names = {f"{p}.{s}" for p in role.gathered for s in state_names(self.kind, self.hyper)}
+        names = {f"{p}.{s}" for p in role.gathered for s in self._states}
         states = module.take_unheld_states()
         states.update(module.runner.release(sorted(n for n in names if n in module.runner.carried)))
         missing = sorted(names - set(states))
@@ -209,7 +210,7 @@ class ZeroDataParallel(DataParallel):
             ]
             dtype = torch_dtype(bucket.dtype)
             bucket.flat_params = torch.zeros(bucket.chunk * size, dtype=dtype, device=self._device)
-            for name in state_names(self.kind, self.hyper):
+            for name in self._states:
                 shard = torch.zeros(bucket.chunk, dtype=dtype, device=self._device)
                 for piece in bucket.pieces:
                     full = np.asarray(states.pop(f"{piece.parameter}.{name}")).reshape(-1)

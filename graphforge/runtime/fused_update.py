@@ -102,11 +102,12 @@ def state_refusal(roles: ProgramRoles) -> str | None:
     kind = roles.optimizer
     optimizer_states = {c.input for c in roles.carried if c.role == "optimizer"} - set(roles.loss_scale_states)
     expected = set()
+    states = state_names(kind, roles.hyperparameters)
     for name in updated_parameters(roles):
         spec = roles.carried_spec(name)
         if spec is None or np.dtype(spec.dtype).type not in FLOATS:
             return f"parameter {name!r} is of a type the torch kernels do not update"
-        expected |= {f"{name}.{state}" for state in state_names(kind, roles.hyperparameters)}
+        expected |= {f"{name}.{state}" for state in states}
     if optimizer_states != expected:
         extra = sorted(optimizer_states ^ expected)
         return f"optimizer states the {kind} kernel does not keep as the program does: {', '.join(extra[:3])}"
