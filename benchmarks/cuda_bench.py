@@ -183,6 +183,7 @@ def child(job: dict) -> dict:
 
         def finish():
             extra["providers"] = module.runner.device.providers[0]
+            extra["update"] = module.update_note.removeprefix("update: ")
 
     losses, times = [], []
     start = time.perf_counter()

@@ -131,7 +131,7 @@ def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
             f"- Rewrite engine, on this GPT-2's program (no optimizer pass): {engines(model)}",
         ]
     modules = {
-        label: Module(str(path), device="cpu", intra_op_threads=THREADS, inter_op_threads=1)
+        label: Module(str(path), device="cpu", intra_op_threads=THREADS, inter_op_threads=1, update="onnx")
         for label, (path, _) in programs.items()
     }
     steppers = {label: m.train_step for label, m in modules.items()}

@@ -72,7 +72,12 @@ def child(job: dict) -> dict:
         step = tb.torch_adamw_step(module)
     else:
         module = runtime.Module(
-            job["program"], device="cpu", intra_op_threads=threads, inter_op_threads=1, in_place=job["in_place"]
+            job["program"],
+            device="cpu",
+            intra_op_threads=threads,
+            inter_op_threads=1,
+            in_place=job["in_place"],
+            update="onnx",  # the program's update in both layouts: the rows compare the buffers alone
         )
 
         def step(x, y):

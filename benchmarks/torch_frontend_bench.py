@@ -50,7 +50,7 @@ def child(job: dict) -> dict:
     if side == "graphforge program":
         from graphforge.runtime import Module
 
-        module = Module(job["program"], device=device, intra_op_threads=THREADS, inter_op_threads=1)
+        module = Module(job["program"], device=device, intra_op_threads=THREADS, inter_op_threads=1, update="onnx")
 
         def step(x, y):  # the batch crosses from the host, as torch's step takes it
             return float(module.train_step(x, y))

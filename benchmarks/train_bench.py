@@ -420,7 +420,8 @@ def _graphforge_stepper(job: dict):
     from graphforge.runtime import Module
 
     threads = job["threads"]
-    module = Module(job["program"], device="cpu", intra_op_threads=threads, inter_op_threads=1)
+    # the program's ONNX update, as the section's published rows ran (Optimizer update: the fused one)
+    module = Module(job["program"], device="cpu", intra_op_threads=threads, inter_op_threads=1, update="onnx")
 
     def step(x, y):
         return module.train_step(x, y)

@@ -91,7 +91,7 @@ def measure(spec, kind: str, folder: Path, steps: int) -> dict:
     x, y = data["x0"], data["y0"]
     result = {"parameters": 0}
     for side in ("onnx", "fused"):
-        module = graphforge.Module(program, device="cpu", intra_op_threads=threads)
+        module = graphforge.Module(program, device="cpu", intra_op_threads=threads, update="onnx")
         optimizer = graphforge.Optimizer(module)
         if side == "fused":
             result["kernel"] = use_fused_update(module, foreach=True).removeprefix("update: ")

@@ -54,9 +54,10 @@ RUNTIME = (
         "graphforge.runtime.lr_schedules",
     ),
     ("graphforge.runtime.devices",),
-    ("graphforge.runtime.dlpack", "graphforge.runtime.runner"),
+    ("graphforge.runtime.dlpack", "graphforge.runtime.capture", "graphforge.runtime.runner"),
+    ("graphforge.runtime.fused_update",),  # the update in torch's kernels, which Module picks
     ("graphforge.runtime.training",),  # Module: one client of the runner
-    ("graphforge.runtime.fused_update", "graphforge.runtime.step_memory"),
+    ("graphforge.runtime.step_memory",),
     ("graphforge.runtime",),  # the package's re-exports
 )
 DISTRIBUTED = (  # the runtime's schedules over torch.distributed

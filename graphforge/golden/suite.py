@@ -136,7 +136,7 @@ def _trained_parameters(golden: GoldenModel, program: onnx.ModelProto) -> dict[s
     """Parameters and buffers after TRAIN_STEPS fused training steps on the first test data
     set, at the learning rate the pipeline text gives (each step sees the same batch)."""
     try:
-        module = Module(program, device="cpu")
+        module = Module(program, device="cpu", update="onnx")  # the program's update: what a golden records
     except GraphforgeError as exc:
         raise CaseError(Problem("train", f"not a training program (add an optimizer pass): {exc}")) from None
     test_set = golden.test_sets[0]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -37,7 +37,7 @@ from graphforge.errors import GraphforgeError
 from graphforge.passes.optimizers import state_names
 from graphforge.program import LossScaling, ProgramRoles
 from graphforge.runtime.dlpack import tensor_of, torch_device
-from graphforge.runtime.training import Module
+from graphforge.runtime.runner import Runner
 
 #: the optimizer kinds (passes/optimizers.py names) and the hyperparameters each reads
 KNOWN = {
@@ -52,6 +52,17 @@ COMMON = {"lr", "weight_decay", "clip_grad_norm", "accumulate", "batchnorm_varia
 KERNELS = {"sgd": "_fused_sgd_", "adam": "_fused_adam_", "adamw": "_fused_adamw_"}
 #: the dtypes torch's fused kernels update
 FLOATS = (np.float16, np.float32, np.float64)
+
+
+class Module(Protocol):
+    """What the update reads of a graphforge Module (runtime/training.py, which picks its update
+    here and so sits above this module)."""
+
+    roles: ProgramRoles
+    runner: Runner
+    reducer: object | None
+
+    def use_update_kernel(self, kernel: Any, why: str = ...) -> None: ...
 
 
 def refusal(module: Module, *, foreach: bool = True) -> str | None:
@@ -69,6 +80,8 @@ def refusal(module: Module, *, foreach: bool = True) -> str | None:
         return "a pipeline program: each stage updates its own parameters"
     if not module.runner.in_place:
         return "the Module updates with two buffers (in_place=False)"
+    if any(c.input not in module.runner.carried for c in roles.carried):
+        return "the Module holds only its shard of the optimizer states (shard_optimizer_states=True)"
     return state_refusal(roles)
 
 
@@ -128,7 +141,7 @@ def use_fused_update(module: Module, *, foreach: bool = False) -> str:
     try:
         kernel = FusedUpdate(module, foreach=foreach)
     except Refused as exc:
-        module.use_update_kernel(None)
+        module.use_update_kernel(None, exc.why)
         return f"update: the program's ONNX update ({exc.why})"
     module.use_update_kernel(kernel)
     return f"update: {kernel.description}"

@@ -36,6 +36,14 @@ from graphforge.errors import GraphforgeError, one_line
 from graphforge.passes.specialize import specialized
 from graphforge.placement.cut import Segment
 from graphforge.program import CarriedSpec
+from graphforge.runtime.capture import (
+    captured_providers,
+    copy_feed,
+    feed_array,
+    fixed_shape_refusal,
+    run_options,
+    shape_and_dtype,
+)
 from graphforge.runtime.devices import Device
 from graphforge.runtime.sessions import create_session, lean_model, node_reads, session_options, share_arena
 
@@ -86,6 +94,11 @@ class _Binding:
     cleared: bool = False
     #: whether its inputs were (the values another segment sent it)
     inputs_cleared: bool = True
+    #: capture-ready (capture.py): every output it writes, by name, in a buffer of its own
+    #: (the carried tensors' and the caller's ``into`` ones included), bound once
+    static_outputs: dict[str, ort.OrtValue] | None = None
+    #: the captured graph its runs replay (onnxruntime's gpu_graph_id), where the session is captured
+    graph_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,15 @@ class BoundSession:
     free_inputs: list[str]
     in_place: frozenset[str] = frozenset()
     bindings: dict[tuple, _Binding] = field(default_factory=dict)
+    #: capture-ready (Runner(static=True), every input and output of a fixed shape): each fed
+    #: input's own buffer, which every run's value is copied into; None: bound as fed
+    static_inputs: dict[str, ort.OrtValue] | None = None
+    #: the fed inputs whose buffer holds a fed value, not the input's default
+    fed: set[str] = field(default_factory=set)
+    #: whether onnxruntime captures its runs as CUDA graphs (one per binding)
+    captured: bool = False
+    #: the fixed output buffers of its bindings, by name (shared: one binding runs at a time)
+    output_buffers: dict[str, ort.OrtValue] = field(default_factory=dict)
 
     def writes_in_place(self, c: Carried) -> bool:
         return c.name in self.in_place
@@ -210,6 +232,12 @@ class Runner:
     and that node is elementwise), and into the other buffer where it does not. A run that
     wrote a tensor in place cannot be taken back (``Execution.overwritten``).
 
+    ``static``: the capture-ready mode (runtime/capture.py): each session whose inputs and
+    outputs all have fixed shapes runs against buffers of its own, bound once, and on CUDA
+    is captured as CUDA graphs (onnxruntime's ``enable_cuda_graph``); ``capture_refused``
+    says why a session is not (on the CPU nothing is captured: the mode computes what the
+    normal mode does, bit for bit).
+
     ``spin``: whether a session's threads spin for work after each of its runs (onnxruntime's
     default). Default: only where a step is one run (no carried tensor updated in place). Each
     session has its own threads, so in a step of two sessions (the forward/backward, then the
@@ -229,8 +257,12 @@ class Runner:
         inter_op_threads: int | None = None,
         in_place: Collection[str] = (),
         spin: bool | None = None,
+        static: bool = False,
     ):
         self.device = device
+        self.static = bool(static)
+        #: session (its ``where``) -> why it runs without fixed buffers or uncaptured (static mode)
+        self.capture_refused: dict[str, str] = {}
         self.batch_inputs = list(batch_inputs)
         self._threads = {"intra_op_threads": intra_op_threads, "inter_op_threads": inter_op_threads}
         self.carried: dict[str, Carried] = {}
@@ -393,19 +425,23 @@ class Runner:
             kept = [i for i in model.graph.input if i.name in read]
             del model.graph.input[:]
             model.graph.input.extend(kept)
-        options = session_options(**self._threads, spin=self.spin)
-        # onnxruntime plans a memory pattern after the first run and then allocates it as one
-        # more block beside the arena that the first run filled: for a training step that
-        # nearly doubles the peak memory (GPT-2 2x256: 1.8 GiB instead of 1.2), for no speed
-        options.enable_mem_pattern = False
-        for name, size in (dims or {}).items():
-            options.add_free_dimension_override_by_name(name, int(size))
-        share_arena(options, self.device.type, self.device.id)
-        if profiled:
-            options.enable_profiling = True
-            options.profile_file_prefix = self._profile_prefix
         defaults = self._take_defaults(model)
-        session = create_session(model, providers=list(self.device.providers), options=options, where=where)
+        static_inputs = self._static_inputs(model, where, defaults) if self.static else None
+        session, captured = None, False
+        if static_inputs is not None and self.device.type == "cuda" and not profiled:
+            try:  # a captured session keeps its own arena: the shared one would hand its graph's blocks on
+                session = create_session(
+                    model,
+                    providers=captured_providers(self.device.providers),
+                    options=self._options(dims, profiled, shared_arena=False),
+                    where=where,
+                )
+                captured = True
+            except GraphforgeError as exc:  # a node on the host, control flow: runs uncaptured
+                self._refuse_capture(where, f"onnxruntime does not capture it: {one_line(exc)}")
+        if session is None:
+            options = self._options(dims, profiled, shared_arena=True)
+            session = create_session(model, providers=list(self.device.providers), options=options, where=where)
         dtypes = {
             i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
             for i in model.graph.input
@@ -442,7 +478,49 @@ class Runner:
             carried_out=[self.by_output[o] for o in outputs if o in self.by_output],
             free_inputs=[n for n in inputs if n not in self.carried],
             in_place=frozenset(in_place),
+            static_inputs=static_inputs,
+            captured=captured,
         )
+
+    def _options(self, dims: Mapping[str, int] | None, profiled: bool, *, shared_arena: bool) -> ort.SessionOptions:
+        options = session_options(**self._threads, spin=self.spin)
+        # onnxruntime plans a memory pattern after the first run and then allocates it as one
+        # more block beside the arena that the first run filled: for a training step that
+        # nearly doubles the peak memory (GPT-2 2x256: 1.8 GiB instead of 1.2), for no speed
+        options.enable_mem_pattern = False
+        for name, size in (dims or {}).items():
+            options.add_free_dimension_override_by_name(name, int(size))
+        if shared_arena:
+            share_arena(options, self.device.type, self.device.id)
+        if profiled:
+            options.enable_profiling = True
+            options.profile_file_prefix = self._profile_prefix
+        return options
+
+    def _static_inputs(
+        self, model: onnx.ModelProto, where: str, defaults: Mapping[str, ort.OrtValue]
+    ) -> dict[str, ort.OrtValue] | None:
+        """The capture-ready mode's buffer for each input a caller feeds (holding its default
+        where it has one), or None where an input or output has no fixed shape (the reason
+        kept in ``capture_refused``)."""
+        fed = [i.name for i in model.graph.input if i.name not in self.carried]
+        why = fixed_shape_refusal(model, [*fed, *(o.name for o in model.graph.output)])
+        if why is not None:
+            self._refuse_capture(where, f"no fixed buffers: {why}")
+            return None
+        buffers = {}
+        for name in fed:
+            shape, dtype = shape_and_dtype(model, name)
+            buffers[name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device.type, self.device.id)
+            if name in defaults:
+                copy_feed(buffers[name], defaults[name], name, dtype)
+        return buffers
+
+    def _refuse_capture(self, where: str, reason: str) -> None:
+        """Keep why ``where`` is not captured; on CUDA, where capture is what the mode is for, say it once."""
+        if self.device.type == "cuda" and where not in self.capture_refused:
+            warnings.warn(f"{where} runs without CUDA graph capture: {reason}", stacklevel=3)
+        self.capture_refused[where] = reason
 
     def _specialize(self, model: onnx.ModelProto, dims: Mapping[str, int], where: str) -> onnx.ModelProto:
         """``model`` specialized to ``dims`` (passes/specialize.py: its shape computations folded,
@@ -604,20 +682,28 @@ class Runner:
             tuple(_write_slot(bound, c) for c in bound.carried_out),
             tuple(fetch_host),
             tuple(fetch_device),
-            tuple(n for n in fetch_device if n in into),
+            # a binding of a capture-ready session binds the caller's buffers once: theirs are part of its key
+            tuple((n, into[n].data_ptr() if bound.static_inputs is not None else 0) for n in fetch_device if n in into),
         )
         in_buffers = {c.output: c for c in bound.carried_out}  # read from the buffers after the run
         bound_host = [n for n in fetch_host if n not in in_buffers and n not in into]
         bound_device = [n for n in fetch_device if n not in in_buffers and n not in into]
         cached = bound.bindings.get(key)
         if cached is None:
-            cached = bound.bindings[key] = self._binding(bound, bound_host, bound_device)
+            if bound.static_inputs is not None:
+                cached = self._static_binding(bound, bound_host, bound_device, into)
+            else:
+                cached = self._binding(bound, bound_host, bound_device)
+            bound.bindings[key] = cached
         return _RunPlan(cached, fetch_host, fetch_device, bound_device, in_buffers, into)
 
     def _bind_run(self, bound: BoundSession, plan: _RunPlan, feeds: Mapping[str, Any]) -> None:
         """Step 2: what a run binds afresh: the fixed buffers a run before cleared, the feeds
         (or the inputs' defaults), and the outputs of unknown shape or sent on."""
         cached, binding = plan.cached, plan.cached.binding
+        if cached.static_outputs is not None:
+            self._copy_feeds(bound, feeds)
+            return
         if cached.cleared:
             for name, value in cached.fixed:
                 binding.bind_ortvalue_output(name, value)
@@ -645,10 +731,11 @@ class Runner:
 
     @staticmethod
     def _launch(bound: BoundSession, plan: _RunPlan, feeds: Mapping[str, Any]) -> None:
-        """Step 3: the run."""
+        """Step 3: the run (on a captured session: the capture of its binding's graph, or its replay)."""
         binding = plan.cached.binding
+        options = run_options(plan.cached.graph_id) if plan.cached.graph_id is not None else None
         try:
-            bound.session.run_with_iobinding(binding)
+            bound.session.run_with_iobinding(binding, options)
         except Exception as exc:
             raise GraphforgeError(f"onnxruntime failed to run {bound.where}: {one_line(exc)}") from None
         finally:
@@ -656,8 +743,10 @@ class Runner:
             # earlier segment sent this one would live on through the next step's runs of the
             # segments before (with the outputs below: GPT-2 2x256's data-parallel step on 2
             # processes, 1282 MiB resident from the second step on, 1066 MiB with both cleared;
-            # either alone left it at 1282)
-            if any(isinstance(feeds.get(name), ort.OrtValue) for name in bound.free_inputs):
+            # either alone left it at 1282). A capture-ready binding's inputs are its own buffers.
+            if plan.cached.static_outputs is None and any(
+                isinstance(feeds.get(name), ort.OrtValue) for name in bound.free_inputs
+            ):
                 binding.clear_binding_inputs()
                 plan.cached.inputs_cleared = True
 
@@ -667,7 +756,11 @@ class Runner:
         cached, binding, into, in_buffers = plan.cached, plan.cached.binding, plan.into, plan.in_buffers
         host = {name: np.array(value.numpy(), copy=True) for name, value in cached.preallocated.items()}
         device = {}
-        if cached.allocated or plan.bound_device:
+        if cached.static_outputs is not None:
+            fixed = cached.static_outputs
+            host = {n: to_numpy(fixed[n]) for n in plan.fetch_host if n in fixed and n not in in_buffers}
+            device = {n: fixed[n] for n in plan.bound_device}
+        elif cached.allocated or plan.bound_device:
             values = binding.get_outputs()  # in the order bound
             offset = len(bound.carried_out) + len(cached.preallocated)
             host.update({n: values[offset + i].numpy() for i, n in enumerate(cached.allocated)})
@@ -712,21 +805,58 @@ class Runner:
                 allocated.append(name)
         return _Binding(binding, preallocated, allocated, via_device, fixed, fixed_inputs)
 
+    def _static_binding(
+        self, bound: BoundSession, fetch_host: list[str], fetch_device: list[str], into: Mapping[str, ort.OrtValue]
+    ) -> _Binding:
+        """A capture-ready session's binding: every input and output bound once, to the carried
+        buffers, the session's input buffers, the caller's ``into`` buffers and the session's
+        output buffers (made on first use; host fetches are copied from them after each run).
+        On a captured session each binding is a graph of its own."""
+        unknown = [n for n in [*fetch_host, *fetch_device] if n not in bound.outputs]
+        if unknown:
+            raise GraphforgeError(f"{bound.where} has no output {unknown[0]!r}")
+        binding = bound.session.io_binding()
+        fixed_inputs = [(c.name, c.slots[c.current]) for c in bound.carried_in] + list(bound.static_inputs.items())
+        fixed = [(c.output, c.slots[_write_slot(bound, c)]) for c in bound.carried_out]
+        outputs = {}
+        for name in dict.fromkeys([*fetch_host, *fetch_device]):
+            if name not in bound.output_buffers:
+                shape, dtype = bound.output_shapes[name], bound.output_dtypes[name]
+                bound.output_buffers[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                    shape, dtype, self.device.type, self.device.id
+                )
+            outputs[name] = bound.output_buffers[name]
+        fixed += [*outputs.items(), *into.items()]
+        for name, value in fixed:
+            binding.bind_ortvalue_output(name, value)
+        for name, value in fixed_inputs:
+            binding.bind_ortvalue_input(name, value)
+        graph_id = len(bound.bindings) if bound.captured else None
+        return _Binding(binding, {}, [], [], fixed, fixed_inputs, inputs_cleared=False, static_outputs=outputs,
+                        graph_id=graph_id)  # fmt: skip
+
+    def _copy_feeds(self, bound: BoundSession, feeds: Mapping[str, Any]) -> None:
+        """A capture-ready run's inputs: each fed value copied into its input's buffer; an
+        input not fed holds its default again."""
+        for name, buffer in bound.static_inputs.items():
+            expected = bound.input_dtypes.get(name)
+            if name in feeds:
+                copy_feed(buffer, feeds[name], name, expected)
+                bound.fed.add(name)
+            elif name in bound.defaults:
+                if name in bound.fed:
+                    copy_feed(buffer, bound.defaults[name], name, expected)
+                    bound.fed.discard(name)
+            else:
+                takes = ", ".join(self.batch_inputs or bound.free_inputs)
+                raise GraphforgeError(f"missing batch input {name!r}; the program takes: {takes}")
+
     @staticmethod
     def _bind_feed(binding: ort.IOBinding, bound: BoundSession, name: str, value: Any) -> None:
         if isinstance(value, ort.OrtValue):
             binding.bind_ortvalue_input(name, value)
             return
-        array = np.asarray(value, order="C")  # (ascontiguousarray would make a 0-d scalar 1-d)
-        expected = bound.input_dtypes.get(name)
-        if expected is not None and array.dtype != expected:
-            if not np.can_cast(array.dtype, expected, casting="safe"):  # int32 labels → int64: no value changes
-                raise GraphforgeError(
-                    f"batch input {name!r} must be {np.dtype(expected).name} (or a type that converts to it "
-                    f"without loss), got {array.dtype.name}"
-                )
-            array = array.astype(expected)
-        binding.bind_cpu_input(name, array)
+        binding.bind_cpu_input(name, feed_array(name, value, bound.input_dtypes.get(name)))
 
 
 def _write_slot(bound: BoundSession, c: Carried) -> int:

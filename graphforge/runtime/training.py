@@ -59,6 +59,7 @@ from graphforge.program import ProgramRoles, program_proto
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
+from graphforge.runtime.fused_update import FusedUpdate, Refused
 from graphforge.runtime.inference import eval_model, export_inference_model
 from graphforge.runtime.runner import (
     BoundSession,
@@ -73,6 +74,9 @@ from graphforge.runtime.sessions import lean_model
 
 #: Module(dropout=...): counter-based masks, or onnxruntime's own Dropout
 DROPOUT_MODES = ("seeded", "onnxruntime")
+#: Module(update=...): the fastest correct update (torch's kernels where they compute the
+#: program's update, else the program's own), torch's kernels or an error, the program's own
+UPDATES = ("auto", "torch", "onnx")
 #: what Module(in_place=True) updates in one buffer: the large carried tensors whose update is
 #: the last thing a step does (accumulators and BatchNorm buffers are written by segment 0,
 #: which a skipped update must be able to take back)
@@ -169,6 +173,16 @@ class Module:
     Module's buffers, for a graphforge.distributed.ZeroDataParallel that keeps this process's
     shard of them (it takes them with ``take_unheld_states``): so that no process ever holds them
     all (the loss scale's scalars stay).
+    ``update``: what runs the optimizer update. "auto" (default): torch's fused multi-tensor
+    kernels on the runner's buffers (runtime/fused_update.py) where they compute what the
+    program's update does, else the program's ONNX update; ``update_note`` says which and why.
+    "torch": those kernels (LAMB in foreach kernels too), or an error saying why not. "onnx":
+    the program's update segment, the definition the kernels are held to.
+    ``capture``: the runner's capture-ready mode (runtime/capture.py): every training session
+    of fixed shapes (specialized to a batch's dims) runs against buffers of its own, and on
+    CUDA is captured as CUDA graphs, replayed from then on. None (default): on CUDA; True:
+    on the CPU too, where nothing is captured and the results are the normal mode's, bit for
+    bit; False: never. ``module.runner.capture_refused`` says which sessions are not captured, and why.
     """
 
     def __init__(
@@ -182,9 +196,13 @@ class Module:
         dropout: str = "seeded",
         in_place: bool = True,
         shard_optimizer_states: bool = False,
+        update: str = "auto",
+        capture: bool | None = None,
     ):
         if dropout not in DROPOUT_MODES:
             raise GraphforgeError(f"dropout={dropout!r}: use one of {', '.join(map(repr, DROPOUT_MODES))}")
+        if update not in UPDATES:
+            raise GraphforgeError(f"update={update!r}: use one of {', '.join(map(repr, UPDATES))}")
         self._program = program_proto(program)
         self.roles = ProgramRoles.of_proto(self._program).require_training_program()
         roles = self.roles
@@ -224,6 +242,7 @@ class Module:
             intra_op_threads=intra_op_threads,
             inter_op_threads=inter_op_threads,
             in_place=[s.input for s in held if s.role in IN_PLACE_ROLES] if in_place else (),
+            static=device_.type == "cuda" if capture is None else bool(capture),
         )
         # a state trains in one Module at a time: attach refuses one another Module holds
         tensors = state.attach(self.runner)
@@ -249,6 +268,27 @@ class Module:
         self.reducer: GradientReducer | None = None
         #: what runs the update instead of segment 1 (use_update_kernel), or None: the ONNX segment
         self.update_kernel: UpdateKernel | None = None
+        self._update_choice = update
+        self._onnx_update_why = "update='onnx'"
+        if update != "onnx":
+            self._pick_update_kernel()
+
+    def _pick_update_kernel(self) -> None:
+        """torch's kernels where they run this program's update (LAMB's foreach kernels only
+        when insisted on: no measured winner over its ONNX update), else the ONNX update."""
+        try:
+            self.update_kernel = FusedUpdate(self, foreach=self._update_choice == "torch")
+        except Refused as exc:
+            if self._update_choice == "torch":
+                raise
+            self._onnx_update_why = exc.why
+
+    @property
+    def update_note(self) -> str:
+        """One line: which update runs, and why not torch's kernels where they do not."""
+        if self.update_kernel is not None:
+            return f"update: {self.update_kernel.description}"
+        return f"update: the program's ONNX update ({self._onnx_update_why})"
 
     # ------------------------------------------------------------------ data parallelism
 
@@ -257,7 +297,14 @@ class Module:
         ``shards_update`` runs the update), ``replica`` is its index (its dropout masks)."""
         if self.reducer is not None:
             raise GraphforgeError("this Module is already data-parallel")
+        if self.update_kernel is not None and self._update_choice == "torch" and not reducer.shards_update:
+            raise GraphforgeError(
+                "this Module was made with update='torch', but a data-parallel update reads the reduced "
+                "gradients in the program's ONNX update: make it with update='auto' or 'onnx'"
+            )
         self.reducer, self.replica = reducer, replica
+        if self.update_kernel is not None:  # the reducer's update (or the program's) runs now
+            self.use_update_kernel(None, "a data-parallel program: its update reads the reduced gradients")
 
     def take_unheld_states(self) -> dict[str, np.ndarray]:
         """The carried tensors this Module's runner does not hold (``shard_optimizer_states``),
@@ -441,9 +488,18 @@ class Module:
         self.state.step = undo.step
         self.state.micro_batch = undo.micro_batch
         self.state.grad_reset_pending = undo.grad_reset_pending
-        self._received = undo.received
+        self._received = undo.received if self._still_held(undo.received) else None
         self.last_grad_norm = undo.grad_norm
         self._undo = None
+
+    def _still_held(self, received: dict[str, ort.OrtValue] | None) -> bool:
+        """Whether the values a run sent still hold what it sent: always in the normal mode;
+        in the capture-ready mode only those in carried buffers (accumulated gradients): the
+        run undone wrote its own into the same output buffers."""
+        if received is None or not self.runner.static:
+            return True
+        slots = {id(slot) for c in self.runner.carried.values() for slot in c.slots}
+        return all(id(value) in slots for value in received.values())
 
     def _optimizer_step(self) -> None:
         if not self.training:
@@ -452,14 +508,17 @@ class Module:
             raise GraphforgeError("no gradients to apply: call the module on a batch (in train mode) first")
         self._update([])
 
-    def use_update_kernel(self, kernel: UpdateKernel | None) -> None:
-        """Run the update with ``kernel`` from now on (None: the program's ONNX update segment).
-        Only a Module that updates in place, on one process, runs one: its update is the last
-        thing a step does, into the buffers segment 0 does not write."""
+    def use_update_kernel(self, kernel: UpdateKernel | None, why: str = "asked for") -> None:
+        """Run the update with ``kernel`` from now on (None: the program's ONNX update segment,
+        ``why`` saying why in ``update_note``). Only a Module that updates in place, on one
+        process, runs one: its update is the last thing a step does, into the buffers segment
+        0 does not write."""
         if kernel is not None and (not self.runner.in_place or self.reducer is not None):
             why = "updates with two buffers (in_place=False)" if not self.runner.in_place else "is data-parallel"
             raise GraphforgeError(f"this Module {why}: its update runs as the program's ONNX segment")
         self.update_kernel = kernel
+        if kernel is None:
+            self._onnx_update_why = why
 
     def _update(self, outputs: list[str]):
         """Segment 1 with the gradients segment 0 sent (reduced across replicas when

@@ -347,6 +347,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
                 dropout=config.train.dropout,
                 intra_op_threads=threads,
                 shard_optimizer_states=sharded,
+                update="onnx",  # train.update is chosen below, once the Module is data-parallel or not
             )
     except DeviceError as exc:
         raise ConfigError(f"{where}: train.device: {exc}") from None
@@ -810,7 +811,7 @@ class Run:
             snapshot = self.state.copy()
             snapshot.tensors.update(gathered)
             self._eval_module = Module(
-                plan.program, snapshot, device=self.trainer.device, dropout=self.config.train.dropout
+                plan.program, snapshot, device=self.trainer.device, dropout=self.config.train.dropout, update="onnx"
             )
         else:
             self._eval_module.runner.write_tensors(gathered)

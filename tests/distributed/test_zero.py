@@ -192,7 +192,7 @@ def test_the_zero_pass_marks_the_collectives_and_the_program_runs_as_before_on_o
     ops = [(n.domain, n.op_type) for n in zero.graph.node if n.domain == "graphforge"]
     assert ops.count(("graphforge", "ReduceScatter")) == 4 and ops.count(("graphforge", "AllGather")) == 4
     assert {f.name for f in zero.functions} == {"ReduceScatter", "AllGather"}
-    a, b = Module(plain, device="cpu"), Module(zero, device="cpu")
+    a, b = Module(plain, device="cpu", update="onnx"), Module(zero, device="cpu", update="onnx")
     for batch in models.tanh_mlp_batches(4):
         assert float(a.train_step(**batch)) == float(b.train_step(**batch))
     for name, value in a.runner.read_tensors().items():

@@ -32,7 +32,7 @@ def _same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_in_place_equals_two_buffers_bit_for_bit(optimizer):
     program = compile_program(mlp_onnx(), optimizer)
-    in_place, ping_pong = Module(program, device="cpu"), Module(program, device="cpu", in_place=False)
+    in_place, ping_pong = Module(program, device="cpu", update="onnx"), Module(program, device="cpu", in_place=False)
     for x, target in batches(10):
         assert np.array_equal(in_place.train_step(x, target), ping_pong.train_step(x, target))
         assert in_place.last_grad_norm == ping_pong.last_grad_norm
@@ -42,7 +42,7 @@ def test_in_place_equals_two_buffers_bit_for_bit(optimizer):
 
 def test_in_place_with_batchnorm_and_accumulation_on_the_split_path():
     program = compile_program(cnn_onnx(), "adamw(lr=0.01, accumulate=true)")
-    modules = [Module(program, device="cpu", in_place=flag) for flag in (True, False)]
+    modules = [Module(program, device="cpu", in_place=flag, update="onnx") for flag in (True, False)]
     for module in modules:
         optimizer = Optimizer(module)
         for step in range(3):
@@ -165,7 +165,7 @@ def test_sessions_of_a_step_of_two_runs_do_not_spin():
                 values.add("default")
         return values
 
-    in_place = Module(program, device="cpu")
+    in_place = Module(program, device="cpu", update="onnx")
     assert not in_place.runner.spin and spinning(in_place) == {"0"}
     two_buffers = Module(program, device="cpu", in_place=False)
     assert two_buffers.runner.spin

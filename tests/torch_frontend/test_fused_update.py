@@ -40,10 +40,11 @@ UPDATES = [
 
 
 def _modules(program) -> tuple[graphforge.Module, graphforge.Module]:
-    onnx_update, fused = (graphforge.Module(program, device=DEVICE) for _ in range(2))
+    onnx_update = graphforge.Module(program, device=DEVICE, update="onnx")
+    fused = graphforge.Module(program, device=DEVICE, update="torch")  # LAMB too, in foreach kernels
     for module in (onnx_update, fused):
         graphforge.Optimizer(module)
-    assert use_fused_update(fused, foreach=True).startswith("update: torch")
+    assert fused.update_note.startswith("update: torch")
     assert onnx_update.update_kernel is None and isinstance(fused.update_kernel, FusedUpdate)
     return onnx_update, fused
 
@@ -171,6 +172,7 @@ def test_programs_the_kernels_do_not_know_keep_their_onnx_update():
     }
     for module, reason in cases.items():
         assert reason in refusal(module)
+        assert module.update_note.startswith(f"update: the program's ONNX update ({reason}")
         line = use_fused_update(module)
         assert line.startswith("update: the program's ONNX update (") and reason in line
         assert module.update_kernel is None
@@ -197,6 +199,33 @@ def test_the_segments_own_outputs_still_come_from_the_segment():
     assert int(got[1]) == int(want[1]) == 1
     for name, value in onnx_update.parameters.items():
         np.testing.assert_array_equal(fused.parameters[name], value)
+
+
+def test_the_modules_default_update_is_torchs_kernel_where_it_computes_the_programs():
+    """update="auto" (the default) picks the fused kernel, says why where it does not, and gives
+    it up (saying so) once the Module becomes data-parallel; update="torch" insists."""
+    program = graphforge.compile(models.tanh_mlp(), f"{LOSS}, adamw(lr=0.01)").model
+    module = graphforge.Module(program, device="cpu")
+    assert isinstance(module.update_kernel, FusedUpdate)
+    assert module.update_note.startswith("update: torch._fused_adamw_ (adamw) over 4 parameters")
+    onnx = graphforge.Module(program, device="cpu", update="onnx")
+    assert onnx.update_kernel is None and onnx.update_note == "update: the program's ONNX update (update='onnx')"
+    lamb = graphforge.compile(models.tanh_mlp(), f"{LOSS}, lamb(lr=0.01)").model
+    assert "torch has no fused lamb kernel" in graphforge.Module(lamb, device="cpu").update_note
+    assert graphforge.Module(lamb, device="cpu", update="torch").update_note.startswith("update: torch's foreach")
+    with pytest.raises(GraphforgeError, match=r"updates with two buffers \(in_place=False\)"):
+        graphforge.Module(program, device="cpu", in_place=False, update="torch")
+    with pytest.raises(GraphforgeError, match="update='fast': use one of 'auto', 'torch', 'onnx'"):
+        graphforge.Module(program, device="cpu", update="fast")
+
+    class Reducer:  # what DataParallel attaches (tests/distributed run the real one)
+        shards_update = False
+
+    module.attach_reducer(Reducer(), 0)
+    assert module.update_kernel is None and "a data-parallel program" in module.update_note
+    insisted = graphforge.Module(program, device="cpu", update="torch")
+    with pytest.raises(GraphforgeError, match="made with update='torch'"):
+        insisted.attach_reducer(Reducer(), 0)
 
 
 def test_lamb_runs_in_foreach_kernels_only_when_asked():
