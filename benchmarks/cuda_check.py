@@ -67,6 +67,7 @@ CUDA_TESTS = (
     "tests/torch_frontend/test_dlpack.py",
     "tests/torch_frontend/test_graphforge_module.py",
     "tests/torch_frontend/test_fused_update.py",
+    "tests/runtime/test_capture_ready.py",
     "tests/passes/test_mixed_precision.py",
     "tests/test_sessions.py",
     "tests/distributed/test_on_the_test_device.py",

@@ -27,7 +27,7 @@ import onnx
 import onnxruntime as ort
 
 from graphforge.errors import GraphforgeError
-from graphforge.runtime.dlpack import tensor_of
+from graphforge.runtime.dlpack import copy_on_device
 from graphforge.runtime.sessions import CUDA
 
 #: onnxruntime's run option that picks which of a session's captured graphs a run captures or replays
@@ -74,22 +74,24 @@ def run_options(graph_id: int) -> ort.RunOptions:
     return options
 
 
-def copy_feed(buffer: ort.OrtValue, value: Any, name: str, expected: np.dtype) -> None:
+def copy_feed(buffer: ort.OrtValue, value: Any, name: str, expected: np.dtype) -> bool:
     """Copy the fed ``value`` (a host array, or an OrtValue) into the input's fixed ``buffer``.
     A host array converts to ``expected`` where no value changes (int32 labels to int64);
-    an OrtValue already at the buffer's address is left as it is."""
+    an OrtValue already at the buffer's address is left as it is. Returns whether the copy
+    was queued on torch's stream (device to device: dlpack.synchronize before a run reads it)."""
     if isinstance(value, ort.OrtValue):
         if value.data_ptr() == buffer.data_ptr():
-            return
+            return False
         _check_shape(name, tuple(value.shape()), tuple(buffer.shape()))
         if value.device_name().lower() == "cpu":
             buffer.update_inplace(value.numpy())
-            return
-        tensor_of(buffer).copy_(tensor_of(value))  # device to device: torch's copy, on the buffers' memory
-        return
+            return False
+        copy_on_device(buffer, value)
+        return True
     array = feed_array(name, value, expected)
     _check_shape(name, array.shape, tuple(buffer.shape()))
     buffer.update_inplace(array)
+    return False
 
 
 def feed_array(name: str, value: Any, expected: np.dtype | None) -> np.ndarray:

@@ -76,3 +76,17 @@ def torch_device(device: Device):
     import torch
 
     return torch.device("cpu" if device.type == "cpu" else f"{device.type}:{device.id}")
+
+
+def copy_on_device(target: ort.OrtValue, source: ort.OrtValue) -> None:
+    """Copy ``source`` into ``target`` (same shape and dtype, on one device) by torch's copy on
+    their memory, on torch's stream: ``synchronize`` before onnxruntime reads ``target``."""
+    tensor_of(target).copy_(tensor_of(source))
+
+
+def synchronize(device: Device) -> None:
+    """Wait for what torch queued on ``device``: onnxruntime runs on a stream of its own."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.current_stream(torch_device(device)).synchronize()

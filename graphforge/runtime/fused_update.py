@@ -22,6 +22,14 @@ reduction, an optimizer without a kernel) keeps its ONNX update, and ``refusal``
    says so: ``update_skipped``) updates nothing; the optimizer's step count is the step less
    the skipped updates; and the scale, its growth tracker and the skipped count move as the
    program moves them (torch.amp.GradScaler's rule), in torch ops on their own buffers.
+
+On the device, the fused kernels read the learning rate, the step count and the clipping
+factor from device tensors, written before each update. So on CUDA the kernels of an update
+(one launch per dtype and kernel) are captured once as a CUDA graph (``torch.cuda.CUDAGraph``,
+after WARMUP eager updates) and replayed from then on, for as long as the tensors they read
+stay at the same addresses (the runner's buffers do; gradients do where the Module binds
+buffers of its own for them); LAMB and damped SGD, whose kernels take Python numbers, run
+eagerly.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ COMMON = {"lr", "weight_decay", "clip_grad_norm", "accumulate", "batchnorm_varia
 KERNELS = {"sgd": "_fused_sgd_", "adam": "_fused_adam_", "adamw": "_fused_adamw_"}
 #: the dtypes torch's fused kernels update
 FLOATS = (np.float16, np.float32, np.float64)
+#: eager updates on CUDA before the kernels are captured (torch's own lazy set-up runs in them)
+WARMUP = 3
 
 
 class Module(Protocol):
@@ -197,6 +207,12 @@ class FusedUpdate:
         what = f"torch.{kernel}" if kernel else "torch's foreach kernels"
         count = sum(len(g.params) for g in self._groups)
         self.description = f"{what} ({self.kind}) over {count} parameters in {len(self._groups)} dtype group(s)"
+        #: whether the kernels read their scalars from device tensors (and may be captured)
+        self.device_scalars = kernel is not None and not (self.kind == "sgd" and self.hyper.get("dampening"))
+        self._lr = self._clip = None  # the device tensors of the learning rate and the clipping factor
+        self._graph = _Captured(self._device) if self.device_scalars and self._device.type == "cuda" else None
+        if self._graph is not None:
+            self.description += f", captured as a CUDA graph after {WARMUP} steps"
 
     # ------------------------------------------------------------------ views
 
@@ -228,6 +244,7 @@ class FusedUpdate:
                 return
         norm = checks.get(self._norm) if self._norm is not None else None
         coef = clip_coefficient(self.hyper.get("clip_grad_norm"), norm)
+        calls = []
         for group in self._groups:
             counter = self._steps.get(id(group))
             if counter is None:
@@ -236,17 +253,79 @@ class FusedUpdate:
                 grads = [self._gradient(n, gradients[n]) for n in group.grads]
             except KeyError as exc:
                 raise GraphforgeError(f"segment 0 sent no gradient {exc.args[0]!r} for the update") from None
-            update_tensors(
-                self.kind,
-                self.hyper,
-                self._carried(group.params),
-                grads,
-                {s: self._carried(names) for s, names in group.states.items()},
-                lr=lr,
-                step=step,
-                clip=coef,
-                counter=counter,
-            )
+            params, states = self._carried(group.params), {s: self._carried(n) for s, n in group.states.items()}
+            calls.append((params, grads, states, counter))
+        if not self.device_scalars:
+            for params, grads, states, counter in calls:
+                update_tensors(self.kind, self.hyper, params, grads, states, lr=lr, step=step, clip=coef,
+                               counter=counter)  # fmt: skip
+            return
+        lr_tensor, clip_tensor = self._scalars(lr, coef)
+        for *_, counter in calls:
+            counter.fill_(float(step + 1))
+
+        def kernels():
+            for params, grads, states, counter in calls:
+                update_tensors(self.kind, self.hyper, params, grads, states, lr=lr_tensor, step=step,
+                               clip=clip_tensor, counter=counter, counted=True)  # fmt: skip
+
+        if self._graph is None or (self.kind == "sgd" and step == 0):  # (SGD's first step starts its buffers)
+            kernels()
+        else:
+            self._graph.run(kernels, calls)
+
+    def _scalars(self, lr: float, coef: float | None):
+        """The device tensors of the learning rate and the clipping factor, written now: the
+        kernels (and their captured graph) read them there."""
+        import torch
+
+        if self._lr is None:
+            self._lr = torch.zeros((), dtype=torch.float32, device=self._device)
+            self._clip = torch.ones((), dtype=torch.float32, device=self._device)
+        self._lr.fill_(float(np.float32(lr)))  # the program's lr input is float32
+        if coef is not None:
+            self._clip.fill_(coef)
+        return self._lr, (self._clip if coef is not None else None)
+
+
+class _Captured:
+    """An update's kernels as one CUDA graph: run eagerly WARMUP times, then captured and
+    replayed for as long as the tensors they read and write stay where they were captured;
+    where one moves (gradients onnxruntime allocates afresh), the kernels run eagerly from then
+    on, as a graph captured each step would cost more than it saves. torch's stream is synchronized after each update, since
+    onnxruntime's next run reads the parameters on a stream of its own."""
+
+    def __init__(self, device):
+        self._device = device
+        self._eager = 0
+        self._graph = None
+        self._key: tuple = ()
+        #: why the kernels run eagerly from now on, or None
+        self.stopped: str | None = None
+
+    def run(self, kernels, calls) -> None:
+        import torch
+
+        key = tuple(t.data_ptr() for params, grads, states, counter in calls
+                    for t in [*params, *grads, *(x for s in states.values() for x in s), counter])  # fmt: skip
+        if self._graph is not None and key == self._key:
+            self._graph.replay()
+        elif self._graph is not None or self.stopped is not None:
+            self._graph, self.stopped = None, "a tensor the update reads moved since its capture"
+            kernels()
+        elif self._eager < WARMUP:
+            self._eager += 1
+            kernels()
+        else:
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream(self._device)
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.graph(graph, stream=stream):  # recorded, not run: the replay below runs it
+                kernels()
+            torch.cuda.current_stream(self._device).wait_stream(stream)
+            self._graph, self._key = graph, key
+            graph.replay()
+        torch.cuda.current_stream(self._device).synchronize()
 
 
 def loss_scale_step(scaling: LossScaling, views, found_inf: bool, step: int) -> int | None:
@@ -292,17 +371,21 @@ def update_tensors(
     clip: float | None,
     counter,
     norms=None,
+    counted: bool = False,
 ) -> None:
     """The update of ``kind`` (an optimizer pass's name and ``hyper``, its hyperparameters)
     over lists of torch tensors of one dtype: ``params`` and ``states`` updated in place from
-    ``grads`` at learning rate ``lr``, ``step`` steps done before this one. ``clip``: the
-    clipping factor (the gradients are scaled by it first, in place), or None. ``counter``:
-    a float32 scalar tensor for the fused kernels' step count. ``norms``: for LAMB, what
+    ``grads`` at learning rate ``lr`` (a number, or for the fused kernels a float32 tensor on
+    the device), ``step`` steps done before this one. ``clip``: the clipping factor (the
+    gradients are scaled by it first, in place; a number or a tensor), or None. ``counter``:
+    a float32 scalar tensor for the fused kernels' step count (``counted``: it holds ``step + 1``
+    already, written before a captured graph that replays this). ``norms``: for LAMB, what
     makes each tensor's norm whole from its squared partial norms (ZeRO's shards; None: the
     tensors are whole)."""
     import torch
 
-    lr = float(np.float32(lr))  # the program's lr input is float32
+    if not torch.is_tensor(lr):
+        lr = float(np.float32(lr))  # the program's lr input is float32
     if clip is not None:
         torch._foreach_mul_(grads, clip)
     wd = float(hyper.get("weight_decay") or 0.0)
@@ -320,7 +403,8 @@ def update_tensors(
     if kind == "lamb":
         _lamb(params, grads, states["exp_avg"], states["exp_avg_sq"], lr, step + 1, beta1, beta2, eps, wd, norms)
         return
-    counter.fill_(float(step + 1))
+    if not counted:
+        counter.fill_(float(step + 1))
     fused = getattr(torch, KERNELS[kind])
     fused(params, grads, states["exp_avg"], states["exp_avg_sq"], [], [counter] * len(params), lr=lr, beta1=beta1,
           beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)  # fmt: skip

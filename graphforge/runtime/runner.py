@@ -45,6 +45,7 @@ from graphforge.runtime.capture import (
     shape_and_dtype,
 )
 from graphforge.runtime.devices import Device
+from graphforge.runtime.dlpack import synchronize
 from graphforge.runtime.sessions import create_session, lean_model, node_reads, session_options, share_arena
 
 #: host outputs of a fixed shape up to this many elements get a preallocated buffer
@@ -371,6 +372,7 @@ class Runner:
         only_read_inputs: bool = False,
         profile: bool = False,
         dims: Mapping[str, int] | None = None,
+        input_buffers: Mapping[str, ort.OrtValue] | None = None,
     ) -> BoundSession:
         """The session cached under ``key``, made on first use from ``model()`` computing only
         the outputs in ``keep`` (None: all). ``only_read_inputs``: without the graph inputs no
@@ -383,7 +385,10 @@ class Runner:
         shapes folded into a constant, so no node waits for the host on a GPU), with
         onnxruntime's free-dimension overrides besides. A Shape that the backward takes of a
         forward activation (a Reshape's gradient, say) then no longer keeps that activation
-        alive until the backward reaches it (GPT-2 small: 120 MiB less)."""
+        alive until the backward reaches it (GPT-2 small: 120 MiB less). ``input_buffers``: in
+        the capture-ready mode, the buffers (of the inputs' shapes and dtypes) that inputs of
+        these names read, instead of buffers of their own: the ones an earlier segment writes
+        what it sends this one into, so that nothing is copied between them."""
         profiled = profile and self._profile_prefix is not None
         cache = self._profiled if profiled else self._sessions
         if dims:
@@ -396,7 +401,7 @@ class Runner:
                 dims = None  # a batch of yet other dims: the session for any dims
         bound = cache.get(key)
         if bound is None:
-            bound = cache[key] = self._create(model(), where, keep, only_read_inputs, profiled, dims)
+            bound = cache[key] = self._create(model(), where, keep, only_read_inputs, profiled, dims, input_buffers)
         return bound
 
     def segment(self, segment: Segment, *, key: Any = None, fetch: Sequence[str] | None = None) -> SegmentRun:
@@ -416,6 +421,7 @@ class Runner:
         only_read_inputs: bool,
         profiled: bool,
         dims: Mapping[str, int] | None = None,
+        input_buffers: Mapping[str, ort.OrtValue] | None = None,
     ) -> BoundSession:
         if dims:
             model = self._specialize(model, dims, where)
@@ -426,7 +432,7 @@ class Runner:
             del model.graph.input[:]
             model.graph.input.extend(kept)
         defaults = self._take_defaults(model)
-        static_inputs = self._static_inputs(model, where, defaults) if self.static else None
+        static_inputs = self._static_inputs(model, where, defaults, input_buffers or {}) if self.static else None
         session, captured = None, False
         if static_inputs is not None and self.device.type == "cuda" and not profiled:
             try:  # a captured session keeps its own arena: the shared one would hand its graph's blocks on
@@ -498,11 +504,15 @@ class Runner:
         return options
 
     def _static_inputs(
-        self, model: onnx.ModelProto, where: str, defaults: Mapping[str, ort.OrtValue]
+        self,
+        model: onnx.ModelProto,
+        where: str,
+        defaults: Mapping[str, ort.OrtValue],
+        given: Mapping[str, ort.OrtValue],
     ) -> dict[str, ort.OrtValue] | None:
-        """The capture-ready mode's buffer for each input a caller feeds (holding its default
-        where it has one), or None where an input or output has no fixed shape (the reason
-        kept in ``capture_refused``)."""
+        """The capture-ready mode's buffer for each input a caller feeds (``given``'s where it
+        names one of that shape; else its own, holding its default where it has one), or None
+        where an input or output has no fixed shape (the reason kept in ``capture_refused``)."""
         fed = [i.name for i in model.graph.input if i.name not in self.carried]
         why = fixed_shape_refusal(model, [*fed, *(o.name for o in model.graph.output)])
         if why is not None:
@@ -511,6 +521,10 @@ class Runner:
         buffers = {}
         for name in fed:
             shape, dtype = shape_and_dtype(model, name)
+            value = given.get(name)
+            if value is not None and tuple(value.shape()) == shape and name not in defaults:
+                buffers[name] = value
+                continue
             buffers[name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device.type, self.device.id)
             if name in defaults:
                 copy_feed(buffers[name], defaults[name], name, dtype)
@@ -836,12 +850,13 @@ class Runner:
                         graph_id=graph_id)  # fmt: skip
 
     def _copy_feeds(self, bound: BoundSession, feeds: Mapping[str, Any]) -> None:
-        """A capture-ready run's inputs: each fed value copied into its input's buffer; an
-        input not fed holds its default again."""
+        """A capture-ready run's inputs: each fed value copied into its input's buffer (none
+        where it is that buffer); an input not fed holds its default again."""
+        queued = False
         for name, buffer in bound.static_inputs.items():
             expected = bound.input_dtypes.get(name)
             if name in feeds:
-                copy_feed(buffer, feeds[name], name, expected)
+                queued |= copy_feed(buffer, feeds[name], name, expected)
                 bound.fed.add(name)
             elif name in bound.defaults:
                 if name in bound.fed:
@@ -850,6 +865,8 @@ class Runner:
             else:
                 takes = ", ".join(self.batch_inputs or bound.free_inputs)
                 raise GraphforgeError(f"missing batch input {name!r}; the program takes: {takes}")
+        if queued:
+            synchronize(self.device)
 
     @staticmethod
     def _bind_feed(binding: ort.IOBinding, bound: BoundSession, name: str, value: Any) -> None:

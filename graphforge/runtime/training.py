@@ -362,8 +362,11 @@ class Module:
         self, feeds: dict[str, Any], extra: tuple[str, ...], outputs: list[str], into: dict | None = None
     ):
         """Segment 0 on a batch: forward, backward, accumulate (and the gradient norm);
-        ``into``: buffers to write the gradients it sends into."""
+        ``into``: buffers to write the gradients it sends into (capture-ready: always, the
+        buffers the update segment reads)."""
         split = self._split_models()
+        if into is None and self.runner.static:
+            into = self._gradient_buffers(split)
         grad = self._segment_session(0, extra, batch_dims(split.grad, feeds))
         fetch = list(dict.fromkeys([self.loss_name, *split.checks, *outputs]))
         done = self._execute([SegmentRun(grad, fetch, split.sends, into or {})], feeds)
@@ -543,7 +546,7 @@ class Module:
                 {n: np.asarray(v) for n, v in self._checked.items()}, checked.get(self.loss_name)
             )
             return Execution(host, {}, [], list(self._undo.overwritten))
-        optim = self._segment_session(1, tuple(sorted(outputs)))
+        optim = self._segment_session(1, tuple(sorted(outputs)), buffers=self._grad_buffers)
         fetch = [n for n in [*self.roles.step_reports, *outputs] if n in optim.outputs]
         received = dict(self._received)
         if self.reducer is not None:
@@ -672,15 +675,22 @@ class Module:
         return self._split
 
     def _segment_session(
-        self, index: int, extra: tuple[str, ...] = (), dims: dict[str, int] | None = None
+        self,
+        index: int,
+        extra: tuple[str, ...] = (),
+        dims: dict[str, int] | None = None,
+        buffers: dict[str, ort.OrtValue] | None = None,
     ) -> BoundSession:
         """Segment ``index``'s session, computing what ``segment_outputs`` says (specialized
-        to the batch's ``dims``, see Runner.session)."""
+        to the batch's ``dims``, see Runner.session; capture-ready, its inputs named in
+        ``buffers`` read those)."""
         split = self._split_models()
         model = split.grad if index == 0 else split.optim
         keep = segment_outputs(split, index, self.roles, extra)
         where = "the program's forward/backward segment" if index == 0 else "the program's optimizer segment"
-        return self.runner.session(("segment", index, extra), lambda: model, where, keep, profile=True, dims=dims)
+        return self.runner.session(
+            ("segment", index, extra), lambda: model, where, keep, profile=True, dims=dims, input_buffers=buffers
+        )
 
     def _eval_session(self, outputs: tuple[str, ...] = ()) -> BoundSession:
         """The eval model's session (loss and forward outputs), or one computing only ``outputs``."""

@@ -107,6 +107,10 @@ def test_capture_ready_training_equals_the_normal_mode(tmp_path, case):
     assert len(trained) >= 2 and all(b.static_inputs is not None for b in trained)
     assert not ready.runner.capture_refused
     assert all(b.static_inputs is None for b in normal.runner._sessions.values())
+    # the update segment reads the gradients in the very buffers the forward/backward wrote them into
+    for update in (b for b in trained if b.where == "the program's optimizer segment"):
+        shared = [n for n, buffer in ready._grad_buffers.items() if update.static_inputs.get(n) is buffer]
+        assert shared and len(shared) == len(ready._grad_buffers)
 
 
 def test_a_session_without_fixed_shapes_runs_as_fed_and_says_why(monkeypatch):

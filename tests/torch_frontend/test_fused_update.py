@@ -64,7 +64,10 @@ def test_the_fused_update_equals_the_programs_own_over_20_steps(update):
     losses = {id(onnx_update): [], id(fused): []}
     for module in (onnx_update, fused):
         optimizer = module._optimizer
+        base = optimizer.get_learning_rate()
         for i in range(STEPS):
+            # a falling lr: the kernels read it from a device tensor written before each update
+            optimizer.set_learning_rate(base * (1.0 - i / (2 * STEPS)))
             if accumulate:  # two micro-batches, then the update
                 loss = float(module(**batches[2 * i])) + float(module(**batches[2 * i + 1]))
                 optimizer.step()
@@ -77,6 +80,9 @@ def test_the_fused_update_equals_the_programs_own_over_20_steps(update):
     for name, value in want.items():
         assert _close(got[name], value, initial[name]), (name, float(np.abs(got[name] - value).max()))
     assert fused.state.step == onnx_update.state.step == STEPS
+    kernel = fused.update_kernel
+    if PROVIDER == "cuda" and kernel.device_scalars:  # the last steps replayed the captured update
+        assert kernel._graph._graph is not None and kernel._graph.stopped is None
 
 
 #: where the Modules run: the CPU here and in CI; GRAPHFORGE_TEST_DEVICE=cuda runs the same tests on a GPU
