@@ -325,3 +325,23 @@ def test_compiling_a_program_imports_no_torch():
         [sys.executable, "-c", code.replace("m == 'torch' or m.startswith('torch.')", "m == 'sympy'")],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     ).stdout  # fmt: skip
+
+
+def test_a_module_imports_torch_at_its_first_update_not_before():
+    """Module(update="auto") picks torch's fused kernel where it can, but imports torch (2 s)
+    only when the first update runs: a Module made to evaluate or export never does."""
+    code = (
+        "import sys, numpy as np, graphforge\n"
+        "program = graphforge.compile('examples/digits/model.onnx', "
+        "'loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)').model\n"
+        "module = graphforge.Module(program, device='cpu')\n"
+        "module.eval()\n"
+        "module(np.zeros((2, 8, 8), np.uint8), np.zeros(2, np.int64))\n"
+        "print('torch' in sys.modules)\n"
+        "module.train()\n"
+        "module.train_step(np.zeros((2, 8, 8), np.uint8), np.zeros(2, np.int64))\n"
+        "print('torch' in sys.modules, module.update_note.split(' (')[0])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["False", "True update: torch._fused_adamw_"]

@@ -47,7 +47,9 @@ class Segment:
 def cut(model: Model | onnx.ModelProto, boundaries: Sequence[Sequence[str]]) -> list[Segment]:
     """Split ``model`` after each boundary set; returns len(boundaries) + 1 segments."""
     # crossing tensors become segment inputs and outputs, which need their types
-    model = infer_shapes(Model.from_proto(model) if isinstance(model, onnx.ModelProto) else model)
+    # (an import made here is this function's own, so the types are written onto it, not onto a copy)
+    owned = isinstance(model, onnx.ModelProto)
+    model = infer_shapes(Model.from_proto(model) if owned else model, in_place=owned)
     graph = model.graph
     tensors = graph.tensors()
     for i, names in enumerate(boundaries):

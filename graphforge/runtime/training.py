@@ -266,22 +266,33 @@ class Module:
         #: data parallelism: this replica's index (its dropout masks) and what reduces its gradients
         self.replica = 0
         self.reducer: GradientReducer | None = None
-        #: what runs the update instead of segment 1 (use_update_kernel), or None: the ONNX segment
-        self.update_kernel: UpdateKernel | None = None
+        self._kernel: UpdateKernel | None = None
         self._update_choice = update
         self._onnx_update_why = "update='onnx'"
-        if update != "onnx":
+        # "auto" picks at the first use (importing torch takes 2 s: not for a Module that never
+        # updates); "torch" at once, so that a refusal comes where it was asked for
+        self._update_pending = update == "auto"
+        if update == "torch":
             self._pick_update_kernel()
 
     def _pick_update_kernel(self) -> None:
         """torch's kernels where they run this program's update (LAMB's foreach kernels only
         when insisted on: no measured winner over its ONNX update), else the ONNX update."""
+        self._update_pending = False
         try:
-            self.update_kernel = FusedUpdate(self, foreach=self._update_choice == "torch")
+            self._kernel = FusedUpdate(self, foreach=self._update_choice == "torch")
         except Refused as exc:
             if self._update_choice == "torch":
                 raise
             self._onnx_update_why = exc.why
+
+    @property
+    def update_kernel(self) -> UpdateKernel | None:
+        """What runs the update instead of the program's update segment (``use_update_kernel``),
+        or None: the ONNX segment."""
+        if self._update_pending:
+            self._pick_update_kernel()
+        return self._kernel
 
     @property
     def update_note(self) -> str:
@@ -297,13 +308,13 @@ class Module:
         ``shards_update`` runs the update), ``replica`` is its index (its dropout masks)."""
         if self.reducer is not None:
             raise GraphforgeError("this Module is already data-parallel")
-        if self.update_kernel is not None and self._update_choice == "torch" and not reducer.shards_update:
+        if self._kernel is not None and self._update_choice == "torch" and not reducer.shards_update:
             raise GraphforgeError(
                 "this Module was made with update='torch', but a data-parallel update reads the reduced "
                 "gradients in the program's ONNX update: make it with update='auto' or 'onnx'"
             )
         self.reducer, self.replica = reducer, replica
-        if self.update_kernel is not None:  # the reducer's update (or the program's) runs now
+        if self._kernel is not None or self._update_pending:  # the reducer's update (or the program's) runs now
             self.use_update_kernel(None, "a data-parallel program: its update reads the reduced gradients")
 
     def take_unheld_states(self) -> dict[str, np.ndarray]:
@@ -519,7 +530,7 @@ class Module:
         if kernel is not None and (not self.runner.in_place or self.reducer is not None):
             why = "updates with two buffers (in_place=False)" if not self.runner.in_place else "is data-parallel"
             raise GraphforgeError(f"this Module {why}: its update runs as the program's ONNX segment")
-        self.update_kernel = kernel
+        self._kernel, self._update_pending = kernel, False
         if kernel is None:
             self._onnx_update_why = why
 

@@ -219,3 +219,25 @@ def test_size_folds_at_fixed_dims_as_shape_does():
     feeds = {"x": np.ones((3, 5), np.float32)}
     np.testing.assert_array_equal(_run(fixed, feeds)[0], _run(model, feeds)[0])
     np.testing.assert_array_equal(_run(fixed, feeds)[0], np.arange(15, dtype=np.float32))
+
+
+def test_a_specialization_made_once_is_found_the_next_time(gpt2_gradients, monkeypatch):
+    """Per process, by the model's bytes and the dims: the second runner (a resume, an eval
+    copy, a profiled twin) finds it; each caller gets a copy of its own; other dims, another
+    model, or a model too large to keep (one holding its weights) are made afresh."""
+    from graphforge.passes import specialize as module
+
+    made = []
+    real = module.Specialize.run
+    monkeypatch.setattr(module.Specialize, "run", lambda self, model: made.append(self.dims) or real(self, model))
+    monkeypatch.setattr(module, "_cache", type(module._cache)())
+    first = specialized(gpt2_gradients, {"batch": 2, "seq": 8})
+    first.graph.node.pop()  # the caller's own copy: the next caller's is whole
+    second = specialized(gpt2_gradients, {"batch": 2, "seq": 8, "other": 3})  # a dim it lacks: not in the key
+    assert made == [("batch=2", "seq=8")]
+    assert len(second.graph.node) == len(first.graph.node) + 1
+    specialized(gpt2_gradients, {"batch": 3, "seq": 8})
+    assert made == [("batch=2", "seq=8"), ("batch=3", "seq=8")]
+    monkeypatch.setattr(module, "CACHED_MAX_BYTES", gpt2_gradients.ByteSize() - 1)
+    specialized(gpt2_gradients, {"batch": 2, "seq": 8})
+    assert len(made) == 3
