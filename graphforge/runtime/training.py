@@ -209,7 +209,8 @@ class Module:
         self.default_lr = roles.default_lr if roles.default_lr is not None else math.nan
         self.loss_name = roles.loss or "loss"
 
-        state = state if state is not None else CheckpointState.from_program(self._program)
+        # a state made here is attached at once: the runner's buffers are the copy of its arrays
+        state = state if state is not None else CheckpointState.from_program(self._program, writable=False)
         state.check(roles.carried)
         # the runner holds the carried tensors: the Module's copy of the program keeps their
         # types and shapes only (else a second copy of every weight, for good)
