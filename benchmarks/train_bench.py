@@ -445,7 +445,7 @@ def torch_adamw_step(model, device: str = "cpu", forward=None, autocast: str | N
     marks: list[float] = []
     mark = (lambda: marks.append(time.perf_counter())) if phases is not None else (lambda: None)
 
-    forward = forward or model
+    forward = model if forward is None else forward  # (a compiled module has no truth value)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     dtype = getattr(torch, autocast) if autocast else None
     scaler = torch.amp.GradScaler(device) if autocast == "float16" else None

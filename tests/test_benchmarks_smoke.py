@@ -92,13 +92,20 @@ def test_cuda_benchmark_sides_train_alike(tmp_path, monkeypatch):
     tiny = train_bench.Spec("mlp", "MLP 8-4-3", 4, {"sizes": [8, 4, 3]}, steps=4)
     _, program, batches, _ = train_bench.prepare(tiny, tmp_path)
     common = {"spec": asdict(tiny), "batches": str(batches), "device": "cpu"}
-    ours = cuda_bench.measure({**common, "side": "graphforge", "program": str(program)})
+    ours = cuda_bench.measure({**common, "side": "graphforge", "program": str(program), "capture": True})
     torch_side = cuda_bench.measure({**common, "side": "torch"})
     compiled = cuda_bench.measure({**common, "side": "torch", "compile": True})
     assert "error" not in ours and "error" not in torch_side and "error" not in compiled, (ours, torch_side, compiled)
     assert ours["losses"] == pytest.approx(torch_side["losses"], rel=1e-5)
     assert compiled["losses"] == pytest.approx(torch_side["losses"], rel=1e-5)  # torch.compile trains alike
     assert ours["step_s"] > 0 and ours["peak_mib"] is None  # no device memory on the CPU
+    uncaptured = cuda_bench.measure({**common, "side": "graphforge", "program": str(program), "capture": False})
+    assert uncaptured["losses"] == ours["losses"]  # the capture-ready mode computes what the normal one does
+    assert [label for label, _ in cuda_bench.sides("bfloat16")] == [
+        "graphforge, mixed_precision(bfloat16)",
+        "torch eager, autocast(bfloat16)",
+        "torch.compile, autocast(bfloat16)",
+    ]
     monkeypatch.setattr(cuda_bench, "DEVICE", "cuda")
     assert (cuda_bench.unavailable() is None) == provider_works(CUDA)
 
