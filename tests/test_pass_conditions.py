@@ -144,7 +144,7 @@ def test_a_pass_at_the_boundary_reaches_norm_clipping_and_update():
     reference = compile_("loss(kind=mse, output=y), autodiff, sgd(lr=0.1)").model
     states, norms = [], []
     for program, lr in ((halved, 0.2), (reference, 0.1)):
-        module = graphforge.Module(program, device="cpu")
+        module = graphforge.Module(program, device="cpu", update="onnx")
         graphforge.Optimizer(module).set_learning_rate(lr)
         for batch in models.tanh_mlp_batches(3):
             _, norm = module.train_step(**batch, outputs=["grad_norm"])
@@ -167,7 +167,7 @@ def test_a_runtime_cuts_at_the_boundary():
     runner = Runner(program_roles.carried, resolve_device("cpu"))
     runner.write_tensors(CheckpointState.from_program(program).tensors)
     runs = [runner.segment(s, fetch=["loss"] if "loss" in s.outputs else []) for s in segments]
-    module = graphforge.Module(program, device="cpu")
+    module = graphforge.Module(program, device="cpu", update="onnx")
     for step, batch in enumerate(models.tanh_mlp_batches(2)):
         scalars = {"lr": np.array(0.1, np.float32), "step": np.array(step, np.int64)}
         loss = runner.execute(runs, {**batch, **scalars}).host["loss"]

@@ -39,8 +39,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
+from graphforge import roles as role_names
 from graphforge.errors import GraphforgeError
 from graphforge.passes.optimizers import state_names
 from graphforge.program import LossScaling, ProgramRoles
@@ -71,6 +73,7 @@ class Module(Protocol):
     roles: ProgramRoles
     runner: Runner
     reducer: object | None
+    train_program: onnx.ModelProto
 
     def use_update_kernel(self, kernel: Any, why: str = ...) -> None: ...
 
@@ -92,7 +95,7 @@ def refusal(module: Module, *, foreach: bool = True) -> str | None:
         return "the Module updates with two buffers (in_place=False)"
     if any(c.input not in module.runner.carried for c in roles.carried):
         return "the Module holds only its shard of the optimizer states (shard_optimizer_states=True)"
-    return state_refusal(roles)
+    return state_refusal(roles) or graph_refusal(module.train_program, roles)
 
 
 def kernel_refusal(roles: ProgramRoles, *, foreach: bool = True) -> str | None:
@@ -117,6 +120,31 @@ def kernel_refusal(roles: ProgramRoles, *, foreach: bool = True) -> str | None:
     if scaling is not None and any(p not in scaling.unscaled for p in updated_parameters(roles)):
         return "the program's loss scaling does not name its unscaled gradients (compile it again)"
     return None
+
+
+def graph_refusal(program: onnx.ModelProto, roles: ProgramRoles) -> str | None:
+    """Why the gradients the kernels would read are not what the program's update reads: a
+    node the optimizer did not write (a pass's, at the gradient boundary) reads one of them,
+    so the update may read its result instead; or None."""
+    readers: dict[str, list[str]] = {}
+    for node in program.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.name)
+    for parameter in updated_parameters(roles):
+        gradient = _gradient_read(roles, parameter)
+        others = [n for n in readers.get(gradient, []) if not n.startswith(role_names.OPTIM_PREFIX)]
+        if others:
+            return (
+                f"node {others[0]!r}, which the optimizer did not write, reads the gradient {gradient!r} "
+                "before the update: the kernels would leave out what it does"
+            )
+    return None
+
+
+def _gradient_read(roles: ProgramRoles, parameter: str) -> str:
+    """The tensor the update reads as ``parameter``'s gradient: with loss scaling, the
+    gradient times 1/scale (segment 0 computes it, for the gradient norm and the finite check)."""
+    return roles.loss_scaling.unscaled[parameter] if roles.loss_scaling else roles.gradient_boundary[parameter]
 
 
 def state_refusal(roles: ProgramRoles) -> str | None:
@@ -187,11 +215,7 @@ class FusedUpdate:
         for name in updated_parameters(roles):
             group = groups.setdefault(np.dtype(roles.carried_spec(name).dtype), _Group([], [], {s: [] for s in states}))
             group.params.append(name)
-            # what the update reads: with loss scaling, the gradient times 1/scale (segment 0
-            # computes it, for the gradient norm and the finite check)
-            group.grads.append(
-                roles.loss_scaling.unscaled[name] if roles.loss_scaling else roles.gradient_boundary[name]
-            )
+            group.grads.append(_gradient_read(roles, name))
             for state in states:
                 group.states[state].append(f"{name}.{state}")
         self._groups = list(groups.values())

@@ -188,6 +188,19 @@ def test_programs_the_kernels_do_not_know_keep_their_onnx_update():
         two_buffers.use_update_kernel(FusedUpdate(graphforge.Module(base, device="cpu")))
 
 
+def test_a_pass_between_the_gradients_and_the_update_keeps_the_onnx_update():
+    """A node the optimizer did not write reads a gradient (a pass scaling it, say): the kernels
+    would update from the gradient itself, so the Module keeps the program's update, saying why."""
+    from test_pass_conditions import compile_
+
+    program = compile_("loss(kind=mse, output=y), autodiff, sgd(lr=0.2), halve_gradients").model
+    module = graphforge.Module(program, device="cpu")
+    assert module.update_kernel is None
+    assert "which the optimizer did not write, reads the gradient 'optim::boundary/" in module.update_note
+    with pytest.raises(GraphforgeError, match="the kernels would leave out what it does"):
+        graphforge.Module(program, device="cpu", update="torch")
+
+
 def test_a_torch_build_without_the_kernel_keeps_the_onnx_update(monkeypatch):
     program = graphforge.compile(models.tanh_mlp(), f"{LOSS}, adamw(lr=0.01)").model
     monkeypatch.delattr(torch, "_fused_adamw_")
