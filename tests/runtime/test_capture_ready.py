@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _training_models import N_IN, N_OUT, cnn_onnx, dropout_mlp_onnx
+from _training_models import N_IN, N_OUT, cnn_onnx, dropout_mlp_onnx, mlp_onnx
 
 import graphforge
 from graphforge.runtime import CheckpointState, CosineSchedule, Module, Optimizer
@@ -24,6 +24,10 @@ from graphforge.runtime import runner as runner_module
 pytest.importorskip("torch")
 
 DEVICE = os.environ.get("GRAPHFORGE_TEST_DEVICE", "cpu")
+PROVIDER = DEVICE.split(":")[0]
+#: a loss scale at which only the batches with labels 1e18 times as large overflow (the CPU
+#: computes float16 between casts in float32; a GPU in float16)
+HUGE = 2.0**80 if DEVICE == "cpu" else 2.0**10
 #: bit for bit on the CPU (nothing captured); on CUDA, the replays against the runs
 TOLERANCE = 0.0 if DEVICE == "cpu" else 1e-6
 STEPS, RESUME_AT = 20, 10
@@ -51,6 +55,11 @@ def _vector_batch(step: int, micro: int, shape=(N_IN,)) -> tuple[np.ndarray, np.
     )
 
 
+def _overflowing_batch(step: int, micro: int) -> tuple[np.ndarray, np.ndarray]:
+    x, y = _vector_batch(step, micro)
+    return x, (y * 1e18 if step in (4, 9) else y)
+
+
 def _train(program, state, batch, steps: range, *, accumulate: bool, **options) -> tuple[Module, list[float]]:
     module = Module(program, state, device=DEVICE, **options)
     optimizer = Optimizer(module)
@@ -74,6 +83,11 @@ CASES = {  # name: (model, loss, optimizer, batches, Module options)
     # ping-pong buffers: a binding (on CUDA a graph) for each; the dropout key is a fed scalar
     "dropout-two-buffers": (dropout_mlp_onnx, "loss(kind=mse, output=y)", "sgd(lr=0.05, momentum=0.9)",
                             _vector_batch, {"update": "onnx", "in_place": False}),
+    # loss scaling: the scale, its growth tracker and the skipped count carried; the batches of
+    # steps 4 and 9 overflow the scaled gradients (labels 1e18 times as large) and are skipped
+    "mixed-precision": (mlp_onnx, "loss(kind=mse, output=y)",
+                        f"adamw(lr=0.01), mixed_precision(dtype=float16, provider={PROVIDER}, init_scale={HUGE}, "
+                        "growth_interval=3)", _overflowing_batch, {"update": "auto"}),
     # BatchNorm's running statistics: carried in two buffers beside parameters updated in place
     "batchnorm": (cnn_onnx, "loss(kind=mse, output=y)", "adam(lr=0.01)",
                   lambda step, micro: _vector_batch(step, micro, (2, 5, 5)), {"update": "onnx"}),
@@ -102,6 +116,8 @@ def test_capture_ready_training_equals_the_normal_mode(tmp_path, case):
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=TOLERANCE, atol=TOLERANCE, err_msg=name)
     assert ready.state.step == normal.state.step == STEPS
+    if "mixed_precision" in optimizer:
+        assert ready.skipped_updates == normal.skipped_updates > 0
     # every training session of the resumed half ran against fixed buffers, one per set of dims
     trained = list(ready.runner._sessions.values())
     assert len(trained) >= 2 and all(b.static_inputs is not None for b in trained)
