@@ -34,7 +34,7 @@ import onnxruntime as ort
 
 from graphforge.distributed.world import DistributedError, World
 from graphforge.errors import GraphforgeError
-from graphforge.placement.cut import cut
+from graphforge.placement.cut import Segment, cut
 from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_device, torch_dtype
 from graphforge.runtime.runner import SegmentRun
 from graphforge.runtime.training import Module
@@ -132,7 +132,8 @@ class DataParallel:
         self.module, self.world, self.overlap = module, world, overlap
         self.average = module.roles.allreduce.average
         self.stats = CommStats()
-        self._segments: dict[Any, list[SegmentRun]] = {}
+        #: the step cut after each bucket, per set of outputs: (segment, the bucket views it writes into)
+        self._cuts: dict[Any, list[tuple[Segment, dict[str, ort.OrtValue]]]] = {}
         self._buffers = [name for name, c in module.runner.carried.items() if c.spec.role == "buffer"]
 
     # ------------------------------------------------------------------ the Module's reducer
@@ -143,10 +144,8 @@ class DataParallel:
             self.broadcast(self._buffers, f"broadcasting the BatchNorm buffers before step {self.step_number}")
             self.stats.other_s += time.perf_counter() - started
 
-    def step_segments(self, key: Any, keep: list[str], fetch: list[str]):
-        runs = self._segments.get(key)
-        if runs is None:
-            runs = self._segments[key] = self.cut_step(key, keep)
+    def step_segments(self, key: Any, keep: list[str], fetch: list[str], dims: dict[str, int] | None = None):
+        runs = self.cut_step(key, keep, dims)
         runs = [SegmentRun(r.session, [n for n in fetch if n in r.session.outputs], r.sends, r.into) for r in runs]
         self.stats.steps += 1
         return runs, self._hook()
@@ -172,9 +171,22 @@ class DataParallel:
         if self.world.size > 1:
             broadcast_carried(self.world, self.module.runner, names, 0, what)
 
-    def cut_step(self, key: Any, keep: list[str]) -> list[SegmentRun]:
+    def cut_step(self, key: Any, keep: list[str], dims: dict[str, int] | None = None) -> list[SegmentRun]:
         """The training step cut after each bucket: segment k makes bucket k's gradients
-        (writing them into the bucket) and what later segments need; the last one updates."""
+        (writing them into the bucket) and what later segments need; the last one updates.
+        Cut once per ``key``; each segment's session specialized to the batch's ``dims`` (the
+        runner's sessions for that key and dims: capture-ready where the runner is)."""
+        cuts = self._cuts.get(key)
+        if cuts is None:
+            cuts = self._cuts[key] = self._cut(keep)
+        runner = self.module.runner
+        runs = []
+        for segment, into in cuts:
+            run = runner.segment(segment, key=("data-parallel", key, segment.index), fetch=segment.outputs, dims=dims)
+            runs.append(SegmentRun(run.session, run.fetch, run.sends, into))
+        return runs
+
+    def _cut(self, keep: list[str]) -> list[tuple[Segment, dict[str, ort.OrtValue]]]:
         module = self.module
         program = onnx.ModelProto()
         program.CopyFrom(module.train_program)  # once per set of outputs (seeded dropout's copy holds no weights)
@@ -184,12 +196,10 @@ class DataParallel:
         boundaries = [list(b.names) for b in self.buckets]
         update = module.roles.update_outputs
         boundaries[-1] += [o.name for o in kept if o.name not in update]  # the loss, with backward
-        runs = []
-        for segment in cut(program, [list(dict.fromkeys(b)) for b in boundaries]):
-            into = {n: self._bucket_of[n].values[n] for n in segment.sends if n in self._bucket_of}
-            run = module.runner.segment(segment, key=("data-parallel", key, segment.index), fetch=segment.outputs)
-            runs.append(SegmentRun(run.session, run.fetch, run.sends, into))
-        return runs
+        return [
+            (segment, {n: self._bucket_of[n].values[n] for n in segment.sends if n in self._bucket_of})
+            for segment in cut(program, [list(dict.fromkeys(b)) for b in boundaries])
+        ]
 
     def _hook(self):
         """A hook for one execution: reduce each bucket once all its gradients were sent."""

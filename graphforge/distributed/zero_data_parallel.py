@@ -316,10 +316,8 @@ class ZeroDataParallel(DataParallel):
 
     # ------------------------------------------------------------------ the Module's reducer
 
-    def step_segments(self, key: Any, keep: list[str], fetch: list[str]):
-        runs = self._segments.get(key)
-        if runs is None:
-            runs = self._segments[key] = self.cut_step(key, keep)[:-1]  # the last segment is the update
+    def step_segments(self, key: Any, keep: list[str], fetch: list[str], dims: dict[str, int] | None = None):
+        runs = self.cut_step(key, keep, dims)[:-1]  # the last segment is the update
         runs = [SegmentRun(r.session, [n for n in fetch if n in r.session.outputs], r.sends, r.into) for r in runs]
         self.stats.steps += 1
         return runs, self._hook()

@@ -404,13 +404,20 @@ class Runner:
             bound = cache[key] = self._create(model(), where, keep, only_read_inputs, profiled, dims, input_buffers)
         return bound
 
-    def segment(self, segment: Segment, *, key: Any = None, fetch: Sequence[str] | None = None) -> SegmentRun:
+    def segment(
+        self,
+        segment: Segment,
+        *,
+        key: Any = None,
+        fetch: Sequence[str] | None = None,
+        dims: Mapping[str, int] | None = None,
+    ) -> SegmentRun:
         """A segment of a cut (graphforge.placement.cut) ready to execute: its session (cached under
-        ``key``, default its index), fetching ``fetch`` (default: the program outputs it
-        makes) and sending on what the cut says crosses after it."""
+        ``key``, default its index; specialized to ``dims``, see ``session``), fetching ``fetch``
+        (default: the program outputs it makes) and sending on what the cut says crosses after it."""
         where = f"segment {segment.index}"
         key = ("segment", segment.index) if key is None else key
-        bound = self.session(key, lambda: segment.model, where, profile=True)
+        bound = self.session(key, lambda: segment.model, where, profile=True, dims=dims)
         return SegmentRun(bound, list(segment.outputs if fetch is None else fetch), list(segment.sends))
 
     def _create(

@@ -90,10 +90,13 @@ class GradientReducer(Protocol):
     def before_forward(self) -> None:
         """Before each training forward (DDP broadcasts the buffers from rank 0 here)."""
 
-    def step_segments(self, key: Any, keep: list[str], fetch: list[str]) -> tuple[list[SegmentRun], Hook]:
+    def step_segments(
+        self, key: Any, keep: list[str], fetch: list[str], dims: dict[str, int] | None = None
+    ) -> tuple[list[SegmentRun], Hook]:
         """The whole training step as segments (cut where gradients become ready) and the
         hook that reduces them between segments; ``keep``: what the step computes,
-        ``fetch``: what it hands back to the host; ``key`` names the set of outputs."""
+        ``fetch``: what it hands back to the host; ``key`` names the set of outputs; ``dims``:
+        the batch's symbolic dims, which the segments' sessions are specialized to."""
 
     def reduce(self, gradients: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
         """The (accumulated) gradients a forward/backward run sent, reduced: what the update reads."""
@@ -417,7 +420,8 @@ class Module:
             done = self._execute([SegmentRun(bound, fetch)], feeds)
         else:
             self.reducer.before_forward()
-            segments, hook = self.reducer.step_segments(("fused", extra), keep, fetch)
+            dims = batch_dims(self._train_program, feeds)
+            segments, hook = self.reducer.step_segments(("fused", extra), keep, fetch, dims)
             done = self._execute(segments, feeds, hook)
         host = done.host
         if self.reducer is not None and self.reducer.shards_update:

@@ -47,7 +47,11 @@ def train(case: dict, world: World) -> None:
     batches = np.load(case["batches"])
     zero = case.get("zero")
     module = Module(
-        case["program"], device=case.get("device", "cpu"), intra_op_threads=1, shard_optimizer_states=bool(zero)
+        case["program"],
+        device=case.get("device", "cpu"),
+        intra_op_threads=1,
+        shard_optimizer_states=bool(zero),
+        capture=case.get("capture"),
     )
     if zero:
         sharded = ZeroDataParallel(module, world, stage=zero, overlap=case.get("overlap", True))
@@ -72,6 +76,8 @@ def train(case: dict, world: World) -> None:
         np.savez(f"{case['out']}-rank{world.rank}.npz", __peak_rss__=peak, __state_bytes__=state_bytes)
         return
     state = module.runner.read_tensors()
+    # how many of the sessions that trained ran against fixed buffers (the capture-ready mode)
+    state["__static_sessions__"] = np.array(sum(b.static_inputs is not None for b in module.runner._sessions.values()))
     if zero:
         state["__state_bytes__"] = np.array(state_bytes)
         state.update(sharded.gathered_states())

@@ -48,12 +48,16 @@ def _batches(rng, count: int, batch: int = 16) -> dict[str, np.ndarray]:
 
 
 def test_data_parallel_at_world_size_one_equals_the_module(tmp_path):
+    """Both as the runner runs by default on the device and in its capture-ready mode (each
+    segment of the cut step specialized to the batch's dims, against fixed buffers; on CUDA
+    captured), whose sessions must all have run so."""
     program = gf.compile(DIGITS, "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2), allreduce")
     gf.save(program.model, tmp_path / "program.onnx")
     batches = _batches(np.random.default_rng(0), STEPS)
     np.savez(tmp_path / "batches.npz", **batches)
-    spec = {"device": DEVICE, "cases": [{"program": str(tmp_path / "program.onnx"), "batches": str(tmp_path / "batches.npz"),
-                                         "steps": STEPS, "out": str(tmp_path / "dp")}]}  # fmt: skip
+    common = {"program": str(tmp_path / "program.onnx"), "batches": str(tmp_path / "batches.npz"), "steps": STEPS}
+    spec = {"device": DEVICE, "cases": [{**common, "out": str(tmp_path / "dp")},
+                                        {**common, "out": str(tmp_path / "ready"), "capture": True}]}  # fmt: skip
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     done = _launch.torchrun(
         ["--standalone", "--nproc-per-node=1", str(WORKER), str(tmp_path / "spec.json")], timeout=240
@@ -62,10 +66,14 @@ def test_data_parallel_at_world_size_one_equals_the_module(tmp_path):
 
     module = Module(tmp_path / "program.onnx", device=DEVICE)
     losses = [float(module.train_step(**{n: batches[n][step] for n in batches})) for step in range(STEPS)]
-    got = np.load(tmp_path / "dp-rank0.npz")
-    np.testing.assert_allclose(got["__losses__"], losses, rtol=RTOL, atol=ATOL)
-    for name, value in module.runner.read_tensors().items():
-        np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+    for out in ("dp", "ready"):
+        got = np.load(tmp_path / f"{out}-rank0.npz")
+        np.testing.assert_allclose(got["__losses__"], losses, rtol=RTOL, atol=ATOL)
+        for name, value in module.runner.read_tensors().items():
+            np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=f"{out}: {name}")
+    assert int(np.load(tmp_path / "ready-rank0.npz")["__static_sessions__"]) >= 2  # the cut step's segments
+    if DEVICE == "cpu":  # (on CUDA the Module's default is the capture-ready mode)
+        assert int(np.load(tmp_path / "dp-rank0.npz")["__static_sessions__"]) == 0
 
 
 class _Queues:
