@@ -344,11 +344,17 @@ class _Captured:
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream(self._device)
             stream.wait_stream(torch.cuda.current_stream(self._device))
-            with torch.cuda.graph(graph, stream=stream):  # recorded, not run: the replay below runs it
+            try:
+                with torch.cuda.graph(graph, stream=stream):  # recorded, not run: the replay below runs it
+                    kernels()
+            except RuntimeError as exc:  # a kernel torch cannot capture: eager from now on, not an error
+                self.stopped = f"its capture failed: {' '.join(str(exc).split())[:200]}"
+                torch.cuda.current_stream(self._device).wait_stream(stream)
                 kernels()
-            torch.cuda.current_stream(self._device).wait_stream(stream)
-            self._graph, self._key = graph, key
-            graph.replay()
+            else:
+                torch.cuda.current_stream(self._device).wait_stream(stream)
+                self._graph, self._key = graph, key
+                graph.replay()
         torch.cuda.current_stream(self._device).synchronize()
 
 

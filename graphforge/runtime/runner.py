@@ -145,6 +145,8 @@ class BoundSession:
     fed: set[str] = field(default_factory=set)
     #: whether onnxruntime captures its runs as CUDA graphs (one per binding)
     captured: bool = False
+    #: how to make its session again without capture, should a captured run fail: (model, dims)
+    uncaptured: tuple[onnx.ModelProto, Mapping[str, int] | None] | None = None
     #: the fixed output buffers of its bindings, by name (shared: one binding runs at a time)
     output_buffers: dict[str, ort.OrtValue] = field(default_factory=dict)
 
@@ -441,7 +443,7 @@ class Runner:
         defaults = self._take_defaults(model)
         static_inputs = self._static_inputs(model, where, defaults, input_buffers or {}) if self.static else None
         session, captured = None, False
-        if static_inputs is not None and self.device.type == "cuda" and not profiled:
+        if static_inputs is not None and self._captures() and not profiled:
             try:  # a captured session keeps its own arena: the shared one would hand its graph's blocks on
                 session = create_session(
                     model,
@@ -465,9 +467,9 @@ class Runner:
             if not o.type.HasField("tensor_type"):
                 continue
             output_dtypes[o.name] = helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type)
-            dims = o.type.tensor_type.shape.dim
-            if o.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-                shapes[o.name] = tuple(d.dim_value for d in dims)
+            declared = o.type.tensor_type.shape.dim
+            if o.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in declared):
+                shapes[o.name] = tuple(d.dim_value for d in declared)
         inputs = [i.name for i in model.graph.input]
         outputs = [o.name for o in model.graph.output]
         in_place = set()
@@ -493,6 +495,7 @@ class Runner:
             in_place=frozenset(in_place),
             static_inputs=static_inputs,
             captured=captured,
+            uncaptured=(model, dims) if captured else None,
         )
 
     def _options(self, dims: Mapping[str, int] | None, profiled: bool, *, shared_arena: bool) -> ort.SessionOptions:
@@ -679,8 +682,32 @@ class Runner:
             self._awaiting()
         plan = self._plan(bound, fetch_host, fetch_device, into)
         self._bind_run(bound, plan, feeds)
-        self._launch(bound, plan, feeds)
+        try:
+            self._launch(bound, plan, feeds)
+        except GraphforgeError as exc:
+            if not bound.captured:
+                raise
+            # a capture onnxruntime could not make (a kernel that waits for the host while the
+            # stream records): the session runs uncaptured from now on, against the same buffers
+            self._stop_capture(bound, f"its capture failed: {one_line(exc)}")
+            plan = self._plan(bound, fetch_host, fetch_device, into)
+            self._bind_run(bound, plan, feeds)
+            self._launch(bound, plan, feeds)
         return self._collect(bound, plan)
+
+    def _captures(self) -> bool:
+        """Whether capture-ready sessions are captured: on CUDA (onnxruntime's CUDA graphs)."""
+        return self.device.type == "cuda"
+
+    def _stop_capture(self, bound: BoundSession, reason: str) -> None:
+        """Make ``bound``'s session again without capture (its bindings too: they were the
+        captured session's), keeping its input and output buffers; the reason is kept."""
+        model, dims = bound.uncaptured
+        options = self._options(dims, False, shared_arena=True)
+        bound.session = create_session(model, providers=list(self.device.providers), options=options, where=bound.where)
+        bound.captured, bound.uncaptured = False, None
+        bound.bindings.clear()
+        self._refuse_capture(bound.where, reason)
 
     def _plan(
         self,

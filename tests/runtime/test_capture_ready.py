@@ -154,3 +154,32 @@ def test_undoing_a_forward_backward_drops_the_gradients_its_buffers_held():
     module.undo_last_run()
     with pytest.raises(graphforge.GraphforgeError, match="no gradients to apply"):
         optimizer.step()
+
+
+def test_a_capture_that_fails_runs_uncaptured_from_then_on(monkeypatch):
+    """A capture onnxruntime cannot make (on a GPU: a kernel waiting for the host while the
+    stream records) is no error: that session is made again without capture, keeping its
+    buffers, the step runs, and the reason is kept. Here the capture is pretended (on the CPU
+    nothing is captured) and its first run fails."""
+    monkeypatch.setattr(runner_module.Runner, "_captures", lambda self: True)
+    launch = runner_module.Runner._launch
+    failed = []
+
+    def failing_once(bound, plan, feeds):
+        if bound.captured and not failed:
+            failed.append(bound.where)
+            raise graphforge.GraphforgeError(f"onnxruntime failed to run {bound.where}: capture went wrong")
+        launch(bound, plan, feeds)
+
+    monkeypatch.setattr(runner_module.Runner, "_launch", staticmethod(failing_once))
+    program = graphforge.compile(mlp_onnx(), "loss(kind=mse, output=y), autodiff, adamw(lr=0.01)").model
+    ready = Module(program, device=DEVICE, capture=True)
+    normal = Module(program, device=DEVICE, capture=False)
+    for step in range(4):
+        batch = _vector_batch(step, 0)
+        np.testing.assert_array_equal(ready.train_step(*batch), normal.train_step(*batch))
+    assert failed == ["the program's forward/backward segment"]
+    assert ready.runner.capture_refused == {failed[0]: f"its capture failed: onnxruntime failed to run {failed[0]}: "
+                                                       "capture went wrong"}  # fmt: skip
+    (bound,) = ready.runner._sessions.values()
+    assert not bound.captured and bound.static_inputs is not None
