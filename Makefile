@@ -60,8 +60,9 @@ bench: $(STAMP)
 # CUDA tests and the CUDA benchmark, and writes report.md/.json into OUT. It needs no .venv:
 # the machine's python3 (with torch) runs it. Without a GPU it says so and exits 0.
 OUT ?= out/cuda-check
+ROWS ?=
 cuda-check:
-	$(PYTHON) benchmarks/cuda_check.py --out "$(OUT)"
+	$(PYTHON) benchmarks/cuda_check.py --out "$(OUT)" $(if $(ROWS),--rows "$(ROWS)")
 
 # Every case of onnx's backend node tests through autodiff against central differences in
 # float64 (make test checks the same); records docs/ops-conformance.json and docs/ops.md.

@@ -221,7 +221,9 @@ def run_stage(name: str, argv: list[str], env: dict[str, str], limit: float, cwd
     return Stage(name, status, time.monotonic() - started, last.strip()[:200], output)
 
 
-def check(out: Path, *, trial: bool = False, budget: float = BUDGET_S) -> Report:
+def check(out: Path, *, trial: bool = False, budget: float = BUDGET_S, rows: str | None = None) -> Report:
+    """The check; ``rows`` ("2,3"): instead of the tests and the quick benchmark, those rows
+    of the full CUDA benchmark alone (a second call on the same GPU lease: the tests ran)."""
     started = time.monotonic()
     gpu = gpu_name()
     machine = {"python": platform.python_version(), "host": platform.node()}
@@ -246,17 +248,22 @@ def check(out: Path, *, trial: bool = False, budget: float = BUDGET_S) -> Report
     report.stages.append(probe)
     if probe.status != "passed":
         return report
-    pytest = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-n", "4", "--dist", "loadscope", "-p", "no:cacheprovider"]
-    limit = min(LIMITS["tests"], budget - (time.monotonic() - started))
-    tests = run_stage("tests", [*pytest, f"--junitxml={out / 'tests.xml'}", *CUDA_TESTS], env, limit)
-    report.stages.append(tests)
+    if rows:
+        report.stages.append(Stage("tests", "skipped", 0.0, f"--rows {rows}: the benchmark's rows alone"))
+    else:
+        pytest = ["-m", "pytest", "-q", "-rfEs", "-n", "4", "--dist", "loadscope", "-p", "no:cacheprovider"]
+        limit = min(LIMITS["tests"], budget - (time.monotonic() - started))
+        tests = run_stage(
+            "tests", [sys.executable, *pytest, f"--junitxml={out / 'tests.xml'}", *CUDA_TESTS], env, limit
+        )
+        report.stages.append(tests)
     left = budget - (time.monotonic() - started) - 15  # the report
     if left < 60:
         report.stages.append(Stage("benchmark", "skipped", 0.0, f"{left:.0f} s left of the budget"))
         return report
     document = out / "benchmarks.md"
-    argv = [sys.executable, str(HERE / "run.py"), "cuda", "--quick", "--doc", str(document)]
-    bench = run_stage("benchmark", argv, env, left)
+    argv = [sys.executable, str(HERE / "run.py"), "cuda", *([] if rows else ["--quick"]), "--doc", str(document)]
+    bench = run_stage("benchmark", argv, {**env, "GRAPHFORGE_BENCH_ROWS": rows or ""}, left)
     report.stages.append(bench)
     if document.exists():
         report.benchmark = document.read_text().split("## ", 1)[-1].split("\n", 1)[-1].strip()
@@ -300,11 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         "--bundler", type=Path, default=REPO.parent / "shared" / "gpu" / "ort_gpu_bundle.py", help="with --prepare"
     )
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check")
+    parser.add_argument("--rows", help="rows of the full CUDA benchmark to run alone (e.g. 2,3), without the tests")
     args = parser.parse_args(argv)
     if args.prepare:
         return prepare(args.bundler)
     args.out.mkdir(parents=True, exist_ok=True)
-    report = check(args.out, trial=args.trial, budget=args.budget)
+    report = check(args.out, trial=args.trial, budget=args.budget, rows=args.rows)
     (args.out / "report.md").write_text(report.markdown())
     payload = {**asdict(report), "ok": report.ok}
     for stage in payload["stages"]:

@@ -106,6 +106,11 @@ def test_cuda_benchmark_sides_train_alike(tmp_path, monkeypatch):
         "torch eager, autocast(bfloat16)",
         "torch.compile, autocast(bfloat16)",
     ]
+    monkeypatch.setattr(cuda_bench, "ROWS", "3, 2")  # make cuda-check ROWS=...: a second call on a GPU lease
+    assert cuda_bench.chosen(quick=False) == [cuda_bench.FULL[2], cuda_bench.FULL[1]]
+    monkeypatch.setattr(cuda_bench, "ROWS", "9")
+    with pytest.raises(SystemExit, match="name rows 1 to 4"):
+        cuda_bench.chosen(quick=False)
     monkeypatch.setattr(cuda_bench, "DEVICE", "cuda")
     assert (cuda_bench.unavailable() is None) == provider_works(CUDA)
 
