@@ -375,6 +375,7 @@ class Runner:
         profile: bool = False,
         dims: Mapping[str, int] | None = None,
         input_buffers: Mapping[str, ort.OrtValue] | None = None,
+        static: bool = True,
     ) -> BoundSession:
         """The session cached under ``key``, made on first use from ``model()`` computing only
         the outputs in ``keep`` (None: all). ``only_read_inputs``: without the graph inputs no
@@ -390,7 +391,9 @@ class Runner:
         alive until the backward reaches it (GPT-2 small: 120 MiB less). ``input_buffers``: in
         the capture-ready mode, the buffers (of the inputs' shapes and dtypes) that inputs of
         these names read, instead of buffers of their own: the ones an earlier segment writes
-        what it sends this one into, so that nothing is copied between them."""
+        what it sends this one into, so that nothing is copied between them. ``static=False``:
+        this session runs as fed even in the capture-ready mode (one off the hot path, an
+        evaluation's, whose batches come in any dims)."""
         profiled = profile and self._profile_prefix is not None
         cache = self._profiled if profiled else self._sessions
         if dims:
@@ -403,7 +406,9 @@ class Runner:
                 dims = None  # a batch of yet other dims: the session for any dims
         bound = cache.get(key)
         if bound is None:
-            bound = cache[key] = self._create(model(), where, keep, only_read_inputs, profiled, dims, input_buffers)
+            bound = cache[key] = self._create(
+                model(), where, keep, only_read_inputs, profiled, dims, input_buffers, static=self.static and static
+            )
         return bound
 
     def segment(
@@ -431,6 +436,8 @@ class Runner:
         profiled: bool,
         dims: Mapping[str, int] | None = None,
         input_buffers: Mapping[str, ort.OrtValue] | None = None,
+        *,
+        static: bool = False,
     ) -> BoundSession:
         if dims:
             model = self._specialize(model, dims, where)
@@ -441,7 +448,7 @@ class Runner:
             del model.graph.input[:]
             model.graph.input.extend(kept)
         defaults = self._take_defaults(model)
-        static_inputs = self._static_inputs(model, where, defaults, input_buffers or {}) if self.static else None
+        static_inputs = self._static_inputs(model, where, defaults, input_buffers or {}) if static else None
         session, captured = None, False
         if static_inputs is not None and self._captures() and not profiled:
             try:  # a captured session keeps its own arena: the shared one would hand its graph's blocks on

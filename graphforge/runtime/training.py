@@ -712,11 +712,17 @@ class Module:
         """The eval model's session (loss and forward outputs), or one computing only ``outputs``."""
         if self._eval_model is None:
             self._eval_model = eval_model(self._program, [self.loss_name, *self.output_names], verify=False)
+        # (off the hot path, in batches of any dims: run as fed in the capture-ready mode too)
         if outputs:
             return self.runner.session(
-                ("eval", outputs), lambda: self._eval_model, "the eval model", list(outputs), only_read_inputs=True
+                ("eval", outputs),
+                lambda: self._eval_model,
+                "the eval model",
+                list(outputs),
+                only_read_inputs=True,
+                static=False,
             )
-        return self.runner.session(("eval",), lambda: self._eval_model, "the eval model")
+        return self.runner.session(("eval",), lambda: self._eval_model, "the eval model", static=False)
 
     # ------------------------------------------------------------------ feeds
 

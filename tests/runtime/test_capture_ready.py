@@ -183,3 +183,18 @@ def test_a_capture_that_fails_runs_uncaptured_from_then_on(monkeypatch):
                                                        "capture went wrong"}  # fmt: skip
     (bound,) = ready.runner._sessions.values()
     assert not bound.captured and bound.static_inputs is not None
+
+
+def test_evaluation_runs_as_fed_in_the_capture_ready_mode():
+    """The eval model's session takes batches of any dims off the hot path: it runs as fed,
+    without a word about capture."""
+    program = graphforge.compile(mlp_onnx(), "loss(kind=mse, output=y), autodiff, sgd(lr=0.1)").model
+    ready, normal = Module(program, device=DEVICE, capture=True), Module(program, device=DEVICE)
+    for module in (ready, normal):
+        module.train_step(*_vector_batch(0, 0))
+        module.eval()
+    for step in (1, 7):  # two batch sizes
+        np.testing.assert_array_equal(ready(*_vector_batch(step, 0)), normal(*_vector_batch(step, 0)))
+    assert not ready.runner.capture_refused
+    (evaluation,) = [b for b in ready.runner._sessions.values() if b.where == "the eval model"]
+    assert evaluation.static_inputs is None
