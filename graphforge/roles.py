@@ -92,6 +92,12 @@ ALLREDUCE_OP = "AllReduce"
 #: the zero pass's markers: a gradient's reduce-scatter, and an updated parameter's all-gather
 REDUCE_SCATTER_OP = "ReduceScatter"
 ALL_GATHER_OP = "AllGather"
+#: tensor parallelism's markers, Megatron-LM's f and g (passes/autodiff/rules/parallel.py): the
+#: input of a layer split across a group, the same on every member (f: identity forward, its
+#: gradient summed over the group), and the partial output of a layer split along its input,
+#: summed over the group (g: the sum forward, its gradient handed to every member as it is)
+TENSOR_PARALLEL_COPY_OP = "TensorParallelCopy"
+TENSOR_PARALLEL_REDUCE_OP = "TensorParallelReduce"
 
 #: suffix of a gradient output: the gradient of parameter P is the graph output P_grad
 GRAD_SUFFIX = "_grad"

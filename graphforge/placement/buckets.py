@@ -74,8 +74,9 @@ def marker_call(op: str, source: gs.Tensor, target: gs.Variable, bucket: int) ->
     )
 
 
-def marker_function(graph: gs.Graph, op: str) -> gs.Function:
-    """``graphforge.<op>(x) = Identity(x)``, with the bucket as an attribute the body ignores."""
+def marker_function(graph: gs.Graph, op: str, attribute: str = "bucket") -> gs.Function:
+    """``graphforge.<op>(x) = Identity(x)``, with the bucket (or what ``attribute`` names: the
+    group of a call) as an attribute the body ignores."""
     if any(f.domain == roles.MARKER_DOMAIN and f.name == op for f in graph.functions):
         raise PassError(f"the model already defines {roles.MARKER_DOMAIN}.{op}")
     x, y = gs.Variable("x", dtype=None), gs.Variable("y", dtype=None)
@@ -85,7 +86,7 @@ def marker_function(graph: gs.Graph, op: str) -> gs.Function:
         nodes=[gs.Node("Identity", inputs=[x], outputs=[y])],
         inputs=[x],
         outputs=[y],
-        attrs={"bucket": None},
+        attrs={attribute: None},
         import_domains=[onnx.helper.make_opsetid("", graph.opset or 13)],
     )
 

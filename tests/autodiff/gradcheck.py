@@ -53,6 +53,8 @@ class Case:
       model's parameters) instead of graph inputs: small constant inputs take other paths
       (a function body is expanded with their values known).
     omit: indices of the node's outputs it does not produce (LSTM without Y).
+    domain, functions: the node's op domain, and the model-local functions (FunctionProtos)
+      that define its op there (graphforge's marker ops).
     """
 
     op: str
@@ -74,6 +76,8 @@ class Case:
     reference: Callable | None = None
     params: tuple[int, ...] = ()
     omit: tuple[int, ...] = ()
+    domain: str = ""
+    functions: tuple = ()
 
     def label(self) -> str:
         return self.id or self.op
@@ -116,13 +120,14 @@ def build_model(case: Case, dtype, *, symbolic: bool = False) -> tuple[onnx.Mode
         if _is_float(arr):
             wrt.append(name)
     outs = [f"out{k}" for k in range(case.outputs)]
-    nodes = [helper.make_node(case.op, names, ["" if k in case.omit else o for k, o in enumerate(outs)], **case.attrs)]
+    outputs_named = ["" if k in case.omit else o for k, o in enumerate(outs)]
+    nodes = [helper.make_node(case.op, names, outputs_named, domain=case.domain or None, **case.attrs)]
     outs = [o for k, o in enumerate(outs) if k not in case.omit]
     for k, (op, ins, attrs) in enumerate(case.after):
         outs = [f"after{k}"]
         nodes.append(helper.make_node(op, ins, outs, **attrs))
     # loss = sum_k sum(out_k * R_k): needs the outputs' shapes, found by running the node once
-    probe = _run(_model(nodes, graph_inputs, initializers, [_vi(o) for o in outs], case.opset), feeds)
+    probe = _run(_model(nodes, graph_inputs, initializers, [_vi(o) for o in outs], case.opset, case.functions), feeds)
     float_outs = [(o, v) for o, v in zip(outs, probe, strict=True) if _is_float(v)]
     terms = []
     loss_type = helper.np_dtype_to_tensor_dtype(np.dtype(float_outs[0][1].dtype))
@@ -143,7 +148,7 @@ def build_model(case: Case, dtype, *, symbolic: bool = False) -> tuple[onnx.Mode
             helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(v.dtype), [None] * v.ndim)
             for o, v in float_outs
         ]
-    model = _model(nodes, graph_inputs, initializers, outputs, case.opset)
+    model = _model(nodes, graph_inputs, initializers, outputs, case.opset, case.functions)
     return model, feeds, wrt
 
 
@@ -151,9 +156,20 @@ def _vi(name):
     return helper.make_value_info(name, onnx.TypeProto())
 
 
-def _model(nodes, inputs, initializers, outputs, opset):
+def _model(nodes, inputs, initializers, outputs, opset, functions=()):
     graph = helper.make_graph(nodes, "case", inputs, outputs, initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    imports = [
+        helper.make_opsetid("", opset),
+        *(helper.make_opsetid(d, 1) for d in sorted({f.domain for f in functions})),
+    ]
+    own = []
+    for function in functions:  # at the model's opset: onnx requires the two to agree
+        copy = onnx.FunctionProto()
+        copy.CopyFrom(function)
+        del copy.opset_import[:]
+        copy.opset_import.append(helper.make_opsetid("", opset))
+        own.append(copy)
+    model = helper.make_model(graph, opset_imports=imports, functions=own)
     model.ir_version = 8 if opset <= 18 else 10  # what onnx expects of the opset; onnxruntime reads both
     return model
 

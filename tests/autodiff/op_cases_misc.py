@@ -35,7 +35,23 @@ EINSUM_CASES = [
     einsum("ij,jk,kl->il", r(2, 3), r(3, 4), r(4, 2)),  # three operands
 ]
 
+
+def _marker(op: str):
+    """graphforge's marker op ``op`` as a model-local function: an Identity, as the passes define it."""
+    from onnx import helper
+
+    body = [helper.make_node("Identity", ["x"], ["y"])]
+    return helper.make_function("graphforge", op, ["x"], ["y"], body, [helper.make_opsetid("", 18)], ["group"])
+
+
+#: tensor parallelism's f and g: an Identity on one process, each the other's gradient
+MARKER_CASES = [
+    Case(op, [r(3, 4)], {"group": 1}, domain="graphforge", functions=(_marker(op),), id=f"graphforge.{op}")
+    for op in ("TensorParallelCopy", "TensorParallelReduce")
+]
+
 MISC_CASES: list[Case] = [
+    *MARKER_CASES,
     *EINSUM_CASES,
     # the matrix size must be static (the minors are gathered with fixed indices)
     Case("Det", [r(3, 3)], symbolic=False),

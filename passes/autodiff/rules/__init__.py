@@ -12,6 +12,7 @@ from graphforge.passes.autodiff.rules import (  # noqa: F401
     linalg,
     loss,
     nn,
+    parallel,
     pool,
     pooling_extra,
     quantize,
