@@ -28,6 +28,9 @@ ALLREDUCE = "graphforge.allreduce"
 #: "cuts": [tensor after stage k, ...], "partial_norms": [[stage, tensor], ...], "parameters":
 #: [[parameter, ...] per stage], "costs": {...}}
 PIPELINE = "graphforge.pipeline"
+#: JSON: the layers a group of processes splits (passes/tensor_parallel.py): {"size": T, "blocks":
+#: [{"column": [...], "row": [...], "copy": tensor, "reduce": tensor}], "split": {parameter: axis}}
+TENSOR_PARALLEL = "graphforge.tensor_parallel"
 #: JSON: what the recompute pass did (budget, level, nodes recomputed, saved bytes before/after);
 #: a runtime keeps onnxruntime from merging the recomputed copies back into the forward
 RECOMPUTE = "graphforge.recompute"

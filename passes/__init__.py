@@ -18,6 +18,7 @@ from graphforge.passes.pipeline_partition import PipelinePartition
 from graphforge.passes.prune import Prune
 from graphforge.passes.recompute import Recompute
 from graphforge.passes.specialize import Specialize
+from graphforge.passes.tensor_parallel import TensorParallel
 from graphforge.passes.topo_sort import TopologicalSort
 from graphforge.passes.zero import Zero
 
@@ -45,6 +46,7 @@ REGISTRY = PassRegistry(
         TopologicalSort,
         Prune,
         Specialize,
+        TensorParallel,
         Zero,
     ]
 )
@@ -68,6 +70,7 @@ __all__ = [
     "PipelinePartition",
     "Prune",
     "Specialize",
+    "TensorParallel",
     "TopologicalSort",
     "VectorJacobian",
     "Zero",

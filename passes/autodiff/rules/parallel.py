@@ -7,8 +7,9 @@ output summed over the group: each member's gradient of its part is the gradient
 
 from __future__ import annotations
 
-from graphforge import roles
 from graphforge.passes.autodiff.registry import RULES, Rule
+
+from graphforge import roles
 from graphforge.placement.buckets import marker_function
 
 #: each marker's gradient is a call of the other
