@@ -76,8 +76,10 @@ def train(case: dict, world: World) -> None:
         np.savez(f"{case['out']}-rank{world.rank}.npz", __peak_rss__=peak, __state_bytes__=state_bytes)
         return
     state = module.runner.read_tensors()
-    # how many of the sessions that trained ran against fixed buffers (the capture-ready mode)
-    state["__static_sessions__"] = np.array(sum(b.static_inputs is not None for b in module.runner._sessions.values()))
+    if case.get("report_static"):  # how many of the sessions that trained ran against fixed buffers
+        state["__static_sessions__"] = np.array(
+            sum(b.static_inputs is not None for b in module.runner._sessions.values())
+        )
     if zero:
         state["__state_bytes__"] = np.array(state_bytes)
         state.update(sharded.gathered_states())

@@ -55,7 +55,8 @@ def test_data_parallel_at_world_size_one_equals_the_module(tmp_path):
     gf.save(program.model, tmp_path / "program.onnx")
     batches = _batches(np.random.default_rng(0), STEPS)
     np.savez(tmp_path / "batches.npz", **batches)
-    common = {"program": str(tmp_path / "program.onnx"), "batches": str(tmp_path / "batches.npz"), "steps": STEPS}
+    common = {"program": str(tmp_path / "program.onnx"), "batches": str(tmp_path / "batches.npz"), "steps": STEPS,
+              "report_static": True}  # fmt: skip
     spec = {"device": DEVICE, "cases": [{**common, "out": str(tmp_path / "dp")},
                                         {**common, "out": str(tmp_path / "ready"), "capture": True}]}  # fmt: skip
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -69,6 +70,7 @@ def test_data_parallel_at_world_size_one_equals_the_module(tmp_path):
     for out in ("dp", "ready"):
         got = np.load(tmp_path / f"{out}-rank0.npz")
         np.testing.assert_allclose(got["__losses__"], losses, rtol=RTOL, atol=ATOL)
+        assert set(got.files) == {"__losses__", "__static_sessions__", *module.runner.carried}
         for name, value in module.runner.read_tensors().items():
             np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=f"{out}: {name}")
     assert int(np.load(tmp_path / "ready-rank0.npz")["__static_sessions__"]) >= 2  # the cut step's segments
