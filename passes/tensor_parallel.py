@@ -14,7 +14,7 @@ from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import is_parameter
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
-from graphforge.placement.buckets import marker_function
+from graphforge.placement.buckets import marker_call, marker_function
 from graphforge.shapes import infer_shapes
 
 #: ops applied elementwise to one tensor (other inputs constants): what may sit between the two
@@ -170,16 +170,7 @@ def _copy_input(graph: gs.Graph, node: gs.Node, group: int) -> str:
     """f before ``node``'s input (its other readers keep the input itself)."""
     source = node.inputs[0]
     copied = gs.Variable(f"{source.name}/tensor_parallel_copy", dtype=source.dtype, shape=source.shape)
-    graph.nodes.append(
-        gs.Node(
-            roles.TENSOR_PARALLEL_COPY_OP,
-            name=f"{copied.name}/call",
-            domain=roles.MARKER_DOMAIN,
-            attrs={"group": group},
-            inputs=[source],
-            outputs=[copied],
-        )
-    )
+    graph.nodes.append(marker_call(roles.TENSOR_PARALLEL_COPY_OP, source, copied, group, attribute="group"))
     node.inputs[0] = copied
     return copied.name
 
@@ -196,16 +187,7 @@ def _reduce_output(graph: gs.Graph, second: _Projection, group: int) -> str:
     partial = gs.Variable(f"{product.name}/tensor_parallel_partial", dtype=product.dtype, shape=product.shape)
     node.outputs[0] = partial
     summed = gs.Variable(f"{product.name}/tensor_parallel_sum", dtype=product.dtype, shape=product.shape)
-    graph.nodes.append(
-        gs.Node(
-            roles.TENSOR_PARALLEL_REDUCE_OP,
-            name=f"{summed.name}/call",
-            domain=roles.MARKER_DOMAIN,
-            attrs={"group": group},
-            inputs=[partial],
-            outputs=[summed],
-        )
-    )
+    graph.nodes.append(marker_call(roles.TENSOR_PARALLEL_REDUCE_OP, partial, summed, group, attribute="group"))
     if bias is None:
         graph.nodes.append(gs.Node("Identity", inputs=[summed], outputs=[product]))
         return summed.name

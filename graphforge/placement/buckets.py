@@ -62,13 +62,14 @@ def fill_buckets(order: list[str], parameters: dict[str, gs.Tensor], bucket_mb: 
     return tuple(tuple(b) for b in buckets)
 
 
-def marker_call(op: str, source: gs.Tensor, target: gs.Variable, bucket: int) -> gs.Node:
-    """A call of the marker function ``graphforge.<op>`` from ``source`` to ``target``."""
+def marker_call(op: str, source: gs.Tensor, target: gs.Variable, bucket: int, attribute: str = "bucket") -> gs.Node:
+    """A call of the marker function ``graphforge.<op>`` from ``source`` to ``target``, its
+    bucket (or what ``attribute`` names: the group of a call) as an attribute."""
     return gs.Node(
         op,
         name=f"{target.name}/{op}",
         domain=roles.MARKER_DOMAIN,
-        attrs={"bucket": bucket},
+        attrs={attribute: bucket},
         inputs=[source],
         outputs=[target],
     )
