@@ -334,7 +334,9 @@ class _Captured:
                     for t in [*params, *grads, *(x for s in states.values() for x in s), counter])  # fmt: skip
         if self._graph is not None and key == self._key:
             self._graph.replay()
-        elif self._graph is not None or self.stopped is not None:
+        elif self.stopped is not None:
+            kernels()
+        elif self._graph is not None:  # (a reason kept before, a failed capture's, stays)
             self._graph, self.stopped = None, "a tensor the update reads moved since its capture"
             kernels()
         elif self._eager < WARMUP:

@@ -143,12 +143,15 @@ class BoundSession:
     static_inputs: dict[str, ort.OrtValue] | None = None
     #: the fed inputs whose buffer holds a fed value, not the input's default
     fed: set[str] = field(default_factory=set)
-    #: whether onnxruntime captures its runs as CUDA graphs (one per binding)
-    captured: bool = False
-    #: how to make its session again without capture, should a captured run fail: (model, dims)
+    #: where onnxruntime captures its runs as CUDA graphs (one per binding): how to make its
+    #: session again without capture, should a captured run fail (model, dims); else None
     uncaptured: tuple[onnx.ModelProto, Mapping[str, int] | None] | None = None
     #: the fixed output buffers of its bindings, by name (shared: one binding runs at a time)
     output_buffers: dict[str, ort.OrtValue] = field(default_factory=dict)
+
+    @property
+    def captured(self) -> bool:
+        return self.uncaptured is not None
 
     def writes_in_place(self, c: Carried) -> bool:
         return c.name in self.in_place
@@ -501,7 +504,6 @@ class Runner:
             free_inputs=[n for n in inputs if n not in self.carried],
             in_place=frozenset(in_place),
             static_inputs=static_inputs,
-            captured=captured,
             uncaptured=(model, dims) if captured else None,
         )
 
@@ -712,7 +714,7 @@ class Runner:
         model, dims = bound.uncaptured
         options = self._options(dims, False, shared_arena=True)
         bound.session = create_session(model, providers=list(self.device.providers), options=options, where=bound.where)
-        bound.captured, bound.uncaptured = False, None
+        bound.uncaptured = None
         bound.bindings.clear()
         self._refuse_capture(bound.where, reason)
 

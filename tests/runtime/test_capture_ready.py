@@ -124,7 +124,9 @@ def test_capture_ready_training_equals_the_normal_mode(tmp_path, case):
     assert not ready.runner.capture_refused
     assert all(b.static_inputs is None for b in normal.runner._sessions.values())
     # the update segment reads the gradients in the very buffers the forward/backward wrote them into
-    for update in (b for b in trained if b.where == "the program's optimizer segment"):
+    updates = [b for b in trained if b.where == "the program's optimizer segment"]
+    assert bool(updates) == (options["update"] == "onnx" and options.get("in_place", True))
+    for update in updates:
         shared = [n for n, buffer in ready._grad_buffers.items() if update.static_inputs.get(n) is buffer]
         assert shared and len(shared) == len(ready._grad_buffers)
 
