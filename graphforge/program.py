@@ -157,6 +157,35 @@ class PipelineRole:
 
 
 @dataclass(frozen=True)
+class TensorParallelRole:
+    """How the tensor_parallel pass split the program among ``size`` processes: each split
+    parameter's axis (``split``: parameter -> the axis each member holds 1/size of), the
+    blocks it split, and ``rank``: None in the whole program, the member's index in one
+    member's shard of it (graphforge.placement.tensor_shards)."""
+
+    size: int
+    split: Mapping[str, int]
+    blocks: tuple[Mapping[str, Any], ...] = ()
+    rank: int | None = None
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> TensorParallelRole:
+        rank = entry.get("rank")
+        return cls(
+            int(entry["size"]),
+            {str(k): int(v) for k, v in entry["split"].items()},
+            tuple(entry.get("blocks", [])),
+            None if rank is None else int(rank),
+        )
+
+    def to_json(self) -> dict:
+        entry = {"size": self.size, "blocks": [dict(b) for b in self.blocks], "split": dict(self.split)}
+        if self.rank is not None:
+            entry["rank"] = self.rank
+        return entry
+
+
+@dataclass(frozen=True)
 class LossScaling:
     """The loss scaling of the mixed_precision pass: "dynamic" or "static", the carried
     scale, growth tracker and skipped-update count (inputs), the output saying whether this
@@ -223,6 +252,8 @@ class ProgramRoles:
     allreduce: AllReduceRole | None
     #: the pipeline stages (the pipeline pass), or None
     pipeline: PipelineRole | None
+    #: the split among tensor-parallel processes (the tensor_parallel pass), or None
+    tensor_parallel: TensorParallelRole | None
     #: the mixed_precision pass's low type ("float16", "bfloat16") and the provider whose
     #: kernels it checked, or None; its loss scaling, or None
     mixed_precision: Mapping[str, Any] | None
@@ -329,6 +360,9 @@ class ProgramRoles:
             if roles.ALLREDUCE in metadata
             else None,
             pipeline=PipelineRole.from_json(json_value(roles.PIPELINE, None)) if roles.PIPELINE in metadata else None,
+            tensor_parallel=TensorParallelRole.from_json(json_value(roles.TENSOR_PARALLEL, None))
+            if roles.TENSOR_PARALLEL in metadata
+            else None,
             mixed_precision=mixed_precision,
             loss_scaling=LossScaling.from_json(mixed_precision.get("loss_scale", {})) if mixed_precision else None,
             nchwc_block=json_value(roles.FUSION, {}).get("nchwc_block"),

@@ -126,6 +126,77 @@ def export_transformer(path: str | Path, seed: int = 0, **config_changes) -> Pat
     return _export(module, (ids,), Path(path), ["input_ids"], ["logits"], axes)
 
 
+def export_bert(path: str | Path, seed: int = 0) -> Path:
+    """A 2-layer BERT encoder (random weights, eager attention, no dropout) exported with
+    dynamic batch and sequence: input ``input_ids`` int64 [batch, seq], output
+    ``hidden`` [batch, seq, 32] (the encoder's last hidden states)."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="eager")  # fmt: skip
+    inner = BertModel(config, add_pooling_layer=False)
+    _jitter_vectors(inner, seed)
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return self.inner(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).last_hidden_state
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "hidden": {0: "batch", 1: "seq"}}
+    return _export(Encoder().eval(), (ids,), Path(path), ["input_ids"], ["hidden"], axes)
+
+
+#: the Llama-style model's vocabulary
+LLAMA_VOCAB = 128
+
+
+def llama_module(seed: int = 0):
+    """A 2-layer Llama (SDPA attention, grouped KV heads, RMSNorm, rotary, SwiGLU, random
+    weights): input_ids [B, T] -> logits [B, V, T] (cross_entropy's layout), in eval mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)  # fmt: skip
+    inner = LlamaForCausalLM(config)
+    _jitter_vectors(inner, seed)
+
+    class ClassesFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            mask = torch.ones_like(input_ids)
+            return self.inner(input_ids=input_ids, attention_mask=mask).logits.transpose(1, 2)
+
+    return ClassesFirst().eval()
+
+
+def export_dynamo(module, path: str | Path, opset: int, *, vocab: int = LLAMA_VOCAB) -> Path:
+    """``module`` (input_ids [B, T] -> logits) exported by torch's dynamo exporter, unoptimized,
+    with dynamic batch and sequence."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        example = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+        dims = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+        torch.onnx.export(module, (example,), str(path), dynamo=True, optimize=False, opset_version=opset,
+                          input_names=["input_ids"], output_names=["logits"], dynamic_shapes=(dims,),
+                          external_data=False, verbose=False)  # fmt: skip
+    return Path(path)
+
+
 # --------------------------------------------------------------------------- hand-written models
 
 

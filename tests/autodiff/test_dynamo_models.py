@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # dynamo exports take seconds each
 pytest.importorskip("transformers")
 
+import models  # noqa: E402
 import torch_models  # noqa: E402
 from graphforge.passes import Autodiff, Loss  # noqa: E402
 
@@ -31,27 +32,8 @@ SIZES = [(1, 5), (3, 12)]
 VOCAB = 128
 
 
-def llama(seed: int = 0) -> torch.nn.Module:
-    """2-layer Llama (SDPA attention, grouped KV heads, RMSNorm, SwiGLU): input_ids [B, T] -> [B, V, T]."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)  # fmt: skip
-    model = LlamaForCausalLM(config)
-    torch_models.jitter_vectors(model, seed)
-    return torch_models.ClassesFirst(model).eval()
-
-
 def _export_and_compile(module, path, opset: int):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        example = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
-        dims = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
-        torch.onnx.export(module, (example,), str(path), dynamo=True, optimize=False, opset_version=opset,
-                          input_names=["input_ids"], output_names=["logits"], dynamic_shapes=(dims,),
-                          external_data=False, verbose=False)  # fmt: skip
+    models.export_dynamo(module, path, opset, vocab=VOCAB)
     exported = onnx.load(str(path))
     uses = torch_models.parameter_uses(exported, module)
     trainable = tuple(u.initializer for held in uses.values() for u in held)
@@ -64,7 +46,7 @@ def _export_and_compile(module, path, opset: int):
 @pytest.fixture(scope="module", params=[("gpt2", 18), ("llama", 23)], ids=["gpt2-opset18", "llama-opset23"])
 def compiled(request, tmp_path_factory):
     name, opset = request.param
-    module = torch_models.gpt2() if name == "gpt2" else llama()
+    module = torch_models.gpt2() if name == "gpt2" else models.llama_module()
     exported, uses, program = _export_and_compile(module, tmp_path_factory.mktemp(name) / f"{name}.onnx", opset)
     return name, module, exported, uses, program
 
