@@ -52,7 +52,9 @@ class Prune(Pass):
        stay while that output and that input do, and ``graphforge.exported_from`` records
        the optimizer of a program that had one.
     7. graphforge's marker functions (``graphforge.AllReduce``, an Identity on one process)
-       are inlined where a kept output still needs a call, and go.
+       are inlined where a kept output still needs a call, and go; ``keep_markers=true``
+       keeps them, for a runtime that runs what they stand for (a tensor-parallel member's
+       eval model, summed across its group where the forward marks it).
     8. The casts of ``mixed_precision`` go: the model computes in float32, as its trained
        float32 weights allow. ``dtype=float16`` (or bfloat16) instead exports it computing
        in that type by the rules mixed_precision trains with (graphforge.placement.precision; kernels
@@ -72,6 +74,7 @@ class Prune(Pass):
     keep_inputs: tuple[str, ...] = ()
     inference: bool = True
     parameters_as_inputs: bool = False
+    keep_markers: bool = False
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     provider: Literal["auto", "cpu", "cuda"] = "auto"
 
@@ -99,7 +102,8 @@ class Prune(Pass):
         _put_back_fused(model)  # case 9
         DeadCodeElimination().run(model)  # case 1
         _drop_unused_domains(graph)
-        _inline_markers(graph)  # case 7
+        if not self.keep_markers:
+            _inline_markers(graph)  # case 7
         converted = set_inference_mode(graph) if self.inference else 0  # case 4
         converted += remove_casts(graph, roles.AMP_PREFIX)  # case 8
         IdentityElimination().run(model)  # case 5

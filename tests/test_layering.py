@@ -55,14 +55,19 @@ RUNTIME = (
     ),
     ("graphforge.runtime.devices",),
     ("graphforge.runtime.dlpack", "graphforge.runtime.capture", "graphforge.runtime.runner"),
-    ("graphforge.runtime.fused_update",),  # the update in torch's kernels, which Module picks
+    # the update in torch's kernels, which Module picks; runs cut at the collectives a program marks
+    ("graphforge.runtime.fused_update", "graphforge.runtime.chain"),
     ("graphforge.runtime.training",),  # Module: one client of the runner
     ("graphforge.runtime.step_memory",),
     ("graphforge.runtime",),  # the package's re-exports
 )
 DISTRIBUTED = (  # the runtime's schedules over torch.distributed
     ("graphforge.distributed.world", "graphforge.distributed.schedules"),
-    ("graphforge.distributed.simulate", "graphforge.distributed.data_parallel"),
+    (
+        "graphforge.distributed.simulate",
+        "graphforge.distributed.data_parallel",
+        "graphforge.distributed.tensor_parallel",
+    ),
     ("graphforge.distributed.zero_data_parallel", "graphforge.distributed.pipeline_parallel"),
     ("graphforge.distributed",),
 )

@@ -13,10 +13,13 @@
 world.py joins the group and turns failed collectives into one-line errors naming the
 ranks that are gone; data_parallel.py cuts the training step at the gradient buckets and
 reduces them while backward goes on; zero.py shards the optimizer states and gradients
-(ZeRO stages 1 and 2: ``ZeroDataParallel`` for a program compiled with the zero pass). Needs torch (``pip install graphforge[torch]``).
+(ZeRO stages 1 and 2: ``ZeroDataParallel`` for a program compiled with the zero pass);
+tensor_parallel.py sums across a tensor-parallel group where each member's program marks it
+(``TensorParallel``). Needs torch (``pip install graphforge[torch]``).
 """
 
 from graphforge.distributed.data_parallel import CommStats, DataParallel
+from graphforge.distributed.tensor_parallel import TensorParallel
 from graphforge.distributed.world import DEFAULT_TIMEOUT_S, DistributedError, World, digest, launched
 from graphforge.distributed.zero_data_parallel import ZeroDataParallel
 
@@ -25,6 +28,7 @@ __all__ = [
     "CommStats",
     "DataParallel",
     "DistributedError",
+    "TensorParallel",
     "World",
     "ZeroDataParallel",
     "digest",

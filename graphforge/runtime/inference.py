@@ -23,7 +23,11 @@ from graphforge.verify import verify_model
 
 
 def eval_model(
-    program: ModelSource | Model, outputs: Sequence[str] | None = None, *, verify: bool = True
+    program: ModelSource | Model,
+    outputs: Sequence[str] | None = None,
+    *,
+    verify: bool = True,
+    keep_markers: bool = False,
 ) -> onnx.ModelProto:
     """The evaluation step of a training program: ``outputs`` (default: the forward
     outputs) and the loss, with Dropout off and BatchNorm on its running statistics.
@@ -33,6 +37,8 @@ def eval_model(
     can bind the current training values without copying them into the model.
     ``verify=False``: no check of the result, for a runtime that binds values the program
     leaves out (``graph.without_values``): onnxruntime checks the model it loads.
+    ``keep_markers``: graphforge's marker calls stay (prune's option), for a runtime that
+    runs the collectives they stand for.
     """
     with _read(program) as model:
         program_roles = ProgramRoles.of_model(model)
@@ -42,7 +48,9 @@ def eval_model(
             wanted.append(loss)
         labels = program_roles.labels
         keep = [labels] if labels in {t.name for t in model.graph.inputs} else []
-        prune = Prune(outputs=tuple(wanted), keep_inputs=tuple(keep), parameters_as_inputs=True)
+        prune = Prune(
+            outputs=tuple(wanted), keep_inputs=tuple(keep), parameters_as_inputs=True, keep_markers=keep_markers
+        )
         return _pruned(model, prune, verify=verify)
 
 

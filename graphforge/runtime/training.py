@@ -56,6 +56,7 @@ from graphforge.model_io import ModelSource, save
 from graphforge.payloads import without_values
 from graphforge.placement.cut import cut
 from graphforge.program import ProgramRoles, program_proto
+from graphforge.runtime.chain import Chains, Collectives
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
@@ -270,6 +271,8 @@ class Module:
         #: data parallelism: this replica's index (its dropout masks) and what reduces its gradients
         self.replica = 0
         self.reducer: GradientReducer | None = None
+        #: tensor parallelism: its runs cut after each collective its program marks (runtime/chain.py)
+        self._chains: Chains | None = None
         self._kernel: UpdateKernel | None = None
         self._update_choice = update
         self._onnx_update_why = "update='onnx'"
@@ -320,6 +323,16 @@ class Module:
         self.reducer, self.replica = reducer, replica
         if self._kernel is not None or self._update_pending:  # the reducer's update (or the program's) runs now
             self.use_update_kernel(None, "a data-parallel program: its update reads the reduced gradients")
+
+    def attach_collectives(self, collectives: Collectives) -> None:
+        """Make this Module a member of a group that sums the values its program marks
+        (graphforge.distributed.TensorParallel): from now on every run of a model with such
+        marker calls is cut after them, and ``collectives`` sums each across the group."""
+        if self._chains is not None:
+            raise GraphforgeError("this Module is already a member of a tensor-parallel group")
+        if self.reducer is not None:
+            raise GraphforgeError("a data-parallel Module cannot join a tensor-parallel group (not yet supported)")
+        self._chains = Chains(self.runner, collectives)
 
     def take_unheld_states(self) -> dict[str, np.ndarray]:
         """The carried tensors this Module's runner does not hold (``shard_optimizer_states``),
@@ -382,9 +395,17 @@ class Module:
         split = self._split_models()
         if into is None and self.runner.static:
             into = self._gradient_buffers(split)
-        grad = self._segment_session(0, extra, batch_dims(split.grad, feeds))
+        dims = batch_dims(split.grad, feeds)
         fetch = list(dict.fromkeys([self.loss_name, *split.checks, *outputs]))
-        done = self._execute([SegmentRun(grad, fetch, split.sends, into or {})], feeds)
+        if self._chains is None:
+            grad = self._segment_session(0, extra, dims)
+            done = self._execute([SegmentRun(grad, fetch, split.sends, into or {})], feeds)
+        else:
+            keep = segment_outputs(split, 0, self.roles, extra)
+            where = "the program's forward/backward segment"
+            key = ("segment", 0, extra)
+            runs, hook = self._chains.runs(key, lambda: split.grad, where, keep, fetch, split.sends, into, dims)
+            done = self._execute(runs, feeds, hook)
         self.state.grad_reset_pending = False
         self.state.micro_batch += 1  # the next forward of this step draws other dropout masks
         self._received = done.device
@@ -408,7 +429,12 @@ class Module:
         for name in self.roles.step_reports:
             if name in keep and name not in fetch:
                 fetch.append(name)
-        if self.reducer is None:
+        if self._chains is not None:
+            dims = batch_dims(self._train_program, feeds)
+            program = self._train_program
+            runs, hook = self._chains.runs(("fused", extra), lambda: program, "the program", keep, fetch, dims=dims)
+            done = self._execute(runs, feeds, hook)
+        elif self.reducer is None:
             bound = self.runner.session(
                 ("fused", extra),
                 lambda: self._train_program,
@@ -643,6 +669,8 @@ class Module:
         return _result(host, self.loss_name, outputs)
 
     def _eval_call(self, feeds: dict[str, Any], outputs: list[str]):
+        if self._chains is not None:
+            return self._eval_chained(feeds, outputs)
         bound = self._eval_session()
         self._check_outputs(outputs, bound.outputs, "in eval mode")
         if outputs and any(n not in feeds and n not in bound.defaults for n in self.input_names):
@@ -651,6 +679,17 @@ class Module:
             return (None, *(host[n] for n in outputs))
         host, _ = self.runner.run(bound, {**feeds, **self._scalars()}, [self.loss_name, *outputs])
         return _result(host, self.loss_name, outputs)
+
+    def _eval_chained(self, feeds: dict[str, Any], outputs: list[str]):
+        """An eval run of a tensor-parallel member: the eval model cut after its collectives
+        (the loss too where the labels are fed)."""
+        model = self._eval_model_proto()
+        self._check_outputs(outputs, [o.name for o in model.graph.output], "in eval mode")
+        loss = self.loss_name if self.roles.labels is None or self.roles.labels in feeds else None
+        keep = [*([loss] if loss else []), *outputs]
+        runs, hook = self._chains.runs(("eval",), lambda: model, "the eval model", keep, keep, static=False)
+        host = self.runner.execute(runs, {**feeds, **self._scalars()}, hook=hook).host
+        return (host[loss] if loss else None) if not outputs else (host.get(loss), *(host[n] for n in outputs))
 
     # ------------------------------------------------------------------ state
 
@@ -667,6 +706,11 @@ class Module:
     def export_model_for_inferencing(self, path: str | os.PathLike, output_names: Sequence[str]) -> Path:
         """Write a plain inference model computing ``output_names`` with the current
         parameter and buffer values embedded (atomic write)."""
+        if self._is_member:
+            raise GraphforgeError(
+                "this is one tensor-parallel member's program, which holds slices of the weights: export the whole "
+                "program (compiled without rank) with the joined state (TensorParallel.whole_state())"
+            )
         values = self.runner.read_role("parameter", "buffer")
         model = export_inference_model(self._program, values, list(output_names))
         return save(model, path)
@@ -708,10 +752,25 @@ class Module:
             ("segment", index, extra), lambda: model, where, keep, profile=True, dims=dims, input_buffers=buffers
         )
 
+    @property
+    def _is_member(self) -> bool:
+        """Whether the program is one tensor-parallel member's (its runs sum across a group)."""
+        role = self.roles.tensor_parallel
+        return role is not None and role.rank is not None
+
+    def _eval_model_proto(self) -> onnx.ModelProto:
+        if self._eval_model is None:
+            self._eval_model = eval_model(
+                self._program,
+                [self.loss_name, *self.output_names],
+                verify=False,
+                keep_markers=self._is_member,
+            )
+        return self._eval_model
+
     def _eval_session(self, outputs: tuple[str, ...] = ()) -> BoundSession:
         """The eval model's session (loss and forward outputs), or one computing only ``outputs``."""
-        if self._eval_model is None:
-            self._eval_model = eval_model(self._program, [self.loss_name, *self.output_names], verify=False)
+        self._eval_model_proto()
         # (off the hot path, in batches of any dims: run as fed in the capture-ready mode too)
         if outputs:
             return self.runner.session(

@@ -1,5 +1,5 @@
-"""The README's data- and pipeline-parallel commands, run as written: torchrun on the digits
-examples, the Python script under torchrun, and graphforge schedule's timeline."""
+"""The README's data-, pipeline- and tensor-parallel commands, run as written: torchrun on the
+digits examples, the Python scripts under torchrun, and graphforge schedule's timeline."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _launch import REPO, shell
 
@@ -47,6 +48,27 @@ def test_the_python_example_runs_under_torchrun(workspace):
     (line,) = [x for x in done.stdout.splitlines() if x.startswith("loss ")]
     assert line.endswith("after 100 steps on 2 processes")
     assert float(line.split()[1]) < 1.0
+
+
+def test_the_tensor_parallel_example_runs_under_torchrun_and_its_state_fits_the_whole_program(workspace):
+    import graphforge
+    from graphforge.runtime import CheckpointState, Module
+
+    (block,) = [b for b in _blocks("python") if "TensorParallel(module, world)" in b]
+    (workspace / "train_tp.py").write_text(block)
+    done = shell(".venv/bin/torchrun --standalone --nproc-per-node=2 train_tp.py", cwd=workspace, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("loss ")]
+    assert line.endswith("after 100 steps on 2 processes")
+    assert float(line.split()[1]) < 1.0
+    pipeline = "tensor_parallel(size=2), loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)"
+    program = graphforge.compile(str(REPO / "examples" / "digits" / "model.onnx"), pipeline).model
+    state = CheckpointState.load(workspace / "digits-tp.safetensors", program)
+    assert state.step == 100 and state.tensors["fc1.weight"].shape == (64, 64)
+    data = np.load(REPO / "data" / "digits" / "test.npz")
+    module = Module(program, state, device="cpu").eval()
+    _, logits = module(data["images"], data["labels"], outputs=["logits"])
+    assert (logits.argmax(1) == data["labels"]).mean() >= 0.9
 
 
 def test_the_pipeline_commands_train_two_stages_and_export(workspace):

@@ -1,0 +1,193 @@
+"""Tensor parallelism: a group of processes splits each marked layer between them, as Megatron-LM.
+
+Each member runs its own program: the forward model compiled with
+``tensor_parallel(size=T, rank=r)`` before the rest of the pipeline, so that member r holds
+its slice of each split weight (and its gradients and optimizer states are the slice's) and
+the passes after it wrote its backward and update for its shapes. Where the split ends
+(``graphforge.TensorParallelReduce`` calls: after a row-parallel projection in the forward,
+before a column-parallel one's input in the backward) the members sum a value across the
+group; the Module cuts every run after those calls (graphforge/runtime/chain.py) and this
+module's hook sums in place between the parts, on torch.distributed (gloo on the CPU, NCCL
+on CUDA). Everything else (norms, residuals, the loss) is computed alike on every member.
+
+::
+
+    # torchrun --standalone --nproc-per-node=2 my_training.py
+    world = World.join()
+    member = graphforge.compile(model, f"tensor_parallel(size=2, rank={world.rank}), loss(...), autodiff, adamw(...)")
+    module = Module(member.model, member_state(whole_state, member.model))   # or its own initial state
+    group = TensorParallel(module, world)
+    loss = module.train_step(**batch)        # the same batch on every member
+    state = group.whole_state()              # on member 0: the one-process program's state
+
+The state of the whole program (without ``rank``) is the members' states joined along the
+split axes (``join_tensors``); a member's is the whole's slice (``member_tensors``), so a
+checkpoint saved from ``whole_state`` resumes on any T, or on one process, and exports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from graphforge import roles
+from graphforge.distributed.world import DistributedError, World
+from graphforge.errors import GraphforgeError
+from graphforge.program import CarriedSpec, ProgramRoles, TensorParallelRole
+from graphforge.runtime.checkpoint import CheckpointState, TensorSpec
+from graphforge.runtime.dlpack import tensor_of
+from graphforge.runtime.training import Module
+
+
+@dataclass
+class TensorStats:
+    """What a member's collectives cost (summed over its runs)."""
+
+    #: sums across the group, and the bytes each member contributed to them
+    reductions: int = 0
+    bytes: int = 0
+    #: time in them (the members wait for each other there: it is not hidden)
+    seconds: float = 0.0
+
+
+def carried_axes(program_roles: ProgramRoles) -> dict[str, int]:
+    """The axis along which each carried tensor of a tensor-parallel program is split: a split
+    parameter's, and its optimizer states' and accumulator's (``like`` it); others are whole."""
+    role = program_roles.tensor_parallel
+    if role is None:
+        return {}
+    axes = {}
+    for spec in program_roles.carried:
+        axis = role.split.get(spec.input, role.split.get(spec.like) if spec.like else None)
+        if axis is not None:
+            axes[spec.input] = axis
+    return axes
+
+
+def member_tensors(whole: Mapping[str, np.ndarray], axes: Mapping[str, int], rank: int, size: int):
+    """Member ``rank``'s tensors (of ``size``): each split tensor's slice along its axis, the others as they are."""
+    return {
+        name: np.ascontiguousarray(np.split(value, size, axis=axes[name])[rank]) if name in axes else value
+        for name, value in whole.items()
+    }
+
+
+def join_tensors(members: Sequence[Mapping[str, np.ndarray]], axes: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """The whole program's tensors from every member's, in rank order: the split ones
+    concatenated along their axis, the others member 0's (every member holds the same)."""
+    return {
+        name: np.concatenate([m[name] for m in members], axis=axes[name]) if name in axes else value
+        for name, value in members[0].items()
+    }
+
+
+def member_state(whole: CheckpointState, member_program) -> CheckpointState:
+    """A member's state from the whole program's (a checkpoint saved by one process, or
+    ``whole_state`` at another T): its slices of the split tensors, everything else as it is."""
+    program_roles = ProgramRoles.read(member_program)
+    role = _member_role(program_roles)
+    axes = carried_axes(program_roles)
+    tensors = member_tensors(whole.tensors, axes, role.rank, role.size)
+    state = _with_tensors(whole, tensors, program_roles.carried)
+    state.check(program_roles.carried)
+    return state
+
+
+def _with_tensors(state: CheckpointState, tensors: dict[str, np.ndarray], specs: Sequence[CarriedSpec]):
+    """``state``'s step, learning rate, seeds and the rest, with other tensors."""
+    made = CheckpointState(
+        tensors, [TensorSpec(s.input, s.role, s.dtype, tuple(tensors[s.input].shape)) for s in specs]
+    )
+    for key in ("step", "learning_rate", "scheduler", "seeds", "data_position", "properties"):
+        setattr(made, key, getattr(state, key))
+    made.grad_reset_pending, made.micro_batch, made.source = state.grad_reset_pending, state.micro_batch, state.source
+    return made
+
+
+def _member_role(program_roles: ProgramRoles) -> TensorParallelRole:
+    role = program_roles.tensor_parallel
+    if role is None:
+        raise GraphforgeError(
+            "the program has no tensor-parallel split: compile it with tensor_parallel(size=T, rank=r) first"
+        )
+    if role.rank is None:
+        raise GraphforgeError(
+            f"the program is the whole model split for {role.size} processes, not one member's: compile each member's "
+            f"program with tensor_parallel(size={role.size}, rank=r) (r = its rank) before the rest of the pipeline"
+        )
+    return role
+
+
+class TensorParallel:
+    """Make ``module`` (on one member's program) a member of the tensor-parallel group of
+    ``world``'s processes: its runs sum the marked values across the group from now on. Every
+    member must be fed the same batches; the loss each reports is the whole model's.
+
+    Refused: a program that is not a member's, a group size or rank other than the
+    program's, a program that clips by the global gradient norm (each member would clip by
+    its slices' norm), and a data-parallel Module (a mesh of both is not supported yet).
+    """
+
+    op = roles.TENSOR_PARALLEL_REDUCE_OP
+
+    def __init__(self, module: Module, world: World):
+        role = _member_role(module.roles)
+        if role.size != world.size or role.rank != world.rank:
+            raise DistributedError(
+                f"rank {world.rank} of {world.size}: its program is member {role.rank}'s of {role.size} "
+                f"(compile it with tensor_parallel(size={world.size}, rank={world.rank}))"
+            )
+        if module.roles.hyperparameters.get("clip_grad_norm"):
+            raise GraphforgeError(
+                "a tensor-parallel program cannot clip by the global gradient norm yet: each member's norm is of "
+                "its slices only (compile it without clip_grad_norm)"
+            )
+        self.module, self.world, self.role = module, world, role
+        self.stats = TensorStats()
+        self.axes = carried_axes(module.roles)
+        world.agree(
+            "tensor-parallel program",
+            {"size": role.size, "split": sorted(role.split.items()), "carried": sorted(self.axes.items())},
+        )
+        module.attach_collectives(self)
+
+    def hook(self, reduced: Sequence[Sequence[str]]):
+        """Sum part k's marked outputs across the group, in place, as soon as the part has run."""
+        import torch.distributed as dist
+
+        def hook(index: int, sent):
+            names = [n for n in reduced[index] if n in sent] if index < len(reduced) else []
+            if not names or self.world.size == 1:
+                return None
+            started = time.perf_counter()
+            what = f"the tensor-parallel sum of {names[0]!r} (step {int(self.module.state.step) + 1})"
+            with self.world.collective(what):
+                for name in names:
+                    tensor = tensor_of(sent[name])
+                    dist.all_reduce(tensor)
+                    self.stats.bytes += tensor.numel() * tensor.element_size()
+                    self.stats.reductions += 1
+            self.stats.seconds += time.perf_counter() - started
+            return None
+
+        return hook
+
+    def whole_state(self) -> CheckpointState | None:
+        """On member 0, the whole program's state (the members' split tensors joined; step,
+        learning rate and the rest member 0's), to save, export or resume on another T or on
+        one process; None on the other members. Every member must call it (a collective)."""
+        import torch.distributed as dist
+
+        state = self.module.state
+        tensors = state.tensors
+        split = {n: tensors[n] for n in self.axes}
+        gathered: list = [None] * self.world.size
+        with self.world.collective("gathering the tensor-parallel members' states"):
+            dist.all_gather_object(gathered, split)
+        if self.world.rank != 0:
+            return None
+        joined = {**tensors, **join_tensors(gathered, self.axes)}
+        return _with_tensors(state, {n: joined[n] for n in tensors}, self.module.roles.carried)

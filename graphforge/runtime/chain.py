@@ -1,0 +1,92 @@
+"""Runs cut after each collective a program's marker calls stand for.
+
+A tensor-parallel member's program reads, in the middle of its forward and its backward, the
+sum over its group of a value each member computes (``graphforge.TensorParallelReduce``: an
+Identity on one process). onnxruntime cannot stop a session for a collective, so a run of
+such a model is cut (graphforge.placement.cut) after each of those calls: part k ends with
+the call's output, which the group then sums in place before part k + 1 reads it. The parts
+run through the runner's one executor, each a session of its own (specialized to the
+batch's dims, capture-ready where the runner is), and the cut is made once per model and
+set of outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import onnx
+import onnxruntime as ort
+
+from graphforge import roles
+from graphforge.placement.cut import Segment, cut
+from graphforge.runtime.runner import Hook, Runner, SegmentRun
+from graphforge.runtime.sessions import lean_model
+
+
+class Collectives(Protocol):
+    """What sums the marked values across a group (graphforge.distributed.TensorParallel)."""
+
+    #: the marker op (in graphforge's domain) whose calls' outputs are summed across the group
+    op: str
+
+    def hook(self, reduced: Sequence[Sequence[str]]) -> Hook:
+        """The hook for one execution of parts cut after ``reduced[k]`` (part k's marker
+        outputs): it sums each across the group, in place, before a later part reads it."""
+
+
+class Chains:
+    """The runs of a runner's models, each cut after its marker calls of ``collectives.op``."""
+
+    def __init__(self, runner: Runner, collectives: Collectives):
+        self.runner, self.collectives = runner, collectives
+        self._cuts: dict[Any, tuple[list[Segment], list[list[str]]]] = {}
+
+    def runs(
+        self,
+        key: Any,
+        model: Callable[[], onnx.ModelProto],
+        where: str,
+        keep: Sequence[str],
+        fetch: Sequence[str],
+        sends: Sequence[str] = (),
+        into: Mapping[str, ort.OrtValue] | None = None,
+        dims: Mapping[str, int] | None = None,
+        *,
+        static: bool = True,
+    ) -> tuple[list[SegmentRun], Hook | None]:
+        """One run of ``model()`` computing ``keep``: its parts, fetching ``fetch`` to the host
+        and sending ``sends`` on (written into ``into``'s buffers where given), and the hook
+        that sums between them (None where the model has no marker call: one part)."""
+        entry = self._cuts.get((key, tuple(keep)))
+        if entry is None:
+            lean = lean_model(model(), keep, bound=self.runner.carried)
+            reduced = marker_outputs(lean, self.collectives.op)
+            entry = self._cuts[(key, tuple(keep))] = (cut(lean, [[n] for n in reduced]), [[n] for n in reduced])
+        segments, reduced = entry
+        into = into or {}
+        runs = []
+        for segment in segments:
+            bound = self.runner.session(
+                ("chain", key, tuple(keep), segment.index),
+                lambda segment=segment: segment.model,
+                f"{where}, part {segment.index + 1} of {len(segments)}",
+                profile=True,
+                dims=dims,
+                static=static,
+            )
+            made = set(segment.outputs)
+            runs.append(
+                SegmentRun(
+                    bound,
+                    [n for n in fetch if n in made],
+                    [*segment.sends, *(n for n in sends if n in made)],
+                    {n: v for n, v in into.items() if n in made},
+                )
+            )
+        return runs, (self.collectives.hook(reduced) if reduced else None)
+
+
+def marker_outputs(model: onnx.ModelProto, op: str) -> list[str]:
+    """The outputs of ``model``'s calls of graphforge's marker ``op``, in its (topological) node order."""
+    return [n.output[0] for n in model.graph.node if n.op_type == op and n.domain == roles.MARKER_DOMAIN]

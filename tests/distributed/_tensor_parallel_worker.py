@@ -1,0 +1,57 @@
+"""One member of a tensor-parallel test run: ``python _tensor_parallel_worker.py SPEC.json``
+under the environment torchrun sets. For each case of the spec it compiles this member's
+program (``tensor_parallel(size=WORLD, rank=RANK)`` before the case's pipeline), trains it on
+every batch whole, evaluates the last batch, and member 0 writes the whole program's state
+joined from the members' (``<out>-whole.safetensors``) and the losses
+(``<out>-losses.npz``); each member writes the shapes of its parameters
+(``<out>-rank<r>.json``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import numpy as np
+
+import graphforge
+from graphforge.distributed import World
+from graphforge.distributed.tensor_parallel import TensorParallel
+from graphforge.runtime import Module
+
+
+def train(case: dict, world: World) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exports' padding-row notice
+        member = graphforge.compile(
+            case["model"], f"tensor_parallel(size={world.size}, rank={world.rank}), {case['pipeline']}"
+        ).model
+    module = Module(member, device="cpu", intra_op_threads=1, in_place=case.get("in_place", True))
+    group = TensorParallel(module, world)
+    batches = np.load(case["batches"])
+    steps = len(batches[batches.files[0]])
+    losses = [float(module.train_step(**{n: batches[n][s] for n in batches.files})) for s in range(steps)]
+    module.eval()
+    evaluated = float(module(**{n: batches[n][-1] for n in batches.files}))
+    whole = group.whole_state()
+    shapes = {name: list(value.shape) for name, value in module.parameters.items()}
+    with open(f"{case['out']}-rank{world.rank}.json", "w") as f:
+        json.dump({"shapes": shapes, "reductions": group.stats.reductions}, f)
+    if whole is not None:
+        whole.save(f"{case['out']}-whole.safetensors")
+        np.savez(f"{case['out']}-losses.npz", losses=np.array(losses), eval=np.array(evaluated))
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    world = World.join(timeout_s=spec.get("timeout_s", 60))
+    try:
+        for case in spec["cases"]:
+            train(case, world)
+    finally:
+        world.leave()
+
+
+if __name__ == "__main__":
+    main()

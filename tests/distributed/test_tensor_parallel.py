@@ -1,0 +1,239 @@
+"""Tensor parallelism across real processes (gloo on loopback, every launch under a timeout):
+T members, each running its own program (the forward split by ``tensor_parallel(size=T,
+rank=r)`` before the pipeline) on the same batches, summing across the group where the
+split ends. The oracle is one process running the whole program (the same pass without
+``rank``: the markers are Identity) on the same batches: the losses, the eval loss and
+every parameter and optimizer state joined from the members' slices must equal it."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import models
+import numpy as np
+import pytest
+from _launch import REPO, run_ranks
+
+import graphforge
+from graphforge.distributed import DistributedError
+from graphforge.distributed.tensor_parallel import (
+    TensorParallel,
+    carried_axes,
+    join_tensors,
+    member_state,
+    member_tensors,
+)
+from graphforge.errors import GraphforgeError
+from graphforge.program import ProgramRoles
+from graphforge.runtime import CheckpointState, Module
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+STEPS = 20
+BATCH, SEQ = 4, 8
+LAUNCH_TIMEOUT_S = 300
+#: every parameter and optimizer state, elementwise. The members sum their partial products
+#: in another order than one process's matrix product: the losses differ by 1e-7, and
+#: AdamW's normalised update carries that into the parameters (4e-7 after 20 steps here)
+TOLERANCE = 1e-5
+ADAMW = "adamw(lr=1e-3, weight_decay=0.01)"
+#: name: (forward model, loss and autodiff): a GPT-2 of 2 layers (tied embeddings, TorchScript
+#: export: Gemm between reshapes, tanh GELU), a BERT encoder (erf GELU), a Llama-style model
+#: (dynamo export: x·Wᵀ, SwiGLU's gate and up projections, RMSNorm, rotary, grouped-query
+#: attention), the shipped digits MLP (Gemm, ReLU)
+CASES = {
+    "gpt2": ("gpt2.onnx", "loss(kind=mse, output=logits), autodiff"),
+    "bert": ("bert.onnx", "loss(kind=mse, output=hidden), autodiff"),
+    "llama": ("llama.onnx", "loss(kind=cross_entropy, output=logits), autodiff"),
+    "digits": (str(REPO / "examples" / "digits" / "model.onnx"), "loss(kind=cross_entropy, output=logits), autodiff"),
+}
+
+
+def _batches(name: str, steps: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if name == "digits":
+        return {
+            "images": rng.integers(0, 17, (steps, 8, 8, 8)).astype(np.uint8),
+            "labels": rng.integers(0, 10, (steps, 8)),
+        }
+    if name == "llama":
+        ids = rng.integers(0, models.LLAMA_VOCAB, (steps, BATCH, SEQ))
+        return {"input_ids": ids, "labels": rng.integers(0, models.LLAMA_VOCAB, (steps, BATCH, SEQ))}
+    width = 64 if name == "gpt2" else 32
+    ids = rng.integers(0, 64, (steps, BATCH, SEQ))
+    return {"input_ids": ids, "labels": rng.standard_normal((steps, BATCH, SEQ, width)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tensor-parallel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        models.export_transformer(folder / "gpt2.onnx", n_layer=2)
+        models.export_bert(folder / "bert.onnx")
+        models.export_dynamo(models.llama_module(), folder / "llama.onnx", 23)
+    for name in CASES:
+        np.savez(folder / f"{name}-batches.npz", **_batches(name, STEPS, seed=len(name)))
+    return folder
+
+
+def _model(folder: Path, name: str) -> str:
+    return str(folder / CASES[name][0]) if not Path(CASES[name][0]).is_absolute() else CASES[name][0]
+
+
+def _launch(folder: Path, size: int, names: list[str]) -> Path:
+    cases = [
+        {
+            "model": _model(folder, name),
+            "pipeline": f"{CASES[name][1]}, {ADAMW}",
+            "batches": str(folder / f"{name}-batches.npz"),
+            "out": str(folder / f"{name}-{size}"),
+            "in_place": name != "digits",  # the two-buffer update for one of them
+        }
+        for name in names
+    ]
+    spec = folder / f"spec-{size}.json"
+    spec.write_text(json.dumps({"cases": cases, "timeout_s": 60}))
+    argv = [str(Path(__file__).parent / "_tensor_parallel_worker.py"), str(spec)]
+    for f in run_ranks(size, argv, timeout=LAUNCH_TIMEOUT_S):
+        assert f.returncode == 0, f"member {f.rank} exited with {f.returncode}:\n{f.output[-4000:]}"
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_members(workspace) -> Path:
+    return _launch(workspace, 2, list(CASES))
+
+
+@pytest.fixture(scope="module")
+def four_members(workspace) -> Path:
+    return _launch(workspace, 4, ["gpt2", "llama", "digits"])
+
+
+def _whole_program(folder: Path, name: str, size: int):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return graphforge.compile(
+            _model(folder, name), f"tensor_parallel(size={size}), {CASES[name][1]}, {ADAMW}"
+        ).model
+
+
+def _reference(folder: Path, name: str, size: int) -> tuple[Module, list[float], float]:
+    """One process, the whole program, the same batches: what the members must equal."""
+    module = Module(_whole_program(folder, name, size), device="cpu", update="onnx")
+    batches = np.load(folder / f"{name}-batches.npz")
+    losses = [float(module.train_step(**{n: batches[n][s] for n in batches.files})) for s in range(STEPS)]
+    module.eval()
+    evaluated = float(module(**{n: batches[n][-1] for n in batches.files}))
+    module.train()
+    return module, losses, evaluated
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "size"),
+    [("gpt2", 2), ("bert", 2), ("llama", 2), ("digits", 2), ("gpt2", 4), ("llama", 4), ("digits", 4)],
+)
+def test_t_members_equal_one_process_of_the_whole_program(name, size, request):
+    folder = request.getfixturevalue("two_members" if size == 2 else "four_members")
+    reference, losses, evaluated = _reference(folder, name, size)
+    got = np.load(folder / f"{name}-{size}-losses.npz")
+    np.testing.assert_allclose(got["losses"], losses, rtol=TOLERANCE, atol=TOLERANCE)
+    np.testing.assert_allclose(got["eval"], evaluated, rtol=TOLERANCE, atol=TOLERANCE)
+    whole = CheckpointState.load(folder / f"{name}-{size}-whole.safetensors", reference.train_program)
+    want = reference.state.tensors
+    assert set(whole.tensors) == set(want)
+    for tensor, value in want.items():
+        np.testing.assert_allclose(whole.tensors[tensor], value, rtol=0, atol=TOLERANCE, err_msg=tensor)
+    assert whole.step == STEPS
+
+    # each member held 1/T of every split parameter, and summed across the group
+    axes = carried_axes(reference.roles)
+    assert axes, "the pass split nothing"
+    for rank in range(size):
+        report = json.loads((folder / f"{name}-{size}-rank{rank}.json").read_text())
+        assert report["reductions"] > 0
+        for parameter, shape in report["shapes"].items():
+            expected = list(want[parameter].shape)
+            if parameter in axes:
+                expected[axes[parameter]] //= size
+            assert shape == expected, parameter
+
+
+@pytest.mark.slow
+def test_the_joined_state_resumes_on_one_process_and_on_another_t(two_members):
+    """The state joined from 2 members trains on, on one process, as the reference that never
+    stopped; a member of 4 takes its slices of it."""
+    folder = two_members
+    reference, _, _ = _reference(folder, "gpt2", 2)
+    batch = {n: v[0] for n, v in np.load(folder / "gpt2-batches.npz").items()}
+    whole = CheckpointState.load(folder / "gpt2-2-whole.safetensors")
+    resumed = Module(reference.train_program, whole, device="cpu", update="onnx")
+    np.testing.assert_allclose(resumed.train_step(**batch), reference.train_step(**batch), rtol=1e-6)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        member = graphforge.compile(
+            _model(folder, "gpt2"), f"tensor_parallel(size=4, rank=1), {CASES['gpt2'][1]}, {ADAMW}"
+        ).model
+    saved = CheckpointState.load(folder / "gpt2-2-whole.safetensors")
+    state = member_state(saved.copy(), member)
+    assert state.step == STEPS
+    axes = carried_axes(ProgramRoles.read(member))
+    assert axes
+    for name, value in saved.tensors.items():
+        expected = np.split(value, 4, axis=axes[name])[1] if name in axes else value
+        np.testing.assert_array_equal(state.tensors[name], expected, err_msg=name)
+
+
+def test_member_slices_join_back_to_the_whole():
+    rng = np.random.default_rng(0)
+    whole = {"w": rng.standard_normal((6, 8)), "v": rng.standard_normal((8, 6)), "b": rng.standard_normal(4)}
+    axes = {"w": 1, "v": 0}
+    members = [member_tensors(whole, axes, r, 2) for r in range(2)]
+    assert members[1]["w"].shape == (6, 4) and members[1]["v"].shape == (4, 6) and members[1]["b"] is whole["b"]
+    joined = join_tensors(members, axes)
+    for name, value in whole.items():
+        np.testing.assert_array_equal(joined[name], value)
+
+
+DIGITS = str(REPO / "examples" / "digits" / "model.onnx")
+LOSS = "loss(kind=cross_entropy, output=logits), autodiff"
+
+
+def test_refusals_name_what_is_wrong(world_of_one, tmp_path):
+    whole = graphforge.compile(DIGITS, f"tensor_parallel(size=2), {LOSS}, {ADAMW}").model
+    with pytest.raises(
+        GraphforgeError, match=r"not one member's: compile each member's program with tensor_parallel\(size=2, rank=r\)"
+    ):
+        TensorParallel(Module(whole, device="cpu"), world_of_one)
+    member = graphforge.compile(DIGITS, f"tensor_parallel(size=2, rank=1), {LOSS}, {ADAMW}").model
+    with pytest.raises(DistributedError, match=r"rank 0 of 1: its program is member 1's of 2"):
+        TensorParallel(Module(member, device="cpu"), world_of_one)
+    with pytest.raises(GraphforgeError, match="one tensor-parallel member's program, which holds slices"):
+        Module(member, device="cpu").export_model_for_inferencing(tmp_path / "member.onnx", ["logits"])
+    assert not (tmp_path / "member.onnx").exists()
+    clipped = graphforge.compile(
+        DIGITS, f"tensor_parallel(size=1, rank=0), {LOSS}, adamw(lr=1e-3, clip_grad_norm=1.0)"
+    ).model
+    with pytest.raises(GraphforgeError, match="cannot clip by the global gradient norm"):
+        TensorParallel(Module(clipped, device="cpu"), world_of_one)
+    with pytest.raises(GraphforgeError, match=r"parameter 'rank': expected a number in \[0, 2\), got 2"):
+        graphforge.compile(DIGITS, f"tensor_parallel(size=2, rank=2), {LOSS}")
+
+
+def test_one_member_of_one_trains_as_the_plain_program(world_of_one):
+    """T = 1 through the whole path (parts cut at the markers, the hook between them): the plain program, bit for bit."""
+    member = graphforge.compile(DIGITS, f"tensor_parallel(size=1, rank=0), {LOSS}, {ADAMW}").model
+    plain = graphforge.compile(DIGITS, f"{LOSS}, {ADAMW}").model
+    a, b = Module(member, device="cpu", update="onnx"), Module(plain, device="cpu", update="onnx")
+    TensorParallel(a, world_of_one)
+    batches = _batches("digits", 5, seed=3)
+    for step in range(5):
+        batch = {n: v[step] for n, v in batches.items()}
+        np.testing.assert_array_equal(a.train_step(**batch), b.train_step(**batch))
+    for name, value in b.parameters.items():
+        np.testing.assert_array_equal(a.parameters[name], value, err_msg=name)
