@@ -268,13 +268,17 @@ class DistributedConfig:
     ``bucket_mb``: the gradient bucket size of the allreduce (or zero) pass added when the
     pipeline has none; ``overlap``: reduce each bucket while backward computes the next;
     ``zero``: 1 or 2 shards the optimizer states (and at 2 the gradients) across the processes
-    (ZeRO, graphforge.distributed.ZeroDataParallel), 0 keeps them whole on each. A single
+    (ZeRO, graphforge.distributed.ZeroDataParallel), 0 keeps them whole on each. ``tensor``:
+    T > 1 makes the processes one tensor-parallel group instead (as many processes as T):
+    each compiles its member's program, model.pipeline after ``tensor_parallel(size=T,
+    rank=r)``, and takes every batch whole (data.batch_size is the group's). A single
     process ignores the section."""
 
     timeout_s: float = field(default=120.0, metadata=accepts("float", minimum=1))
     bucket_mb: float = field(default=25.0, metadata=accepts("float", minimum=0.001))
     overlap: bool = field(default=True, metadata=accepts("bool"))
     zero: int = field(default=0, metadata=accepts("int", minimum=0, maximum=2))
+    tensor: int = field(default=1, metadata=accepts("int", minimum=1))
 
 
 SECTIONS: dict[str, type] = {

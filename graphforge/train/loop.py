@@ -20,7 +20,11 @@ program gets the allreduce pass if its pipeline has none, each process takes its
 every global batch (train/data.py), evaluation is split across the processes and summed,
 and rank 0 alone writes the output folder while the others wait for it at a barrier after
 each checkpoint. The ranks first check that they run the same program and settings; a
-stop (Ctrl-C) is agreed on at the end of a step, so all stop after the same one.
+stop (Ctrl-C) is agreed on at the end of a step, so all stop after the same one. With
+``[distributed] tensor = T`` the processes are one tensor-parallel group instead: each
+compiles its member's program (``tensor_parallel(size=T, rank=r)`` before model.pipeline),
+takes every batch whole, evaluates every batch, and the checkpoints hold the whole program's
+state (the members' slices joined on rank 0), which OUT/program.onnx (the whole program) reads.
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ from rich.markup import escape
 from graphforge.analysis.size import human_bytes
 from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel, digest, launched
 from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
+from graphforge.distributed.tensor_parallel import TensorParallel, member_state
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
 from graphforge.model_io import load, save
 from graphforge.pass_manager import PassManager, parse_pipeline
 from graphforge.passes import AllReduce, Zero
+from graphforge.passes import TensorParallel as TensorParallelPass
 from graphforge.payloads import copy_without_initializers
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
@@ -152,6 +158,8 @@ class Plan:
     world: World | None = None
     #: this process's stage of a pipeline-parallel run (then ``module`` is None)
     pipeline: PipelineStage | None = None
+    #: the tensor-parallel group this process's Module is a member of ([distributed] tensor)
+    tensor_group: TensorParallel | None = None
 
 
 def run(
@@ -226,7 +234,11 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     where = config.where
     notes: list[str] = []
     out = config.out if config.out is not None else Path("runs") / (config.source.stem if config.source else "train")
-    program, compiled_from = _program(config)
+    tensor = config.distributed.tensor if world is not None else 1
+    if tensor > 1:
+        _check_tensor_parallel(config, world)
+    program, compiled_from = _program(config, tensor)
+    member = _program(config, tensor, world.rank)[0] if tensor > 1 else program
     staged = ProgramRoles.of_proto(program).pipeline
     if staged is not None:
         config = _pipeline_config(config, staged, world)
@@ -236,7 +248,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             f"{where}: distributed.zero = {zero} with pipeline stages: each stage already keeps only its own "
             "parameters' optimizer states; leave distributed.zero out (or 0)"
         )
-    if world is not None and staged is None:
+    if world is not None and staged is None and tensor == 1:
         reduction = ProgramRoles.of_proto(program).allreduce
         bucket_mb = config.distributed.bucket_mb
         if reduction is None:
@@ -253,8 +265,8 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     zero_stage = (zero or program_roles.allreduce.zero) if sharded else 0
     # pipeline stages all read every micro-batch (the first its inputs, the last its labels);
     # data-parallel pipelines each their share, rank = replica × stages + stage
-    shard = ALL
-    if world is not None:
+    shard = ALL  # a tensor-parallel group's members all take every batch whole
+    if world is not None and tensor == 1:
         shard = Shard(world.size, world.rank) if staged is None else _pipeline_shard(world, staged.stages)
 
     accumulate = config.train.accumulate
@@ -322,7 +334,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         changed = _changed_settings(config, state, settings, resumed_from)
         for key, (old, new) in changed.items():
             note(f"resuming with {key} = {_setting(new)} instead of the checkpoint's {_setting(old)} (allowed)")
-        processes = (world.size // (staged.stages if staged else 1)) if world is not None else 1
+        processes = (world.size // (staged.stages if staged else tensor)) if world is not None else 1
         if _world_size(state) != processes:
             note(
                 f"resuming a checkpoint of {_world_size(state)} process(es) on {processes}: the global batch "
@@ -330,7 +342,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             )
     device = config.train.device if world is None else world.device
     threads = _threads_per_process() if world is not None and world.device == "cpu" else None
-    module, pipeline = None, None
+    module, pipeline, tensor_group = None, None, None
     try:
         if staged is not None and world is not None:
             stages = staged.stages
@@ -340,8 +352,10 @@ def prepare(config: Config, world: World | None = None) -> Plan:
                 program, state, transport, device=device, intra_op_threads=threads, replicas=replicas
             )
         else:
+            if tensor > 1:  # the checkpoint's (or the first) state is the whole program's: this member's slices
+                state = member_state(state, member)
             module = Module(
-                program,
+                member,
                 state,
                 device=device,
                 dropout=config.train.dropout,
@@ -365,7 +379,10 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             "train.device": (module or pipeline).runner.device.type,
         }
         world.agree("program and config", agreed)
-        if module is not None and sharded:
+        if tensor > 1:
+            tensor_group = TensorParallel(module, world)
+            note(f"tensor-parallel: each process holds 1/{tensor} of {len(tensor_group.axes)} carried tensors")
+        elif module is not None and sharded:
             zero_run = ZeroDataParallel(module, world, stage=zero_stage, overlap=config.distributed.overlap)
             note(
                 f"zero: stage {zero_stage}, this process holds {human_bytes(zero_run.state_bytes())} of optimizer state "
@@ -407,7 +424,30 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         changed=changed,
         world=world,
         pipeline=pipeline,
+        tensor_group=tensor_group,
     )
+
+
+def _check_tensor_parallel(config: Config, world: World) -> None:
+    """[distributed] tensor = T: refuse what a tensor-parallel run cannot do (yet), by name."""
+    where, tensor = config.where, config.distributed.tensor
+    if config.model.program is not None:
+        raise ConfigError(
+            f"{where}: distributed.tensor = {tensor} needs model.path and model.pipeline: each process compiles "
+            "its own member's program (tensor_parallel(size=T, rank=r) before the pipeline)"
+        )
+    if config.distributed.zero:
+        raise ConfigError(f"{where}: distributed.zero with distributed.tensor: not supported yet; leave one out")
+    if any(p.name == "tensor_parallel" for p in parse_pipeline(config.model.pipeline)):
+        raise ConfigError(
+            f"{where}: model.pipeline has tensor_parallel(...) and distributed.tensor = {tensor} adds it: leave it "
+            "out of the pipeline"
+        )
+    if world.size != tensor:
+        raise ConfigError(
+            f"{where}: distributed.tensor = {tensor}, but {world.size} process(es) were started: start {tensor} "
+            "(a mesh of tensor- and data-parallel groups is not supported yet)"
+        )
 
 
 def _pipeline_shard(world: World, stages: int) -> Shard:
@@ -449,8 +489,10 @@ def _world_size(state: CheckpointState) -> int:
     return int(state.properties.get(WORLD_SIZE, 1))
 
 
-def _program(config: Config) -> tuple[onnx.ModelProto, str]:
-    """The training program: model.path compiled with model.pipeline, or model.program."""
+def _program(config: Config, tensor: int = 1, rank: int | None = None) -> tuple[onnx.ModelProto, str]:
+    """The training program: model.path compiled with model.pipeline, or model.program. With
+    ``tensor`` > 1, after ``tensor_parallel(size=tensor, rank=rank)``: member ``rank``'s
+    program, or without ``rank`` the whole one (what the checkpoints and the export hold)."""
     where, model = config.where, config.model
     if model.program is not None:
         program = _load(model.program, where, "model.program")
@@ -462,12 +504,15 @@ def _program(config: Config) -> tuple[onnx.ModelProto, str]:
         except GraphforgeError as exc:
             raise ConfigError(f"{where}: model.pipeline: {exc}") from None
         forward = _load(model.path, where, "model.path")
+        if tensor > 1:
+            passes = [TensorParallelPass(size=tensor, rank=rank), *passes]
         started = time.perf_counter()
         try:
             program = PassManager(passes).run(forward).model
         except GraphforgeError as exc:  # a pass refused the model: say which config key compiled it
             raise ConfigError(f"{where}: model.pipeline: {exc}") from None
-        source = f'{shown(model.path)}, compiled with "{model.pipeline}" in {time.perf_counter() - started:.2f} s'
+        pipeline = f"tensor_parallel(size={tensor}), {model.pipeline}" if tensor > 1 else model.pipeline
+        source = f'{shown(model.path)}, compiled with "{pipeline}" in {time.perf_counter() - started:.2f} s'
         key = "model.pipeline"
     if not ProgramRoles.of_proto(program).is_training_program:
         raise ConfigError(
@@ -801,9 +846,9 @@ class Run:
         gathered there (the others get {})."""
         plan = self.plan
         if self.pipeline is None:
-            return evaluate(
-                self.module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels, across=self.world
-            )
+            # a tensor-parallel group's members all evaluate every batch, to the same figures
+            across = self.world if plan.tensor_group is None else None
+            return evaluate(self.module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels, across=across)
         gathered = self.pipeline.gathered_tensors()
         if gathered is None or not self.lead:
             return {}
@@ -856,6 +901,8 @@ class Run:
         """How many processes share each global batch: data-parallel ranks, or pipelines."""
         if self.world is None:
             return 1
+        if self.plan.tensor_group is not None:
+            return self.world.size // self.plan.tensor_group.role.size
         return self.world.size // self.pipeline.stages if self.pipeline is not None else self.world.size
 
     def _resumed_position(self) -> dict | None:
@@ -898,6 +945,9 @@ class Run:
             path = self._save_stages(state)
         elif self.module is not None and getattr(self.module.reducer, "shards_update", False):
             path = self.module.reducer.save(self.checkpoints)  # each process its shard, then rank 0
+        elif self.plan.tensor_group is not None:  # the members' slices joined: the whole program's state
+            whole = self.plan.tensor_group.whole_state()
+            path = self.checkpoints.save(whole) if self.lead else self.checkpoints.path_for(int(state.step))
         else:
             path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
         if self.world is not None:
@@ -1071,6 +1121,8 @@ class Run:
             )
             if self._replicas() > 1:
                 what += f", data-parallel × {self._replicas()}"
+        elif plan.tensor_group is not None:
+            what += f"; tensor-parallel on {self.world.size} processes ({self.world.backend})"
         elif self.world is not None:
             what += f"; data-parallel on {self.world.size} processes ({self.world.backend})"
         self._say(f"[bold]run[/]      {what} → {escape(str(plan.out))}")

@@ -9,13 +9,14 @@ joined from the members' (``<out>-whole.safetensors``) and the losses
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
 import numpy as np
 
 import graphforge
-from graphforge.distributed import World
+from graphforge.distributed import DistributedError, World
 from graphforge.distributed.tensor_parallel import TensorParallel
 from graphforge.runtime import Module
 
@@ -30,7 +31,11 @@ def train(case: dict, world: World) -> None:
     group = TensorParallel(module, world)
     batches = np.load(case["batches"])
     steps = len(batches[batches.files[0]])
-    losses = [float(module.train_step(**{n: batches[n][s] for n in batches.files})) for s in range(steps)]
+    losses = []
+    for step in range(steps):
+        if case.get("die_at_step") == step and world.rank == case.get("die_rank", 1):
+            os._exit(17)  # a member that dies mid-run: the others must stop with its name, not hang
+        losses.append(float(module.train_step(**{n: batches[n][step] for n in batches.files})))
     module.eval()
     evaluated = float(module(**{n: batches[n][-1] for n in batches.files}))
     whole = group.whole_state()
@@ -49,6 +54,9 @@ def main() -> None:
     try:
         for case in spec["cases"]:
             train(case, world)
+    except DistributedError as exc:  # one line naming who is gone, as graphforge train prints it
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(3)
     finally:
         world.leave()
 

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 from _launch import REPO, shell
 
+import graphforge
+from graphforge.runtime import CheckpointState, Module
+
 pytest.importorskip("torch")
 
 
@@ -51,8 +54,6 @@ def test_the_python_example_runs_under_torchrun(workspace):
 
 
 def test_the_tensor_parallel_example_runs_under_torchrun_and_its_state_fits_the_whole_program(workspace):
-    import graphforge
-    from graphforge.runtime import CheckpointState, Module
 
     (block,) = [b for b in _blocks("python") if "TensorParallel(module, world)" in b]
     (workspace / "train_tp.py").write_text(block)
@@ -69,6 +70,17 @@ def test_the_tensor_parallel_example_runs_under_torchrun_and_its_state_fits_the_
     module = Module(program, state, device="cpu").eval()
     _, logits = module(data["images"], data["labels"], outputs=["logits"])
     assert (logits.argmax(1) == data["labels"]).mean() >= 0.9
+
+
+def test_the_tensor_parallel_train_command_trains_the_digits_on_two_processes(workspace):
+    (block,) = [b for b in _blocks("sh") if "train_tensor.toml" in b]
+    done = shell(block, cwd=workspace, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert done.stdout.count("tensor-parallel on 2 processes (gloo)") == 1  # rank 0 alone prints
+    accuracy = float(re.search(r"done .*accuracy (\d\.\d+)", done.stdout).group(1))
+    assert accuracy >= 0.93
+    (last,) = [p for p in (workspace / "out" / "tp" / "checkpoints").iterdir() if "00000675" in p.name]
+    assert CheckpointState.load(last).tensors["fc1.weight"].shape == (64, 64)  # whole: the slices joined
 
 
 def test_the_pipeline_commands_train_two_stages_and_export(workspace):

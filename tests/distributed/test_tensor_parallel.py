@@ -189,6 +189,29 @@ def test_the_joined_state_resumes_on_one_process_and_on_another_t(two_members):
         np.testing.assert_array_equal(state.tensors[name], expected, err_msg=name)
 
 
+@pytest.mark.slow
+def test_a_member_that_dies_stops_the_others_within_the_timeout_with_one_line_naming_it(workspace):
+    """Member 1 exits at step 3: member 0's next sum fails, the survivors check in, and it
+    stops with one line naming rank 1, well within the launch's timeout (no hang)."""
+    folder = workspace
+    case = {
+        "model": _model(folder, "digits"),
+        "pipeline": f"{CASES['digits'][1]}, {ADAMW}",
+        "batches": str(folder / "digits-batches.npz"),
+        "out": str(folder / "digits-dies"),
+        "die_at_step": 3,
+    }
+    spec = folder / "spec-dies.json"
+    spec.write_text(json.dumps({"cases": [case], "timeout_s": 20}))
+    argv = [str(Path(__file__).parent / "_tensor_parallel_worker.py"), str(spec)]
+    survivor, dead = run_ranks(2, argv, timeout=120)
+    assert dead.returncode == 17
+    assert survivor.returncode == 3, survivor.output[-3000:]
+    (line,) = [x for x in survivor.output.splitlines() if x.startswith("error: ")]
+    assert "rank 0: the tensor-parallel sum of" in line and "step 4" in line and "rank 1 did not answer" in line
+    assert survivor.seconds < 60
+
+
 def test_member_slices_join_back_to_the_whole():
     rng = np.random.default_rng(0)
     whole = {"w": rng.standard_normal((6, 8)), "v": rng.standard_normal((8, 6)), "b": rng.standard_normal(4)}

@@ -1,0 +1,89 @@
+"""``graphforge train`` with ``[distributed] tensor = 2``: two processes, each compiling its
+member's program and taking every batch whole, train as the same config does on one process
+(which ignores the section), and their checkpoints (the members' slices joined) resume on one
+process, and one process's on two; refusals name the key."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import _train_runs as runs
+import numpy as np
+import pytest
+from _launch import REPO
+
+import graphforge.train
+from graphforge.runtime import CheckpointState
+from graphforge.train.config import ConfigError, load_config
+from graphforge.train.loop import prepare
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(REPO / "tests" / "train"))
+import _train_helpers as th
+
+STEPS = 8
+#: the members sum their partial products in another order than one process's product
+TOLERANCE = 1e-5
+
+
+def config(folder: Path, name: str = "tensor.toml", **sections) -> Path:
+    defaults = {"checkpoint": {"every": 4, "keep_last": 10}, "distributed": {"timeout_s": 20, "tensor": 2}}
+    return runs.config(folder, name, defaults, **sections)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return th.workspace(tmp_path_factory.mktemp("tensor-train"), count=64, eval_count=20)
+
+
+def _assert_close(a: Path, b: Path) -> None:
+    got, want = CheckpointState.load(a), CheckpointState.load(b)
+    assert got.step == want.step and sorted(got.tensors) == sorted(want.tensors)
+    for name, value in want.tensors.items():
+        np.testing.assert_allclose(got.tensors[name], value, rtol=0, atol=TOLERANCE, err_msg=name)
+
+
+def test_two_members_train_and_resume_as_one_process(folder):
+    cfg = config(folder)
+    two = runs.launch(folder, cfg, folder / "two", "--steps", str(STEPS))
+    assert "tensor-parallel on 2 processes (gloo)" in two.stdout
+    assert "each process holds 1/2 of 9 carried tensors" in two.stdout
+    one = graphforge.train.run(cfg, steps=STEPS, out=folder / "one", quiet=True)
+    _assert_close(runs.checkpoint_path(folder / "two", STEPS), one.checkpoint)
+    assert CheckpointState.load(runs.checkpoint_path(folder / "two", STEPS)).tensors["fc1.weight"].shape == (
+        th.HIDDEN,
+        th.N_IN,
+    )
+
+    # the members' checkpoint of step 4 goes on in one process, and one process's on two members
+    shutil.copytree(folder / "two", folder / "two-on-one")
+    for path in (folder / "two-on-one" / "checkpoints").glob("checkpoint-00000008*"):
+        path.unlink()
+    resumed = graphforge.train.run(cfg, steps=STEPS, out=folder / "two-on-one", quiet=True)
+    assert resumed.resumed_from.name == "checkpoint-00000004.safetensors"
+    _assert_close(resumed.checkpoint, one.checkpoint)
+    shutil.copytree(folder / "one", folder / "one-on-two")
+    for path in (folder / "one-on-two" / "checkpoints").glob("checkpoint-00000008*"):
+        path.unlink()
+    runs.launch(folder, cfg, folder / "one-on-two", "--steps", str(STEPS))
+    _assert_close(runs.checkpoint_path(folder / "one-on-two", STEPS), one.checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"model": {"program": "program.onnx", "path": None, "pipeline": None}}, "needs model.path and model.pipeline"),
+        ({"distributed": {"zero": 1}}, "distributed.zero with distributed.tensor: not supported yet"),
+        (
+            {"model": {"pipeline": f"tensor_parallel(size=2), {th.PIPELINE}"}},
+            r"model.pipeline has tensor_parallel\(...\) and distributed.tensor = 2 adds it",
+        ),
+        ({}, r"distributed.tensor = 2, but 1 process\(es\) were started: start 2"),
+    ],
+)
+def test_what_a_tensor_parallel_run_cannot_do_is_refused_by_key(folder, world_of_one, sections, message):
+    cfg = load_config(config(folder, "refused.toml", **sections))
+    with pytest.raises(ConfigError, match=message):
+        prepare(cfg, world_of_one)
