@@ -238,7 +238,8 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     if tensor > 1:
         _check_tensor_parallel(config, world)
     program, compiled_from = _program(config, tensor)
-    member = _program(config, tensor, world.rank)[0] if tensor > 1 else program
+    # this member's program (tensor > 1); the whole one is what OUT/program.onnx and the checkpoints hold
+    member = _program(config, tensor, world.rank)[0] if tensor > 1 else None
     staged = ProgramRoles.of_proto(program).pipeline
     if staged is not None:
         config = _pipeline_config(config, staged, world)
@@ -352,10 +353,10 @@ def prepare(config: Config, world: World | None = None) -> Plan:
                 program, state, transport, device=device, intra_op_threads=threads, replicas=replicas
             )
         else:
-            if tensor > 1:  # the checkpoint's (or the first) state is the whole program's: this member's slices
+            if member is not None:  # the checkpoint's (or the first) state is the whole program's: this member's slices
                 state = member_state(state, member)
             module = Module(
-                member,
+                member if member is not None else program,
                 state,
                 device=device,
                 dropout=config.train.dropout,

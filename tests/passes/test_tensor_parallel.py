@@ -3,7 +3,7 @@ on one process, where the markers are Identity, trains as the unmarked one, bit 
 each member's program (``rank=r``: the first weights and biases sliced along the hidden
 features, the second weight along its input features) computes a partial product whose sum
 over the members (the TensorParallelReduce the runtime does) is the whole model's. Training
-across processes: tests/distributed/test_tensor_parallel.py."""
+across processes: tests/distributed/test_tensor_parallel_members.py."""
 
 from __future__ import annotations
 
