@@ -27,6 +27,7 @@ from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
+from graphforge.placement.buckets import marker_call
 from graphforge.program import CarriedSpec, ProgramRoles
 
 
@@ -264,15 +265,28 @@ def _norm_and_clip(program: _Program, grads: dict[str, gs.Tensor], max_norm: flo
     """Step 3: the output ``grad_norm`` (global L2 norm, in float32) and, with ``max_norm``,
     every gradient scaled as torch.nn.utils.clip_grad_norm_ does: by min(1, max_norm / (norm + 1e-6))."""
     b = program.b
+    split = _tensor_parallel_split(program.model)
     with b.scope("grads"):
-        squares = [b.axes_op("ReduceSumSquare", _float32(b, g), None, keepdims=0) for g in grads.values()]
-        norm = b.op("Sqrt", b.sum(squares))
+        squares = {n: b.axes_op("ReduceSumSquare", _float32(b, g), None, keepdims=0) for n, g in grads.items()}
+        total = b.sum([v for n, v in squares.items() if n not in split] or [b.constant(np.array(0, np.float32))])
+        sliced = [v for n, v in squares.items() if n in split]
+        if sliced:  # a tensor-parallel member's slices: their squares summed across its group, once
+            summed = gs.Variable(b.fresh_name("tensor_parallel_squares"), dtype=np.float32, shape=[])
+            b.graph.nodes.append(marker_call(roles.TENSOR_PARALLEL_REDUCE_OP, b.sum(sliced), summed, -1, "group"))
+            total = b.add(total, summed)
+        norm = b.op("Sqrt", total)
         program.output(norm, roles.GRAD_NORM, gs.Variable(roles.GRAD_NORM, dtype=np.float32, shape=[]))
         if max_norm is None:
             return grads
         ratio = b.div(b.constant(np.array(max_norm, np.float32)), b.add(norm, b.constant(np.array(1e-6, np.float32))))
         coef = b.op("Min", ratio, b.constant(np.array(1.0, np.float32)))
         return {n: b.mul(g, b.cast_like(coef, g)) for n, g in grads.items()}
+
+
+def _tensor_parallel_split(model: Model) -> set[str]:
+    """The parameters a tensor_parallel pass split (each member holds a slice of them), or none."""
+    role = ProgramRoles.of_model(model).tensor_parallel
+    return set(role.split) if role is not None else set()
 
 
 def _carry_buffers(program: _Program, batchnorm_variance: str) -> None:

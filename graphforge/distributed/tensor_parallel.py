@@ -126,9 +126,13 @@ class TensorParallel:
     ``world``'s processes: its runs sum the marked values across the group from now on. Every
     member must be fed the same batches; the loss each reports is the whole model's.
 
+    The global gradient norm (``grad_norm``, and clipping by it) is the whole model's: the
+    optimizer pass sums the squares of a member's slices across the group (a
+    TensorParallelReduce call of its own) before adding the replicated parameters' once.
+
     Refused: a program that is not a member's, a group size or rank other than the
-    program's, a program that clips by the global gradient norm (each member would clip by
-    its slices' norm), and a data-parallel Module (a mesh of both is not supported yet).
+    program's, LAMB (its trust ratio takes whole parameters' norms), and a data-parallel
+    Module (a mesh of both is not supported yet).
     """
 
     op = roles.TENSOR_PARALLEL_REDUCE_OP
@@ -140,10 +144,10 @@ class TensorParallel:
                 f"rank {world.rank} of {world.size}: its program is member {role.rank}'s of {role.size} "
                 f"(compile it with tensor_parallel(size={world.size}, rank={world.rank}))"
             )
-        if module.roles.hyperparameters.get("clip_grad_norm"):
+        if module.roles.optimizer == "lamb":
             raise GraphforgeError(
-                "a tensor-parallel program cannot clip by the global gradient norm yet: each member's norm is of "
-                "its slices only (compile it without clip_grad_norm)"
+                "a tensor-parallel program cannot use LAMB yet: its trust ratio takes each whole parameter's norm, "
+                "and a member holds slices (use adamw, adam or sgd)"
             )
         self.module, self.world, self.role = module, world, role
         self.stats = TensorStats()

@@ -44,7 +44,12 @@ def train(case: dict, world: World) -> None:
         json.dump({"shapes": shapes, "reductions": group.stats.reductions}, f)
     if whole is not None:
         whole.save(f"{case['out']}-whole.safetensors")
-        np.savez(f"{case['out']}-losses.npz", losses=np.array(losses), eval=np.array(evaluated))
+        np.savez(
+            f"{case['out']}-losses.npz",
+            losses=np.array(losses),
+            eval=np.array(evaluated),
+            grad_norm=np.array(module.last_grad_norm),
+        )
 
 
 def main() -> None:

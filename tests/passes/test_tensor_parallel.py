@@ -41,13 +41,15 @@ def test_on_one_process_the_marked_program_trains_as_the_unmarked_one():
     plain = graphforge.compile(DIGITS, f"{LOSS}, adamw(lr=0.01)").model
     assert _role(marked)["split"] == {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
     ops = sorted(n.op_type for n in marked.graph.node if n.domain == roles.MARKER_DOMAIN)
-    assert ops == ["TensorParallelCopy", "TensorParallelCopy", "TensorParallelReduce"]  # f, g, and g's gradient f
+    # f, g's gradient f; g, and the sum of the slices' squares in the global gradient norm
+    assert ops == ["TensorParallelCopy", "TensorParallelCopy", "TensorParallelReduce", "TensorParallelReduce"]
     a, b = Module(marked, device="cpu", update="onnx"), Module(plain, device="cpu", update="onnx")
     for step in range(5):
         batch = _digits_batch(step)
         np.testing.assert_array_equal(a.train_step(**batch), b.train_step(**batch))
     for name, value in b.parameters.items():
         np.testing.assert_array_equal(a.parameters[name], value, err_msg=name)
+    np.testing.assert_allclose(a.last_grad_norm, b.last_grad_norm, rtol=1e-6)  # the squares summed in two groups
 
 
 @pytest.mark.parametrize("size", [2, 4])
