@@ -18,11 +18,14 @@ on CUDA). Everything else (norms, residuals, the loss) is computed alike on ever
     module = Module(member.model, member_state(whole_state, member.model))   # or its own initial state
     group = TensorParallel(module, world)
     loss = module.train_step(**batch)        # the same batch on every member
+    group.save(CheckpointManager("ckpts"))   # each member its slices; loads whole, on any T
     state = group.whole_state()              # on member 0: the one-process program's state
 
 The state of the whole program (without ``rank``) is the members' states joined along the
-split axes (``join_tensors``); a member's is the whole's slice (``member_tensors``), so a
-checkpoint saved from ``whole_state`` resumes on any T, or on one process, and exports.
+split axes (``join_tensors``); a member's is the whole's slice (``member_tensors``). A
+checkpoint (``save``: each member writes its slices, member 0 the file that lists them; or
+``whole_state`` saved by member 0) loads whole, so it resumes on any T, or on one process,
+and exports.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -178,6 +182,29 @@ class TensorParallel:
             return None
 
         return hook
+
+    def save(self, checkpoints) -> Path:
+        """Checkpoint the whole model's state into ``checkpoints`` (a CheckpointManager; a
+        collective: every member calls it): each member writes its slices beside the
+        checkpoint, then member 0 the checkpoint file itself, with the replicated tensors, the
+        rest of the state and the list of the members' files. That file, written last, makes
+        the checkpoint whole; loading it joins the slices (no process ever holds them all), so
+        it resumes on any T, or one process, and exports. Returns the checkpoint's path."""
+        state, world, size = self.module.state, self.world, self.role.size
+        step = int(state.step)
+        tensors = state.tensors
+        parts = {}
+        for name, axis in self.axes.items():
+            value = tensors[name]
+            whole = list(value.shape)
+            whole[axis] *= size
+            parts[name] = (value, self.role.rank * value.shape[axis], tuple(whole), axis)
+        checkpoints.save_slices(state, parts, self.role.rank, size)
+        world.barrier(f"waiting for every member's slices of the checkpoint of step {step}")
+        if self.role.rank != 0:
+            return checkpoints.path_for(step)
+        shards = [checkpoints.slice_path(step, r, size) for r in range(size)]
+        return checkpoints.save(state, names=[n for n in tensors if n not in self.axes], shards=shards)
 
     def whole_state(self) -> CheckpointState | None:
         """On member 0, the whole program's state (the members' split tensors joined; step,

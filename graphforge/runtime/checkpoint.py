@@ -70,6 +70,9 @@ class TensorSpec:
     #: a piece of a tensor (a ZeRO shard's): (its first element in the whole tensor, flattened;
     #: the whole tensor's shape); ``shape`` is then the piece's, one dimension. None: whole
     part: tuple[int, tuple[int, ...]] | None = None
+    #: a piece that is a slice along this axis (a tensor-parallel member's): ``part``'s start
+    #: is then its first index along the axis, and ``shape`` the slice's
+    axis: int | None = None
 
     def describe(self) -> str:
         return f"{self.dtype} {list(self.shape)}"
@@ -80,6 +83,8 @@ class TensorSpec:
             entry["crc32"] = self.crc32
         if self.part is not None:
             entry["part"] = {"start": self.part[0], "of": list(self.part[1])}
+            if self.axis is not None:
+                entry["part"]["axis"] = self.axis
         return entry
 
 
@@ -247,7 +252,7 @@ class CheckpointState:
         self,
         tensors: Mapping[str, np.ndarray],
         shards: Sequence[str] = (),
-        parts: Mapping[str, tuple[int, tuple[int, ...]]] | None = None,
+        parts: Mapping[str, tuple[int, tuple[int, ...], int | None]] | None = None,
     ) -> str:
         roles_by_name = {s.name: s.role for s in self.specs}
         parts = parts or {}
@@ -264,7 +269,13 @@ class CheckpointState:
             "micro_batch": self.micro_batch,
             "tensors": [
                 TensorSpec(
-                    n, roles_by_name.get(n, "unknown"), t.dtype.name, tuple(t.shape), checksum(t), parts.get(n)
+                    n,
+                    roles_by_name.get(n, "unknown"),
+                    t.dtype.name,
+                    tuple(t.shape),
+                    checksum(t),
+                    parts[n][:2] if n in parts else None,
+                    parts[n][2] if n in parts else None,
                 ).to_json()
                 for n, t in tensors.items()
             ],
@@ -296,7 +307,7 @@ class CheckpointState:
         *,
         names: Sequence[str] | None = None,
         shards: Sequence[str] = (),
-        parts: Mapping[str, tuple[np.ndarray, int, tuple[int, ...]]] | None = None,
+        parts: Mapping[str, tuple] | None = None,
     ) -> Path:
         """Write the checkpoint atomically (temp file beside ``path``, fsync, rename).
 
@@ -306,8 +317,10 @@ class CheckpointState:
         the others (written before it: this file, the last, makes the checkpoint whole), which
         :meth:`load` reads with it. ``parts``: pieces of tensors this file holds besides (a
         ZeRO replica's shard of the optimizer states: name -> (its elements, flat; the first
-        one's index in the whole tensor; the whole tensor's shape)); :meth:`load` puts the
-        pieces of every file together and refuses a tensor whose pieces do not cover it.
+        one's index in the whole tensor; the whole tensor's shape); a tensor-parallel member's
+        slices: name -> (the slice; its first index along ``axis``; the whole shape; axis));
+        :meth:`load` puts the pieces of every file together and refuses a tensor whose pieces
+        do not cover it.
         """
         path = Path(path)
         if path.is_dir():
@@ -323,9 +336,13 @@ class CheckpointState:
         twice = sorted(set(parts or {}) & set(tensors))
         if twice:
             raise CheckpointError(f"{path}: tensor {twice[0]!r} is both whole and a part in one file")
-        for name, (values, _, _) in (parts or {}).items():
-            tensors[name] = np.ascontiguousarray(values).reshape(-1)
-        pieces = {name: (int(start), tuple(int(d) for d in shape)) for name, (_, start, shape) in (parts or {}).items()}
+        pieces = {}
+        for name, (values, start, shape, *axis) in (parts or {}).items():
+            axis = int(axis[0]) if axis else None
+            tensors[name] = (
+                np.ascontiguousarray(values) if axis is not None else np.ascontiguousarray(values).reshape(-1)
+            )
+            pieces[name] = (int(start), tuple(int(d) for d in shape), axis)
         metadata = {METADATA_KEY: self._document(tensors, shards, pieces)}
         try:
             with temp_file_beside(path) as tmp:  # locked: a later run's remove_stale knows it is ours
@@ -490,11 +507,12 @@ def _parse_manifest(path: Path, document: dict) -> list[TensorSpec]:
             crc = entry.get("crc32")
             if crc is not None and (isinstance(crc, bool) or not isinstance(crc, int)):
                 raise TypeError
-            part = entry.get("part")
+            part, axis = entry.get("part"), None
             if part is not None:
+                axis = None if part.get("axis") is None else int(part["axis"])
                 part = (int(part["start"]), tuple(int(d) for d in part["of"]))
             spec = TensorSpec(
-                str(entry["name"]), str(entry["role"]), str(entry["dtype"]), tuple(entry["shape"]), crc, part
+                str(entry["name"]), str(entry["role"]), str(entry["dtype"]), tuple(entry["shape"]), crc, part, axis
             )
         except (KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{path}: malformed tensor manifest entry {str(entry)[:120]}") from None
@@ -506,6 +524,8 @@ def _joined(path: Path, name: str, pieces: list[tuple[TensorSpec, np.ndarray, st
     """The whole tensor ``name`` from its pieces (spec, values, file), which must cover it once."""
     spec = pieces[0][0]
     shape = spec.part[1]
+    if any(p[0].axis is not None for p in pieces):
+        return _joined_slices(path, name, pieces)
     size = math.prod(shape)
     whole = np.empty(size, dtype=pieces[0][1].dtype)
     at = 0
@@ -521,6 +541,32 @@ def _joined(path: Path, name: str, pieces: list[tuple[TensorSpec, np.ndarray, st
     if at != size:
         raise CheckpointError(f"{path}: tensor {name!r} is not whole: elements {at}..{size} of it are in no shard")
     return TensorSpec(name, spec.role, spec.dtype, shape), whole.reshape(shape)
+
+
+def _joined_slices(path: Path, name: str, pieces: list[tuple[TensorSpec, np.ndarray, str]]):
+    """The whole tensor ``name`` from slices along one axis (tensor-parallel members'), which must cover it once."""
+    spec = pieces[0][0]
+    shape, axis = spec.part[1], spec.axis
+    at, slices = 0, []
+    for piece, values, file in sorted(pieces, key=lambda p: p[0].part[0]):
+        start = piece.part[0]
+        expected = (*shape[:axis], values.shape[axis] if values.ndim == len(shape) else -1, *shape[axis + 1 :])
+        if piece.axis != axis or piece.part[1] != shape or values.dtype.name != spec.dtype or values.shape != expected:
+            raise CheckpointError(f"{path}: the slices of tensor {name!r} disagree on its shape, axis or type ({file})")
+        if start != at:
+            what = (
+                f"indices {at}..{start} of its axis {axis} are in no shard"
+                if start > at
+                else f"{file} holds a slice twice"
+            )
+            raise CheckpointError(f"{path}: tensor {name!r} is not whole: {what} (a shard missing or from another run)")
+        slices.append(values)
+        at = start + values.shape[axis]
+    if at != shape[axis]:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} is not whole: indices {at}..{shape[axis]} of its axis {axis} are in no shard"
+        )
+    return TensorSpec(name, spec.role, spec.dtype, shape), np.concatenate(slices, axis=axis)
 
 
 def _check_layout(path: Path) -> None:
@@ -620,6 +666,15 @@ class CheckpointManager:
         """Write one ZeRO replica's pieces of the optimizer states for ``state.step`` (before rank 0 writes the checkpoint)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         return state.save(self.part_path(int(state.step), rank, size), names=[], parts=parts)
+
+    def slice_path(self, step: int, rank: int, size: int) -> Path:
+        """Where tensor-parallel member ``rank`` (of ``size``) writes its slices."""
+        return self.directory / f"{self.prefix}-{step:08d}.tensor{rank}-of-{size}.safetensors"
+
+    def save_slices(self, state: CheckpointState, parts: Mapping[str, tuple], rank: int, size: int) -> Path:
+        """Write one tensor-parallel member's slices for ``state.step`` (before member 0 writes the checkpoint)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return state.save(self.slice_path(int(state.step), rank, size), names=[], parts=parts)
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint in the folder, oldest first."""

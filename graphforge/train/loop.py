@@ -23,8 +23,8 @@ each checkpoint. The ranks first check that they run the same program and settin
 stop (Ctrl-C) is agreed on at the end of a step, so all stop after the same one. With
 ``[distributed] tensor = T`` the processes are one tensor-parallel group instead: each
 compiles its member's program (``tensor_parallel(size=T, rank=r)`` before model.pipeline),
-takes every batch whole, evaluates every batch, and the checkpoints hold the whole program's
-state (the members' slices joined on rank 0), which OUT/program.onnx (the whole program) reads.
+takes every batch whole, evaluates every batch, and each checkpoint is the members' slices
+beside rank 0's file, which loads as the whole program's state (OUT/program.onnx's).
 """
 
 from __future__ import annotations
@@ -946,9 +946,8 @@ class Run:
             path = self._save_stages(state)
         elif self.module is not None and getattr(self.module.reducer, "shards_update", False):
             path = self.module.reducer.save(self.checkpoints)  # each process its shard, then rank 0
-        elif self.plan.tensor_group is not None:  # the members' slices joined: the whole program's state
-            whole = self.plan.tensor_group.whole_state()
-            path = self.checkpoints.save(whole) if self.lead else self.checkpoints.path_for(int(state.step))
+        elif self.plan.tensor_group is not None:  # each member its slices, then rank 0: loads whole
+            path = self.plan.tensor_group.save(self.checkpoints)
         else:
             path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
         if self.world is not None:

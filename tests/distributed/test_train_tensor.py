@@ -1,7 +1,7 @@
 """``graphforge train`` with ``[distributed] tensor = 2``: two processes, each compiling its
 member's program and taking every batch whole, train as the same config does on one process
-(which ignores the section), and their checkpoints (the members' slices joined) resume on one
-process, and one process's on two; refusals name the key."""
+(which ignores the section); their checkpoints (each member's slices in a file of its own,
+joined on loading) resume on one process, and one process's on two; refusals name the key."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ def test_two_members_train_and_resume_as_one_process(folder):
     two = runs.launch(folder, cfg, folder / "two", "--steps", str(STEPS))
     assert "tensor-parallel on 2 processes (gloo)" in two.stdout
     assert "each process holds 1/2 of 9 carried tensors" in two.stdout
+    names = sorted(p.name for p in (folder / "two" / "checkpoints").iterdir())
+    assert names == [
+        f"checkpoint-{s:08d}{part}.safetensors" for s in (4, 8) for part in ("", ".tensor0-of-2", ".tensor1-of-2")
+    ]
     one = graphforge.train.run(cfg, steps=STEPS, out=folder / "one", quiet=True)
     _assert_close(runs.checkpoint_path(folder / "two", STEPS), one.checkpoint)
     assert CheckpointState.load(runs.checkpoint_path(folder / "two", STEPS)).tensors["fc1.weight"].shape == (

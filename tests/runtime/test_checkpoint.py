@@ -363,3 +363,37 @@ def test_checkpoint_manager_keeps_the_last_n(program, tmp_path):
     assert manager.load_latest(program).step == 5
     with pytest.raises(Exception, match="keep_last must be"):
         CheckpointManager(tmp_path, keep_last=0)
+
+
+def test_slices_along_an_axis_join_into_the_whole_and_a_missing_one_is_named(tmp_path):
+    """A tensor-parallel checkpoint: each member's file holds its slices of the split tensors
+    (along their axis), the main file the rest and the list of files; loading joins them, and
+    one member's file gone or from another run is refused, naming the tensor."""
+    rng = np.random.default_rng(0)
+    whole = {"w": rng.standard_normal((4, 6)).astype(np.float32), "v": rng.standard_normal((6, 3)).astype(np.float32)}
+    bias = rng.standard_normal(3).astype(np.float32)
+    axes = {"w": 1, "v": 0}
+    manager = CheckpointManager(tmp_path)
+    state = CheckpointState({"w": whole["w"], "v": whole["v"], "b": bias}, [], step=5)
+    files = []
+    for rank in range(3):
+        parts = {}
+        for name, axis in axes.items():
+            piece = np.split(whole[name], 3, axis=axis)[rank]
+            parts[name] = (piece, rank * piece.shape[axis], whole[name].shape, axis)
+        files.append(manager.save_slices(state, parts, rank, 3))
+    path = manager.save(state, names=["b"], shards=files)
+    loaded = CheckpointState.load(path)
+    for name, value in {**whole, "b": bias}.items():
+        np.testing.assert_array_equal(loaded.tensors[name], value, err_msg=name)
+    assert loaded.step == 5 and sorted(loaded.tensors) == ["b", "v", "w"]
+
+    piece = np.split(whole["w"], 3, axis=1)[1]
+    manager.save_slices(state, {"w": (piece, 3, whole["w"].shape, 1), "v": (whole["v"][2:4], 2, (6, 3), 0)}, 1, 3)
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'w' is not whole: .*holds a slice twice|tensor 'w' is not whole: indices"
+    ):
+        CheckpointState.load(path)
+    files[1].unlink()
+    with pytest.raises(CheckpointError, match=r"its shard checkpoint-00000005.tensor1-of-3.safetensors is missing"):
+        CheckpointState.load(path)
