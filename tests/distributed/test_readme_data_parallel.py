@@ -79,8 +79,14 @@ def test_the_tensor_parallel_train_command_trains_the_digits_on_two_processes(wo
     assert done.stdout.count("tensor-parallel on 2 processes (gloo)") == 1  # rank 0 alone prints
     accuracy = float(re.search(r"done .*accuracy (\d\.\d+)", done.stdout).group(1))
     assert accuracy >= 0.93
-    (last,) = [p for p in (workspace / "out" / "tp" / "checkpoints").iterdir() if "00000675" in p.name]
-    assert CheckpointState.load(last).tensors["fc1.weight"].shape == (64, 64)  # whole: the slices joined
+    checkpoints = workspace / "out" / "tp" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("checkpoint-00000675*")) == [
+        "checkpoint-00000675.safetensors",
+        "checkpoint-00000675.tensor0-of-2.safetensors",
+        "checkpoint-00000675.tensor1-of-2.safetensors",
+    ]
+    last = CheckpointState.load(checkpoints / "checkpoint-00000675.safetensors")
+    assert last.tensors["fc1.weight"].shape == (64, 64)  # whole: the members' slices joined
 
 
 def test_the_pipeline_commands_train_two_stages_and_export(workspace):
