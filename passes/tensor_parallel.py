@@ -82,7 +82,8 @@ class TensorParallel(Pass):
         if not blocks:
             raise PassError(
                 "tensor_parallel: no pair of projections (MatMul or Gemm on a 2-D parameter) with an elementwise "
-                "activation between them was found; attention and embeddings are not split by this pass yet"
+                "activation between them was found (a weight or bias another layer shares is left whole); attention "
+                "and embeddings are not split by this pass yet"
             )
         split: dict[str, int] = {}
         recorded = []
@@ -210,6 +211,8 @@ def _block_before(second: _Projection, skip: set[str], used: set[int]) -> _Block
     hidden = {f.weight.shape[1 - f.axis_in] for f in firsts.values()}
     if len(hidden) != 1 or second.weight.shape[second.axis_in] not in hidden:
         return None
+    if not all(_read_only_by(p) for p in [*firsts.values(), second]):
+        return None  # a weight shared with other layers (or a tied bias) stays whole
     inside = {*between, id(second.node)}
     for tensor in [*(t for n in between.values() for t in n.outputs), *(_end(f).outputs[0] for f in firsts.values())]:
         if any(id(r) not in inside and r.op != "Shape" for r in tensor.outputs):
@@ -228,6 +231,18 @@ def _projection_ending(node: gs.Node) -> _Projection | None:
         return None
     made = _projection(node)
     return made if made is not None and made.add is None else None
+
+
+def _read_only_by(projection: _Projection) -> bool:
+    """Whether the projection's weight and bias are read by it alone (a member slices them)."""
+    own = {id(projection.node), *([id(projection.add)] if projection.add is not None else [])}
+    for parameter in [projection.weight, *([projection.bias] if projection.bias is not None else [])]:
+        for reader in parameter.outputs:
+            if reader.op == "Transpose" and all(id(r) in own for r in reader.outputs[0].outputs):
+                continue
+            if id(reader) not in own:
+                return False
+    return True
 
 
 def _end(projection: _Projection) -> gs.Node:

@@ -129,3 +129,88 @@ def test_sizes_that_do_not_divide_and_models_without_a_block_are_refused_by_name
     first = next(n.name for n in model.graph.node if n.op_type == "Gemm")
     with pytest.raises(PipelineError, match="no pair of projections"):  # the only block, left replicated
         graphforge.compile(model, f'tensor_parallel(size=2, skip=["{first}"])')
+
+
+def test_a_block_whose_weight_another_layer_shares_is_left_whole():
+    """Two MLP blocks; the first's second weight is read again by a later projection (weights
+    tied across layers, or an exporter's shared initializer): slicing it would change what
+    that one reads, so the first block stays whole and only the second is split."""
+    rng = np.random.default_rng(0)
+
+    def init(name, *shape):
+        return onnx.numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+
+    nodes = [
+        onnx.helper.make_node("Gemm", ["x", "w1", "b1"], ["h1"], transB=1),
+        onnx.helper.make_node("Relu", ["h1"], ["a1"]),
+        onnx.helper.make_node("Gemm", ["a1", "w2", "b2"], ["y1"], transB=1),
+        onnx.helper.make_node("Gemm", ["y1", "w3", "b3"], ["h2"], transB=1),
+        onnx.helper.make_node("Relu", ["h2"], ["a2"]),
+        onnx.helper.make_node("Gemm", ["a2", "w4", "b4"], ["y2"], transB=1),
+        onnx.helper.make_node("MatMul", ["y2", "w2"], ["y"]),  # w2 [4, 8]: y2 [n, 4] -> y [n, 8]
+    ]
+    inits = [init("w1", 8, 4), init("b1", 8), init("w2", 4, 8), init("b2", 4), init("w3", 8, 4), init("b3", 8)]
+    inits += [init("w4", 4, 8), init("b4", 4)]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "shared",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 8])],
+        inits,
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    role = _role(graphforge.compile(model, "tensor_parallel(size=2)").model)
+    assert [b["row"] for b in role["blocks"]] == [["w4"]] and "w2" not in role["split"]
+    member = graphforge.compile(model, "tensor_parallel(size=2, rank=1)").model
+    shapes = {t.name: tuple(t.dims) for t in member.graph.initializer}
+    assert shapes["w2"] == (4, 8) and shapes["w3"] == (4, 4) and shapes["w4"] == (4, 4)
+
+
+def _hf_export(name: str, path: Path) -> Path:
+    """A 2-layer transformers model of architecture ``name`` (random weights, biases jittered
+    apart as trained ones are), TorchScript-exported: input_ids [b, s] -> logits."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "max_position_embeddings": 32}
+    inner = {
+        "opt": lambda: OPTForCausalLM(OPTConfig(**small, ffn_dim=64, num_attention_heads=2, word_embed_proj_dim=32)),
+        "gpt-neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**small, intermediate_size=64, num_attention_heads=2)),
+        "qwen2": lambda: Qwen2ForCausalLM(
+            Qwen2Config(**small, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+        ),
+    }[name]()
+    models._jitter_vectors(inner, 0)
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return self.inner(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    axes = {"input_ids": {0: "b", 1: "s"}, "logits": {0: "b", 1: "s"}}
+    return models._export(Logits().eval(), (ids,), path, ["input_ids"], ["logits"], axes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["opt", "gpt-neox", "qwen2"])
+def test_the_mlps_of_other_architectures_split_and_their_members_sum_to_the_whole(name, tmp_path):
+    """Architectures the other tests do not train (OPT: Gemm, ReLU; GPT-NeoX: MatMul and bias
+    Add, GELU; Qwen2: SwiGLU without biases): every layer's MLP is found, the marked model
+    computes what the export does, and the members' partial products in the first block sum
+    to the whole model's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = onnx.load(_hf_export(name, tmp_path / f"{name}.onnx"))
+        marked = graphforge.compile(model, "tensor_parallel(size=2)").model
+        members = [graphforge.compile(model, f"tensor_parallel(size=2, rank={r})").model for r in range(2)]
+    assert len(_role(marked)["blocks"]) == 2
+    feeds = {"input_ids": np.random.default_rng(1).integers(0, 64, (2, 8))}
+    np.testing.assert_allclose(models.run(marked, feeds)["logits"], models.run(model, feeds)["logits"], atol=1e-5)
+    first = next(n.output[0] for n in marked.graph.node if n.op_type == "TensorParallelReduce")
+    total = sum(_run_to(member, first, feeds) for member in members)
+    np.testing.assert_allclose(total, _run_to(marked, first, feeds), rtol=1e-4, atol=1e-5)
