@@ -115,6 +115,7 @@ class TensorParallel(Pass):
         graph.toposort()
         if self.rank is not None:
             _keep_slices(model, split, self.rank, self.size, {id(b.second.node) for b in blocks})
+            _own_dropout_streams(blocks, self.rank)
         role = TensorParallelRole(self.size, split, tuple(recorded), self.rank)
         roles.set_json(model, roles.TENSOR_PARALLEL, role.to_json())
         member = "" if self.rank is None else f" (the program of member {self.rank})"
@@ -354,6 +355,18 @@ def _keep_slices(model: Model, split: dict[str, int], rank: int, size: int, ends
                 out.shape = None
                 stack.append(out)
     infer_shapes(model, in_place=True)
+
+
+def _own_dropout_streams(blocks: list[_Block], rank: int) -> None:
+    """A Dropout between a block's projections drops elements of the member's slice: each
+    member must draw masks of its own, as Megatron-LM draws them inside a split region from a
+    generator per rank (outside, every member draws the same). graphforge's seeded dropout
+    keys a node's stream by its output's name (runtime/dropout.py), so the member's output gets
+    a name of its own; nothing outside the block reads it."""
+    for block in blocks:
+        for node in block.between:
+            if node.op == "Dropout":
+                node.outputs[0].name = f"{node.outputs[0].name}/tensor_parallel_member{rank}"
 
 
 def _scalar(value: float, like: gs.Tensor) -> np.ndarray:

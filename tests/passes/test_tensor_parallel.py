@@ -214,3 +214,35 @@ def test_the_mlps_of_other_architectures_split_and_their_members_sum_to_the_whol
     first = next(n.output[0] for n in marked.graph.node if n.op_type == "TensorParallelReduce")
     total = sum(_run_to(member, first, feeds) for member in members)
     np.testing.assert_allclose(total, _run_to(marked, first, feeds), rtol=1e-4, atol=1e-5)
+
+
+def test_a_dropout_between_the_projections_draws_a_stream_per_member():
+    """Seeded dropout keys a node's masks by its output's name: a Dropout inside a split
+    block gets one per member (each drops elements of its own slice independently, as
+    Megatron-LM's per-rank generator), the whole program keeps the export's."""
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1),
+            onnx.helper.make_node("Relu", ["h"], ["a"]),
+            onnx.helper.make_node("Dropout", ["a", "ratio"], ["d"]),
+            onnx.helper.make_node("Gemm", ["d", "w2", "b2"], ["y"], transB=1),
+        ],
+        "dropout",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 4])],
+        [
+            onnx.numpy_helper.from_array(np.ones((8, 4), np.float32), "w1"),
+            onnx.numpy_helper.from_array(np.full(8, 0.1, np.float32), "b1"),
+            onnx.numpy_helper.from_array(np.ones((4, 8), np.float32), "w2"),
+            onnx.numpy_helper.from_array(np.full(4, 0.2, np.float32), "b2"),
+            onnx.numpy_helper.from_array(np.array(0.1, np.float32), "ratio"),
+        ],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+    def dropout_output(program):
+        return next(n.output[0] for n in program.graph.node if n.op_type == "Dropout")
+
+    assert dropout_output(graphforge.compile(model, "tensor_parallel(size=2)").model) == "d"
+    names = [dropout_output(graphforge.compile(model, f"tensor_parallel(size=2, rank={r})").model) for r in (0, 1)]
+    assert len(set(names)) == 2 and "d" not in names
