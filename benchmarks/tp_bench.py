@@ -116,8 +116,6 @@ def _graphforge(job: dict, world):
 
 
 def _torch(job: dict, world):
-    import torch
-
     spec = tb.Spec(**job["spec"])
     model = tb.build_torch(spec).train()
     size = job["size"]
@@ -129,23 +127,12 @@ def _torch(job: dict, world):
         for block in model.inner.transformer.h:
             block.mlp.c_fc, block.mlp.c_proj = _linear(block.mlp.c_fc), _linear(block.mlp.c_proj)
             parallelize_module(block.mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=tb.LR, betas=tb.BETAS, eps=tb.EPS, weight_decay=tb.WEIGHT_DECAY
-    )
 
     def local(p):
         return p.to_local() if hasattr(p, "to_local") else p
 
     parameter_mib = sum(local(p).numel() * local(p).element_size() for p in model.parameters()) / 2**20
-
-    def step(x, y):
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return step, {"parameter_mib": parameter_mib}
+    return tb.torch_adamw_step(model), {"parameter_mib": parameter_mib}
 
 
 def _linear(conv1d):
