@@ -23,6 +23,9 @@ from graphforge.placement.cut import Segment, cut
 from graphforge.runtime.runner import Hook, Runner, SegmentRun
 from graphforge.runtime.sessions import lean_model
 
+#: cuts kept for models specialized to a batch's dims (then the cut of the model for any dims)
+MAX_CUTS = 16
+
 
 class Collectives(Protocol):
     """What sums the marked values across a group (graphforge.distributed.TensorParallel)."""
@@ -58,22 +61,30 @@ class Chains:
         """One run of ``model()`` computing ``keep``: its parts, fetching ``fetch`` to the host
         and sending ``sends`` on (written into ``into``'s buffers where given), and the hook
         that sums between them (None where the model has no marker call: one part)."""
-        entry = self._cuts.get((key, tuple(keep)))
+        signature = tuple(sorted((dims or {}).items()))
+        if signature and (key, tuple(keep), signature) not in self._cuts and len(self._cuts) >= MAX_CUTS:
+            signature, dims = (), None  # yet other dims: the parts for any dims
+        entry = self._cuts.get((key, tuple(keep), signature))
         if entry is None:
-            lean = lean_model(model(), keep, bound=self.runner.carried)
-            reduced = marker_outputs(lean, self.collectives.op)
-            entry = self._cuts[(key, tuple(keep))] = (cut(lean, [[n] for n in reduced]), [[n] for n in reduced])
+            whole = model()
+            # specialized before the cut: a part's inputs then have fixed shapes, which dims
+            # named after the batch's could not give it (an activation flattened to [batch * seq, d]),
+            # so that every part runs against fixed buffers (captured on CUDA)
+            if dims:
+                whole = self.runner.specialize(whole, dims, where)
+            lean = lean_model(whole, keep, bound=self.runner.carried)
+            reduced = [[n] for n in marker_outputs(lean, self.collectives.op)]
+            entry = self._cuts[(key, tuple(keep), signature)] = (cut(lean, reduced), reduced)
         segments, reduced = entry
         into = into or {}
         runs = []
         for segment in segments:
             bound = self.runner.session(
-                ("chain", key, tuple(keep), segment.index),
+                ("chain", key, tuple(keep), signature, segment.index),
                 lambda segment=segment: segment.model,
                 f"{where}, part {segment.index + 1} of {len(segments)}",
                 profile=True,
-                dims=dims,
-                static=static,
+                static=static,  # (specialized already, with the whole model: fixed shapes)
             )
             made = set(segment.outputs)
             runs.append(

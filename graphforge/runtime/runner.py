@@ -443,7 +443,7 @@ class Runner:
         static: bool = False,
     ) -> BoundSession:
         if dims:
-            model = self._specialize(model, dims, where)
+            model = self.specialize(model, dims, where)
         model = lean_model(model, keep, bound=self.carried)
         if only_read_inputs:
             read = {n for node in model.graph.node for n in node_reads(node)} | {o.name for o in model.graph.output}
@@ -555,7 +555,7 @@ class Runner:
             warnings.warn(f"{where} runs without CUDA graph capture: {reason}", stacklevel=3)
         self.capture_refused[where] = reason
 
-    def _specialize(self, model: onnx.ModelProto, dims: Mapping[str, int], where: str) -> onnx.ModelProto:
+    def specialize(self, model: onnx.ModelProto, dims: Mapping[str, int], where: str) -> onnx.ModelProto:
         """``model`` specialized to ``dims`` (passes/specialize.py: its shape computations folded,
         so that no node waits for the host), or as it is where that fails: an optimization never
         stops a step; the reason is kept and said once."""
