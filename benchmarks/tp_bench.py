@@ -1,9 +1,10 @@
 """Tensor-parallel benchmark: graphforge's TensorParallel beside torch.distributed.tensor.parallel
 splitting the same layers, on this machine's cores, the same model, batches, optimizer and threads.
 
-The model is the training benchmark's GPT-2 (train_bench.py: 2 layers, 256 wide, the GPT-2
-vocabulary, sequence 64), trained with cross-entropy and AdamW on a batch of 8 that every
-member takes whole. What is split is what graphforge's pass splits today: each block's MLP,
+The models are the training benchmark's GPT-2 (train_bench.py: 2 layers, 256 wide, the GPT-2
+vocabulary, sequence 64; T = 2 and 4, two passes) and GPT-2 small (12×768; T = 2, one pass of
+fewer steps: it takes seconds a step here), trained with cross-entropy and AdamW on a batch
+of 8 that every member takes whole. What is split is what graphforge's pass splits today: each block's MLP,
 the first projection column-parallel and the second row-parallel (attention, the embeddings
 and the LM head stay whole on every member). Runs, each its own processes:
 
@@ -150,17 +151,27 @@ def _linear(conv1d):
 # --------------------------------------------------------------------------- the runs
 
 
-def benchmark(quick: bool = False, *, passes: int = 2, cache: Path = CACHE) -> dict:
-    spec = next(s for s in (tb.QUICK if quick else tb.FULL) if s.key == "gpt2")
+def benchmark(
+    quick: bool = False,
+    *,
+    passes: int = 2,
+    cache: Path = CACHE,
+    spec: tb.Spec | None = None,
+    sizes: tuple[int, ...] | None = None,
+    steps: tuple[int, int] | None = None,
+) -> dict:
+    """Every run on ``spec`` (default: the training benchmark's GPT-2) at each T of ``sizes``,
+    ``passes`` times (alternating the order), each keeping its fastest; ``steps``: (timed, warm-up)."""
+    spec = spec or next(s for s in (tb.QUICK if quick else tb.FULL) if s.key == "gpt2")
     spec = tb.Spec(**{**asdict(spec), "batch": BATCH})
-    folder = cache / ("quick" if quick else "full")
+    folder = cache / ("quick" if quick else f"full-{spec.config['n_layer']}x{spec.config['n_embd']}")
     folder.mkdir(parents=True, exist_ok=True)
     module = tb.build_torch(spec)
     batches = tb.make_batches(spec)
     model = tb.export(module, batches[0][0], folder / "model.onnx", "input_ids")
     np.savez(folder / "batches.npz", x=np.stack([b[0] for b in batches]), y=np.stack([b[1] for b in batches]))
-    sizes = (2,) if quick else (2, 4)
-    steps, warmup = (5, 2) if quick else (12, 3)
+    sizes = sizes or ((2,) if quick else (2, 4))
+    steps, warmup = steps or ((5, 2) if quick else (12, 3))
     # the one-process runs take the cores the T-process runs take (no more than the machine has)
     threads = min(max(sizes), os.cpu_count() or 1)
     plan = runs(sizes)
@@ -186,7 +197,12 @@ def benchmark(quick: bool = False, *, passes: int = 2, cache: Path = CACHE) -> d
 
 
 def run(quick: bool = False) -> str:
-    return report(benchmark(quick))
+    if quick:
+        return report(benchmark(quick))
+    small = next(s for s in tb.LARGE if s.key == "gpt2")
+    # GPT-2 small takes seconds a step here: T = 2 only, one pass, fewer steps
+    larger = benchmark(spec=small, sizes=(2,), passes=1, steps=(6, 2))
+    return report(benchmark()) + "\n" + report(larger)
 
 
 def report(measured: dict) -> str:
