@@ -102,13 +102,9 @@ def member_state(whole: CheckpointState, member_program) -> CheckpointState:
 
 def _with_tensors(state: CheckpointState, tensors: dict[str, np.ndarray], specs: Sequence[CarriedSpec]):
     """``state``'s step, learning rate, seeds and the rest, with other tensors."""
-    made = CheckpointState(
+    return state.with_tensors(
         tensors, [TensorSpec(s.input, s.role, s.dtype, tuple(tensors[s.input].shape)) for s in specs]
     )
-    for key in ("step", "learning_rate", "scheduler", "seeds", "data_position", "properties"):
-        setattr(made, key, getattr(state, key))
-    made.grad_reset_pending, made.micro_batch, made.source = state.grad_reset_pending, state.micro_batch, state.source
-    return made
 
 
 def _member_role(program_roles: ProgramRoles) -> TensorParallelRole:

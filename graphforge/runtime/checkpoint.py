@@ -179,9 +179,15 @@ class CheckpointState:
 
     def copy(self) -> CheckpointState:
         """A detached snapshot (a state trains in one Module at a time)."""
+        return self.with_tensors({k: np.array(v, copy=True) for k, v in self.tensors.items()}, self.specs)
+
+    def with_tensors(self, tensors: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]) -> CheckpointState:
+        """A detached state with this one's step, learning rate, schedule, seeds, position and
+        properties (copies), holding ``tensors`` (``specs``) instead: a tensor-parallel member's
+        slices of a whole state, or the whole joined from them."""
         return CheckpointState(
-            {k: np.array(v, copy=True) for k, v in self.tensors.items()},
-            self.specs,
+            tensors,
+            specs,
             step=self.step,
             learning_rate=self.learning_rate,
             scheduler=copy.deepcopy(self.scheduler),
