@@ -4,17 +4,20 @@ splitting the same layers, on this machine's cores, the same model, batches, opt
 The models are the training benchmark's GPT-2 (train_bench.py: 2 layers, 256 wide, the GPT-2
 vocabulary, sequence 64; T = 2 and 4, two passes) and GPT-2 small (12×768; T = 2, one pass of
 fewer steps: it takes seconds a step here), trained with cross-entropy and AdamW on a batch
-of 8 that every member takes whole. What is split is what graphforge's pass splits today: each block's MLP,
-the first projection column-parallel and the second row-parallel (attention, the embeddings
-and the LM head stay whole on every member). Runs, each its own processes:
+of 8 that every member takes whole. What is split is what graphforge's pass splits today: each
+block's attention by heads (the fused QKV projection column-parallel per section, the output
+projection row-parallel) and its MLP (the first projection column-parallel, the second
+row-parallel); the embeddings and the LM head stay whole on every member. Runs, each its own
+processes:
 
 * graphforge and torch eager, 1 process × T threads, the whole model;
 * graphforge T = 2 (and 4): T processes × 1 thread, each its member's program
   (``tensor_parallel(size=T, rank=r)`` before the pipeline), summing across the group
   (gloo on loopback) where the program marks it;
 * torch TP, T processes × 1 thread: ``parallelize_module`` with ColwiseParallel on each MLP's
-  first projection and RowwiseParallel on its second (GPT-2's Conv1D turned into the
-  nn.Linear these take, the same weights), on a CPU DeviceMesh over gloo; the same AdamW.
+  first projection and on the attention's c_attn (its columns regrouped by member), and
+  RowwiseParallel on their second (GPT-2's Conv1D turned into the nn.Linear these take, the
+  same weights), on a CPU DeviceMesh over gloo; the same AdamW.
 
 Each process warms up, meets the others at a barrier, then times its steps; a run's step time
 is member 0's median. The runs go twice, the second time in reverse order, each keeping its
@@ -128,6 +131,10 @@ def _torch(job: dict, world):
         for block in model.inner.transformer.h:
             block.mlp.c_fc, block.mlp.c_proj = _linear(block.mlp.c_fc), _linear(block.mlp.c_proj)
             parallelize_module(block.mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
+            attn = block.attn  # by heads: each member's contiguous columns are its Q, K and V heads
+            attn.c_attn, attn.c_proj = _linear(attn.c_attn, per_member=size), _linear(attn.c_proj)
+            attn.split_size //= size
+            parallelize_module(attn, mesh, {"c_attn": ColwiseParallel(), "c_proj": RowwiseParallel()})
 
     def local(p):
         return p.to_local() if hasattr(p, "to_local") else p
@@ -136,15 +143,22 @@ def _torch(job: dict, world):
     return tb.torch_adamw_step(model), {"parameter_mib": parameter_mib}
 
 
-def _linear(conv1d):
-    """GPT-2's Conv1D (x·W + b, W [in, out]) as the nn.Linear it computes (weight Wᵀ)."""
+def _linear(conv1d, per_member: int = 0):
+    """GPT-2's Conv1D (x·W + b, W [in, out]) as the nn.Linear it computes (weight Wᵀ). With
+    ``per_member`` (the fused c_attn, T members): its output features regrouped so that
+    ColwiseParallel's contiguous chunk r holds member r's heads of Q, then of K, then of V
+    (its attention then splits them with ``split_size`` / T), as graphforge's pass slices
+    each section."""
     import torch
 
-    weight = conv1d.weight
+    weight, bias = conv1d.weight, conv1d.bias
+    if per_member:
+        order = torch.arange(weight.shape[1]).reshape(3, per_member, -1).transpose(0, 1).reshape(-1)
+        weight, bias = weight[:, order], bias[order]
     linear = torch.nn.Linear(weight.shape[0], weight.shape[1])
     with torch.no_grad():
         linear.weight.copy_(weight.t())
-        linear.bias.copy_(conv1d.bias)
+        linear.bias.copy_(bias)
     return linear
 
 

@@ -160,13 +160,15 @@ class PipelineRole:
 class TensorParallelRole:
     """How the tensor_parallel pass split the program among ``size`` processes: each split
     parameter's axis (``split``: parameter -> the axis each member holds 1/size of), the
-    blocks it split, and ``rank``: None in the whole program, the member's index in one
-    member's shard of it (graphforge.placement.tensor_shards)."""
+    blocks it split, ``rank``: None in the whole program, the member's index in one member's
+    program, and ``sections``: a fused projection's parameters (a QKV weight) -> the sizes of
+    its sections along the split axis, of each of which a member holds 1/size."""
 
     size: int
     split: Mapping[str, int]
     blocks: tuple[Mapping[str, Any], ...] = ()
     rank: int | None = None
+    sections: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> TensorParallelRole:
@@ -176,13 +178,37 @@ class TensorParallelRole:
             {str(k): int(v) for k, v in entry["split"].items()},
             tuple(entry.get("blocks", [])),
             None if rank is None else int(rank),
+            {str(k): tuple(int(x) for x in v) for k, v in entry.get("sections", {}).items()},
         )
 
     def to_json(self) -> dict:
         entry = {"size": self.size, "blocks": [dict(b) for b in self.blocks], "split": dict(self.split)}
         if self.rank is not None:
             entry["rank"] = self.rank
+        if self.sections:
+            entry["sections"] = {k: list(v) for k, v in self.sections.items()}
         return entry
+
+    def member_slice(self, name: str, value: np.ndarray) -> np.ndarray:
+        """Member ``rank``'s slice of the whole parameter ``name``."""
+        return member_slice(value, self.split[name], self.rank, self.size, self.sections.get(name))
+
+
+def member_slice(value: np.ndarray, axis: int, rank: int, size: int, sections=None) -> np.ndarray:
+    """Member ``rank``'s slice (of ``size``) of ``value`` along ``axis``: 1/size of it, or of
+    each of its ``sections`` (their sizes along the axis) side by side."""
+    parts = np.split(value, np.cumsum(sections)[:-1], axis=axis) if sections else [value]
+    return np.ascontiguousarray(np.concatenate([np.split(p, size, axis=axis)[rank] for p in parts], axis=axis))
+
+
+def joined_slices(members, axis: int, sections=None) -> np.ndarray:
+    """The whole tensor from every member's slice (``member_slice``'s inverse), in rank order."""
+    if not sections:
+        return np.concatenate(members, axis=axis)
+    size = len(members)
+    cuts = np.cumsum([s // size for s in sections])[:-1]
+    pieces = [np.split(m, cuts, axis=axis) for m in members]
+    return np.concatenate([p[i] for i in range(len(sections)) for p in pieces], axis=axis)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,19 @@ forward program (Megatron-LM's column and row splits)."""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from graphforge.passes.tensor_parallel_axes import (
+    Axes,
+    NeedsSections,
+    NotDivisible,
+    Unsplittable,
+    probe_shapes,
+)
 
 from graphforge import roles
 from graphforge.errors import PassError
@@ -17,12 +26,9 @@ from graphforge.placement.buckets import marker_call, marker_function
 from graphforge.program import TensorParallelRole
 from graphforge.shapes import infer_shapes
 
-#: ops applied elementwise to one tensor (other inputs constants): what may sit between the two
-#: projections of a split block, computed on each member's part of the hidden features
-ELEMENTWISE = frozenset(
-    {"Relu", "Tanh", "Sigmoid", "Gelu", "Erf", "Mul", "Add", "Div", "Sub", "Pow", "Exp", "Softplus", "Elu", "Selu",
-     "LeakyRelu", "HardSigmoid", "HardSwish", "Mish", "Swish", "Cast", "Identity", "Dropout"}
-)  # fmt: skip
+#: nodes the walk back from a row projection visits before it gives up on a block: a block is
+#: a few dozen nodes (an attention with its reshapes and rotary embedding about a hundred)
+MAX_BLOCK_NODES = 2000
 
 
 @dataclass(frozen=True)
@@ -36,32 +42,47 @@ class _Projection:
 
 @dataclass(frozen=True)
 class TensorParallel(Pass):
-    """Split pairs of projections across a group of ``size`` processes, as Megatron-LM's MLP
-    blocks: the first column-parallel (each member computes a 1/size slice of the hidden
-    features), the elementwise activation between local to each member, the second
-    row-parallel (each member's partial output, summed over the group). Found on the graph,
-    not on names: a MatMul or Gemm whose weight is a 2-D parameter (and its bias), a chain of
-    elementwise ops with one reader each, and a second such projection reading it.
+    """Split blocks of projections across a group of ``size`` processes, as Megatron-LM does:
+    the block's first projections column-parallel (each member computes a 1/size slice of
+    their output features), what is computed between them local to each member, the last
+    projection row-parallel (each member's partial output, summed over the group). Found on
+    the graph, not on names: a MatMul or Gemm whose weight is a 2-D parameter (the row
+    projection) is walked back to the projections its input is computed from, through
 
-    1. The first projection's input goes through ``graphforge.TensorParallelCopy`` (f), the
-       second's output, before its bias, through ``graphforge.TensorParallelReduce`` (g): both
-       Identity on one process, which runs the program as it was; their gradient rules make
-       autodiff write the backward's collectives (g's gradient is f, f's is g).
+    - an MLP's activation (elementwise ops; SwiGLU's gate and up projections share the split);
+    - an attention: the Q, K and V projections split by heads (their reshapes to heads and the
+      merge after it rewritten for the member's heads; grouped key/value heads split alike; a
+      fused QKV projection split per section, each member taking its heads of Q, of K and of
+      V), the scores, softmax, mask, rotary embedding and dropout computed on the member's
+      heads, ONNX's Attention op with its head counts divided.
+
+    Where the split axis runs is followed node by node on the shapes of a probe (the model at
+    small fixed dims; passes/tensor_parallel_axes.py).
+
+    1. The first projections' input goes through ``graphforge.TensorParallelCopy`` (f), the
+       row projection's output, before its bias, through ``graphforge.TensorParallelReduce``
+       (g): both Identity on one process, which runs the program as it was; their gradient
+       rules make autodiff write the backward's collectives (g's gradient is f, f's is g).
     2. What each member holds a slice of is recorded (``graphforge.tensor_parallel``): the
-       first weight along its output features, its bias, the second weight along its input
-       features; the second bias stays whole, as everything else (norms, residuals).
-    3. A hidden size not divisible by ``size`` is refused, naming the node; ``skip`` names
-       projections (their nodes) left replicated; a model with no such pair is refused.
+       first weights along their output features, their biases, the row weight along its
+       input features (and, for a fused projection, its sections); the row bias stays whole,
+       as everything else (norms, residuals, embeddings).
+    3. A block whose features or heads ``size`` does not divide is refused, naming the node;
+       ``skip`` names projections (their nodes) whose blocks stay replicated. A block the
+       walk cannot split (a node that mixes the members' parts: an attention bias per head,
+       a reduction over the heads) stays whole, said once in a warning with the first reason;
+       a model with no block is refused.
     4. ``rank``: the program of that member (0 .. size-1): each split parameter is its slice,
-       and the shapes after it are inferred again, so that the passes after it (autodiff,
-       the optimizer) write the member's backward and update with its shapes, as
-       onnxruntime's Megatron transformer splits the forward graph before building the
-       gradient graph. Without ``rank`` the program is the whole model with the markers: one
-       process runs it unchanged, and the members' states join into its state
-       (graphforge.distributed.tensor_parallel).
+       the reshapes' and splits' sizes are the member's, and the shapes after them are
+       inferred again, so that the passes after it (autodiff, the optimizer) write the
+       member's backward and update with its shapes, as onnxruntime's Megatron transformer
+       splits the forward graph before building the gradient graph. The member's shapes are
+       checked against the whole model's on the probe. Without ``rank`` the program is the
+       whole model with the markers: one process runs it unchanged, and the members' states
+       join into its state (graphforge.distributed.tensor_parallel).
 
-    It runs on the forward program, before ``autodiff``. Attention (heads split among the
-    members), embeddings and the vocabulary-parallel loss are not split by it yet.
+    It runs on the forward program, before ``autodiff``. Embeddings and the
+    vocabulary-parallel loss are not split by it yet.
     """
 
     name = "tensor_parallel"
@@ -78,48 +99,64 @@ class TensorParallel(Pass):
     def run(self, model: Model) -> PassResult:
         model = infer_shapes(model, in_place=True)
         graph = model.graph
-        blocks = _blocks(graph, set(self.skip))
+        graph.toposort()
+        shapes = probe_shapes(model)
+        blocks, left = _blocks(graph, set(self.skip), shapes, self.size)
+        if left:
+            warnings.warn(
+                f"tensor_parallel: {len(left)} block(s) stay whole on every member: {left[0]}"
+                + (f" (and {len(left) - 1} more)" if len(left) > 1 else ""),
+                stacklevel=2,
+            )
         if not blocks:
+            reason = f": {left[0]}" if left else ""
             raise PassError(
-                "tensor_parallel: no pair of projections (MatMul or Gemm on a 2-D parameter) with an elementwise "
-                "activation between them was found (a weight or bias another layer shares is left whole); attention "
-                "and embeddings are not split by this pass yet"
+                "tensor_parallel: no block of projections to split was found (a MatMul or Gemm on a 2-D parameter "
+                f"whose input is computed from other such projections, read by nothing else){reason}; embeddings "
+                "are not split by this pass yet"
             )
         split: dict[str, int] = {}
+        sections: dict[str, tuple[int, ...]] = {}
         recorded = []
         copy_fn = marker_function(graph, roles.TENSOR_PARALLEL_COPY_OP, attribute="group")
         reduce_fn = marker_function(graph, roles.TENSOR_PARALLEL_REDUCE_OP, attribute="group")
         for index, block in enumerate(blocks):
-            first, second = block.firsts[0], block.second
-            hidden = first.weight.shape[1 - first.axis_in]
-            if hidden % self.size:
-                raise PassError(
-                    f"tensor_parallel: node {first.node.name!r} makes {hidden} hidden features, which {self.size} "
-                    "processes cannot split evenly"
-                )
             column = []
             for projection in block.firsts:
+                cut = block.axes.sections[_end(projection).outputs[0].name]
                 split[projection.weight.name] = 1 - projection.axis_in
                 column.append(projection.weight.name)
                 if projection.bias is not None:
                     split[projection.bias.name] = 0
                     column.append(projection.bias.name)
-            split[second.weight.name] = second.axis_in
+                if len(cut) > 1:
+                    sections[projection.weight.name] = cut
+                    if projection.bias is not None:
+                        sections[projection.bias.name] = cut
+            split[block.second.weight.name] = block.second.axis_in
             copied = _copy_inputs(graph, [p.node for p in block.firsts], index)
-            for node in block.between:
-                if node.op == "Reshape":
-                    _last_axis_from_data(graph, node)
-            reduced = _reduce_output(graph, second, index)
-            recorded.append({"column": column, "row": [second.weight.name], "copy": copied, "reduce": reduced})
+            reduced = _reduce_output(graph, block.second, index)
+            recorded.append(
+                {"column": column, "row": [block.second.weight.name], "copy": copied, "reduce": reduced,
+                 "kind": block.kind}
+            )  # fmt: skip
         graph.functions.extend([copy_fn, reduce_fn])
         graph.toposort()
+        role = TensorParallelRole(self.size, split, tuple(recorded), self.rank, sections)
         if self.rank is not None:
-            _keep_slices(model, split, self.rank, self.size, {id(b.second.node) for b in blocks})
+            for block in blocks:
+                for edit in block.axes.edits:
+                    edit(graph, self.size)
+            graph.toposort()
+            _keep_slices(model, role, {id(b.second.node) for b in blocks})
             _own_dropout_streams(blocks, self.rank)
-        role = TensorParallelRole(self.size, split, tuple(recorded), self.rank)
+            _check_member_shapes(model, blocks, shapes, self.size, self.rank)
         roles.set_json(model, roles.TENSOR_PARALLEL, role.to_json())
         member = "" if self.rank is None else f" (the program of member {self.rank})"
-        return PassResult(model, True, note=f"{len(blocks)} block(s) split across {self.size} processes{member}")
+        kinds = sorted({b.kind for b in blocks})
+        return PassResult(
+            model, True, note=f"{len(blocks)} block(s) ({', '.join(kinds)}) split across {self.size} processes{member}"
+        )
 
 
 def _projection(node: gs.Node) -> _Projection | None:
@@ -157,44 +194,56 @@ def _bias_add(node: gs.Node) -> tuple[gs.Constant, gs.Node] | None:
 
 @dataclass(frozen=True)
 class _Block:
-    """Column-parallel projections (one, or a gated pair as SwiGLU's), the nodes between them
-    and the row-parallel projection that reads what they make."""
+    """Column-parallel projections (one, a gated pair as SwiGLU's, or an attention's Q, K and
+    V), the nodes between them and the row-parallel projection that reads what they make,
+    and where the split axis runs through them."""
 
     firsts: tuple[_Projection, ...]
     between: tuple[gs.Node, ...]
     second: _Projection
+    axes: Axes | None
+
+    @property
+    def kind(self) -> str:
+        return "attention" if any(n.op in ("Softmax", "Attention") for n in self.between) else "mlp"
 
 
-def _blocks(graph: gs.Graph, skip: set[str]) -> list[_Block]:
-    """Each block: a projection whose input is computed, through elementwise ops and reshapes
-    that keep the last axis, from the outputs of other projections only, and nothing else
-    reads (except for its shape)."""
-    found, used = [], set()
+def _blocks(graph: gs.Graph, skip: set[str], shapes, size: int) -> tuple[list[_Block], list[str]]:
+    """The blocks to split, and why each block that stays whole does."""
+    found, left, used = [], [], set()
     for node in graph.nodes:
         second = _projection(node)
         if second is None or node.name in skip or id(node) in used:
             continue
-        block = _block_before(second, skip, used)
+        try:
+            block = _block_before(second, skip, used, graph, shapes, size)
+        except NotDivisible as exc:
+            raise PassError(f"tensor_parallel: {exc} (leave its block whole: skip=[{node.name!r}])") from None
+        except Unsplittable as exc:
+            left.append(f"the block ending at {node.op} node {node.name!r}: {exc}")
+            continue
         if block is not None:
             found.append(block)
             used.update(id(p.node) for p in [*block.firsts, block.second])
-    return found
+    return found, left
 
 
-def _block_before(second: _Projection, skip: set[str], used: set[int]) -> _Block | None:
-    """The block ``second`` ends, walking back from its input, or None."""
+def _block_before(second: _Projection, skip: set[str], used: set[int], graph, shapes, size) -> _Block | None:
+    """The block ``second`` ends, or None where its input is not computed from other
+    projections alone. Walking back from its input (not through Shape, whose value a member
+    computes alike) finds the first projections; the nodes computed from their outputs are
+    the block, the rest of what the walk saw (masks, rotary tables) what every member
+    computes whole."""
     firsts: dict[int, _Projection] = {}
-    between: dict[int, gs.Node] = {}
+    behind: dict[int, gs.Node] = {}
     stack, seen = [second.node.inputs[0]], set()
     while stack:
         tensor = stack.pop()
-        if id(tensor) in seen:
+        if id(tensor) in seen or isinstance(tensor, gs.Constant) or len(tensor.inputs) != 1:
             continue
         seen.add(id(tensor))
-        if isinstance(tensor, gs.Constant) or len(tensor.inputs) != 1:
-            return None  # a graph input (or a constant) feeds it directly: not computed by a projection
         producer = tensor.inputs[0]
-        if producer.op == "Constant":
+        if producer.op in ("Constant", "Shape", "Size"):
             continue
         first = _projection_ending(producer)
         if first is not None:
@@ -202,23 +251,67 @@ def _block_before(second: _Projection, skip: set[str], used: set[int]) -> _Block
                 return None
             firsts[id(first.node)] = first
             continue
-        if not _keeps_features(producer):
+        behind[id(producer)] = producer
+        if len(behind) > MAX_BLOCK_NODES:
             return None
-        between[id(producer)] = producer
-        sources = producer.inputs[:1] if producer.op == "Reshape" else producer.inputs
-        stack.extend(t for t in sources if _constant_shape(t) is None)
-    if not firsts:
-        return None
-    hidden = {f.weight.shape[1 - f.axis_in] for f in firsts.values()}
-    if len(hidden) != 1 or second.weight.shape[second.axis_in] not in hidden:
-        return None
-    if not all(_read_only_by(p) for p in [*firsts.values(), second]):
+        stack.extend(producer.inputs)
+    if not firsts or not all(_read_only_by(p) for p in [*firsts.values(), second]):
         return None  # a weight shared with other layers (or a tied bias) stays whole
-    inside = {*between, id(second.node)}
-    for tensor in [*(t for n in between.values() for t in n.outputs), *(_end(f).outputs[0] for f in firsts.values())]:
-        if any(id(r) not in inside and r.op != "Shape" for r in tensor.outputs):
+    region = {_end(f).outputs[0].name for f in firsts.values()}
+    between = []
+    for node in graph.nodes:  # in order: a node reads what the block made before it
+        if id(node) in behind and any(t.name in region for t in node.inputs if not _shape_only(t, node)):
+            between.append(node)
+            region.update(t.name for t in node.outputs if not t.is_empty())
+    if second.node.inputs[0].name not in region:
+        return None
+    inside = {id(n) for n in between} | {id(second.node)}
+    for tensor in [*(t for n in between for t in n.outputs), *(_end(f).outputs[0] for f in firsts.values())]:
+        if tensor.is_empty():
+            continue
+        outside = [r for r in tensor.outputs if id(r) not in inside and not _shape_only(tensor, r)]
+        if outside or any(tensor is o for o in graph.outputs):
             return None  # read outside the block: each member would hand on its slice only
-    return _Block(tuple(firsts.values()), tuple(between.values()), second)
+    block = _Block(tuple(firsts.values()), tuple(between), second, None)
+    try:
+        axes = _axes(list(firsts.values()), between, second, graph, shapes, size, region)
+    except Unsplittable:
+        if block.kind == "attention":
+            raise
+        return None  # a residual or a head read whole: not a block, as a plain stack of layers is not
+    if axes.indivisible:
+        raise NotDivisible(axes.indivisible[0])
+    return dataclasses.replace(block, axes=axes)
+
+
+def _axes(firsts, between, second, graph, shapes, size, region) -> Axes:
+    """Where the split axis runs through the block; each fused projection's sections found
+    on the way (the walk starts again with them)."""
+    cuts: dict[str, tuple[int, ...]] = {}
+    for _ in range(len(firsts) + 1):
+        axes = Axes(shapes, size, region, opset=graph.opset)
+        try:
+            for first in firsts:
+                out = _end(first).outputs[0]
+                axes.start(out, cuts.get(out.name))
+            for node in between:
+                axes.carry(node)
+        except NeedsSections as need:
+            cuts[need.output] = need.sections
+            continue
+        x = second.node.inputs[0]
+        shape = shapes.get(x.name)
+        if shape is None or axes.axis.get(x.name) != len(shape) - 1 or len(axes.sections[x.name]) != 1:
+            raise Unsplittable(
+                f"the input of {second.node.op} node {second.node.name!r} is not split along its features"
+            )
+        return axes
+    raise Unsplittable(f"the sections of the projections before node {second.node.name!r} do not settle")
+
+
+def _shape_only(tensor: gs.Tensor, node: gs.Node) -> bool:
+    """Whether ``node`` reads only ``tensor``'s shape or type (Shape, Size, CastLike's target)."""
+    return node.op in ("Shape", "Size") or (node.op == "CastLike" and len(node.inputs) > 1 and node.inputs[1] is tensor)
 
 
 def _projection_ending(node: gs.Node) -> _Projection | None:
@@ -250,27 +343,6 @@ def _end(projection: _Projection) -> gs.Node:
     return projection.add or projection.node
 
 
-def _keeps_features(node: gs.Node) -> bool:
-    """Whether each member can compute ``node`` on its part of the last axis: an elementwise
-    op whose constants do not vary along it, or a Reshape that keeps it."""
-    if node.op == "Reshape":
-        data, out = node.inputs[0], node.outputs[0]
-        return bool(data.shape and out.shape) and isinstance(data.shape[-1], int) and data.shape[-1] == out.shape[-1]
-    if node.op not in ELEMENTWISE:
-        return False
-    return not any((shape := _constant_shape(t)) and shape[-1] != 1 for t in node.inputs)
-
-
-def _constant_shape(tensor: gs.Tensor) -> tuple | None:
-    """The shape of a constant (an initializer, or a Constant node's output), or None for a computed tensor."""
-    if isinstance(tensor, gs.Constant):
-        return tuple(tensor.shape)
-    if len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
-        value = tensor.inputs[0].attrs.get("value")
-        return tuple(value.shape) if value is not None and hasattr(value, "shape") else ()
-    return None
-
-
 def _copy_inputs(graph: gs.Graph, nodes: list[gs.Node], group: int) -> list[str]:
     """f before the column projections' inputs, one per input (their other readers keep the input itself)."""
     copies: dict[int, gs.Variable] = {}
@@ -284,27 +356,6 @@ def _copy_inputs(graph: gs.Graph, nodes: list[gs.Node], group: int) -> list[str]
             graph.nodes.append(marker_call(roles.TENSOR_PARALLEL_COPY_OP, source, copied, group, attribute="group"))
         node.inputs[0] = copied
     return [c.name for c in copies.values()]
-
-
-def _last_axis_from_data(graph: gs.Graph, node: gs.Node) -> None:
-    """A Reshape between the projections keeps the last axis, whose size an exporter often
-    wrote as a constant (GPT-2's ``view(size[:-1] + (nf,))``): its target's last entry is
-    taken from the data at run time instead, so that each member's program reshapes its part
-    (the runtime's specialization folds it back into a constant)."""
-    data, target = node.inputs[0], node.inputs[1]
-    stem = f"{node.name or node.outputs[0].name}/tensor_parallel"
-    shape = gs.Variable(f"{stem}/data_shape", dtype=np.int64, shape=[len(data.shape)])
-    last = gs.Variable(f"{stem}/last", dtype=np.int64, shape=[1])
-    head = gs.Variable(f"{stem}/head", dtype=np.int64)
-    joined = gs.Variable(f"{stem}/shape", dtype=np.int64)
-    ints = lambda name, values: gs.Constant(f"{stem}/{name}", np.array(values, np.int64))  # noqa: E731
-    graph.nodes += [
-        gs.Node("Shape", inputs=[data], outputs=[shape]),
-        gs.Node("Slice", inputs=[shape, ints("from", [-1]), ints("to", [2**62]), ints("axis", [0])], outputs=[last]),
-        gs.Node("Slice", inputs=[target, ints("start", [0]), ints("end", [-1]), ints("axis0", [0])], outputs=[head]),
-        gs.Node("Concat", inputs=[head, last], outputs=[joined], attrs={"axis": 0}),
-    ]
-    node.inputs[1] = joined
 
 
 def _reduce_output(graph: gs.Graph, second: _Projection, group: int) -> str:
@@ -332,29 +383,54 @@ def _reduce_output(graph: gs.Graph, second: _Projection, group: int) -> str:
     return summed.name
 
 
-def _keep_slices(model: Model, split: dict[str, int], rank: int, size: int, ends: set[int]) -> None:
-    """Member ``rank``'s slice of each split parameter, and the shapes of what is computed
-    from them inferred again, up to the row-parallel projections (``ends``: their nodes),
-    whose outputs keep their shapes. Only those: an exporter's shapes of the rest may be more
-    than onnx's inference can tell again (torch's dynamo exporter's, after computed slices)."""
+def _keep_slices(model: Model, role: TensorParallelRole, ends: set[int]) -> None:
+    """Member ``role.rank``'s slice of each split parameter, and the shapes of what is
+    computed from them inferred again, up to the row-parallel projections (``ends``: their
+    nodes), whose outputs keep their shapes. Only those: an exporter's shapes of the rest may
+    be more than onnx's inference can tell again (torch's dynamo exporter's, after computed
+    slices)."""
     graph = model.graph
     tensors = graph.tensors()
     stack = []
-    for name, axis in split.items():
+    for name in role.split:
         constant = tensors[name]
-        constant.values = np.ascontiguousarray(np.split(np.asarray(constant.values), size, axis=axis)[rank])
+        constant.values = role.member_slice(name, np.asarray(constant.values))
         stack.append(constant)
     seen = set()
     while stack:
         tensor = stack.pop()
         for node in tensor.outputs:
-            if id(node) in seen or id(node) in ends or node.op == "Shape":
+            if id(node) in seen or id(node) in ends or node.op in ("Shape", "Size"):
                 continue
             seen.add(id(node))
             for out in node.outputs:
                 out.shape = None
                 stack.append(out)
     infer_shapes(model, in_place=True)
+
+
+def _check_member_shapes(model: Model, blocks: list[_Block], whole: dict, size: int, rank: int) -> None:
+    """Each tensor of a block has, in the member's program at the probe's dims, the whole
+    model's shape with the split axis divided by ``size``, and the row projections' outputs
+    the whole model's: what the exporter computed from the whole sizes (a head size as
+    features // heads) would not, and is refused here, naming the tensor."""
+    member = probe_shapes(model)
+    for block in blocks:
+        expected = {}
+        for name, axis in block.axes.axis.items():
+            shape = list(whole[name])
+            shape[axis] //= size
+            expected[name] = tuple(shape)
+        out = block.second.node.outputs[0]
+        expected[out.name] = whole.get(out.name)
+        for name, shape in expected.items():
+            got = member.get(name)
+            if shape is not None and got is not None and got != shape:
+                raise PassError(
+                    f"tensor_parallel: in member {rank}'s program {name!r} has the shape {list(got)} where its part of "
+                    f"the whole {list(whole[name])} is {list(shape)}: the model computes it from a whole size (leave "
+                    f"the block whole: skip=[{block.second.node.name!r}])"
+                )
 
 
 def _own_dropout_streams(blocks: list[_Block], rank: int) -> None:

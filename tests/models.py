@@ -157,15 +157,16 @@ def export_bert(path: str | Path, seed: int = 0) -> Path:
 LLAMA_VOCAB = 128
 
 
-def llama_module(seed: int = 0):
-    """A 2-layer Llama (SDPA attention, grouped KV heads, RMSNorm, rotary, SwiGLU, random
-    weights): input_ids [B, T] -> logits [B, V, T] (cross_entropy's layout), in eval mode."""
+def llama_module(seed: int = 0, heads: int = 4, kv_heads: int = 2):
+    """A 2-layer Llama (SDPA attention, ``kv_heads`` key/value heads for ``heads`` query heads,
+    RMSNorm, rotary, SwiGLU, random weights): input_ids [B, T] -> logits [B, V, T]
+    (cross_entropy's layout), in eval mode."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
                          attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)  # fmt: skip
     inner = LlamaForCausalLM(config)
     _jitter_vectors(inner, seed)

@@ -40,7 +40,7 @@ import numpy as np
 from graphforge import roles
 from graphforge.distributed.world import DistributedError, World
 from graphforge.errors import GraphforgeError
-from graphforge.program import CarriedSpec, ProgramRoles, TensorParallelRole
+from graphforge.program import CarriedSpec, ProgramRoles, TensorParallelRole, joined_slices, member_slice
 from graphforge.runtime.checkpoint import CheckpointState, TensorSpec
 from graphforge.runtime.dlpack import tensor_of
 from graphforge.runtime.training import Module
@@ -60,32 +60,46 @@ class TensorStats:
 def carried_axes(program_roles: ProgramRoles) -> dict[str, int]:
     """The axis along which each carried tensor of a tensor-parallel program is split: a split
     parameter's, and its optimizer states' and accumulator's (``like`` it); others are whole."""
+    return {name: axis for name, (axis, _) in carried_split(program_roles).items()}
+
+
+def carried_split(program_roles: ProgramRoles) -> dict[str, tuple[int, tuple[int, ...] | None]]:
+    """Each split carried tensor -> (its axis, the sections a member holds a part of each of,
+    or None): ``carried_axes`` with a fused projection's sections."""
     role = program_roles.tensor_parallel
     if role is None:
         return {}
-    axes = {}
+    split = {}
     for spec in program_roles.carried:
-        axis = role.split.get(spec.input, role.split.get(spec.like) if spec.like else None)
-        if axis is not None:
-            axes[spec.input] = axis
-    return axes
+        source = spec.input if spec.input in role.split else spec.like
+        if source in role.split:
+            split[spec.input] = (role.split[source], role.sections.get(source))
+    return split
 
 
-def member_tensors(whole: Mapping[str, np.ndarray], axes: Mapping[str, int], rank: int, size: int):
-    """Member ``rank``'s tensors (of ``size``): each split tensor's slice along its axis, the others as they are."""
+def member_tensors(whole: Mapping[str, np.ndarray], split: Mapping, rank: int, size: int):
+    """Member ``rank``'s tensors (of ``size``): each split tensor's slice (``split``: name ->
+    its axis, or (axis, sections)), the others as they are."""
+    split = _with_sections(split)
     return {
-        name: np.ascontiguousarray(np.split(value, size, axis=axes[name])[rank]) if name in axes else value
+        name: member_slice(value, split[name][0], rank, size, split[name][1]) if name in split else value
         for name, value in whole.items()
     }
 
 
-def join_tensors(members: Sequence[Mapping[str, np.ndarray]], axes: Mapping[str, int]) -> dict[str, np.ndarray]:
-    """The whole program's tensors from every member's, in rank order: the split ones
-    concatenated along their axis, the others member 0's (every member holds the same)."""
+def join_tensors(members: Sequence[Mapping[str, np.ndarray]], split: Mapping) -> dict[str, np.ndarray]:
+    """The whole program's tensors from every member's, in rank order: the split ones joined
+    (``split``: name -> its axis, or (axis, sections)), the others member 0's (every member
+    holds the same)."""
+    split = _with_sections(split)
     return {
-        name: np.concatenate([m[name] for m in members], axis=axes[name]) if name in axes else value
+        name: joined_slices([m[name] for m in members], *split[name]) if name in split else value
         for name, value in members[0].items()
     }
+
+
+def _with_sections(split: Mapping) -> dict[str, tuple[int, tuple[int, ...] | None]]:
+    return {n: (v, None) if isinstance(v, int | np.integer) else tuple(v) for n, v in split.items()}
 
 
 def member_state(whole: CheckpointState, member_program) -> CheckpointState:
@@ -93,8 +107,7 @@ def member_state(whole: CheckpointState, member_program) -> CheckpointState:
     ``whole_state`` at another T): its slices of the split tensors, everything else as it is."""
     program_roles = ProgramRoles.read(member_program)
     role = _member_role(program_roles)
-    axes = carried_axes(program_roles)
-    tensors = member_tensors(whole.tensors, axes, role.rank, role.size)
+    tensors = member_tensors(whole.tensors, carried_split(program_roles), role.rank, role.size)
     state = _with_tensors(whole, tensors, program_roles.carried)
     state.check(program_roles.carried)
     return state
@@ -151,10 +164,11 @@ class TensorParallel:
             )
         self.module, self.world, self.role = module, world, role
         self.stats = TensorStats()
-        self.axes = carried_axes(module.roles)
+        self.split = carried_split(module.roles)
+        self.axes = {name: axis for name, (axis, _) in self.split.items()}
         world.agree(
             "tensor-parallel program",
-            {"size": role.size, "split": sorted(role.split.items()), "carried": sorted(self.axes.items())},
+            {"size": role.size, "split": sorted(role.split.items()), "carried": sorted(self.split.items())},
         )
         module.attach_collectives(self)
 
@@ -190,11 +204,11 @@ class TensorParallel:
         step = int(state.step)
         tensors = state.tensors
         parts = {}
-        for name, axis in self.axes.items():
+        for name, (axis, sections) in self.split.items():
             value = tensors[name]
             whole = list(value.shape)
             whole[axis] *= size
-            parts[name] = (value, self.role.rank * value.shape[axis], tuple(whole), axis)
+            parts[name] = (value, self.role.rank * value.shape[axis], tuple(whole), axis, sections)
         checkpoints.save_slices(state, parts, self.role.rank, size)
         world.barrier(f"waiting for every member's slices of the checkpoint of step {step}")
         if self.role.rank != 0:
@@ -216,5 +230,5 @@ class TensorParallel:
             dist.all_gather_object(gathered, split)
         if self.world.rank != 0:
             return None
-        joined = {**tensors, **join_tensors(gathered, self.axes)}
+        joined = {**tensors, **join_tensors(gathered, self.split)}
         return _with_tensors(state, {n: joined[n] for n in tensors}, self.module.roles.carried)

@@ -44,7 +44,7 @@ from onnx import numpy_helper
 from graphforge.errors import CheckpointError, GraphforgeError
 from graphforge.graph import Model
 from graphforge.model_io import ModelSource
-from graphforge.program import CarriedSpec, ProgramRoles, program_proto
+from graphforge.program import CarriedSpec, ProgramRoles, joined_slices, program_proto
 from graphforge.tempfiles import temp_file_beside
 
 FORMAT = "graphforge.checkpoint"
@@ -73,6 +73,10 @@ class TensorSpec:
     #: a piece that is a slice along this axis (a tensor-parallel member's): ``part``'s start
     #: is then its first index along the axis, and ``shape`` the slice's
     axis: int | None = None
+    #: a slice of each of these sections along ``axis`` (their whole sizes: a fused QKV
+    #: weight's), side by side; ``part``'s start is then its offset in the first, scaled
+    #: to the whole axis (rank × the slice's size along it)
+    sections: tuple[int, ...] | None = None
 
     def describe(self) -> str:
         return f"{self.dtype} {list(self.shape)}"
@@ -85,6 +89,8 @@ class TensorSpec:
             entry["part"] = {"start": self.part[0], "of": list(self.part[1])}
             if self.axis is not None:
                 entry["part"]["axis"] = self.axis
+            if self.sections:
+                entry["part"]["sections"] = list(self.sections)
         return entry
 
 
@@ -282,6 +288,7 @@ class CheckpointState:
                     checksum(t),
                     parts[n][:2] if n in parts else None,
                     parts[n][2] if n in parts else None,
+                    parts[n][3] if n in parts else None,
                 ).to_json()
                 for n, t in tensors.items()
             ],
@@ -343,12 +350,13 @@ class CheckpointState:
         if twice:
             raise CheckpointError(f"{path}: tensor {twice[0]!r} is both whole and a part in one file")
         pieces = {}
-        for name, (values, start, shape, *axis) in (parts or {}).items():
-            axis = int(axis[0]) if axis else None
+        for name, (values, start, shape, *along) in (parts or {}).items():
+            axis = int(along[0]) if along else None
+            sections = tuple(int(x) for x in along[1]) if len(along) > 1 and along[1] else None
             tensors[name] = (
                 np.ascontiguousarray(values) if axis is not None else np.ascontiguousarray(values).reshape(-1)
             )
-            pieces[name] = (int(start), tuple(int(d) for d in shape), axis)
+            pieces[name] = (int(start), tuple(int(d) for d in shape), axis, sections)
         metadata = {METADATA_KEY: self._document(tensors, shards, pieces)}
         try:
             with temp_file_beside(path) as tmp:  # locked: a later run's remove_stale knows it is ours
@@ -513,13 +521,15 @@ def _parse_manifest(path: Path, document: dict) -> list[TensorSpec]:
             crc = entry.get("crc32")
             if crc is not None and (isinstance(crc, bool) or not isinstance(crc, int)):
                 raise TypeError
-            part, axis = entry.get("part"), None
+            part, axis, sections = entry.get("part"), None, None
             if part is not None:
                 axis = None if part.get("axis") is None else int(part["axis"])
+                sections = tuple(int(x) for x in part["sections"]) if part.get("sections") else None
                 part = (int(part["start"]), tuple(int(d) for d in part["of"]))
             spec = TensorSpec(
-                str(entry["name"]), str(entry["role"]), str(entry["dtype"]), tuple(entry["shape"]), crc, part, axis
-            )
+                str(entry["name"]), str(entry["role"]), str(entry["dtype"]), tuple(entry["shape"]), crc, part, axis,
+                sections,
+            )  # fmt: skip
         except (KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{path}: malformed tensor manifest entry {str(entry)[:120]}") from None
         manifest.append(spec)
@@ -557,7 +567,13 @@ def _joined_slices(path: Path, name: str, pieces: list[tuple[TensorSpec, np.ndar
     for piece, values, file in sorted(pieces, key=lambda p: p[0].part[0]):
         start = piece.part[0]
         expected = (*shape[:axis], values.shape[axis] if values.ndim == len(shape) else -1, *shape[axis + 1 :])
-        if piece.axis != axis or piece.part[1] != shape or values.dtype.name != spec.dtype or values.shape != expected:
+        if (
+            piece.axis != axis
+            or piece.sections != spec.sections
+            or piece.part[1] != shape
+            or values.dtype.name != spec.dtype
+            or values.shape != expected
+        ):
             raise CheckpointError(f"{path}: the slices of tensor {name!r} disagree on its shape, axis or type ({file})")
         if start != at:
             what = (
@@ -572,7 +588,7 @@ def _joined_slices(path: Path, name: str, pieces: list[tuple[TensorSpec, np.ndar
         raise CheckpointError(
             f"{path}: tensor {name!r} is not whole: indices {at}..{shape[axis]} of its axis {axis} are in no shard"
         )
-    return TensorSpec(name, spec.role, spec.dtype, shape), np.concatenate(slices, axis=axis)
+    return TensorSpec(name, spec.role, spec.dtype, shape), joined_slices(slices, axis, spec.sections)
 
 
 def _check_layout(path: Path) -> None:

@@ -21,6 +21,7 @@ from graphforge.distributed import DistributedError
 from graphforge.distributed.tensor_parallel import (
     TensorParallel,
     carried_axes,
+    carried_split,
     join_tensors,
     member_state,
     member_tensors,
@@ -40,10 +41,11 @@ LAUNCH_TIMEOUT_S = 300
 #: AdamW's normalised update carries that into the parameters (4e-7 after 20 steps here)
 TOLERANCE = 1e-5
 ADAMW = "adamw(lr=1e-3, weight_decay=0.01)"
-#: name: (forward model, loss and autodiff): a GPT-2 of 2 layers (tied embeddings, TorchScript
-#: export: Gemm between reshapes, tanh GELU), a BERT encoder (erf GELU), a Llama-style model
-#: (dynamo export: x·Wᵀ, SwiGLU's gate and up projections, RMSNorm, rotary, grouped-query
-#: attention), the shipped digits MLP (Gemm, ReLU)
+#: name: (forward model, loss and autodiff), every attention and MLP split: a GPT-2 of 2 layers
+#: and 4 heads (tied embeddings, TorchScript export: a fused QKV Gemm split per section,
+#: Gemm between reshapes, tanh GELU), a BERT encoder (2 heads, erf GELU), a Llama-style model
+#: (dynamo export: x·Wᵀ, ONNX's Attention op, 8 query and 4 key/value heads, rotary, RMSNorm,
+#: SwiGLU's gate and up projections), the shipped digits MLP (Gemm, ReLU)
 CASES = {
     "gpt2": ("gpt2.onnx", "loss(kind=mse, output=logits), autodiff"),
     "bert": ("bert.onnx", "loss(kind=mse, output=hidden), autodiff"),
@@ -75,9 +77,9 @@ def workspace(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tensor-parallel")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        models.export_transformer(folder / "gpt2.onnx", n_layer=2)
+        models.export_transformer(folder / "gpt2.onnx", n_layer=2, n_head=4)
         models.export_bert(folder / "bert.onnx")
-        models.export_dynamo(models.llama_module(), folder / "llama.onnx", 23)
+        models.export_dynamo(models.llama_module(heads=8, kv_heads=4), folder / "llama.onnx", 23)
     for name in CASES:
         np.savez(folder / f"{name}-batches.npz", **_batches(name, STEPS, seed=len(name)))
     return folder
@@ -189,10 +191,15 @@ def test_the_joined_state_resumes_on_one_process_and_on_another_t(two_members):
     saved = CheckpointState.load(folder / "gpt2-2-whole.safetensors")
     state = member_state(saved.copy(), member)
     assert state.step == STEPS
-    axes = carried_axes(ProgramRoles.read(member))
-    assert axes
+    split = carried_split(ProgramRoles.read(member))
+    assert any(sections for _, sections in split.values())  # c_attn's Q, K and V sections
     for name, value in saved.tensors.items():
-        expected = np.split(value, 4, axis=axes[name])[1] if name in axes else value
+        if name in split:
+            axis, sections = split[name]
+            parts = np.split(value, np.cumsum(sections)[:-1], axis=axis) if sections else [value]
+            expected = np.concatenate([np.split(p, 4, axis=axis)[1] for p in parts], axis=axis)
+        else:
+            expected = value
         np.testing.assert_array_equal(state.tensors[name], expected, err_msg=name)
 
 
@@ -228,6 +235,11 @@ def test_member_slices_join_back_to_the_whole():
     joined = join_tensors(members, axes)
     for name, value in whole.items():
         np.testing.assert_array_equal(joined[name], value)
+    # a fused QKV weight: each member holds its part of every section
+    qkv = {"w": np.arange(2 * 12).reshape(2, 12)}
+    members = [member_tensors(qkv, {"w": (1, (4, 4, 4))}, r, 2) for r in range(2)]
+    np.testing.assert_array_equal(members[1]["w"][0], [2, 3, 6, 7, 10, 11])
+    np.testing.assert_array_equal(join_tensors(members, {"w": (1, (4, 4, 4))})["w"], qkv["w"])
 
 
 DIGITS = str(REPO / "examples" / "digits" / "model.onnx")

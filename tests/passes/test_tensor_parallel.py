@@ -1,9 +1,10 @@
-"""The tensor_parallel pass (passes/tensor_parallel.py) on MLP blocks. Two oracles: the program
-on one process, where the markers are Identity, trains as the unmarked one, bit for bit; and
-each member's program (``rank=r``: the first weights and biases sliced along the hidden
-features, the second weight along its input features) computes a partial product whose sum
-over the members (the TensorParallelReduce the runtime does) is the whole model's. Training
-across processes: tests/distributed/test_tensor_parallel_members.py."""
+"""The tensor_parallel pass (passes/tensor_parallel.py) on MLP and attention blocks. Two
+oracles: the program on one process, where the markers are Identity, trains as the unmarked
+one, bit for bit; and the members' programs (``rank=r``: the column weights and biases sliced
+along their output features or heads, the row weight along its input features, the reshapes
+to heads rewritten) run as the group runs them (``_group_run``: each TensorParallelReduce's
+input summed across the members, in order) compute the whole model's output. Training across
+processes: tests/distributed/test_tensor_parallel_members.py."""
 
 from __future__ import annotations
 
@@ -52,22 +53,32 @@ def test_on_one_process_the_marked_program_trains_as_the_unmarked_one():
     np.testing.assert_allclose(a.last_grad_norm, b.last_grad_norm, rtol=1e-6)  # the squares summed in two groups
 
 
+@pytest.fixture(scope="module")
+def gpt2_four_heads(tmp_path_factory) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return models.export_transformer(tmp_path_factory.mktemp("tp") / "gpt2.onnx", n_head=4, n_layer=2)
+
+
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("source", ["digits", "tanh_mlp", "gpt2"])
-def test_the_members_partial_products_sum_to_the_whole_models(source, size, transformer_path):
-    """Member r's program (``rank=r``: its slices, the shapes after them inferred again, GPT-2's
-    reshapes between its projections taking the hidden size from the data) computes a partial
-    product where the program sums across the group; the members' partial products, summed,
-    are the whole model's product there."""
+def test_the_members_run_as_a_group_compute_the_whole_model(source, size, gpt2_four_heads):
+    """Each member's program holds 1/size of every split parameter (GPT-2's fused c_attn: of
+    each of its Q, K and V sections) and, with the group's sums between its parts, computes
+    what the whole model does: GPT-2 (2 layers, 4 heads) through both layers' attention and
+    MLP blocks."""
     model = {
         "digits": lambda: onnx.load(DIGITS),
         "tanh_mlp": models.tanh_mlp,
-        "gpt2": lambda: onnx.load(transformer_path),
+        "gpt2": lambda: onnx.load(gpt2_four_heads),
     }[source]()
     output = model.graph.output[0].name
     marked = graphforge.compile(model, f"tensor_parallel(size={size})").model
     role = _role(marked)
-    assert role["size"] == size and len(role["blocks"]) == 1 and "rank" not in role
+    kinds = [b["kind"] for b in role["blocks"]]
+    assert kinds == (["attention", "mlp"] * 2 if source == "gpt2" else ["mlp"]) and "rank" not in role
+    if source == "gpt2":
+        assert role["sections"]["inner.transformer.h.0.attn.c_attn.weight"] == [32, 32, 32]
     rng = np.random.default_rng(0)
     if source == "digits":
         feeds = {"images": rng.integers(0, 17, (5, 8, 8)).astype(np.uint8)}
@@ -77,9 +88,7 @@ def test_the_members_partial_products_sum_to_the_whole_models(source, size, tran
         feeds = {i.name: rng.standard_normal((5, 4)).astype(np.float32) for i in model.graph.input}
     whole = models.run(model, feeds)[output]
     np.testing.assert_allclose(models.run(marked, feeds)[output], whole, rtol=1e-5, atol=1e-6)  # identity markers
-    (reduce,) = [n for n in marked.graph.node if n.op_type == "TensorParallelReduce"]
-    summed = reduce.output[0]
-    partials = []
+    members = []
     for rank in range(size):
         member = graphforge.compile(model, f"tensor_parallel(size={size}, rank={rank})").model
         assert _role(member)["rank"] == rank
@@ -87,9 +96,17 @@ def test_the_members_partial_products_sum_to_the_whole_models(source, size, tran
         for name, axis in role["split"].items():
             whole_shape = numpy_helper.to_array(next(t for t in marked.graph.initializer if t.name == name)).shape
             assert values[name].shape[axis] == whole_shape[axis] // size, name
-        partials.append(_run_to(member, summed, feeds))
-    # what the group sums, summed, is what the whole model computes there
-    np.testing.assert_allclose(sum(partials), _run_to(marked, summed, feeds), rtol=1e-4, atol=1e-5)
+        members.append(member)
+    np.testing.assert_allclose(_group_run(members, feeds, output), whole, rtol=1e-4, atol=1e-5)
+
+
+def _group_run(members: list[onnx.ModelProto], feeds, output: str) -> np.ndarray:
+    """``output`` as the group computes it: each TensorParallelReduce's input summed across
+    the members' programs, in the order they reach them, and fed on as its output."""
+    sums: dict[str, np.ndarray] = {}
+    for node in [n for n in members[0].graph.node if n.op_type == "TensorParallelReduce"]:
+        sums[node.output[0]] = sum(_run_to(_fed(m, sums), node.input[0], {**feeds, **sums}) for m in members)
+    return _run_to(_fed(members[0], sums), output, {**feeds, **sums})
 
 
 def _run_to(model: onnx.ModelProto, name: str, feeds) -> np.ndarray:
@@ -100,35 +117,116 @@ def _run_to(model: onnx.ModelProto, name: str, feeds) -> np.ndarray:
     return models.run(cut, feeds)[name]
 
 
+def _fed(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """``model`` with the tensors ``values`` names read from inputs instead of computed."""
+    fed = onnx.ModelProto()
+    fed.CopyFrom(model)
+    kept = [n for n in fed.graph.node if not any(o in values for o in n.output)]
+    del fed.graph.node[:]
+    fed.graph.node.extend(kept)
+    fed.graph.input.extend(
+        onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+        for name, v in values.items()
+    )
+    return fed
+
+
 @pytest.mark.slow
-def test_the_blocks_of_a_dynamo_llama_export_and_a_bert_encoder_are_found(tmp_path):
-    """Found on the graph: SwiGLU's gate and up projections (x·Wᵀ, as the dynamo exporter
-    writes a Linear) are both column-parallel, sharing one f; BERT's erf GELU between its
-    dense layers; attention's projections are left whole (not split by the pass yet)."""
+def test_a_dynamo_llama_and_a_bert_encoder_split_their_attention_and_mlps(tmp_path):
+    """Found on the graph: Llama's attention (dynamo export: x·Wᵀ projections, rotary
+    embedding, grouped key/value heads repeated by Expand, ONNX's Attention op) splits by
+    heads, its SwiGLU's gate and up projections both column-parallel, sharing one f; BERT's
+    attention (TorchScript: the number of heads a constant in its reshapes) and its erf GELU
+    MLP. The members, run as a group, compute each model's output."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llama = models.export_dynamo(models.llama_module(), tmp_path / "llama.onnx", 23)
         bert = models.export_bert(tmp_path / "bert.onnx")
     role = _role(graphforge.compile(str(llama), "tensor_parallel(size=2)").model)
-    assert len(role["blocks"]) == 2
-    for layer, block in enumerate(role["blocks"]):
-        stem = f"inner.model.layers.{layer}.mlp"
-        assert sorted(block["column"]) == [f"{stem}.gate_proj.weight", f"{stem}.up_proj.weight"]
-        assert block["row"] == [f"{stem}.down_proj.weight"] and len(block["copy"]) == 1
-        assert role["split"][f"{stem}.gate_proj.weight"] == 0 and role["split"][f"{stem}.down_proj.weight"] == 1
+    assert [b["kind"] for b in role["blocks"]] == ["attention", "mlp"] * 2
+    for layer in range(2):
+        attention, mlp = role["blocks"][2 * layer : 2 * layer + 2]
+        stem = f"inner.model.layers.{layer}"
+        assert sorted(attention["column"]) == [f"{stem}.self_attn.{x}_proj.weight" for x in "kqv"]
+        assert attention["row"] == [f"{stem}.self_attn.o_proj.weight"]
+        assert sorted(mlp["column"]) == [f"{stem}.mlp.gate_proj.weight", f"{stem}.mlp.up_proj.weight"]
+        assert mlp["row"] == [f"{stem}.mlp.down_proj.weight"] and len(mlp["copy"]) == 1
+        assert role["split"][f"{stem}.mlp.gate_proj.weight"] == 0 and role["split"][f"{stem}.mlp.down_proj.weight"] == 1
     role = _role(graphforge.compile(str(bert), "tensor_parallel(size=2)").model)
-    assert [b["row"] for b in role["blocks"]] == [[f"inner.encoder.layer.{i}.output.dense.weight"] for i in range(2)]
+    rows = [b["row"] for b in role["blocks"]]
+    assert rows == [
+        [f"inner.encoder.layer.{i}.{x}.dense.weight"] for i in range(2) for x in ("attention.output", "output")
+    ]
+    rng = np.random.default_rng(3)
+    for path, vocab, output in ((llama, models.LLAMA_VOCAB, "logits"), (bert, 64, "hidden")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            members = [graphforge.compile(str(path), f"tensor_parallel(size=2, rank={r})").model for r in range(2)]
+        feeds = {"input_ids": rng.integers(0, vocab, (2, 7))}
+        whole = models.run(str(path), feeds)[output]
+        np.testing.assert_allclose(_group_run(members, feeds, output), whole, rtol=1e-4, atol=1e-5)
 
 
-def test_sizes_that_do_not_divide_and_models_without_a_block_are_refused_by_name():
-    with pytest.raises(PipelineError, match=r"node '.*' makes 64 hidden features, which 3 processes cannot split"):
+def test_sizes_that_do_not_divide_and_models_without_a_block_are_refused_by_name(transformer_path):
+    with pytest.raises(PipelineError, match=r"node '.*' has 64 output features, which 3 processes cannot split"):
         graphforge.compile(DIGITS, "tensor_parallel(size=3)")
-    with pytest.raises(PipelineError, match="no pair of projections"):
+    with pytest.raises(PipelineError, match="no block of projections"):
         graphforge.compile(models.linear_model(), "tensor_parallel(size=2)")
     model = onnx.load(DIGITS)
     first = next(n.name for n in model.graph.node if n.op_type == "Gemm")
-    with pytest.raises(PipelineError, match="no pair of projections"):  # the only block, left replicated
+    with pytest.raises(PipelineError, match="no block of projections"):  # the only block, left replicated
         graphforge.compile(model, f'tensor_parallel(size=2, skip=["{first}"])')
+    # GPT-2 with 2 heads on 4 members: refused at its reshape to heads, naming the block to skip
+    gpt2 = onnx.load(transformer_path)
+    with pytest.raises(PipelineError, match=r"Reshape node '.*' makes 2 along the split axis .* skip=\['(.*)'\]"):
+        graphforge.compile(gpt2, "tensor_parallel(size=4)")
+    c_proj = next(n.name for n in gpt2.graph.node if n.op_type == "Gemm" and "attn/c_proj" in n.name)
+    role = _role(graphforge.compile(gpt2, f'tensor_parallel(size=4, skip=["{c_proj}"])').model)
+    assert [b["kind"] for b in role["blocks"]] == ["mlp"]  # the attention stays whole on every member
+
+
+def test_a_block_that_mixes_the_members_parts_stays_whole_with_a_warning():
+    """An attention-like block whose scores get a bias per head that is not split (T5's
+    relative position bias) cannot be computed on a member's heads: it stays whole, said once
+    in a warning with the node, and the MLP after it still splits."""
+    rng = np.random.default_rng(0)
+
+    def init(name, *shape):
+        return onnx.numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+
+    ints = lambda name, values: onnx.numpy_helper.from_array(np.array(values, np.int64), name)  # noqa: E731
+    nodes = [
+        onnx.helper.make_node("MatMul", ["x", "wq"], ["q"]),
+        onnx.helper.make_node("MatMul", ["x", "wk"], ["k"]),
+        onnx.helper.make_node("Reshape", ["q", "heads"], ["qh"]),
+        onnx.helper.make_node("Reshape", ["k", "heads"], ["kh"]),
+        onnx.helper.make_node("Transpose", ["qh"], ["qt"], perm=[1, 0, 2]),
+        onnx.helper.make_node("Transpose", ["kh"], ["kt"], perm=[1, 2, 0]),
+        onnx.helper.make_node("MatMul", ["qt", "kt"], ["scores"]),
+        onnx.helper.make_node("Add", ["scores", "head_bias"], ["biased"], name="per_head_bias"),
+        onnx.helper.make_node("Softmax", ["biased"], ["p"]),
+        onnx.helper.make_node("MatMul", ["p", "qt"], ["ctx"]),
+        onnx.helper.make_node("Transpose", ["ctx"], ["ctxt"], perm=[1, 0, 2]),
+        onnx.helper.make_node("Reshape", ["ctxt", "merged"], ["m"]),
+        onnx.helper.make_node("MatMul", ["m", "wo"], ["a"]),
+        onnx.helper.make_node("Add", ["x", "a"], ["r"]),
+        onnx.helper.make_node("MatMul", ["r", "w1"], ["h"]),
+        onnx.helper.make_node("Relu", ["h"], ["g"]),
+        onnx.helper.make_node("MatMul", ["g", "w2"], ["y"]),
+    ]
+    inits = [init("wq", 8, 8), init("wk", 8, 8), init("wo", 8, 8), init("w1", 8, 16), init("w2", 16, 8)]
+    inits += [init("head_bias", 4, 1, 1), ints("heads", [0, 4, 2]), ints("merged", [0, 8])]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "per_head_bias",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 8])],
+        inits,
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    with pytest.warns(UserWarning, match="1 block.* stay whole .*'per_head_bias' reads 'head_bias'"):
+        role = _role(graphforge.compile(model, "tensor_parallel(size=2)").model)
+    assert [b["row"] for b in role["blocks"]] == [["w2"]]
 
 
 def test_a_block_whose_weight_another_layer_shares_is_left_whole():
@@ -198,22 +296,21 @@ def _hf_export(name: str, path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["opt", "gpt-neox", "qwen2"])
-def test_the_mlps_of_other_architectures_split_and_their_members_sum_to_the_whole(name, tmp_path):
-    """Architectures the other tests do not train (OPT: Gemm, ReLU; GPT-NeoX: MatMul and bias
-    Add, GELU; Qwen2: SwiGLU without biases): every layer's MLP is found, the marked model
-    computes what the export does, and the members' partial products in the first block sum
-    to the whole model's."""
+def test_other_architectures_split_and_their_members_compute_the_whole(name, tmp_path):
+    """Architectures the other tests do not train (OPT: Gemm, ReLU, separate Q/K/V; GPT-NeoX:
+    a fused QKV laid out per head, partial rotary, GELU; Qwen2: grouped key/value heads,
+    SwiGLU without biases): every layer's attention and MLP split, the marked model computes
+    what the export does, and so do the members run as a group."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = onnx.load(_hf_export(name, tmp_path / f"{name}.onnx"))
         marked = graphforge.compile(model, "tensor_parallel(size=2)").model
         members = [graphforge.compile(model, f"tensor_parallel(size=2, rank={r})").model for r in range(2)]
-    assert len(_role(marked)["blocks"]) == 2
+    assert sorted(b["kind"] for b in _role(marked)["blocks"]) == ["attention", "attention", "mlp", "mlp"]
     feeds = {"input_ids": np.random.default_rng(1).integers(0, 64, (2, 8))}
-    np.testing.assert_allclose(models.run(marked, feeds)["logits"], models.run(model, feeds)["logits"], atol=1e-5)
-    first = next(n.output[0] for n in marked.graph.node if n.op_type == "TensorParallelReduce")
-    total = sum(_run_to(member, first, feeds) for member in members)
-    np.testing.assert_allclose(total, _run_to(marked, first, feeds), rtol=1e-4, atol=1e-5)
+    whole = models.run(model, feeds)["logits"]
+    np.testing.assert_allclose(models.run(marked, feeds)["logits"], whole, atol=1e-5)
+    np.testing.assert_allclose(_group_run(members, feeds, "logits"), whole, rtol=1e-4, atol=1e-5)
 
 
 def test_a_dropout_between_the_projections_draws_a_stream_per_member():
