@@ -222,6 +222,7 @@ def run(quick: bool = False) -> str:
 def report(measured: dict) -> str:
     spec, best, threads = measured["spec"], measured["best"], measured["threads"]
     rows, throughput = [], {}
+    whole = best["graphforge, one process"]["parameter_mib"]
     for label, _, size in measured["plan"]:
         result = best[label]
         step = statistics.median(result["step_s"])
@@ -235,7 +236,7 @@ def report(measured: dict) -> str:
     c = spec.config
     lines = [
         f"GPT-2 {c['n_layer']}×{c['n_embd']}, vocab {c['vocab_size']:,}, sequence {c['seq']}, batch {BATCH} (every "
-        f"member takes it whole), AdamW; split: each block's MLP (column, then row); {tb._cpu_name()}, "
+        f"member takes it whole), AdamW; split: each block's attention by heads and its MLP (column, then row); {tb._cpu_name()}, "
         f"{os.cpu_count()} cores; torch {dp_bench._version('torch')}, onnxruntime {dp_bench._version('onnxruntime')}.",
         "",
         "| run | processes × threads | step (median, IQR) | samples/s | parameters per process "
@@ -256,13 +257,19 @@ def report(measured: dict) -> str:
         ]
     lines += [
         "",
-        "Reading it: only the MLPs are split (attention, the embeddings and the LM head, which holds the "
-        f"{c['vocab_size']:,}-word vocabulary, stay whole on every member: the pass does not split them yet), so each "
-        "member still computes most of the step and holds most of the parameters; the per-process parameter "
-        f"memory goal of 1/T waits for those splits. On {os.cpu_count()} cores, T processes of 1 thread "
+        "Reading it: each block's attention and MLP are split; the embeddings and the LM head, which holds the "
+        f"{c['vocab_size']:,}-word vocabulary, stay whole on every member (the pass does not split them yet): "
+        + "; ".join(
+            f"at T = {size} member 0 holds {best[f'graphforge T = {size}']['parameter_mib']:.1f} of "
+            f"{whole:.1f} MiB of parameters ({best[f'graphforge T = {size}']['parameter_mib'] / whole:.0%}, 1/T "
+            f"= {1 / size:.0%})"
+            for size in measured["sizes"]
+        )
+        + f". On {os.cpu_count()} cores, T processes of 1 thread "
         "share the cores the one-process runs use; at T = 4 on 2 cores two processes take turns on each core, "
         "so the row measures what tensor parallelism costs, not what it gains. torch's tensor parallelism "
-        "splits the same projections (GPT-2's Conv1D as the nn.Linear it computes) and reaches the same losses.",
+        "splits the same projections (GPT-2's Conv1D as the nn.Linear it computes; the fused c_attn's columns "
+        "regrouped so that each member's chunk is its heads of Q, K and V) and reaches the same losses.",
     ]
     return "\n".join(lines) + "\n"
 
