@@ -15,12 +15,14 @@ ranks that are gone; data_parallel.py cuts the training step at the gradient buc
 reduces them while backward goes on; zero.py shards the optimizer states and gradients
 (ZeRO stages 1 and 2: ``ZeroDataParallel`` for a program compiled with the zero pass);
 tensor_parallel.py sums across a tensor-parallel group where each member's program marks it
-(``TensorParallel``). Needs torch (``pip install graphforge[torch]``).
+(``TensorParallel``); ``World.mesh(tensor=T)`` lays the processes out as data replicas of
+tensor groups, each a World of its own (a member is then both: ``TensorParallel(module,
+mesh.tensor)`` and ``DataParallel(module, mesh.data)``). Needs torch (``pip install graphforge[torch]``).
 """
 
 from graphforge.distributed.data_parallel import CommStats, DataParallel
 from graphforge.distributed.tensor_parallel import TensorParallel
-from graphforge.distributed.world import DEFAULT_TIMEOUT_S, DistributedError, World, digest, launched
+from graphforge.distributed.world import DEFAULT_TIMEOUT_S, DistributedError, Mesh, World, digest, launched
 from graphforge.distributed.zero_data_parallel import ZeroDataParallel
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "CommStats",
     "DataParallel",
     "DistributedError",
+    "Mesh",
     "TensorParallel",
     "World",
     "ZeroDataParallel",

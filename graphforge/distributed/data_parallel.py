@@ -169,7 +169,8 @@ class DataParallel:
     def broadcast(self, names: list[str], what: str) -> None:
         """Rank 0's current values of the carried tensors ``names`` on every rank."""
         if self.world.size > 1:
-            broadcast_carried(self.world, self.module.runner, names, 0, what)
+            world = self.world
+            broadcast_carried(world, self.module.runner, names, world.global_of(0), what, group=world.group)
 
     def cut_step(self, key: Any, keep: list[str], dims: dict[str, int] | None = None) -> list[SegmentRun]:
         """The training step cut after each bucket: segment k makes bucket k's gradients
@@ -241,7 +242,7 @@ class _Reduction:
         self.covers = [n for b in buckets for n in b.names]
         self.what = f"the gradient allreduce of step {owner.step_number}"
         with owner.world.collective(self.what):
-            self.works = [dist.all_reduce(b.flat, async_op=True) for b in buckets]
+            self.works = [dist.all_reduce(b.flat, group=owner.world.group, async_op=True) for b in buckets]
 
     def wait(self) -> Mapping[str, ort.OrtValue] | None:
         started = time.perf_counter()

@@ -143,9 +143,14 @@ class TensorParallel:
     optimizer pass sums the squares of a member's slices across the group (a
     TensorParallelReduce call of its own) before adding the replicated parameters' once.
 
+    ``world``: the tensor group (``World.mesh(tensor=T).tensor`` in a mesh with data
+    parallelism: the same Module is then a replica of ``DataParallel(module, mesh.data)``
+    too, its gradients reduced across the replicas between its forward/backward and its
+    update).
+
     Refused: a program that is not a member's, a group size or rank other than the
-    program's, LAMB (its trust ratio takes whole parameters' norms), and a data-parallel
-    Module (a mesh of both is not supported yet).
+    program's, LAMB (its trust ratio takes whole parameters' norms), and ZeRO over the
+    replicas (its sharded update takes the gradient norm over the replicas alone).
     """
 
     op = roles.TENSOR_PARALLEL_REDUCE_OP
@@ -154,8 +159,9 @@ class TensorParallel:
         role = _member_role(module.roles)
         if role.size != world.size or role.rank != world.rank:
             raise DistributedError(
-                f"rank {world.rank} of {world.size}: its program is member {role.rank}'s of {role.size} "
-                f"(compile it with tensor_parallel(size={world.size}, rank={world.rank}))"
+                f"rank {world.global_rank}, member {world.rank} of a tensor group of {world.size}: its program is "
+                f"member {role.rank}'s of {role.size} (compile it with tensor_parallel(size={world.size}, "
+                f"rank={world.rank}))"
             )
         if module.roles.optimizer == "lamb":
             raise GraphforgeError(
@@ -185,7 +191,7 @@ class TensorParallel:
             with self.world.collective(what):
                 for name in names:
                     tensor = tensor_of(sent[name])
-                    dist.all_reduce(tensor)
+                    dist.all_reduce(tensor, group=self.world.group)
                     self.stats.bytes += tensor.numel() * tensor.element_size()
                     self.stats.reductions += 1
             self.stats.seconds += time.perf_counter() - started
@@ -227,7 +233,7 @@ class TensorParallel:
         split = {n: tensors[n] for n in self.axes}
         gathered: list = [None] * self.world.size
         with self.world.collective("gathering the tensor-parallel members' states"):
-            dist.all_gather_object(gathered, split)
+            dist.all_gather_object(gathered, split, group=self.world.group)
         if self.world.rank != 0:
             return None
         joined = {**tensors, **join_tensors(gathered, self.split)}

@@ -1,4 +1,5 @@
-"""The processes of a data-parallel run: torch.distributed under torchrun, and what goes wrong.
+"""The processes of a distributed run: torch.distributed under torchrun, the mesh of groups
+over them, and what goes wrong.
 
 torchrun (or anything that sets the same environment: ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) starts one process per replica; each
@@ -28,6 +29,7 @@ How long a stuck rank takes to end a run, end to end:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import time
@@ -65,6 +67,11 @@ class World:
     Make one with :meth:`join`; ``size`` processes, this one ``rank`` (``local_rank`` on its
     machine), on ``backend``; ``device``: where the collectives' tensors live ("cpu", or
     "cuda:<local_rank>" with NCCL).
+
+    A group of some of the processes (one axis of a :meth:`mesh`) is a World too: ``size``
+    and ``rank`` are then within the group, ``ranks`` its members' ranks in the whole run
+    (``global_rank`` this process's), and its collectives run on ``group``, a
+    torch.distributed group of them. Errors name ranks of the whole run.
     """
 
     size: int
@@ -75,6 +82,55 @@ class World:
     timeout_s: float
     store: Any = field(repr=False)
     _checked_in: bool = field(default=False, repr=False)
+    #: the torch.distributed group of a World over some of the processes (None: all of them)
+    group: Any = field(default=None, repr=False)
+    #: the members' ranks in the whole run, in group order (None: all of them, as they are)
+    ranks: tuple[int, ...] | None = None
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole run."""
+        return self.global_of(self.rank)
+
+    def global_of(self, rank: int) -> int:
+        """The rank in the whole run of member ``rank`` of this World."""
+        return self.ranks[rank] if self.ranks is not None else rank
+
+    def mesh(self, *, tensor: int = 1, pipeline: int = 1) -> Mesh:
+        """The processes as a mesh of data × pipeline × tensor, ranks ordered (data, pipeline,
+        tensor): rank = (d × pipeline + s) × tensor + t, so a tensor group's members are
+        neighbours (one machine's processes, where the links are fastest), then a pipeline's
+        stages, and the data replicas furthest apart. Every process makes every group, in one
+        order (torch.distributed requires it of all of them). Raises DistributedError where
+        the process count is not a multiple of ``tensor × pipeline``."""
+        if self.ranks is not None:
+            raise DistributedError("a mesh is made over the whole run's processes, not over a group of them")
+        if tensor < 1 or pipeline < 1 or self.size % (tensor * pipeline):
+            raise DistributedError(
+                f"{self.size} processes do not make a mesh of tensor groups of {tensor} and pipelines of {pipeline} "
+                f"stage(s): the process count must be a multiple of {tensor * pipeline}"
+            )
+        data = self.size // (tensor * pipeline)
+        at = lambda d, s, t: (d * pipeline + s) * tensor + t  # noqa: E731
+        axes = {
+            "tensor": [[at(d, s, t) for t in range(tensor)] for d in range(data) for s in range(pipeline)],
+            "pipeline": [[at(d, s, t) for s in range(pipeline)] for d in range(data) for t in range(tensor)],
+            "data": [[at(d, s, t) for d in range(data)] for s in range(pipeline) for t in range(tensor)],
+        }
+        own = {}
+        import torch.distributed as dist
+
+        with self.collective("making the mesh's groups"):
+            for axis, groups in axes.items():
+                for ranks in groups:
+                    whole = len(ranks) == self.size
+                    group = None if whole else dist.new_group(ranks)
+                    if self.rank in ranks:
+                        own[axis] = dataclasses.replace(
+                            self, size=len(ranks), rank=ranks.index(self.rank), group=group,
+                            ranks=None if whole else tuple(ranks), _checked_in=False,
+                        )  # fmt: skip
+        return Mesh(self, own["data"], own["pipeline"], own["tensor"])
 
     @classmethod
     def join(cls, *, cuda: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
@@ -154,7 +210,7 @@ class World:
                 whom = f"{who} did not answer or check in within {self.check_in_s:g} s (died, hangs, or unreachable)"
         else:
             whom = "every rank still answers"
-        return DistributedError(f"rank {self.rank}: {what} failed: {whom}; {self.backend} said: {cause}")
+        return DistributedError(f"rank {self.global_rank}: {what} failed: {whom}; {self.backend} said: {cause}")
 
     @property
     def check_in_s(self) -> float:
@@ -164,9 +220,9 @@ class World:
         """The ranks that do not check in at the store within ``check_in_s`` (None: no store)."""
         try:
             if not self._checked_in:
-                self.store.set(f"{_CHECK_IN_KEY}{self.rank}", "1")
+                self.store.set(f"{_CHECK_IN_KEY}{self.global_rank}", "1")
                 self._checked_in = True
-            keys = {r: f"{_CHECK_IN_KEY}{r}" for r in range(self.size)}
+            keys = {r: f"{_CHECK_IN_KEY}{r}" for r in (self.ranks or range(self.size))}
             deadline = time.monotonic() + self.check_in_s
             while True:
                 silent = [r for r, key in keys.items() if not self.store.check([key])]
@@ -189,14 +245,14 @@ class World:
 
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         with self.collective(what):
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=self.group)
         return tensor.cpu().tolist()
 
     def barrier(self, what: str) -> None:
         import torch.distributed as dist
 
         with self.collective(what):
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def agree(self, what: str, values: Mapping[str, Any]) -> None:
         """Refuse to go on unless every rank has the same ``values`` (JSON-like; what each
@@ -206,16 +262,30 @@ class World:
 
         gathered: list[Any] = [None] * self.size
         with self.collective(f"comparing {what} across ranks"):
-            dist.all_gather_object(gathered, dict(values))
+            dist.all_gather_object(gathered, dict(values), group=self.group)
         reference = gathered[0]
         for rank, theirs in enumerate(gathered[1:], start=1):
             for key in dict.fromkeys([*reference, *theirs]):
                 mine, other = reference.get(key), theirs.get(key)
                 if mine != other:
                     raise DistributedError(
-                        f"rank {rank}'s {key} is {_shown(other)} but rank 0's is {_shown(mine)}: every rank must run "
+                        f"rank {self.global_of(rank)}'s {key} is {_shown(other)} but rank {self.global_of(0)}'s is "
+                        f"{_shown(mine)}: every rank must run "
                         f"the same {what} (start all ranks with the same files and options)"
                     )
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's groups in a mesh of the run's processes (``World.mesh``): the whole
+    ``world``, and the group along each axis that this process is in (``data``: the replicas
+    holding the same part of the model; ``pipeline``: one pipeline's stages; ``tensor``: one
+    tensor-parallel group). A World of one process where the axis has size 1."""
+
+    world: World
+    data: World
+    pipeline: World
+    tensor: World
 
 
 def digest(data: bytes) -> str:

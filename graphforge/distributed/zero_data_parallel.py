@@ -309,7 +309,7 @@ class ZeroDataParallel(DataParallel):
             for name, shard in bucket.states.items():
                 full = torch.empty(bucket.chunk * self.world.size, dtype=shard.dtype, device=self._device)
                 with self.world.collective(f"gathering the optimizer state {name}"):
-                    _collective("all_gather")(full, shard)
+                    _collective("all_gather")(full, shard, group=self.world.group)
                 for p, (start, stop) in bucket.offsets.items():
                     whole[f"{p}.{name}"] = full[start:stop].cpu().numpy().reshape(runner.carried[p].shape).copy()
         return whole
@@ -430,7 +430,7 @@ class ZeroDataParallel(DataParallel):
             total.index_add_(1, columns, partial.cpu())
             total = total.to(self._device)
             with self.world.collective(f"summing LAMB's tensor norms of step {step + 1}"):
-                dist.all_reduce(total)
+                dist.all_reduce(total, group=self.world.group)
             return total[:, columns.to(self._device)]
 
         return norms
@@ -441,7 +441,9 @@ class ZeroDataParallel(DataParallel):
         with self.world.collective(f"gathering the parameters updated by step {step + 1}"):
             for b in self.buckets:  # in place: this replica's chunk of the flat buffer is its input
                 shard = b.flat_params[rank * b.chunk : (rank + 1) * b.chunk]
-                self._gathers.append((_collective("all_gather")(b.flat_params, shard, async_op=True), shard))
+                self._gathers.append(
+                    (_collective("all_gather")(b.flat_params, shard, group=self.world.group, async_op=True), shard)
+                )
         if not self.overlap:
             self._wait_gathers()
 
@@ -465,7 +467,9 @@ class _Reduction:
         self.owner, self.bucket = owner, bucket
         self.what = f"the gradient reduce-scatter of step {owner.step_number}"
         with owner.world.collective(self.what):
-            self.work = _collective("reduce_scatter")(bucket.shard_grad, bucket.grads, async_op=True)
+            self.work = _collective("reduce_scatter")(
+                bucket.shard_grad, bucket.grads, group=self.owner.world.group, async_op=True
+            )
 
     def wait(self) -> None:
         started = time.perf_counter()

@@ -315,6 +315,11 @@ class Module:
         ``shards_update`` runs the update), ``replica`` is its index (its dropout masks)."""
         if self.reducer is not None:
             raise GraphforgeError("this Module is already data-parallel")
+        if self._chains is not None and reducer.shards_update:
+            raise GraphforgeError(
+                "a tensor-parallel member cannot shard its update across data-parallel replicas (ZeRO) yet: the sharded "
+                "update takes the gradient norm over its replicas only, not across the tensor group; use DataParallel"
+            )
         if self._kernel is not None and self._update_choice == "torch" and not reducer.shards_update:
             raise GraphforgeError(
                 "this Module was made with update='torch', but a data-parallel update reads the reduced "
@@ -330,8 +335,11 @@ class Module:
         marker calls is cut after them, and ``collectives`` sums each across the group."""
         if self._chains is not None:
             raise GraphforgeError("this Module is already a member of a tensor-parallel group")
-        if self.reducer is not None:
-            raise GraphforgeError("a data-parallel Module cannot join a tensor-parallel group (not yet supported)")
+        if self.reducer is not None and self.reducer.shards_update:
+            raise GraphforgeError(
+                "a tensor-parallel member cannot shard its update across data-parallel replicas (ZeRO) yet: the sharded "
+                "update takes the gradient norm over its replicas only, not across the tensor group; use DataParallel"
+            )
         self._chains = Chains(self.runner, collectives)
 
     def take_unheld_states(self) -> dict[str, np.ndarray]:
@@ -424,6 +432,8 @@ class Module:
             self._check_outputs(outputs, self.roles.outputs, "from train_step")
         if self.runner.in_place and self.reducer is None:
             return self._train_step_in_place(feeds, outputs)
+        if self._chains is not None and self.reducer is not None:
+            return self._train_step_in_two(feeds, outputs)
         extra, keep = self._fused_outputs(outputs)
         fetch = [self.loss_name, *outputs]
         for name in self.roles.step_reports:
@@ -474,6 +484,23 @@ class Module:
             undo.overwritten += update.overwritten
         self._undo = undo
         self._received = None  # the gradients go now, not when the next step's replace them
+        self.state.grad_reset_pending = True
+        return self._reported(host, outputs)
+
+    def _train_step_in_two(self, feeds: dict[str, Any], outputs: list[str]):
+        """train_step of a tensor-parallel member that is a data-parallel replica too (a mesh
+        of both): forward/backward cut after the tensor group's sums, the gradients reduced
+        across the replicas, then the update (each of the two runs cut after its sums)."""
+        self.reducer.before_forward()
+        split = self._split_models()
+        first = [o for o in outputs if o in split.grad_outputs]
+        done = self._forward_backward(feeds, tuple(sorted(o for o in first if o != self.loss_name)), first)
+        host = dict(done.host)
+        self.state.micro_batch -= 1  # one step, not a micro-batch
+        update = self._update([o for o in outputs if o not in split.grad_outputs])
+        if update is not None:
+            host.update(update.host)
+        self._received = None
         self.state.grad_reset_pending = True
         return self._reported(host, outputs)
 
@@ -588,12 +615,20 @@ class Module:
                 {n: np.asarray(v) for n, v in self._checked.items()}, checked.get(self.loss_name)
             )
             return Execution(host, {}, [], list(self._undo.overwritten))
-        optim = self._segment_session(1, tuple(sorted(outputs)), buffers=self._grad_buffers)
-        fetch = [n for n in [*self.roles.step_reports, *outputs] if n in optim.outputs]
         received = dict(self._received)
         if self.reducer is not None:
             received = self.reducer.reduce(received)
-        done = self._execute([SegmentRun(optim, fetch)], received)
+        if self._chains is not None:  # the update may sum across the group too (the global gradient norm)
+            split, extra = self._split_models(), tuple(sorted(outputs))
+            keep = segment_outputs(split, 1, self.roles, extra)
+            fetch = [n for n in [*self.roles.step_reports, *outputs] if n in keep]
+            where = "the program's optimizer segment"
+            runs, hook = self._chains.runs(("segment", 1, extra), lambda: split.optim, where, keep, fetch)
+            done = self._execute(runs, received, hook)
+        else:
+            optim = self._segment_session(1, tuple(sorted(outputs)), buffers=self._grad_buffers)
+            fetch = [n for n in [*self.roles.step_reports, *outputs] if n in optim.outputs]
+            done = self._execute([SegmentRun(optim, fetch)], received)
         self._after_update({**{n: np.asarray(v) for n, v in self._checked.items()}, **done.host})
         return done
 

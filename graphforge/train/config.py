@@ -269,10 +269,12 @@ class DistributedConfig:
     pipeline has none; ``overlap``: reduce each bucket while backward computes the next;
     ``zero``: 1 or 2 shards the optimizer states (and at 2 the gradients) across the processes
     (ZeRO, graphforge.distributed.ZeroDataParallel), 0 keeps them whole on each. ``tensor``:
-    T > 1 makes the processes one tensor-parallel group instead (as many processes as T):
-    each compiles its member's program, model.pipeline after ``tensor_parallel(size=T,
-    rank=r)``, and takes every batch whole (data.batch_size is the group's). A single
-    process ignores the section."""
+    T > 1 makes the processes tensor-parallel groups of T (N processes: N / T data-parallel
+    replicas of a group, ranks ordered data then tensor, World.mesh): each compiles its
+    member's program, model.pipeline after ``tensor_parallel(size=T, rank=r)``, and each
+    replica's group takes data.batch_size samples a step, every member all of them, as one
+    data-parallel process does (the allreduce pass added to the members' programs when there
+    are replicas). A single process ignores the section."""
 
     timeout_s: float = field(default=120.0, metadata=accepts("float", minimum=1))
     bucket_mb: float = field(default=25.0, metadata=accepts("float", minimum=0.001))

@@ -21,10 +21,13 @@ every global batch (train/data.py), evaluation is split across the processes and
 and rank 0 alone writes the output folder while the others wait for it at a barrier after
 each checkpoint. The ranks first check that they run the same program and settings; a
 stop (Ctrl-C) is agreed on at the end of a step, so all stop after the same one. With
-``[distributed] tensor = T`` the processes are one tensor-parallel group instead: each
-compiles its member's program (``tensor_parallel(size=T, rank=r)`` before model.pipeline),
-takes every batch whole, evaluates every batch, and each checkpoint is the members' slices
-beside rank 0's file, which loads as the whole program's state (OUT/program.onnx's).
+``[distributed] tensor = T`` the processes are tensor-parallel groups of T instead (one, or
+N / T data-parallel replicas of one: World.mesh): each compiles its member's program
+(``tensor_parallel(size=T, rank=r)`` before model.pipeline, with the allreduce pass where
+there are replicas), each replica's group takes data.batch_size samples a step (every
+member all of them) and evaluates every batch, and each checkpoint is the first group's
+members' slices beside rank 0's file, which loads as the whole program's state
+(OUT/program.onnx's).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from graphforge.analysis.size import human_bytes
-from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel, digest, launched
+from graphforge.distributed import DataParallel, DistributedError, Mesh, World, ZeroDataParallel, digest, launched
 from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
 from graphforge.distributed.tensor_parallel import TensorParallel, member_state
 from graphforge.errors import CheckpointError, ConfigError, DeviceError, GraphforgeError
@@ -160,6 +163,8 @@ class Plan:
     pipeline: PipelineStage | None = None
     #: the tensor-parallel group this process's Module is a member of ([distributed] tensor)
     tensor_group: TensorParallel | None = None
+    #: this process's groups when [distributed] tensor = T (data replicas of tensor groups)
+    mesh: Mesh | None = None
 
 
 def run(
@@ -235,11 +240,15 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     notes: list[str] = []
     out = config.out if config.out is not None else Path("runs") / (config.source.stem if config.source else "train")
     tensor = config.distributed.tensor if world is not None else 1
+    mesh = None
     if tensor > 1:
         _check_tensor_parallel(config, world)
+        mesh = world.mesh(tensor=tensor)
     program, compiled_from = _program(config, tensor)
     # this member's program (tensor > 1); the whole one is what OUT/program.onnx and the checkpoints hold
-    member = _program(config, tensor, world.rank)[0] if tensor > 1 else None
+    member = _program(config, tensor, mesh.tensor.rank)[0] if mesh is not None else None
+    if mesh is not None and mesh.data.size > 1:  # data replicas of the tensor groups: the gradients averaged
+        member = PassManager([AllReduce(bucket_mb=config.distributed.bucket_mb)]).run(member).model
     staged = ProgramRoles.of_proto(program).pipeline
     if staged is not None:
         config = _pipeline_config(config, staged, world)
@@ -266,7 +275,9 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     zero_stage = (zero or program_roles.allreduce.zero) if sharded else 0
     # pipeline stages all read every micro-batch (the first its inputs, the last its labels);
     # data-parallel pipelines each their share, rank = replica × stages + stage
-    shard = ALL  # a tensor-parallel group's members all take every batch whole
+    shard = ALL  # a tensor-parallel group's members all take every batch whole (their replica's share)
+    if mesh is not None and mesh.data.size > 1:
+        shard = Shard(mesh.data.size, mesh.data.rank)
     if world is not None and tensor == 1:
         shard = Shard(world.size, world.rank) if staged is None else _pipeline_shard(world, staged.stages)
 
@@ -381,8 +392,11 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         }
         world.agree("program and config", agreed)
         if tensor > 1:
-            tensor_group = TensorParallel(module, world)
+            tensor_group = TensorParallel(module, mesh.tensor)
             note(f"tensor-parallel: each process holds 1/{tensor} of {len(tensor_group.axes)} carried tensors")
+            if mesh.data.size > 1:
+                DataParallel(module, mesh.data, overlap=config.distributed.overlap)
+                note(f"tensor-parallel groups of {tensor} × {mesh.data.size} data-parallel replicas")
         elif module is not None and sharded:
             zero_run = ZeroDataParallel(module, world, stage=zero_stage, overlap=config.distributed.overlap)
             note(
@@ -426,6 +440,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         world=world,
         pipeline=pipeline,
         tensor_group=tensor_group,
+        mesh=mesh,
     )
 
 
@@ -444,10 +459,10 @@ def _check_tensor_parallel(config: Config, world: World) -> None:
             f"{where}: model.pipeline has tensor_parallel(...) and distributed.tensor = {tensor} adds it: leave it "
             "out of the pipeline"
         )
-    if world.size != tensor:
+    if world.size % tensor:
         raise ConfigError(
-            f"{where}: distributed.tensor = {tensor}, but {world.size} process(es) were started: start {tensor} "
-            "(a mesh of tensor- and data-parallel groups is not supported yet)"
+            f"{where}: distributed.tensor = {tensor}, but {world.size} process(es) were started: start a multiple "
+            f"of {tensor} (tensor groups of {tensor} × data-parallel replicas)"
         )
 
 
@@ -947,7 +962,10 @@ class Run:
         elif self.module is not None and getattr(self.module.reducer, "shards_update", False):
             path = self.module.reducer.save(self.checkpoints)  # each process its shard, then rank 0
         elif self.plan.tensor_group is not None:  # each member its slices, then rank 0: loads whole
-            path = self.plan.tensor_group.save(self.checkpoints)
+            if self.plan.mesh.data.rank == 0:  # the first replica's group: the others hold the same
+                path = self.plan.tensor_group.save(self.checkpoints)
+            else:
+                path = self.checkpoints.path_for(int(state.step))
         else:
             path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
         if self.world is not None:

@@ -1,10 +1,11 @@
 """One member of a tensor-parallel test run: ``python _tensor_parallel_worker.py SPEC.json``
 under the environment torchrun sets. For each case of the spec it compiles this member's
-program (``tensor_parallel(size=WORLD, rank=RANK)`` before the case's pipeline), trains it on
-every batch whole, evaluates the last batch, and member 0 writes the whole program's state
-joined from the members' (``<out>-whole.safetensors``) and the losses
-(``<out>-losses.npz``); each member writes the shapes of its parameters
-(``<out>-rank<r>.json``)."""
+program (``tensor_parallel(size=T, rank=r)`` before the case's pipeline; T the world's size,
+or with ``data`` = D replicas a mesh of D × T, each replica's program ending with the
+allreduce pass), trains it on every batch (whole, or each replica its 1/D of the rows),
+evaluates the last batch, and rank 0 writes the whole program's state joined from its tensor
+group's (``<out>-whole.safetensors``) and the losses (``<out>-losses.npz``); each process
+writes the shapes of its parameters (``<out>-rank<r>.json``)."""
 
 from __future__ import annotations
 
@@ -16,33 +17,41 @@ import warnings
 import numpy as np
 
 import graphforge
-from graphforge.distributed import DistributedError, World
+from graphforge.distributed import DataParallel, DistributedError, World
 from graphforge.distributed.tensor_parallel import TensorParallel
 from graphforge.runtime import Module
 
 
 def train(case: dict, world: World) -> None:
+    replicas = case.get("data", 1)
+    mesh = world.mesh(tensor=world.size // replicas)
+    tensor, data = mesh.tensor, mesh.data
+    pipeline = case["pipeline"] + (", allreduce" if replicas > 1 else "")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exports' padding-row notice
         member = graphforge.compile(
-            case["model"], f"tensor_parallel(size={world.size}, rank={world.rank}), {case['pipeline']}"
+            case["model"], f"tensor_parallel(size={tensor.size}, rank={tensor.rank}), {pipeline}"
         ).model
     module = Module(member, device="cpu", intra_op_threads=1, in_place=case.get("in_place", True))
-    group = TensorParallel(module, world)
+    group = TensorParallel(module, tensor)
+    if replicas > 1:
+        DataParallel(module, data)
     batches = np.load(case["batches"])
     steps = len(batches[batches.files[0]])
     losses = []
     for step in range(steps):
         if case.get("die_at_step") == step and world.rank == case.get("die_rank", 1):
             os._exit(17)  # a member that dies mid-run: the others must stop with its name, not hang
-        losses.append(float(module.train_step(**{n: batches[n][step] for n in batches.files})))
+        rows = len(batches[batches.files[0]][step]) // replicas
+        share = slice(data.rank * rows, (data.rank + 1) * rows)
+        losses.append(float(module.train_step(**{n: batches[n][step][share] for n in batches.files})))
     module.eval()
     evaluated = float(module(**{n: batches[n][-1] for n in batches.files}))
     whole = group.whole_state()
     shapes = {name: list(value.shape) for name, value in module.parameters.items()}
     with open(f"{case['out']}-rank{world.rank}.json", "w") as f:
         json.dump({"shapes": shapes, "reductions": group.stats.reductions}, f)
-    if whole is not None:
+    if whole is not None and data.rank == 0:  # every replica holds the same state
         whole.save(f"{case['out']}-whole.safetensors")
         np.savez(
             f"{case['out']}-losses.npz",

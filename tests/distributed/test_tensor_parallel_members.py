@@ -89,18 +89,20 @@ def _model(folder: Path, name: str) -> str:
     return str(folder / CASES[name][0]) if not Path(CASES[name][0]).is_absolute() else CASES[name][0]
 
 
-def _launch(folder: Path, size: int, names: list[str]) -> Path:
+def _launch(folder: Path, size: int, names: list[str], data: int = 1) -> Path:
+    label = f"{size}" if data == 1 else f"{size // data}x{data}"
     cases = [
         {
             "model": _model(folder, name),
             "pipeline": f"{CASES[name][1]}, {OPTIMIZERS.get(name, ADAMW)}",
             "batches": str(folder / f"{name}-batches.npz"),
-            "out": str(folder / f"{name}-{size}"),
+            "out": str(folder / f"{name}-{label}"),
             "in_place": name != "digits",  # the two-buffer update for one of them
+            "data": data,
         }
         for name in names
     ]
-    spec = folder / f"spec-{size}.json"
+    spec = folder / f"spec-{label}.json"
     spec.write_text(json.dumps({"cases": cases, "timeout_s": 60}))
     argv = [str(Path(__file__).parent / "_tensor_parallel_worker.py"), str(spec)]
     for f in run_ranks(size, argv, timeout=LAUNCH_TIMEOUT_S):
@@ -116,6 +118,12 @@ def two_members(workspace) -> Path:
 @pytest.fixture(scope="module")
 def four_members(workspace) -> Path:
     return _launch(workspace, 4, ["gpt2", "llama", "digits"])
+
+
+@pytest.fixture(scope="module")
+def tensor_by_data(workspace) -> Path:
+    """4 processes: 2 data replicas of tensor groups of 2."""
+    return _launch(workspace, 4, ["gpt2", "llama", "digits"], data=2)
 
 
 def _whole_program(folder: Path, name: str, size: int):
@@ -169,6 +177,31 @@ def test_t_members_equal_one_process_of_the_whole_program(name, size, request):
             expected = list(want[parameter].shape)
             if parameter in axes:
                 expected[axes[parameter]] //= size
+            assert shape == expected, parameter
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "digits"])
+def test_a_mesh_of_data_replicas_of_tensor_groups_equals_one_process(name, tensor_by_data):
+    """T × D = 2 × 2 (World.mesh: ranks ordered data, then tensor): each replica's tensor group
+    splits the model, each replica takes half of every batch's rows, the gradients are
+    averaged across the replicas between forward/backward and the update. One process running
+    the whole program on the whole batches is the oracle, as for T alone."""
+    folder = tensor_by_data
+    reference, losses, evaluated = _reference(folder, name, 2)
+    got = np.load(folder / f"{name}-2x2-losses.npz")
+    np.testing.assert_allclose(got["losses"], losses, rtol=TOLERANCE, atol=TOLERANCE)
+    np.testing.assert_allclose(got["eval"], evaluated, rtol=TOLERANCE, atol=TOLERANCE)
+    np.testing.assert_allclose(got["grad_norm"], reference.last_grad_norm, rtol=TOLERANCE)
+    whole = CheckpointState.load(folder / f"{name}-2x2-whole.safetensors", reference.train_program)
+    for tensor, value in reference.state.tensors.items():
+        np.testing.assert_allclose(whole.tensors[tensor], value, rtol=0, atol=TOLERANCE, err_msg=tensor)
+    axes = carried_axes(reference.roles)
+    for rank in range(4):  # ranks 0, 1 and 2, 3: the two replicas' tensor groups, members 0 and 1
+        report = json.loads((folder / f"{name}-2x2-rank{rank}.json").read_text())
+        for parameter, shape in report["shapes"].items():
+            expected = list(reference.state.tensors[parameter].shape)
+            if parameter in axes:
+                expected[axes[parameter]] //= 2
             assert shape == expected, parameter
 
 
@@ -253,7 +286,9 @@ def test_refusals_name_what_is_wrong(world_of_one, tmp_path):
     ):
         TensorParallel(Module(whole, device="cpu"), world_of_one)
     member = graphforge.compile(DIGITS, f"tensor_parallel(size=2, rank=1), {LOSS}, {ADAMW}").model
-    with pytest.raises(DistributedError, match=r"rank 0 of 1: its program is member 1's of 2"):
+    with pytest.raises(
+        DistributedError, match=r"rank 0, member 0 of a tensor group of 1: its program is member 1's of 2"
+    ):
         TensorParallel(Module(member, device="cpu"), world_of_one)
     with pytest.raises(GraphforgeError, match="one tensor-parallel member's program, which holds slices"):
         Module(member, device="cpu").export_model_for_inferencing(tmp_path / "member.onnx", ["logits"])

@@ -1,7 +1,9 @@
 """``graphforge train`` with ``[distributed] tensor = 2``: two processes, each compiling its
 member's program and taking every batch whole, train as the same config does on one process
 (which ignores the section); their checkpoints (each member's slices in a file of its own,
-joined on loading) resume on one process, and one process's on two; refusals name the key."""
+joined on loading) resume on one process, and one process's on two; four processes are two
+data-parallel replicas of a group of two, each taking half of every batch, and train alike;
+refusals name the key."""
 
 from __future__ import annotations
 
@@ -75,6 +77,23 @@ def test_two_members_train_and_resume_as_one_process(folder):
     _assert_close(runs.checkpoint_path(folder / "one-on-two", STEPS), one.checkpoint)
 
 
+def test_four_processes_are_two_replicas_of_a_tensor_group_and_train_as_one(folder):
+    """T × D = 2 × 2: ranks 0, 1 one replica's group, 2, 3 the other's, each replica taking
+    data.batch_size samples a step as a data-parallel process does (4 here: the global batch
+    is one process's 8); the replicas' gradients are averaged, the first group writes the
+    checkpoints; the state equals one process's."""
+    cfg = config(folder, "mesh.toml", data={"batch_size": 4})
+    four = runs.launch(folder, cfg, folder / "four", "--steps", str(STEPS), ranks=4)
+    assert "tensor-parallel groups of 2 × 2 data-parallel replicas" in four.stdout
+    if not (folder / "one" / "checkpoints").is_dir():
+        graphforge.train.run(config(folder), steps=STEPS, out=folder / "one", quiet=True)
+    _assert_close(runs.checkpoint_path(folder / "four", STEPS), runs.checkpoint_path(folder / "one", STEPS))
+    names = sorted(p.name for p in (folder / "four" / "checkpoints").iterdir())
+    assert names == [
+        f"checkpoint-{s:08d}{part}.safetensors" for s in (4, 8) for part in ("", ".tensor0-of-2", ".tensor1-of-2")
+    ]
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
@@ -84,7 +103,7 @@ def test_two_members_train_and_resume_as_one_process(folder):
             {"model": {"pipeline": f"tensor_parallel(size=2), {th.PIPELINE}"}},
             r"model.pipeline has tensor_parallel\(...\) and distributed.tensor = 2 adds it",
         ),
-        ({}, r"distributed.tensor = 2, but 1 process\(es\) were started: start 2"),
+        ({}, r"distributed.tensor = 2, but 1 process\(es\) were started: start a multiple of 2"),
     ],
 )
 def test_what_a_tensor_parallel_run_cannot_do_is_refused_by_key(folder, world_of_one, sections, message):
