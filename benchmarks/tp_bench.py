@@ -104,18 +104,33 @@ def worker_main(job: dict) -> int:
 
 
 def _graphforge(job: dict, world):
+    """graphforge's step: one process, a tensor group of ``size``, or (``data`` > 1, for
+    plan_bench.py) ``data`` replicas of tensor groups of ``size`` / ``data``, each replica
+    taking its share of the batch's rows."""
     import graphforge
-    from graphforge.distributed import TensorParallel
+    from graphforge.distributed import DataParallel, TensorParallel
     from graphforge.runtime import Module
 
-    size = job["size"]
-    split = f"tensor_parallel(size={size}, rank={world.rank}), " if size else ""
-    program = graphforge.compile(job["model"], f"{split}{tb.PIPELINE}").model
+    data = job.get("data", 1)
+    mesh = world.mesh(tensor=job["size"] // data) if world is not None else None
+    tensor = mesh.tensor.size if mesh is not None else 1
+    split = f"tensor_parallel(size={tensor}, rank={mesh.tensor.rank}), " if tensor > 1 else ""
+    reduce = ", allreduce" if data > 1 else ""
+    program = graphforge.compile(job["model"], f"{split}{tb.PIPELINE}{reduce}").model
     module = Module(program, device="cpu", intra_op_threads=job["threads"], inter_op_threads=1)
     extra = {"parameter_mib": sum(v.nbytes for v in module.parameters.values()) / 2**20}
-    if size:
-        group = TensorParallel(module, world)
+    if tensor > 1:
+        group = TensorParallel(module, mesh.tensor)
         extra["bytes"] = lambda: group.stats.bytes
+    if data > 1:
+        DataParallel(module, mesh.data)
+        rows, at = BATCH // data, mesh.data.rank
+
+        def step(x, y):  # the labels are flattened: [batch * seq]
+            per = len(y) // len(x)
+            return module.train_step(x[at * rows : (at + 1) * rows], y[at * rows * per : (at + 1) * rows * per])
+
+        return step, extra
     return (lambda x, y: module.train_step(x, y)), extra
 
 

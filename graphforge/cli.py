@@ -36,6 +36,7 @@ from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
 from graphforge.placement.buckets import shard_layout
 from graphforge.program import ProgramRoles
+from graphforge.train.planning import default_hardware, plan_config, write_planned
 
 app = typer.Typer(
     name="graphforge",
@@ -591,6 +592,107 @@ def export_command(
         highlight=False,
         soft_wrap=True,
     )
+
+
+@app.command("plan")
+def plan_command(
+    config: Annotated[Path, typer.Argument(help="The training config (TOML) whose split to plan.")],
+    processes: Annotated[int, typer.Option("--processes", min=1, help="Processes the run will have (N).")],
+    memory: Annotated[
+        str, typer.Option("--memory-per-process", help="Memory each process may hold, e.g. 16GiB, 512MiB, 80GB.")
+    ],
+    flops: Annotated[
+        float | None,
+        typer.Option(
+            "--flops",
+            min=1,
+            help="Sustained FLOP/s of one process on training programs (default: this machine's cores shared "
+            "among the processes, at a rate measured here for onnxruntime on the CPU).",
+        ),
+    ] = None,
+    bandwidth: Annotated[
+        float | None,
+        typer.Option("--bandwidth", min=1, help="Bytes/s a process moves on a link (default: gloo on loopback here)."),
+    ] = None,
+    latency: Annotated[
+        float | None,
+        typer.Option("--latency", min=0, help="Seconds per collective or message (default: gloo on loopback here)."),
+    ] = None,
+    overhead: Annotated[
+        float | None,
+        typer.Option(
+            "--overhead", min=0, help="Seconds each onnxruntime run costs besides its kernels (default: CPU)."
+        ),
+    ] = None,
+    dims: Annotated[
+        list[str] | None,
+        typer.Option("--dims", help="Sizes of symbolic dims other than the batch (seq=64); default: data.train's."),
+    ] = None,
+    top: Annotated[int, typer.Option("--top", min=1, help="Splits to show.")] = 5,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the config with the best split that fits here.")
+    ] = None,
+) -> None:
+    """Predict the step time and memory of each data × tensor × pipeline split of N processes
+    for CONFIG (compiling each split's program, running nothing), show the best, and write the
+    config with the fastest one that fits (-o) for graphforge train under torchrun."""
+    hardware = default_hardware(
+        processes, _parse_bytes(memory), flops=flops, bandwidth=bandwidth, latency=latency, overhead=overhead
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a block left whole for some T: the table says what each split holds
+        planned = plan_config(config, processes, hardware, parse_dims(dims or []))
+    predicted = [c for c in planned.candidates if c.prediction is not None]
+    if not predicted:
+        raise UsageFailure(f"no split of {processes} processes could be predicted: {planned.candidates[0].reason}")
+    dims_text = ", ".join(f"{k}={v}" for k, v in sorted(planned.dims.items()))
+    table = Table(
+        title=f"{config.name} on {processes} process(es): global batch {planned.batch} ({dims_text}), "
+        f"{human_bytes(hardware.memory)} each, {hardware.flops / 1e9:g} GFLOP/s each, "
+        f"{hardware.bandwidth / 1e9:g} GB/s and {hardware.latency * 1e6:g} µs a message",
+        title_justify="left",
+    )
+    for column in ("split", "step", "compute", "tensor sums", "gradients", "bubble", "memory", "fits"):
+        table.add_column(column, justify="left" if column == "split" else "right")
+    for candidate in predicted[:top]:
+        p = candidate.prediction
+        table.add_row(
+            str(candidate.split), f"{p.step_s * 1e3:.2f} ms", f"{p.compute_s * 1e3:.2f} ms",
+            f"{p.tensor_s * 1e3:.2f} ms", f"{p.data_s * 1e3:.2f} ms", f"{p.bubble:.0%}",
+            human_bytes(p.memory), "yes" if p.fits else "no",
+        )  # fmt: skip
+    out.print(table)
+    refused = [c for c in planned.candidates if c.prediction is None]
+    for candidate in refused:
+        err.print(f"[yellow]not a candidate:[/] {escape(candidate.reason)}", highlight=False, soft_wrap=True)
+    best = next((c for c in predicted if c.prediction.fits), None)
+    if best is None:
+        raise UsageFailure(f"no split of {processes} processes fits {human_bytes(hardware.memory)} a process")
+    if output is not None:
+        note = (
+            f"planned by graphforge plan for {processes} processes: {best.split}, predicted "
+            f"{best.prediction.step_s * 1e3:.2f} ms a step, {human_bytes(best.prediction.memory)} a process\n"
+            f"run: torchrun --nproc-per-node={processes} -m graphforge train {output.name}"
+        )
+        write_planned(planned, best.split, output, note)
+        out.print(f"wrote [bold]{escape(str(output))}[/] ({best.split})", highlight=False)
+
+
+def _parse_bytes(text: str) -> int:
+    """``16GiB``, ``512MiB``, ``80GB``, ``1e9`` -> bytes."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+    units |= {"TB": 10**12, "B": 1}
+    number, scale = text.strip(), 1
+    unit = next((u for u in units if number.upper().endswith(u)), None)
+    if unit is not None:
+        number, scale = number[: -len(unit)].strip(), units[unit]
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageFailure(f"--memory-per-process {text!r}: write a size, e.g. 16GiB, 512MiB or 80GB")
+    return int(value)
 
 
 @app.command("schedule")

@@ -79,6 +79,7 @@ TOOLS = (
         "graphforge.diff",
         "graphforge.inspect_memory",
         "graphforge.inspect_host_syncs",
+        "graphforge.analysis.plan",
         "graphforge.torch",
     ),
 )

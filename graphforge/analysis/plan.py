@@ -1,0 +1,304 @@
+"""The split planner: which data × tensor × pipeline split of N processes trains a model
+fastest within a memory per process, predicted from the programs graphforge would run. It
+compiles (never runs) each candidate's program and reads its costs:
+
+- compute: the FLOPs of one process's program at its batch (graphforge.analysis.cost) at a
+  sustained rate (``Hardware.flops``), and ``Hardware.overhead`` for each onnxruntime run
+  of its step (the update, each part a tensor-parallel member's run is cut into, each
+  data-parallel bucket's segment, each stage's forward and backward); with pipeline stages, each stage's forward and
+  backward per micro-batch (the pipeline pass's cost report) through the schedule simulator
+  (graphforge.distributed.simulate), whose makespan holds the bubble;
+- communication, at a link's ``bandwidth`` and per-message ``latency``: a tensor-parallel
+  member's sums (each TensorParallelReduce of its program, forward and backward, a ring
+  all-reduce of 2 (T - 1) / T of its bytes), the data-parallel gradient reduction (2 (D - 1)
+  / D of the gradients' bytes, in 25 MB buckets; ZeRO's reduce-scatter and all-gather move
+  the same), the activations a stage sends per micro-batch (inside the simulation);
+- memory: a step's predicted peak (graphforge.runtime.step_memory) of the member's program
+  (two buffers per carried tensor where the run is data-parallel, as DataParallel keeps
+  them), less ZeRO's sharded states (and gradients at stage 2); a stage's parameters, their
+  gradients, its optimizer states and the activations its schedule stashes at most.
+
+Nothing overlaps in the prediction (gloo on the CPU does not overlap much: the collectives
+and the kernels share the cores); splits graphforge cannot run yet (tensor groups with
+pipeline stages, ZeRO with tensor groups) are not candidates. The global batch is the
+config's; a split with D replicas gives each replica 1/D of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from graphforge import roles
+from graphforge.analysis.cost import model_flops, tensor_bytes
+from graphforge.distributed.schedules import make_schedule
+from graphforge.distributed.simulate import Costs, simulate
+from graphforge.errors import GraphforgeError
+from graphforge.graph import Model
+from graphforge.pass_infra import Pass
+from graphforge.pass_manager import PassManager
+from graphforge.passes import PipelinePartition, TensorParallel
+from graphforge.program import ProgramRoles
+from graphforge.runtime.step_memory import step_memory
+
+#: gloo's all-reduce between 2 processes on one machine (loopback), measured on the 2-core
+#: EPYC VM the benchmarks run on: 16 MiB in 16 ms (2 (n - 1) / n of it moved: 1.0 GB/s), and
+#: anything from 1 KiB to 64 KiB in about 2 ms (the ring's rounds wait for the peer's turn
+#: on the cores; 4 bytes alone take 0.1 ms)
+GLOO_BANDWIDTH = 1.0e9
+GLOO_LATENCY = 2.0e-3
+#: what an onnxruntime run costs besides its kernels there: the digits MLP's step (2 runs,
+#: about 2 MFLOP) takes 0.27 ms
+CPU_RUN_OVERHEAD = 1.3e-4
+#: the data-parallel bucket the planner assumes (graphforge train's default bucket_mb)
+BUCKET_BYTES = 25 * 2**20
+#: micro-batches per step tried for S stages: S × each
+MICROBATCH_FACTORS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one process has: sustained FLOP/s on training programs, memory in bytes, and the
+    link to the others (bytes/s each way; seconds per collective or message)."""
+
+    flops: float
+    memory: int
+    bandwidth: float = GLOO_BANDWIDTH
+    latency: float = GLOO_LATENCY
+    #: seconds each onnxruntime run of a step costs besides its kernels (binding, launching,
+    #: the Python around it): what small models' steps are made of
+    overhead: float = CPU_RUN_OVERHEAD
+
+
+@dataclass(frozen=True)
+class Split:
+    """``data`` replicas × ``tensor`` members × ``stages``, ``microbatches`` per step where
+    staged, ZeRO stage ``zero`` over the replicas."""
+
+    data: int
+    tensor: int = 1
+    stages: int = 1
+    microbatches: int = 1
+    zero: int = 0
+
+    @property
+    def processes(self) -> int:
+        return self.data * self.tensor * self.stages
+
+    def __str__(self) -> str:
+        text = f"D={self.data} T={self.tensor} S={self.stages}"
+        if self.stages > 1:
+            text += f" M={self.microbatches}"
+        if self.zero:
+            text += f" ZeRO-{self.zero}"
+        return text
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One split's predicted step: its parts (seconds), the pipeline's bubble and the memory
+    of its largest process."""
+
+    split: Split
+    compute_s: float
+    tensor_s: float
+    data_s: float
+    bubble: float
+    memory: int
+    fits: bool
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.tensor_s + self.data_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A split the planner weighed and could not predict (the reason), or did."""
+
+    split: Split
+    prediction: Prediction | None = None
+    reason: str = ""
+
+
+def splits(processes: int, batch: int) -> list[Split]:
+    """Every split of ``processes`` graphforge can run, with a global ``batch`` each replica
+    (and each micro-batch) divides."""
+    out = []
+    for tensor in _divisors(processes):
+        for stages in _divisors(processes // tensor):
+            data = processes // (tensor * stages)
+            if (tensor > 1 and stages > 1) or batch % data:
+                continue
+            per_replica = batch // data
+            if stages == 1:
+                zeros = (0, 1, 2) if data > 1 and tensor == 1 else (0,)
+                out += [Split(data, tensor, 1, 1, z) for z in zeros]
+                continue
+            for factor in MICROBATCH_FACTORS:
+                micro = stages * factor
+                if per_replica % micro == 0:
+                    out.append(Split(data, tensor, stages, micro))
+    return out
+
+
+def plan(
+    model: onnx.ModelProto,
+    passes: Sequence[Pass],
+    batch: int,
+    dims: Mapping[str, int],
+    processes: int,
+    hardware: Hardware,
+) -> list[Candidate]:
+    """Each split's prediction (fastest first; those that do not fit the memory after those
+    that do), then the splits that could not be predicted, with why. ``model``: the forward
+    model; ``passes``: the training pipeline after it (loss, autodiff, the optimizer);
+    ``batch``: the global batch; ``dims``: the other symbolic dims' sizes (sequence)."""
+    batch_dims = _batch_dims(model)
+    if not batch_dims:
+        raise GraphforgeError("the model's inputs have no symbolic batch dim for the planner to divide")
+    programs = _Programs(model, list(passes))
+    done = []
+    for split in splits(processes, batch):
+        try:
+            done.append(Candidate(split, _predict(split, programs, batch, batch_dims, dims, hardware)))
+        except GraphforgeError as exc:
+            done.append(Candidate(split, reason=str(exc)))
+    predicted = [c for c in done if c.prediction is not None]
+    predicted.sort(key=lambda c: (not c.prediction.fits, c.prediction.step_s))
+    return predicted + [c for c in done if c.prediction is None]
+
+
+def planned_passes(passes: Sequence[Pass], split: Split) -> list[Pass]:
+    """The training pipeline for ``split``: with stages, the optimizer accumulating (the
+    pipeline pass needs it) and ``pipeline(stages, microbatches)`` after it."""
+    out = list(passes)
+    if split.stages > 1:
+        out = [dataclasses.replace(p, accumulate=True) if hasattr(p, "accumulate") else p for p in out]
+        out.append(PipelinePartition(stages=split.stages, microbatches=split.microbatches))
+    return out
+
+
+# ---------------------------------------------------------------------- one split
+
+
+class _Programs:
+    """The compiled programs the splits read, each made once: (tensor size, stages, micro-batches)."""
+
+    def __init__(self, model: onnx.ModelProto, passes: list[Pass]):
+        self.model, self.passes = model, passes
+        self._made: dict[tuple, onnx.ModelProto | GraphforgeError] = {}
+
+    def get(self, split: Split, dims: Mapping[str, int]) -> onnx.ModelProto:
+        key = (split.tensor, split.stages, split.microbatches if split.stages > 1 else 1)
+        made = self._made.get(key)
+        if made is None:
+            passes = planned_passes(self.passes, split)
+            if split.tensor > 1:
+                passes = [TensorParallel(size=split.tensor, rank=0), *passes]
+            if split.stages > 1:
+                chosen = tuple(f"{k}={v}" for k, v in sorted(dims.items()))
+                passes[-1] = dataclasses.replace(passes[-1], dims=chosen)
+            try:
+                made = PassManager(passes).run(_copy(self.model)).model
+            except GraphforgeError as exc:
+                made = GraphforgeError(f"{split}: {exc}")
+            self._made[key] = made
+        if isinstance(made, GraphforgeError):
+            raise made
+        return made
+
+
+def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Prediction:
+    per_replica = batch // split.data
+    micro = per_replica // split.microbatches
+    run_dims = {**dims, **dict.fromkeys(batch_dims, micro if split.stages > 1 else per_replica)}
+    program = programs.get(split, run_dims)
+    program_roles = ProgramRoles.of_proto(program)
+    model = Model.from_proto(program)
+    rate, link = hardware.flops, hardware
+    parameters = [c for c in program_roles.carried if c.role == "parameter"]
+    states = [c for c in program_roles.carried if c.role == "optimizer"]
+    parameter_bytes = sum(_bytes(c) for c in parameters)
+    state_bytes = sum(_bytes(c) for c in states)
+    bubble = 0.0
+    if split.stages > 1:
+        role = program_roles.pipeline
+        costs = role.costs
+        # a backward is about twice its forward
+        forward = [f / 3 / rate + hardware.overhead for f in costs["flops"]]
+        backward = [2 * f / 3 / rate + hardware.overhead for f in costs["flops"]]
+        tensors = model.graph.tensors()
+        sends = max((tensor_bytes(tensors[c], run_dims) for c in role.cuts if c in tensors), default=0)
+        comm = link.latency + sends / link.bandwidth  # a stage's activations out, its gradients back
+        schedule = make_schedule(role.schedule, split.stages, split.microbatches)
+        simulation = simulate(schedule, Costs(forward, backward, comm))
+        compute = simulation.makespan + max(costs["update_flops"]) / rate + hardware.overhead
+        bubble = simulation.bubble
+        stage = max(range(split.stages), key=lambda k: costs["parameter_bytes"][k] + costs["state_bytes"][k])
+        memory = (
+            2 * costs["parameter_bytes"][stage]  # the parameters and their accumulated gradients
+            + costs["state_bytes"][stage]
+            + costs["stash_bytes"][stage] * max(simulation.peak_stash)
+        )
+        gradient_bytes = costs["parameter_bytes"][stage]
+    else:
+        flops = sum(model_flops(model, run_dims).values())
+        runs = 2 + (math.ceil(parameter_bytes / BUCKET_BYTES) if split.data > 1 else 0)
+        runs += sum(_is_reduce(n) for n in model.graph.nodes)
+        compute = flops / rate + runs * hardware.overhead
+        memory = step_memory(program, dims=run_dims, in_place=split.data == 1).peak
+        if split.zero:
+            memory -= int(state_bytes * (1 - 1 / split.data))
+        if split.zero >= 2:
+            memory -= int(parameter_bytes * (1 - 1 / split.data))
+        gradient_bytes = parameter_bytes
+    tensor_s = 0.0
+    if split.tensor > 1:
+        tensors = model.graph.tensors()
+        for node in model.graph.nodes:
+            if _is_reduce(node):
+                size = tensor_bytes(tensors[node.outputs[0].name], run_dims)
+                tensor_s += link.latency + 2 * (split.tensor - 1) / split.tensor * size / link.bandwidth
+        tensor_s *= split.microbatches if split.stages > 1 else 1
+    data_s = 0.0
+    if split.data > 1:
+        buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))
+        data_s = buckets * link.latency + 2 * (split.data - 1) / split.data * gradient_bytes / link.bandwidth
+    return Prediction(split, compute, tensor_s, data_s, bubble, int(memory), memory <= hardware.memory)
+
+
+def _is_reduce(node) -> bool:
+    return node.op == roles.TENSOR_PARALLEL_REDUCE_OP and node.domain == roles.MARKER_DOMAIN
+
+
+def _bytes(spec) -> int:
+    return int(math.prod(spec.shape)) * np.dtype(spec.dtype).itemsize
+
+
+def _batch_dims(model: onnx.ModelProto) -> set[str]:
+    """The names of the inputs' first dims that are symbolic: what a batch divides."""
+    initializers = {t.name for t in model.graph.initializer}
+    names = set()
+    for value in model.graph.input:
+        if value.name in initializers or not value.type.HasField("tensor_type"):
+            continue
+        dims = value.type.tensor_type.shape.dim
+        if dims and dims[0].dim_param:
+            names.add(dims[0].dim_param)
+    return names
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out

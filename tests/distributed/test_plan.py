@@ -1,0 +1,109 @@
+"""``graphforge plan``: the splits of N processes it weighs, what it predicts of each (read
+from the programs it compiles: nothing runs), and the configs it writes, which
+``graphforge train`` then runs under torchrun as they are."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import _train_runs as runs
+import onnx
+import pytest
+from _launch import REPO
+
+from graphforge.analysis.plan import Hardware, Split, plan, splits
+from graphforge.pass_manager import parse_pipeline
+from graphforge.train.config import load_config
+
+pytest.importorskip("torch")
+th = runs.th  # the training helpers (tests/train), which _train_runs puts on the path
+DIGITS = REPO / "examples" / "digits"
+PIPELINE = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)"
+GRAPHFORGE = Path(sys.executable).parent / "graphforge"
+
+
+def _plan(*args, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(GRAPHFORGE), "plan", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+
+
+def test_the_splits_are_those_graphforge_runs_with_a_batch_each_replica_divides():
+    got = set(splits(4, 8))
+    assert {Split(4, zero=z) for z in (0, 1, 2)} <= got
+    assert {Split(2, 2), Split(1, 4), Split(2, 1, 2, 2), Split(2, 1, 2, 4), Split(1, 1, 4, 4), Split(1, 1, 4, 8)} <= got
+    assert not any(s.tensor > 1 and s.stages > 1 for s in got)  # tensor groups with stages: not runnable yet
+    assert not any(s.tensor > 1 and s.zero for s in got)
+    assert all(s.processes == 4 and 8 % (s.data * s.microbatches) == 0 for s in got)
+    assert Split(4) not in splits(4, 6)  # 6 samples do not split into 4 replicas
+
+
+def test_the_predictions_follow_the_programs():
+    """Each prediction reads the split's own program: the gradients' reduction only with
+    replicas, the tensor sums only in a tensor group; a member holds less than a replica,
+    ZeRO's shards less than whole states; twice the replicas halve the compute a process does."""
+    model = onnx.load(DIGITS / "model.onnx")
+    hardware = Hardware(flops=1e9, memory=2**30, overhead=0.0)  # the FLOPs alone
+    done = {c.split: c.prediction for c in plan(model, parse_pipeline(PIPELINE), 64, {}, 2, hardware)}
+    assert all(p is not None and p.fits for p in done.values()), done
+    data, tensor, staged = done[Split(2)], done[Split(1, 2)], done[Split(1, 1, 2, 2)]
+    assert data.data_s > 0 and data.tensor_s == 0 and tensor.tensor_s > 0 and tensor.data_s == 0
+    assert tensor.memory < data.memory
+    assert done[Split(2, zero=2)].memory < done[Split(2, zero=1)].memory < data.memory
+    assert 0 < staged.bubble < 1 and staged.tensor_s == staged.data_s == 0
+    one = {c.split: c.prediction for c in plan(model, parse_pipeline(PIPELINE), 64, {}, 1, hardware)}[Split(1)]
+    assert data.compute_s == pytest.approx(one.compute_s / 2, rel=0.15)  # the update is not halved
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return th.workspace(tmp_path_factory.mktemp("plan"), count=64, eval_count=20)
+
+
+def test_the_config_it_writes_runs_under_torchrun(folder):
+    """The planned config keeps the config's keys and comments, sets the split (here a tensor
+    group, the one split that fits a small memory) and a replica's share of the batch, and
+    graphforge train runs it on the processes it was planned for."""
+    cfg = runs.config(folder, "base.toml", {"checkpoint": {"every": 4}, "data": {"batch_size": 8}})
+    done = _plan(cfg, "--processes", "2", "--memory-per-process", "1GiB", "-o", "planned.toml", cwd=folder)
+    assert done.returncode == 0, done.stderr
+    first = done.stdout
+    best = next(line for line in first.splitlines() if "D=" in line and "│" in line)  # the table's first row
+    data = int(best.split("D=")[1].split()[0])
+    tensor = int(best.split("T=")[1].split()[0])
+    planned = load_config(folder / "planned.toml")
+    assert f"wrote planned.toml (D={data} T={tensor}" in first
+    assert planned.data.batch_size == 8 // data and planned.distributed.tensor == tensor  # a replica's share
+    # a memory only a tensor member's half of the weights fits
+    member = _memory_of(first, "D=1 T=2 S=1")
+    replica = _memory_of(first, "D=2 T=1 S=1 ")
+    assert member < replica
+    limit = f"{int((member + replica) / 2)}B"
+    done = _plan(cfg, "--processes", "2", "--memory-per-process", limit, "-o", "tensor.toml", cwd=folder)
+    assert done.returncode == 0, done.stderr
+    tensor = load_config(folder / "tensor.toml")
+    assert tensor.distributed.tensor == 2 and tensor.data.batch_size == 8
+    assert (folder / "tensor.toml").read_text().startswith("# planned by graphforge plan for 2 processes: D=1 T=2")
+    runs.launch(folder, folder / "tensor.toml", folder / "out", "--steps", "4")
+    assert (folder / "out" / "checkpoints").is_dir()
+
+
+def _memory_of(table: str, split: str) -> float:
+    """The memory column of ``split``'s row, in bytes."""
+    row = next(line for line in table.splitlines() if split in line)
+    cell = [c.strip() for c in row.split("│") if c.strip()][6]
+    number, unit = cell.split()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+def test_what_it_cannot_plan_is_one_line(folder):
+    cfg = runs.config(folder, "refused.toml", {"data": {"batch_size": 8}})
+    done = _plan(cfg, "--processes", "2", "--memory-per-process", "10B", cwd=folder)
+    assert done.returncode == 2 and "no split of 2 processes fits 10 B a process" in done.stderr
+    done = _plan(cfg, "--processes", "2", "--memory-per-process", "lots", cwd=folder)
+    assert done.returncode == 2 and "write a size, e.g. 16GiB" in done.stderr
+    staged = runs.config(folder, "staged.toml", {"model": {"pipeline": f"{th.PIPELINE}, pipeline(stages=2)"}})
+    done = _plan(staged, "--processes", "2", "--memory-per-process", "1GiB", cwd=folder)
+    assert done.returncode == 2 and "already has pipeline(...)" in done.stderr
+    assert "Traceback" not in done.stderr
