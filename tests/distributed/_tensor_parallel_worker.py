@@ -50,7 +50,8 @@ def train(case: dict, world: World) -> None:
     whole = group.whole_state()
     shapes = {name: list(value.shape) for name, value in module.parameters.items()}
     with open(f"{case['out']}-rank{world.rank}.json", "w") as f:
-        json.dump({"shapes": shapes, "reductions": group.stats.reductions}, f)
+        where = {"node": int(os.environ.get("GROUP_RANK", 0)), "tensor_ranks": list(tensor.ranks or range(tensor.size))}
+        json.dump({"shapes": shapes, "reductions": group.stats.reductions, **where}, f)
     if whole is not None and data.rank == 0:  # every replica holds the same state
         whole.save(f"{case['out']}-whole.safetensors")
         np.savez(

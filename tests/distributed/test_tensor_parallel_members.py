@@ -7,14 +7,19 @@ every parameter and optimizer state joined from the members' slices must equal i
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import models
 import numpy as np
 import pytest
-from _launch import REPO, run_ranks
+from _launch import REPO, environment, finish, run_ranks, spawn
 
 import graphforge
 from graphforge.distributed import DistributedError
@@ -203,6 +208,86 @@ def test_a_mesh_of_data_replicas_of_tensor_groups_equals_one_process(name, tenso
             if parameter in axes:
                 expected[axes[parameter]] //= 2
             assert shape == expected, parameter
+
+
+@contextlib.contextmanager
+def _two_namespaces():
+    """Two network namespaces joined by a veth pair, each end with an address of its own
+    (10.213.0.1 and .2): two nodes, as far as torchrun, c10d and gloo can tell. Skips with
+    the reason where they cannot be made (not root, no ``ip``, a container without the right)."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("network namespaces need root and iproute2's ip")
+    tag = f"{os.getpid() % 10**6}"
+    names, ends = [f"gf{tag}n{i}" for i in range(2)], [f"gf{tag}v{i}" for i in range(2)]
+    commands = [["ip", "netns", "add", n] for n in names]
+    commands.append(["ip", "link", "add", ends[0], "type", "veth", "peer", "name", ends[1]])
+    for i, (name, end) in enumerate(zip(names, ends, strict=True)):
+        commands += [
+            ["ip", "link", "set", end, "netns", name],
+            ["ip", "-n", name, "addr", "add", f"{NODE_ADDRESSES[i]}/24", "dev", end],
+            ["ip", "-n", name, "link", "set", end, "up"],
+            ["ip", "-n", name, "link", "set", "lo", "up"],
+        ]
+    try:
+        for command in commands:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            if done.returncode:
+                pytest.skip(f"network namespaces cannot be made here: {' '.join(command)}: {done.stderr.strip()}")
+        yield names, ends
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+NODE_ADDRESSES = ("10.213.0.1", "10.213.0.2")
+
+
+@pytest.mark.slow
+def test_two_nodes_in_network_namespaces_equal_one_process(workspace):
+    """Two nodes for real: each a network namespace of its own running its own torchrun
+    (--nnodes=2, c10d rendezvous at the first node's address, gloo over the veth link
+    between them), 2 processes each: a tensor group within each node, data parallelism
+    across the two. The same oracle as the mesh on one machine: one process, the whole
+    program, the whole batches."""
+    folder = workspace
+    cases = [
+        {
+            "model": _model(folder, name),
+            "pipeline": f"{CASES[name][1]}, {OPTIMIZERS.get(name, ADAMW)}",
+            "batches": str(folder / f"{name}-batches.npz"),
+            "out": str(folder / f"{name}-nodes"),
+            "data": 2,
+        }
+        for name in ("gpt2", "digits")
+    ]
+    spec = folder / "spec-nodes.json"
+    spec.write_text(json.dumps({"cases": cases, "timeout_s": 60}))
+    worker = str(Path(__file__).parent / "_tensor_parallel_worker.py")
+    with _two_namespaces() as (names, ends):
+        procs = []
+        for node, (name, end) in enumerate(zip(names, ends, strict=True)):
+            # the first node hosts the rendezvous store (c10d cannot tell from an address no
+            # hostname resolves to); each advertises its own address to the other
+            argv = ["ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                    "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={NODE_ADDRESSES[0]}:29512",
+                    f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={NODE_ADDRESSES[node]}",
+                    "--rdzv-id=graphforge-two-nodes", "--max-restarts=0", worker, str(spec)]  # fmt: skip
+            procs.append(spawn(argv, env=environment(GLOO_SOCKET_IFNAME=end)))
+        for node, proc in enumerate(procs):
+            done = finish(proc, LAUNCH_TIMEOUT_S)
+            assert done.returncode == 0, f"node {node} exited with {done.returncode}:\n{done.stdout[-4000:]}"
+    reports = [json.loads((folder / f"gpt2-nodes-rank{r}.json").read_text()) for r in range(4)]
+    assert sorted(r["node"] for r in reports) == [0, 0, 1, 1]
+    for report in reports:  # each tensor group within one node, its replicas across the two
+        assert {reports[r]["node"] for r in report["tensor_ranks"]} == {report["node"]}
+    for name in ("gpt2", "digits"):
+        reference, losses, evaluated = _reference(folder, name, 2)
+        got = np.load(folder / f"{name}-nodes-losses.npz")
+        np.testing.assert_allclose(got["losses"], losses, rtol=TOLERANCE, atol=TOLERANCE)
+        np.testing.assert_allclose(got["eval"], evaluated, rtol=TOLERANCE, atol=TOLERANCE)
+        whole = CheckpointState.load(folder / f"{name}-nodes-whole.safetensors", reference.train_program)
+        for tensor, value in reference.state.tensors.items():
+            np.testing.assert_allclose(whole.tensors[tensor], value, rtol=0, atol=TOLERANCE, err_msg=tensor)
 
 
 @pytest.mark.slow
