@@ -351,7 +351,10 @@ def _copy_inputs(graph: gs.Graph, nodes: list[gs.Node], group: int) -> list[str]
         copied = copies.get(id(source))
         if copied is None:
             copied = copies[id(source)] = gs.Variable(
-                f"{source.name}/tensor_parallel_copy", dtype=source.dtype, shape=source.shape
+                # per block: two blocks may read one tensor (Phi's attention and MLP, one norm before both)
+                f"{source.name}/tensor_parallel_copy{group}",
+                dtype=source.dtype,
+                shape=source.shape,
             )
             graph.nodes.append(marker_call(roles.TENSOR_PARALLEL_COPY_OP, source, copied, group, attribute="group"))
         node.inputs[0] = copied

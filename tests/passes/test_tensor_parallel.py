@@ -268,7 +268,16 @@ def _hf_export(name: str, path: Path) -> Path:
     """A 2-layer transformers model of architecture ``name`` (random weights, biases jittered
     apart as trained ones are), TorchScript-exported: input_ids [b, s] -> logits."""
     import torch
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+        PhiConfig,
+        PhiForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(0)
     small = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "max_position_embeddings": 32}
@@ -277,6 +286,9 @@ def _hf_export(name: str, path: Path) -> Path:
         "gpt-neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**small, intermediate_size=64, num_attention_heads=2)),
         "qwen2": lambda: Qwen2ForCausalLM(
             Qwen2Config(**small, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+        ),
+        "phi": lambda: PhiForCausalLM(
+            PhiConfig(**small, intermediate_size=64, num_attention_heads=4, partial_rotary_factor=0.5)
         ),
     }[name]()
     models._jitter_vectors(inner, 0)
@@ -295,11 +307,12 @@ def _hf_export(name: str, path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["opt", "gpt-neox", "qwen2"])
+@pytest.mark.parametrize("name", ["opt", "gpt-neox", "qwen2", "phi"])
 def test_other_architectures_split_and_their_members_compute_the_whole(name, tmp_path):
     """Architectures the other tests do not train (OPT: Gemm, ReLU, separate Q/K/V; GPT-NeoX:
     a fused QKV laid out per head, partial rotary, GELU; Qwen2: grouped key/value heads,
-    SwiGLU without biases): every layer's attention and MLP split, the marked model computes
+    SwiGLU without biases; Phi: attention and MLP side by side reading one norm, each with an
+    f of its own): every layer's attention and MLP split, the marked model computes
     what the export does, and so do the members run as a group."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
