@@ -220,6 +220,8 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     run_dims = {**dims, **dict.fromkeys(batch_dims, micro if split.stages > 1 else per_replica)}
     program = programs.get(split, run_dims)
     program_roles = ProgramRoles.of_proto(program)
+    if split.tensor > 1 and program_roles.optimizer == "lamb":
+        raise GraphforgeError(f"{split}: LAMB does not run tensor-parallel yet (its trust ratio takes whole norms)")
     model = Model.from_proto(program)
     rate, link = hardware.flops, hardware
     parameters = [c for c in program_roles.carried if c.role == "parameter"]

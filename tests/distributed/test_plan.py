@@ -54,6 +54,10 @@ def test_the_predictions_follow_the_programs():
     assert 0 < staged.bubble < 1 and staged.tensor_s == staged.data_s == 0
     one = {c.split: c.prediction for c in plan(model, parse_pipeline(PIPELINE), 64, {}, 1, hardware)}[Split(1)]
     assert data.compute_s == pytest.approx(one.compute_s / 2, rel=0.15)  # the update is not halved
+    # a split graphforge would refuse to run is no candidate, and says why
+    lamb = {c.split: c for c in plan(model, parse_pipeline(PIPELINE.replace("adamw", "lamb")), 64, {}, 2, hardware)}
+    assert lamb[Split(1, 2)].prediction is None and "LAMB does not run tensor-parallel" in lamb[Split(1, 2)].reason
+    assert lamb[Split(2)].prediction is not None
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ def workspace(tmp_path) -> Path:
 
 
 def test_the_torchrun_command_trains_the_digits_on_two_processes(workspace):
-    (block,) = [b for b in _blocks("sh") if "--standalone" in b and "train.toml" in b]
+    (block,) = [b for b in _blocks("sh") if "--standalone" in b and "train.toml" in b and "plan" not in b]
     done = shell(block, cwd=workspace, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:]
     assert done.stdout.count("data-parallel on 2 processes (gloo)") == 1  # rank 0 alone prints
@@ -41,6 +41,16 @@ def test_the_torchrun_command_trains_the_digits_on_two_processes(workspace):
     assert sorted(p.name for p in (workspace / "out" / "dp" / "checkpoints").iterdir())[-1] == (
         "checkpoint-00000345.safetensors"  # 15 epochs of 23 global batches of 2 x 32
     )
+
+
+def test_the_plan_commands_write_a_config_that_torchrun_trains(workspace):
+    """README's "Planning the split": plan the digits for 2 processes, then train the config it wrote."""
+    (block,) = [b for b in _blocks("sh") if "graphforge plan" in b]
+    done = shell(block, cwd=workspace, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "wrote out/planned.toml" in done.stdout
+    assert (workspace / "out" / "planned.toml").read_text().startswith("# planned by graphforge plan for 2 processes")
+    assert "done     step 40" in done.stdout
 
 
 def test_the_python_example_runs_under_torchrun(workspace):
