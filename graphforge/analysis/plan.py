@@ -20,7 +20,7 @@ compiles (never runs) each candidate's program and reads its costs:
 
 Nothing overlaps in the prediction (gloo on the CPU does not overlap much: the collectives
 and the kernels share the cores); splits graphforge cannot run yet (tensor groups with
-pipeline stages, ZeRO with tensor groups) are not candidates. The global batch is the
+pipeline stages) are not candidates. The global batch is the
 config's; a split with D replicas gives each replica 1/D of it.
 """
 
@@ -137,7 +137,7 @@ def splits(processes: int, batch: int) -> list[Split]:
                 continue
             per_replica = batch // data
             if stages == 1:
-                zeros = (0, 1, 2) if data > 1 and tensor == 1 else (0,)
+                zeros = (0, 1, 2) if data > 1 else (0,)
                 out += [Split(data, tensor, 1, 1, z) for z in zeros]
                 continue
             for factor in MICROBATCH_FACTORS:

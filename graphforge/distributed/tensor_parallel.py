@@ -145,12 +145,13 @@ class TensorParallel:
 
     ``world``: the tensor group (``World.mesh(tensor=T).tensor`` in a mesh with data
     parallelism: the same Module is then a replica of ``DataParallel(module, mesh.data)``
-    too, its gradients reduced across the replicas between its forward/backward and its
-    update).
+    too, or of ``ZeroDataParallel``, its gradients reduced across the replicas between its
+    forward/backward and its update).
 
     Refused: a program that is not a member's, a group size or rank other than the
-    program's, LAMB (its trust ratio takes whole parameters' norms), and ZeRO over the
-    replicas (its sharded update takes the gradient norm over the replicas alone).
+    program's, and LAMB (its trust ratio takes whole parameters' norms). With ZeRO over the
+    replicas (``ZeroDataParallel(module, mesh.data)``) the sharded update sums the split
+    parameters' squares across the tensor group too, so the global norm stays the whole's.
     """
 
     op = roles.TENSOR_PARALLEL_REDUCE_OP
@@ -199,16 +200,29 @@ class TensorParallel:
 
         return hook
 
-    def save(self, checkpoints) -> Path:
+    def current_tensors(self) -> dict[str, np.ndarray]:
+        """This member's carried tensors now: the Module's, with its optimizer states gathered
+        from the data-parallel replicas where ZeRO shards them (then a collective every
+        replica of the member joins)."""
+        tensors = dict(self.module.state.tensors)
+        reducer = self.module.reducer
+        if reducer is not None and reducer.shards_update:
+            tensors.update(reducer.gathered_states())
+        return tensors
+
+    def save(self, checkpoints, tensors: Mapping[str, np.ndarray] | None = None) -> Path:
         """Checkpoint the whole model's state into ``checkpoints`` (a CheckpointManager; a
         collective: every member calls it): each member writes its slices beside the
         checkpoint, then member 0 the checkpoint file itself, with the replicated tensors, the
         rest of the state and the list of the members' files. That file, written last, makes
         the checkpoint whole; loading it joins the slices (no process ever holds them all), so
-        it resumes on any T, or one process, and exports. Returns the checkpoint's path."""
+        it resumes on any T, or one process, and exports. Returns the checkpoint's path.
+        ``tensors``: ``current_tensors()``, which a replica of a mesh takes first where ZeRO
+        shards the states (every replica joins that; one replica's group saves)."""
         state, world, size = self.module.state, self.world, self.role.size
         step = int(state.step)
-        tensors = state.tensors
+        tensors = dict(tensors) if tensors is not None else self.current_tensors()
+        state = _with_tensors(state, tensors, self.module.roles.carried)
         parts = {}
         for name, (axis, sections) in self.split.items():
             value = tensors[name]
@@ -229,7 +243,7 @@ class TensorParallel:
         import torch.distributed as dist
 
         state = self.module.state
-        tensors = state.tensors
+        tensors = self.current_tensors()
         split = {n: tensors[n] for n in self.axes}
         gathered: list = [None] * self.world.size
         with self.world.collective("gathering the tensor-parallel members' states"):

@@ -375,8 +375,22 @@ class ZeroDataParallel(DataParallel):
         norms = torch.stack([torch.linalg.vector_norm(b.shard_grad) for b in self.buckets])
         local = float(norms.double().square().sum())
         bad_loss = 0.0 if loss is None or math.isfinite(loss) else 1.0
+        group = self.module.collectives  # a tensor group this replica is a member of, or None
+        split = set(getattr(group, "axes", ()))
+        sliced = 0.0
+        if split:  # the squares of the slices this member holds, which the other members' complete
+            sliced = sum(
+                float(torch.linalg.vector_norm(b.shard_grad[p.offset : p.offset + p.size]).double().square())
+                for b in self.buckets
+                for p in b.pieces
+                if p.parameter in split
+            )
         started = time.perf_counter()
-        total, bad = self.world.sum([local, bad_loss], f"summing the gradient norm of step {step + 1}")
+        what = f"summing the gradient norm of step {step + 1}"
+        total, sliced, bad = self.world.sum([local, sliced, bad_loss], what)
+        if split:
+            (every,) = group.world.sum([sliced], f"{what} across the tensor group")
+            total += every - sliced
         self.stats.other_s += time.perf_counter() - started
         norm = math.sqrt(total) if math.isfinite(total) else math.nan
         reports = {}

@@ -315,11 +315,6 @@ class Module:
         ``shards_update`` runs the update), ``replica`` is its index (its dropout masks)."""
         if self.reducer is not None:
             raise GraphforgeError("this Module is already data-parallel")
-        if self._chains is not None and reducer.shards_update:
-            raise GraphforgeError(
-                "a tensor-parallel member cannot shard its update across data-parallel replicas (ZeRO) yet: the sharded "
-                "update takes the gradient norm over its replicas only, not across the tensor group; use DataParallel"
-            )
         if self._kernel is not None and self._update_choice == "torch" and not reducer.shards_update:
             raise GraphforgeError(
                 "this Module was made with update='torch', but a data-parallel update reads the reduced "
@@ -335,12 +330,12 @@ class Module:
         marker calls is cut after them, and ``collectives`` sums each across the group."""
         if self._chains is not None:
             raise GraphforgeError("this Module is already a member of a tensor-parallel group")
-        if self.reducer is not None and self.reducer.shards_update:
-            raise GraphforgeError(
-                "a tensor-parallel member cannot shard its update across data-parallel replicas (ZeRO) yet: the sharded "
-                "update takes the gradient norm over its replicas only, not across the tensor group; use DataParallel"
-            )
         self._chains = Chains(self.runner, collectives)
+
+    @property
+    def collectives(self) -> Collectives | None:
+        """The group this Module's runs sum across (``attach_collectives``), or None."""
+        return self._chains.collectives if self._chains is not None else None
 
     def take_unheld_states(self) -> dict[str, np.ndarray]:
         """The carried tensors this Module's runner does not hold (``shard_optimizer_states``),

@@ -273,8 +273,8 @@ class DistributedConfig:
     replicas of a group, ranks ordered data then tensor, World.mesh): each compiles its
     member's program, model.pipeline after ``tensor_parallel(size=T, rank=r)``, and each
     replica's group takes data.batch_size samples a step, every member all of them, as one
-    data-parallel process does (the allreduce pass added to the members' programs when there
-    are replicas). A single process ignores the section."""
+    data-parallel process does (the allreduce pass, or with ``zero`` the zero pass, added to
+    the members' programs when there are replicas). A single process ignores the section."""
 
     timeout_s: float = field(default=120.0, metadata=accepts("float", minimum=1))
     bucket_mb: float = field(default=25.0, metadata=accepts("float", minimum=0.001))

@@ -247,8 +247,16 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     program, compiled_from = _program(config, tensor)
     # this member's program (tensor > 1); the whole one is what OUT/program.onnx and the checkpoints hold
     member = _program(config, tensor, mesh.tensor.rank)[0] if mesh is not None else None
+    if mesh is not None and mesh.data.size == 1 and config.distributed.zero:
+        raise ConfigError(
+            f"{where}: distributed.zero = {config.distributed.zero} shards optimizer states across data-parallel "
+            f"replicas, but the {world.size} processes are one tensor group of {tensor}: start a multiple of "
+            f"{tensor} processes, or leave distributed.zero out"
+        )
     if mesh is not None and mesh.data.size > 1:  # data replicas of the tensor groups: the gradients averaged
-        member = PassManager([AllReduce(bucket_mb=config.distributed.bucket_mb)]).run(member).model
+        zero, bucket_mb = config.distributed.zero, config.distributed.bucket_mb
+        added = Zero(stage=zero, bucket_mb=bucket_mb) if zero else AllReduce(bucket_mb=bucket_mb)
+        member = PassManager([added]).run(member).model
     staged = ProgramRoles.of_proto(program).pipeline
     if staged is not None:
         config = _pipeline_config(config, staged, world)
@@ -273,6 +281,8 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     program_roles = ProgramRoles.of_proto(program)
     sharded = world is not None and program_roles.allreduce is not None and program_roles.allreduce.zero > 0
     zero_stage = (zero or program_roles.allreduce.zero) if sharded else 0
+    if mesh is not None and mesh.data.size > 1 and zero:  # ZeRO over the replicas of the tensor groups
+        sharded, zero_stage = True, zero
     # pipeline stages all read every micro-batch (the first its inputs, the last its labels);
     # data-parallel pipelines each their share, rank = replica × stages + stage
     shard = ALL  # a tensor-parallel group's members all take every batch whole (their replica's share)
@@ -395,8 +405,13 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             tensor_group = TensorParallel(module, mesh.tensor)
             note(f"tensor-parallel: each process holds 1/{tensor} of {len(tensor_group.axes)} carried tensors")
             if mesh.data.size > 1:
-                DataParallel(module, mesh.data, overlap=config.distributed.overlap)
-                note(f"tensor-parallel groups of {tensor} × {mesh.data.size} data-parallel replicas")
+                overlap = config.distributed.overlap
+                if sharded:
+                    ZeroDataParallel(module, mesh.data, stage=zero_stage, overlap=overlap)
+                else:
+                    DataParallel(module, mesh.data, overlap=overlap)
+                zeroed = f", ZeRO stage {zero_stage} over the replicas" if sharded else ""
+                note(f"tensor-parallel groups of {tensor} × {mesh.data.size} data-parallel replicas{zeroed}")
         elif module is not None and sharded:
             zero_run = ZeroDataParallel(module, world, stage=zero_stage, overlap=config.distributed.overlap)
             note(
@@ -452,8 +467,6 @@ def _check_tensor_parallel(config: Config, world: World) -> None:
             f"{where}: distributed.tensor = {tensor} needs model.path and model.pipeline: each process compiles "
             "its own member's program (tensor_parallel(size=T, rank=r) before the pipeline)"
         )
-    if config.distributed.zero:
-        raise ConfigError(f"{where}: distributed.zero with distributed.tensor: not supported yet; leave one out")
     if any(p.name == "tensor_parallel" for p in parse_pipeline(config.model.pipeline)):
         raise ConfigError(
             f"{where}: model.pipeline has tensor_parallel(...) and distributed.tensor = {tensor} adds it: leave it "
@@ -959,13 +972,14 @@ class Run:
         state.data_position = position if position is not None else stream.position
         if self.pipeline is not None:
             path = self._save_stages(state)
-        elif self.module is not None and getattr(self.module.reducer, "shards_update", False):
-            path = self.module.reducer.save(self.checkpoints)  # each process its shard, then rank 0
         elif self.plan.tensor_group is not None:  # each member its slices, then rank 0: loads whole
+            tensors = self.plan.tensor_group.current_tensors()  # (ZeRO's shards gathered: every replica)
             if self.plan.mesh.data.rank == 0:  # the first replica's group: the others hold the same
-                path = self.plan.tensor_group.save(self.checkpoints)
+                path = self.plan.tensor_group.save(self.checkpoints, tensors)
             else:
                 path = self.checkpoints.path_for(int(state.step))
+        elif self.module is not None and getattr(self.module.reducer, "shards_update", False):
+            path = self.module.reducer.save(self.checkpoints)  # each process its shard, then rank 0
         else:
             path = self.checkpoints.save(state) if self.lead else self.checkpoints.path_for(int(state.step))
         if self.world is not None:

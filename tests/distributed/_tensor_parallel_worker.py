@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 
 import graphforge
-from graphforge.distributed import DataParallel, DistributedError, World
+from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel
 from graphforge.distributed.tensor_parallel import TensorParallel
 from graphforge.runtime import Module
 
@@ -26,16 +26,18 @@ def train(case: dict, world: World) -> None:
     replicas = case.get("data", 1)
     mesh = world.mesh(tensor=world.size // replicas)
     tensor, data = mesh.tensor, mesh.data
-    pipeline = case["pipeline"] + (", allreduce" if replicas > 1 else "")
+    zero = case.get("zero", 0)  # ZeRO over the replicas: the zero pass instead of allreduce
+    pipeline = case["pipeline"] + ((f", zero(stage={zero})" if zero else ", allreduce") if replicas > 1 else "")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exports' padding-row notice
         member = graphforge.compile(
             case["model"], f"tensor_parallel(size={tensor.size}, rank={tensor.rank}), {pipeline}"
         ).model
-    module = Module(member, device="cpu", intra_op_threads=1, in_place=case.get("in_place", True))
+    in_place = case.get("in_place", True)
+    module = Module(member, device="cpu", intra_op_threads=1, in_place=in_place, shard_optimizer_states=bool(zero))
     group = TensorParallel(module, tensor)
     if replicas > 1:
-        DataParallel(module, data)
+        ZeroDataParallel(module, data, stage=zero) if zero else DataParallel(module, data)
     batches = np.load(case["batches"])
     steps = len(batches[batches.files[0]])
     losses = []

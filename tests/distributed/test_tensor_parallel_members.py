@@ -94,8 +94,8 @@ def _model(folder: Path, name: str) -> str:
     return str(folder / CASES[name][0]) if not Path(CASES[name][0]).is_absolute() else CASES[name][0]
 
 
-def _launch(folder: Path, size: int, names: list[str], data: int = 1) -> Path:
-    label = f"{size}" if data == 1 else f"{size // data}x{data}"
+def _launch(folder: Path, size: int, names: list[str], data: int = 1, zero: int = 0) -> Path:
+    label = (f"{size}" if data == 1 else f"{size // data}x{data}") + (f"-zero{zero}" if zero else "")
     cases = [
         {
             "model": _model(folder, name),
@@ -104,6 +104,7 @@ def _launch(folder: Path, size: int, names: list[str], data: int = 1) -> Path:
             "out": str(folder / f"{name}-{label}"),
             "in_place": name != "digits",  # the two-buffer update for one of them
             "data": data,
+            "zero": zero,
         }
         for name in names
     ]
@@ -127,7 +128,9 @@ def four_members(workspace) -> Path:
 
 @pytest.fixture(scope="module")
 def tensor_by_data(workspace) -> Path:
-    """4 processes: 2 data replicas of tensor groups of 2."""
+    """4 processes: 2 data replicas of tensor groups of 2 (GPT-2 and digits also with ZeRO
+    stage 2 over the replicas)."""
+    _launch(workspace, 4, ["gpt2", "digits"], data=2, zero=2)
     return _launch(workspace, 4, ["gpt2", "llama", "digits"], data=2)
 
 
@@ -185,24 +188,28 @@ def test_t_members_equal_one_process_of_the_whole_program(name, size, request):
             assert shape == expected, parameter
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "digits"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "digits", "gpt2-zero2", "digits-zero2"])
 def test_a_mesh_of_data_replicas_of_tensor_groups_equals_one_process(name, tensor_by_data):
     """T × D = 2 × 2 (World.mesh: ranks ordered data, then tensor): each replica's tensor group
     splits the model, each replica takes half of every batch's rows, the gradients are
-    averaged across the replicas between forward/backward and the update. One process running
-    the whole program on the whole batches is the oracle, as for T alone."""
+    averaged across the replicas between forward/backward and the update (with ZeRO stage 2:
+    reduce-scattered, each replica updating its shard, the global norm summed across the
+    replicas and the tensor group). One process running the whole program on the whole
+    batches is the oracle, as for T alone."""
     folder = tensor_by_data
+    name, _, zero = name.partition("-")
+    label = f"2x2-{zero}" if zero else "2x2"
     reference, losses, evaluated = _reference(folder, name, 2)
-    got = np.load(folder / f"{name}-2x2-losses.npz")
+    got = np.load(folder / f"{name}-{label}-losses.npz")
     np.testing.assert_allclose(got["losses"], losses, rtol=TOLERANCE, atol=TOLERANCE)
     np.testing.assert_allclose(got["eval"], evaluated, rtol=TOLERANCE, atol=TOLERANCE)
     np.testing.assert_allclose(got["grad_norm"], reference.last_grad_norm, rtol=TOLERANCE)
-    whole = CheckpointState.load(folder / f"{name}-2x2-whole.safetensors", reference.train_program)
+    whole = CheckpointState.load(folder / f"{name}-{label}-whole.safetensors", reference.train_program)
     for tensor, value in reference.state.tensors.items():
         np.testing.assert_allclose(whole.tensors[tensor], value, rtol=0, atol=TOLERANCE, err_msg=tensor)
     axes = carried_axes(reference.roles)
     for rank in range(4):  # ranks 0, 1 and 2, 3: the two replicas' tensor groups, members 0 and 1
-        report = json.loads((folder / f"{name}-2x2-rank{rank}.json").read_text())
+        report = json.loads((folder / f"{name}-{label}-rank{rank}.json").read_text())
         for parameter, shape in report["shapes"].items():
             expected = list(reference.state.tensors[parameter].shape)
             if parameter in axes:

@@ -77,18 +77,21 @@ def test_two_members_train_and_resume_as_one_process(folder):
     _assert_close(runs.checkpoint_path(folder / "one-on-two", STEPS), one.checkpoint)
 
 
-def test_four_processes_are_two_replicas_of_a_tensor_group_and_train_as_one(folder):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_four_processes_are_two_replicas_of_a_tensor_group_and_train_as_one(folder, zero):
     """T × D = 2 × 2: ranks 0, 1 one replica's group, 2, 3 the other's, each replica taking
     data.batch_size samples a step as a data-parallel process does (4 here: the global batch
-    is one process's 8); the replicas' gradients are averaged, the first group writes the
-    checkpoints; the state equals one process's."""
-    cfg = config(folder, "mesh.toml", data={"batch_size": 4})
-    four = runs.launch(folder, cfg, folder / "four", "--steps", str(STEPS), ranks=4)
-    assert "tensor-parallel groups of 2 × 2 data-parallel replicas" in four.stdout
+    is one process's 8); the replicas' gradients are averaged (with distributed.zero = 2,
+    reduce-scattered and each replica's shard of the states updated, gathered for each
+    checkpoint), the first group writes the checkpoints; the state equals one process's."""
+    cfg = config(folder, f"mesh{zero}.toml", data={"batch_size": 4}, distributed={"zero": zero})
+    four = runs.launch(folder, cfg, folder / f"four{zero}", "--steps", str(STEPS), ranks=4)
+    zeroed = f", ZeRO stage {zero} over the replicas" if zero else ""
+    assert f"tensor-parallel groups of 2 × 2 data-parallel replicas{zeroed}" in four.stdout
     if not (folder / "one" / "checkpoints").is_dir():
         graphforge.train.run(config(folder), steps=STEPS, out=folder / "one", quiet=True)
-    _assert_close(runs.checkpoint_path(folder / "four", STEPS), runs.checkpoint_path(folder / "one", STEPS))
-    names = sorted(p.name for p in (folder / "four" / "checkpoints").iterdir())
+    _assert_close(runs.checkpoint_path(folder / f"four{zero}", STEPS), runs.checkpoint_path(folder / "one", STEPS))
+    names = sorted(p.name for p in (folder / f"four{zero}" / "checkpoints").iterdir())
     assert names == [
         f"checkpoint-{s:08d}{part}.safetensors" for s in (4, 8) for part in ("", ".tensor0-of-2", ".tensor1-of-2")
     ]
@@ -98,7 +101,6 @@ def test_four_processes_are_two_replicas_of_a_tensor_group_and_train_as_one(fold
     ("sections", "message"),
     [
         ({"model": {"program": "program.onnx", "path": None, "pipeline": None}}, "needs model.path and model.pipeline"),
-        ({"distributed": {"zero": 1}}, "distributed.zero with distributed.tensor: not supported yet"),
         (
             {"model": {"pipeline": f"tensor_parallel(size=2), {th.PIPELINE}"}},
             r"model.pipeline has tensor_parallel\(...\) and distributed.tensor = 2 adds it",
