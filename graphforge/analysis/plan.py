@@ -18,6 +18,10 @@ compiles (never runs) each candidate's program and reads its costs:
   them), less ZeRO's sharded states (and gradients at stage 2); a stage's parameters, their
   gradients, its optimizer states and the activations its schedule stashes at most.
 
+A split without stages is also weighed with ``recompute(budget=0)`` after its optimizer: its
+program's copies of the forward add to the FLOPs, and the activations it no longer keeps
+leave the memory model's peak.
+
 Nothing overlaps in the prediction (gloo on the CPU does not overlap much: the collectives
 and the kernels share the cores); splits graphforge cannot run yet (tensor groups with
 pipeline stages) are not candidates. The global batch is the
@@ -42,7 +46,7 @@ from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.pass_infra import Pass
 from graphforge.pass_manager import PassManager
-from graphforge.passes import PipelinePartition, TensorParallel
+from graphforge.passes import PipelinePartition, Recompute, TensorParallel
 from graphforge.program import ProgramRoles
 from graphforge.runtime.step_memory import step_memory
 
@@ -59,6 +63,8 @@ CPU_RUN_OVERHEAD = 1.3e-4
 BUCKET_BYTES = 25 * 2**20
 #: micro-batches per step tried for S stages: S × each
 MICROBATCH_FACTORS = (1, 2, 4)
+#: recompute budgets tried for splits without stages (1.0: none; 0: the least memory)
+RECOMPUTE_BUDGETS = (1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,9 @@ class Split:
     stages: int = 1
     microbatches: int = 1
     zero: int = 0
+    #: the recompute pass's budget (the share of the activations' bytes the backward keeps
+    #: saved): 1.0 recomputes nothing
+    recompute: float = 1.0
 
     @property
     def processes(self) -> int:
@@ -96,6 +105,8 @@ class Split:
             text += f" M={self.microbatches}"
         if self.zero:
             text += f" ZeRO-{self.zero}"
+        if self.recompute < 1:
+            text += f" recompute={self.recompute:g}"
         return text
 
 
@@ -138,7 +149,7 @@ def splits(processes: int, batch: int) -> list[Split]:
             per_replica = batch // data
             if stages == 1:
                 zeros = (0, 1, 2) if data > 1 else (0,)
-                out += [Split(data, tensor, 1, 1, z) for z in zeros]
+                out += [Split(data, tensor, 1, 1, z, r) for r in RECOMPUTE_BUDGETS for z in zeros]
                 continue
             for factor in MICROBATCH_FACTORS:
                 micro = stages * factor
@@ -159,7 +170,7 @@ def plan(
     that do), then the splits that could not be predicted, with why. ``model``: the forward
     model; ``passes``: the training pipeline after it (loss, autodiff, the optimizer);
     ``batch``: the global batch; ``dims``: the other symbolic dims' sizes (sequence)."""
-    batch_dims = _batch_dims(model)
+    batch_dims = batch_dims_of(model)
     if not batch_dims:
         raise GraphforgeError("the model's inputs have no symbolic batch dim for the planner to divide")
     programs = _Programs(model, list(passes))
@@ -174,10 +185,14 @@ def plan(
     return predicted + [c for c in done if c.prediction is None]
 
 
-def planned_passes(passes: Sequence[Pass], split: Split) -> list[Pass]:
-    """The training pipeline for ``split``: with stages, the optimizer accumulating (the
-    pipeline pass needs it) and ``pipeline(stages, microbatches)`` after it."""
+def planned_passes(passes: Sequence[Pass], split: Split, dims: Mapping[str, int] | None = None) -> list[Pass]:
+    """The training pipeline for ``split``: with a recompute budget, ``recompute(budget)``
+    after the optimizer (activations weighed at ``dims``); with stages, the optimizer
+    accumulating (the pipeline pass needs it) and ``pipeline(stages, microbatches)`` after it."""
     out = list(passes)
+    if split.recompute < 1 and not any(isinstance(p, Recompute) for p in out):
+        weighed = tuple(f"{k}={v}" for k, v in sorted((dims or {}).items()))
+        out.append(Recompute(budget=split.recompute, dims=weighed))
     if split.stages > 1:
         out = [dataclasses.replace(p, accumulate=True) if hasattr(p, "accumulate") else p for p in out]
         out.append(PipelinePartition(stages=split.stages, microbatches=split.microbatches))
@@ -195,10 +210,12 @@ class _Programs:
         self._made: dict[tuple, onnx.ModelProto | GraphforgeError] = {}
 
     def get(self, split: Split, dims: Mapping[str, int]) -> onnx.ModelProto:
-        key = (split.tensor, split.stages, split.microbatches if split.stages > 1 else 1)
+        key = (split.tensor, split.stages, split.microbatches if split.stages > 1 else 1, split.recompute)
+        if split.recompute < 1:
+            key += (tuple(sorted(dims.items())),)  # the activations it keeps depend on the batch
         made = self._made.get(key)
         if made is None:
-            passes = planned_passes(self.passes, split)
+            passes = planned_passes(self.passes, split, dims)
             if split.tensor > 1:
                 passes = [TensorParallel(size=split.tensor, rank=0), *passes]
             if split.stages > 1:
@@ -283,7 +300,7 @@ def _bytes(spec) -> int:
     return int(math.prod(spec.shape)) * np.dtype(spec.dtype).itemsize
 
 
-def _batch_dims(model: onnx.ModelProto) -> set[str]:
+def batch_dims_of(model: onnx.ModelProto) -> set[str]:
     """The names of the inputs' first dims that are symbolic: what a batch divides."""
     initializers = {t.name for t in model.graph.initializer}
     names = set()

@@ -27,6 +27,7 @@ from graphforge.analysis.plan import (
     Candidate,
     Hardware,
     Split,
+    batch_dims_of,
     plan,
     planned_passes,
 )
@@ -51,6 +52,8 @@ class ConfigPlan:
     dims: dict[str, int]
     processes: int
     hardware: Hardware
+    #: the inputs' batch dims (what a split divides)
+    batch_dims: frozenset[str] = frozenset()
 
 
 def default_hardware(processes: int, memory: int, **given: float | None) -> Hardware:
@@ -92,7 +95,7 @@ def plan_config(path: str | Path, processes: int, hardware: Hardware, dims: Mapp
     batch = int(config.data.batch_size)
     found = dict(dims or {}) or _dims_from_data(config, model, batch)
     candidates = plan(model, passes, batch, found, processes, hardware)
-    return ConfigPlan(config, candidates, batch, found, processes, hardware)
+    return ConfigPlan(config, candidates, batch, found, processes, hardware, frozenset(batch_dims_of(model)))
 
 
 def write_planned(planned: ConfigPlan, split: Split, target: Path, note: str) -> None:
@@ -102,7 +105,8 @@ def write_planned(planned: ConfigPlan, split: Split, target: Path, note: str) ->
     document = tomlkit.parse(Path(config.source).read_text())
     base = Path(config.source).parent
     model = document.setdefault("model", tomlkit.table())
-    passes = planned_passes(parse_pipeline(config.model.pipeline), split)
+    replica = {**planned.dims, **dict.fromkeys(planned.batch_dims, planned.batch // split.data)}
+    passes = planned_passes(parse_pipeline(config.model.pipeline), split, replica)
     model["pipeline"] = ", ".join(p.spec() for p in passes)
     data = document.setdefault("data", tomlkit.table())
     data["batch_size"] = planned.batch // split.data

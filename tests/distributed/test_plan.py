@@ -35,6 +35,7 @@ def test_the_splits_are_those_graphforge_runs_with_a_batch_each_replica_divides(
     assert {Split(2, 2), Split(1, 4), Split(2, 1, 2, 2), Split(2, 1, 2, 4), Split(1, 1, 4, 4), Split(1, 1, 4, 8)} <= got
     assert not any(s.tensor > 1 and s.stages > 1 for s in got)  # tensor groups with stages: not runnable yet
     assert {Split(2, 2, zero=z) for z in (1, 2)} <= got  # ZeRO over a mesh's replicas
+    assert Split(2, 2, recompute=0.0) in got and not any(s.stages > 1 and s.recompute < 1 for s in got)
     assert all(s.processes == 4 and 8 % (s.data * s.microbatches) == 0 for s in got)
     assert Split(4) not in splits(4, 6)  # 6 samples do not split into 4 replicas
 
@@ -60,6 +61,16 @@ def test_the_predictions_follow_the_programs():
     assert lamb[Split(2)].prediction is not None
 
 
+def test_recomputation_trades_compute_for_memory(transformer_path):
+    """GPT-2 (1 layer): recompute(budget=0) in the program predicts less memory and more
+    compute than the same split without it (the copies of the forward are in its FLOPs)."""
+    pipeline = parse_pipeline("loss(kind=mse, output=logits), autodiff, adamw(lr=1e-3)")
+    hardware = Hardware(flops=1e9, memory=2**30, overhead=0.0)
+    done = {c.split: c.prediction for c in plan(onnx.load(transformer_path), pipeline, 8, {"seq": 8}, 1, hardware)}
+    plain, recomputed = done[Split(1)], done[Split(1, recompute=0.0)]
+    assert recomputed.memory < plain.memory and recomputed.compute_s > plain.compute_s
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return th.workspace(tmp_path_factory.mktemp("plan"), count=64, eval_count=20)
@@ -70,7 +81,9 @@ def test_the_config_it_writes_runs_under_torchrun(folder):
     group, the one split that fits a small memory) and a replica's share of the batch, and
     graphforge train runs it on the processes it was planned for."""
     cfg = runs.config(folder, "base.toml", {"checkpoint": {"every": 4}, "data": {"batch_size": 8}})
-    done = _plan(cfg, "--processes", "2", "--memory-per-process", "1GiB", "-o", "planned.toml", cwd=folder)
+    done = _plan(
+        cfg, "--processes", "2", "--memory-per-process", "1GiB", "--top", "20", "-o", "planned.toml", cwd=folder
+    )
     assert done.returncode == 0, done.stderr
     first = done.stdout
     best = next(line for line in first.splitlines() if "D=" in line and "│" in line)  # the table's first row

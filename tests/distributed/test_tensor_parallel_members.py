@@ -60,6 +60,10 @@ CASES = {
 #: cases with an optimizer of their own: clipping by the global norm, which is the whole model's
 #: (each member's squares summed across the group), small enough to clip at every step
 OPTIMIZERS = {"gpt2": "adamw(lr=1e-3, weight_decay=0.01, clip_grad_norm=0.05)"}
+#: GPT-2 again with every activation recomputed that can be (recompute(budget=0) after the
+#: optimizer): the copies of the forward's sums are sums again, cut after as the originals
+CASES["gpt2-recompute"] = CASES["gpt2"]
+OPTIMIZERS["gpt2-recompute"] = f"{OPTIMIZERS['gpt2']}, recompute(budget=0.0)"
 
 
 def _batches(name: str, steps: int, seed: int) -> dict[str, np.ndarray]:
@@ -72,7 +76,7 @@ def _batches(name: str, steps: int, seed: int) -> dict[str, np.ndarray]:
     if name == "llama":
         ids = rng.integers(0, models.LLAMA_VOCAB, (steps, BATCH, SEQ))
         return {"input_ids": ids, "labels": rng.integers(0, models.LLAMA_VOCAB, (steps, BATCH, SEQ))}
-    width = 64 if name == "gpt2" else 32
+    width = 64 if name.startswith("gpt2") else 32
     ids = rng.integers(0, 64, (steps, BATCH, SEQ))
     return {"input_ids": ids, "labels": rng.standard_normal((steps, BATCH, SEQ, width)).astype(np.float32)}
 
@@ -156,7 +160,16 @@ def _reference(folder: Path, name: str, size: int) -> tuple[Module, list[float],
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "size"),
-    [("gpt2", 2), ("bert", 2), ("llama", 2), ("digits", 2), ("gpt2", 4), ("llama", 4), ("digits", 4)],
+    [
+        ("gpt2", 2),
+        ("bert", 2),
+        ("llama", 2),
+        ("digits", 2),
+        ("gpt2-recompute", 2),
+        ("gpt2", 4),
+        ("llama", 4),
+        ("digits", 4),
+    ],
 )
 def test_t_members_equal_one_process_of_the_whole_program(name, size, request):
     folder = request.getfixturevalue("two_members" if size == 2 else "four_members")
