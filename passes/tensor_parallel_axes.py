@@ -98,7 +98,8 @@ Edit = Callable[[gs.Graph, int], None]
 @dataclass
 class Axes:
     """The split axis of every tensor of a block, from its column projections' outputs
-    (``starts``: output name -> its features' axis) to the row projection's input.
+    (``start``: their last axis, the output features) to the row projection's input, and
+    what a member rewrites on the way (``edits``).
 
     ``sections``: a column projection's output cut into sections along its features (a fused
     QKV projection's Split): each member takes its part of every section."""
@@ -132,7 +133,10 @@ class Axes:
         elif op in ("Softmax", "LogSoftmax"):
             a = self._only(node, inside)
             rank = len(self._shape(node.inputs[0], node))
-            if self._normal(int(node.attrs.get("axis", -1)), rank) == a:
+            # before opset 13 it normalizes over every axis from ``axis`` (default 1) on
+            flattened = self.opset < 13
+            axis = self._normal(int(node.attrs.get("axis", 1 if flattened else -1)), rank)
+            if a == axis or (flattened and a > axis):
                 raise Unsplittable(f"{op} node {node.name!r} normalizes over the split axis")
             self._set(node.outputs[0], a, node.inputs[0])
         elif op == "Transpose":
