@@ -663,8 +663,11 @@ def plan_command(
         )  # fmt: skip
     out.print(table)
     refused = [c for c in planned.candidates if c.prediction is None]
-    for candidate in refused:
+    for candidate in refused[:3]:
         err.print(f"[yellow]not a candidate:[/] {escape(candidate.reason)}", highlight=False, soft_wrap=True)
+    if len(refused) > 3:
+        others = ", ".join(str(c.split) for c in refused[3:])
+        err.print(f"[yellow]not candidates either:[/] {escape(others)}", highlight=False, soft_wrap=True)
     best = next((c for c in predicted if c.prediction.fits), None)
     if best is None:
         raise UsageFailure(f"no split of {processes} processes fits {human_bytes(hardware.memory)} a process")
