@@ -14,6 +14,7 @@ from graphforge.analysis.partition import balanced_cuts
 from graphforge.errors import GraphforgeError, PassError
 from graphforge.graph import Model
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
+from graphforge.placement.buckets import marker_call
 from graphforge.placement.stages import (
     StageError,
     carried_stages,
@@ -151,6 +152,14 @@ def _partial_norms(model: Model, cuts: list[str], stages: int) -> list[tuple[int
     node = tensors[program.grad_norm].inputs[0] if tensors[program.grad_norm].inputs else None
     while node is not None and node.op in ("Identity", "Sqrt"):
         node = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
+    total, sliced, reduce = node, [], None
+    if node is not None and node.op == "Add":  # a tensor-parallel member's: whole squares + its group's slices'
+        producers = [t.inputs[0] if len(t.inputs) == 1 else None for t in node.inputs]
+        reduce = next((p for p in producers if p is not None and _is_group_sum(p)), None)
+        plain = next((p for p in producers if p is not reduce), None)
+        if reduce is not None and plain is not None and plain.op == "Sum":
+            sliced = _terms(reduce.inputs[0])
+            node = plain
     if node is None or node.op != "Sum":
         raise PassError(
             f"cannot find the sum of squares behind {program.grad_norm!r}: the pipeline pass must come right "
@@ -179,14 +188,39 @@ def _partial_norms(model: Model, cuts: list[str], stages: int) -> list[tuple[int
     groups: dict[int, list[gs.Tensor]] = {}
     for term in node.inputs:
         groups.setdefault(stage_of_square(term), []).append(term)
+    slices: dict[int, list[gs.Tensor]] = {}
+    for term in sliced:
+        slices.setdefault(stage_of_square(term), []).append(term)
     partials, inputs = [], []
-    for s in sorted(groups):
+    for s in sorted({*groups, *slices}):
+        terms = list(groups.get(s, []))
+        if s in slices:  # the stage's slices' squares summed across its tensor group, once per stage
+            mine = gs.Variable(f"{roles.PIPELINE_PREFIX}norm/slices_stage{s}", dtype=np.float32, shape=[])
+            graph.nodes.append(gs.Node("Sum", inputs=slices[s], outputs=[mine]))
+            summed = gs.Variable(f"{mine.name}/{roles.TENSOR_PARALLEL_REDUCE_OP}_sum", dtype=np.float32, shape=[])
+            graph.nodes.append(marker_call(roles.TENSOR_PARALLEL_REDUCE_OP, mine, summed, -1, attribute="group"))
+            terms.append(summed)
         out = gs.Variable(f"{roles.PIPELINE_PREFIX}norm/stage{s}", dtype=np.float32, shape=[])
         graph.nodes.append(
-            gs.Node("Sum", name=f"{roles.PIPELINE_PREFIX}norm/Sum_stage{s}", inputs=groups[s], outputs=[out])
+            gs.Node("Sum", name=f"{roles.PIPELINE_PREFIX}norm/Sum_stage{s}", inputs=terms, outputs=[out])
         )
         partials.append((s, out.name))
         inputs.append(out)
     node.inputs = inputs
+    if reduce is not None and sliced:  # the whole norm is the stages' partials now
+        total.op, total.inputs, total.attrs = "Sum", list(inputs), {}
+        graph.nodes = [
+            n for n in graph.nodes if n is not reduce and n is not node and n is not reduce.inputs[0].inputs[0]
+        ]
     graph.toposort()
     return partials
+
+
+def _is_group_sum(node: gs.Node) -> bool:
+    return node.op == roles.TENSOR_PARALLEL_REDUCE_OP and node.domain == roles.MARKER_DOMAIN
+
+
+def _terms(tensor: gs.Tensor) -> list[gs.Tensor]:
+    """The terms a Sum adds up to ``tensor``, or the tensor itself."""
+    producer = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+    return list(producer.inputs) if producer is not None and producer.op == "Sum" else [tensor]

@@ -51,6 +51,7 @@ from graphforge.errors import GraphforgeError
 from graphforge.model_io import ModelSource
 from graphforge.placement.stages import StageSegments, stage_segments
 from graphforge.program import ProgramRoles, program_proto
+from graphforge.runtime.chain import Chains, Collectives
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_dtype
@@ -175,6 +176,9 @@ class PipelineStage:
         segments = [("forward", self.parts.forward), ("backward", self.parts.backward)]
         segments += [(f"update {i}", seg) for i, seg in enumerate(self.parts.update)]
         self._models = {label: seg.model for label, seg in segments if seg.model.graph.node}
+        #: a tensor-parallel group this stage is a member of (attach_collectives): its runs are cut after the sums
+        self._chains: Chains | None = None
+        self.reducer = None  # (a stage's replicas average through ``replicas``)
         self._update_labels = [label for label in self._models if label.startswith("update")]
         for label in self._models:  # sessions made now: a load error shows before the first step
             self._session(label)
@@ -261,13 +265,35 @@ class PipelineStage:
         """Whether ``action`` is the last one of its micro-batch on this stage."""
         return action.kind == SEND_B or self.stage == 0
 
+    def attach_collectives(self, collectives: Collectives) -> None:
+        """Make this stage a member of a tensor-parallel group (graphforge.distributed.TensorParallel
+        over ``World.mesh(tensor=T, pipeline=S).tensor``): from now on each of its segments'
+        runs is cut after the program's sums, which ``collectives`` makes across the group."""
+        if self._chains is not None:
+            raise GraphforgeError("this stage is already a member of a tensor-parallel group")
+        self._chains = Chains(self.runner, collectives)
+
+    @property
+    def collectives(self) -> Collectives | None:
+        return self._chains.collectives if self._chains is not None else None
+
+    def _execute(self, label: str, bound: BoundSession, feeds: dict[str, Any], fetch: list[str], sends: list[str]):
+        """One run of segment ``label``: as it is, or cut after its sums in a tensor group."""
+        if self._chains is None:
+            return self.runner.execute([SegmentRun(bound, fetch, sends)], feeds)
+        model = self._models[label]
+        where = f"stage {self.stage}'s {label} segment"
+        keep = list(bound.outputs)
+        runs, hook = self._chains.runs(("stage", label), lambda: model, where, keep, fetch, sends, static=False)
+        return self.runner.execute(runs, feeds, hook=hook)
+
     def _run(self, label: str, feeds: dict[str, Any], into: dict[str, Any]) -> dict[str, np.ndarray]:
         if label not in self._models:
             return {}
         bound = self._session(label)
         loss = [self.loss_name] if self.loss_name in bound.outputs else []
         sends = [o for o in bound.outputs if o not in self.runner.by_output and o not in loss]
-        done = self.runner.execute([SegmentRun(bound, loss, sends)], feeds)
+        done = self._execute(label, bound, feeds, loss, sends)
         into.update(done.device)
         return done.host
 
@@ -279,7 +305,7 @@ class PipelineStage:
             names = [boundary[p] for p in self.parts.carried if p in boundary and boundary[p] in last]
             self.replicas.average([last[n] for n in names], f"step {step + 1}: the gradient allreduce")
         feeds = {**last, **self._scalars(lr, step, 0)}
-        updates = [self._session(label) for label in self._update_labels]
+        updates = [(label, self._session(label)) for label in self._update_labels]
         results: dict[str, np.ndarray] = {}
         if self.role.partial_norms:
             mine = 0.0
@@ -289,8 +315,8 @@ class PipelineStage:
             gathered = self.transport.gather(mine, f"step {step + 1}: the gradient norm")
             for s, name in self.role.partial_norms:
                 feeds[name] = np.array(gathered[s], np.float32)
-        for bound in updates:
-            results.update(self._run_update(bound, feeds))
+        for update in updates:
+            results.update(self._run_update(update, feeds))
         name = self.roles.grad_norm
         if name in results:
             return float(results[name])
@@ -298,10 +324,11 @@ class PipelineStage:
             return float(np.sqrt(np.sum(np.array(gathered, np.float32), dtype=np.float32)))
         return None
 
-    def _run_update(self, bound: BoundSession, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+    def _run_update(self, update: tuple[str, BoundSession], feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        label, bound = update
         fetch = [n for n in (self.roles.grad_norm, self.parts.partial_norm) if n in bound.outputs]
         sends = [o for o in bound.outputs if o not in self.runner.by_output and o not in fetch]
-        done = self.runner.execute([SegmentRun(bound, fetch, sends)], feeds)
+        done = self._execute(label, bound, feeds, fetch, sends)
         self._written += done.written
         feeds.update(done.device)
         return done.host
@@ -438,9 +465,10 @@ class TorchTransport:
                 f"rank {world.rank} is not in the pipeline of ranks {first}..{first + self.stages - 1}"
             )
         # with several pipelines side by side, each pipeline's collectives (the partial norms,
-        # the loss) stay among its stages: every rank makes every pipeline's group, in order
-        self.group = None
-        if self.stages < world.size:
+        # the loss) stay among its stages: every rank makes every pipeline's group, in order;
+        # a pipeline of a mesh (World.mesh(...).pipeline) is a group already
+        self.group = world.group
+        if world.ranks is None and self.stages < world.size:
             import torch.distributed as dist
 
             with world.collective("making the pipelines' groups"):
@@ -452,6 +480,10 @@ class TorchTransport:
         self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive until sent)
         #: per peer: the prefetching receives under way (queue, messages still to take, thread)
         self._inboxes: dict[int, list[tuple[queue.Queue, int, threading.Thread]]] = {}
+
+    def _rank(self, stage: int) -> int:
+        """Stage ``stage``'s rank in the whole run."""
+        return self.world.global_of(self.first + stage)
 
     def send(self, peer: int, values: Sequence[ort.OrtValue], what: str) -> None:
         import torch
@@ -466,7 +498,7 @@ class TorchTransport:
         buffers = [header.to(device)] + ([payload.to(device)] if payload.numel() else [])
         with self.world.collective(f"sending {what} to stage {peer}"):
             for buffer in buffers:
-                self._pending.append((dist.isend(buffer, self.first + peer), buffer))
+                self._pending.append((dist.isend(buffer, self._rank(peer)), buffer))
 
     def expect(self, peer: int, messages: Sequence[Sequence[np.dtype]]) -> None:
         """Receive the next ``messages`` (their dtypes) from ``peer`` in a thread from now on,
@@ -516,12 +548,12 @@ class TorchTransport:
         device = self.world.device
         header = torch.empty(len(dtypes) * (MAX_RANK + 1), dtype=torch.int64, device=device)
         with self.world.collective(f"receiving {what} from stage {peer}"):
-            dist.irecv(header, self.first + peer).wait(timeout=_timeout(self.world))
+            dist.irecv(header, self._rank(peer)).wait(timeout=_timeout(self.world))
             shapes = _shapes(header.cpu().tolist(), len(dtypes))
             sizes = [math.prod(s) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True)]
             payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
             if payload.numel():
-                dist.irecv(payload, self.first + peer).wait(timeout=_timeout(self.world))
+                dist.irecv(payload, self._rank(peer)).wait(timeout=_timeout(self.world))
         out, offset = [], 0
         for shape, dtype, size in zip(shapes, dtypes, sizes, strict=True):
             chunk = payload[offset : offset + size].view(torch_dtype(dtype)).reshape(shape)
@@ -545,7 +577,7 @@ class TorchTransport:
 
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.world.device)
         with self.world.collective(what):
-            dist.broadcast(tensor, self.first + source, group=self.group)
+            dist.broadcast(tensor, self._rank(source), group=self.group)
         return tensor.cpu().tolist()
 
     def flush(self) -> None:

@@ -115,8 +115,9 @@ def member_state(whole: CheckpointState, member_program) -> CheckpointState:
 
 def _with_tensors(state: CheckpointState, tensors: dict[str, np.ndarray], specs: Sequence[CarriedSpec]):
     """``state``'s step, learning rate, seeds and the rest, with other tensors."""
-    return state.with_tensors(
-        tensors, [TensorSpec(s.input, s.role, s.dtype, tuple(tensors[s.input].shape)) for s in specs]
+    return state.with_tensors(  # (a pipeline stage's tensors are its own only)
+        tensors,
+        [TensorSpec(s.input, s.role, s.dtype, tuple(tensors[s.input].shape)) for s in specs if s.input in tensors],
     )
 
 
@@ -172,6 +173,9 @@ class TensorParallel:
         self.module, self.world, self.role = module, world, role
         self.stats = TensorStats()
         self.split = carried_split(module.roles)
+        stage = getattr(module, "parts", None)  # a pipeline stage (PipelineStage) holds its own tensors only
+        if stage is not None:
+            self.split = {n: v for n, v in self.split.items() if n in set(stage.carried)}
         self.axes = {name: axis for name, (axis, _) in self.split.items()}
         world.agree(
             "tensor-parallel program",
@@ -204,8 +208,9 @@ class TensorParallel:
         """This member's carried tensors now: the Module's, with its optimizer states gathered
         from the data-parallel replicas where ZeRO shards them (then a collective every
         replica of the member joins)."""
-        tensors = dict(self.module.state.tensors)
-        reducer = self.module.reducer
+        module = self.module
+        tensors = dict(module.tensors() if getattr(module, "parts", None) is not None else module.state.tensors)
+        reducer = getattr(module, "reducer", None)
         if reducer is not None and reducer.shards_update:
             tensors.update(reducer.gathered_states())
         return tensors

@@ -467,6 +467,12 @@ def _check_tensor_parallel(config: Config, world: World) -> None:
             f"{where}: distributed.tensor = {tensor} needs model.path and model.pipeline: each process compiles "
             "its own member's program (tensor_parallel(size=T, rank=r) before the pipeline)"
         )
+    if any(p.name == "pipeline" for p in parse_pipeline(config.model.pipeline)):
+        raise ConfigError(
+            f"{where}: distributed.tensor = {tensor} with pipeline stages in model.pipeline: graphforge train does "
+            "not run tensor groups in stages yet (the Python API does: World.mesh(tensor=T, pipeline=S), "
+            "PipelineStage and TensorParallel); leave one out"
+        )
     if any(p.name == "tensor_parallel" for p in parse_pipeline(config.model.pipeline)):
         raise ConfigError(
             f"{where}: model.pipeline has tensor_parallel(...) and distributed.tensor = {tensor} adds it: leave it "

@@ -18,8 +18,9 @@ import numpy as np
 
 import graphforge
 from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel
+from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTransport
 from graphforge.distributed.tensor_parallel import TensorParallel
-from graphforge.runtime import Module
+from graphforge.runtime import CheckpointState, Module
 
 
 def train(case: dict, world: World) -> None:
@@ -64,13 +65,43 @@ def train(case: dict, world: World) -> None:
         )
 
 
+def train_staged(case: dict, world: World) -> None:
+    """A mesh of tensor groups and pipeline stages (T × S = the world): each member of a
+    stage's tensor group runs its stage of its own program (``tensor_parallel(size=T,
+    rank=t)`` before the case's pipeline, which ends with the pipeline pass), on every batch
+    cut into the program's micro-batches. Each stage's tensor-group member 0 writes the
+    stage's tensors joined from its group's (``<out>-stage<s>.npz``), rank 0 the losses."""
+    stages = case["stages"]
+    mesh = world.mesh(tensor=world.size // stages, pipeline=stages)
+    tensor, pipe = mesh.tensor, mesh.pipeline
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        member = graphforge.compile(
+            case["model"], f"tensor_parallel(size={tensor.size}, rank={tensor.rank}), {case['pipeline']}"
+        ).model
+    stage = PipelineStage(member, CheckpointState.from_program(member), TorchTransport(pipe), intra_op_threads=1)
+    group = TensorParallel(stage, tensor)
+    batches = np.load(case["batches"])
+    m = stage.microbatches
+    losses = []
+    for step in range(len(batches[batches.files[0]])):
+        rows = len(batches[batches.files[0]][step]) // m
+        micro = [{n: batches[n][step][i * rows : (i + 1) * rows] for n in batches.files} for i in range(m)]
+        losses.append(stage.train_step(micro).loss)
+    whole = group.whole_state()  # this stage's tensors, joined across its tensor group
+    if whole is not None:
+        np.savez(f"{case['out']}-stage{pipe.rank}.npz", **{n: whole.tensors[n] for n in stage.parts.carried})
+    if world.rank == 0:
+        np.savez(f"{case['out']}-losses.npz", losses=np.array(losses), grad_norm=np.array(stage.last_grad_norm))
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     world = World.join(timeout_s=spec.get("timeout_s", 60))
     try:
         for case in spec["cases"]:
-            train(case, world)
+            (train_staged if case.get("stages") else train)(case, world)
     except DistributedError as exc:  # one line naming who is gone, as graphforge train prints it
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(3)

@@ -106,6 +106,14 @@ def test_four_processes_are_two_replicas_of_a_tensor_group_and_train_as_one(fold
             r"model.pipeline has tensor_parallel\(...\) and distributed.tensor = 2 adds it",
         ),
         ({}, r"distributed.tensor = 2, but 1 process\(es\) were started: start a multiple of 2"),
+        (
+            {
+                "model": {
+                    "pipeline": f"{th.PIPELINE.replace('lr=0.05', 'lr=0.05, accumulate=true')}, pipeline(stages=2)"
+                }
+            },
+            "with pipeline stages in model.pipeline: graphforge train does not run tensor groups in stages yet",
+        ),
     ],
 )
 def test_what_a_tensor_parallel_run_cannot_do_is_refused_by_key(folder, world_of_one, sections, message):
