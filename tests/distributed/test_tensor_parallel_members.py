@@ -98,25 +98,35 @@ def _model(folder: Path, name: str) -> str:
     return str(folder / CASES[name][0]) if not Path(CASES[name][0]).is_absolute() else CASES[name][0]
 
 
-def _launch(folder: Path, size: int, names: list[str], data: int = 1, zero: int = 0) -> Path:
-    label = (f"{size}" if data == 1 else f"{size // data}x{data}") + (f"-zero{zero}" if zero else "")
+def _spec(folder: Path, label: str, names: list[str], pipeline=None, **settings) -> Path:
+    """The worker's spec: a case per model of ``names`` (its pipeline: ``pipeline(name)``, by
+    default its loss and its optimizer), its outputs named ``<name>-<label>``, ``settings``
+    (data, zero, stages) in each."""
     cases = [
         {
             "model": _model(folder, name),
-            "pipeline": f"{CASES[name][1]}, {OPTIMIZERS.get(name, ADAMW)}",
+            "pipeline": pipeline(name) if pipeline else f"{CASES[name][1]}, {OPTIMIZERS.get(name, ADAMW)}",
             "batches": str(folder / f"{name}-batches.npz"),
             "out": str(folder / f"{name}-{label}"),
             "in_place": name != "digits",  # the two-buffer update for one of them
-            "data": data,
-            "zero": zero,
+            **settings,
         }
         for name in names
     ]
     spec = folder / f"spec-{label}.json"
     spec.write_text(json.dumps({"cases": cases, "timeout_s": 60}))
+    return spec
+
+
+def _run_spec(spec: Path, processes: int) -> None:
     argv = [str(Path(__file__).parent / "_tensor_parallel_worker.py"), str(spec)]
-    for f in run_ranks(size, argv, timeout=LAUNCH_TIMEOUT_S):
-        assert f.returncode == 0, f"member {f.rank} exited with {f.returncode}:\n{f.output[-4000:]}"
+    for f in run_ranks(processes, argv, timeout=LAUNCH_TIMEOUT_S):
+        assert f.returncode == 0, f"rank {f.rank} exited with {f.returncode}:\n{f.output[-4000:]}"
+
+
+def _launch(folder: Path, size: int, names: list[str], data: int = 1, zero: int = 0) -> Path:
+    label = (f"{size}" if data == 1 else f"{size // data}x{data}") + (f"-zero{zero}" if zero else "")
+    _run_spec(_spec(folder, label, names, data=data, zero=zero), size)
     return folder
 
 
@@ -233,24 +243,10 @@ def test_a_mesh_of_data_replicas_of_tensor_groups_equals_one_process(name, tenso
 @pytest.fixture(scope="module")
 def tensor_by_stages(workspace) -> Path:
     """4 processes: pipelines of 2 stages whose every stage is a tensor group of 2 (T × S)."""
-    folder = workspace
     accumulating = "adamw(lr=1e-3, weight_decay=0.01, accumulate=true), pipeline(stages=2, microbatches=2)"
-    cases = [
-        {
-            "model": _model(folder, name),
-            "pipeline": f"{CASES[name][1]}, {accumulating}",
-            "batches": str(folder / f"{name}-batches.npz"),
-            "out": str(folder / f"{name}-2x2s"),
-            "stages": 2,
-        }
-        for name in ("llama", "bert")
-    ]
-    spec = folder / "spec-stages.json"
-    spec.write_text(json.dumps({"cases": cases, "timeout_s": 60}))
-    argv = [str(Path(__file__).parent / "_tensor_parallel_worker.py"), str(spec)]
-    for f in run_ranks(4, argv, timeout=LAUNCH_TIMEOUT_S):
-        assert f.returncode == 0, f"rank {f.rank} exited with {f.returncode}:\n{f.output[-4000:]}"
-    return folder
+    pipeline = lambda name: f"{CASES[name][1]}, {accumulating}"  # noqa: E731
+    _run_spec(_spec(workspace, "2x2s", ["llama", "bert"], pipeline, stages=2), 4)
+    return workspace
 
 
 def _accumulating_reference(folder: Path, name: str, microbatches: int) -> tuple[Module, list[float]]:
@@ -347,18 +343,7 @@ def test_two_nodes_in_network_namespaces_equal_one_process(workspace):
     across the two. The same oracle as the mesh on one machine: one process, the whole
     program, the whole batches."""
     folder = workspace
-    cases = [
-        {
-            "model": _model(folder, name),
-            "pipeline": f"{CASES[name][1]}, {OPTIMIZERS.get(name, ADAMW)}",
-            "batches": str(folder / f"{name}-batches.npz"),
-            "out": str(folder / f"{name}-nodes"),
-            "data": 2,
-        }
-        for name in ("gpt2", "digits")
-    ]
-    spec = folder / "spec-nodes.json"
-    spec.write_text(json.dumps({"cases": cases, "timeout_s": 60}))
+    spec = _spec(folder, "nodes", ["gpt2", "digits"], data=2)
     worker = str(Path(__file__).parent / "_tensor_parallel_worker.py")
     with _two_namespaces() as (names, ends):
         procs = []
