@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from graphforge.passes.specialize import Specialize, input_dims
+from graphforge.passes.specialize import Specialize
 
 from graphforge.constants import constant_value
 from graphforge.errors import GraphforgeError, PassError
@@ -76,7 +76,7 @@ def probe_shapes(model: Model) -> dict[str, tuple[int, ...]]:
             if d is None or (isinstance(d, int) and d < 0):
                 shape[i], unnamed = f"tensor_parallel_probe_{unnamed}", unnamed + 1
         tensor.shape = shape
-    names = sorted(input_dims(probe.to_proto(values=False)))
+    names = sorted({d for t in probe.graph.inputs for d in (t.shape or ()) if isinstance(d, str)})
     dims = tuple(f"{n}={PROBE_SIZES[i % len(PROBE_SIZES)] + len(PROBE_SIZES) * 2 * (i // len(PROBE_SIZES))}"
                  for i, n in enumerate(names))  # fmt: skip
     if dims:

@@ -240,7 +240,7 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     if split.tensor > 1 and program_roles.optimizer == "lamb":
         raise GraphforgeError(f"{split}: LAMB does not run tensor-parallel yet (its trust ratio takes whole norms)")
     model = Model.from_proto(program)
-    rate, link = hardware.flops, hardware
+    rate, link = hardware.flops, hardware  # (the link's bandwidth and latency)
     parameters = [c for c in program_roles.carried if c.role == "parameter"]
     states = [c for c in program_roles.carried if c.role == "optimizer"]
     parameter_bytes = sum(_bytes(c) for c in parameters)

@@ -378,13 +378,11 @@ class ZeroDataParallel(DataParallel):
         group = self.module.collectives  # a tensor group this replica is a member of, or None
         split = set(getattr(group, "axes", ()))
         sliced = 0.0
-        if split:  # the squares of the slices this member holds, which the other members' complete
-            sliced = sum(
-                float(torch.linalg.vector_norm(b.shard_grad[p.offset : p.offset + p.size]).double().square())
-                for b in self.buckets
-                for p in b.pieces
-                if p.parameter in split
-            )
+        pieces = [
+            b.shard_grad[p.offset : p.offset + p.size] for b in self.buckets for p in b.pieces if p.parameter in split
+        ]
+        if pieces:  # the squares of the slices this member holds (one read back), which the other members' complete
+            sliced = float(torch.stack([torch.linalg.vector_norm(g) for g in pieces]).double().square().sum())
         started = time.perf_counter()
         what = f"summing the gradient norm of step {step + 1}"
         total, sliced, bad = self.world.sum([local, sliced, bad_loss], what)
