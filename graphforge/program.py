@@ -161,14 +161,18 @@ class TensorParallelRole:
     """How the tensor_parallel pass split the program among ``size`` processes: each split
     parameter's axis (``split``: parameter -> the axis each member holds 1/size of), the
     blocks it split, ``rank``: None in the whole program, the member's index in one member's
-    program, and ``sections``: a fused projection's parameters (a QKV weight) -> the sizes of
-    its sections along the split axis, of each of which a member holds 1/size."""
+    program, ``sections``: a fused projection's parameters (a QKV weight) -> the sizes of
+    its sections along the split axis, of each of which a member holds 1/size, and
+    ``uneven``: parameters whose split axis ``size`` does not divide (a vocabulary of 50257)
+    -> that axis's whole size, of which the first members hold one more row
+    (``member_range``)."""
 
     size: int
     split: Mapping[str, int]
     blocks: tuple[Mapping[str, Any], ...] = ()
     rank: int | None = None
     sections: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    uneven: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> TensorParallelRole:
@@ -179,6 +183,7 @@ class TensorParallelRole:
             tuple(entry.get("blocks", [])),
             None if rank is None else int(rank),
             {str(k): tuple(int(x) for x in v) for k, v in entry.get("sections", {}).items()},
+            {str(k): int(v) for k, v in entry.get("uneven", {}).items()},
         )
 
     def to_json(self) -> dict:
@@ -187,6 +192,8 @@ class TensorParallelRole:
             entry["rank"] = self.rank
         if self.sections:
             entry["sections"] = {k: list(v) for k, v in self.sections.items()}
+        if self.uneven:
+            entry["uneven"] = dict(self.uneven)
         return entry
 
     def member_slice(self, name: str, value: np.ndarray) -> np.ndarray:
@@ -194,10 +201,21 @@ class TensorParallelRole:
         return member_slice(value, self.split[name], self.rank, self.size, self.sections.get(name))
 
 
+def member_range(whole: int, rank: int, size: int) -> tuple[int, int]:
+    """The first index and the count of member ``rank``'s part of an axis of ``whole``: 1/size
+    of it where ``size`` divides it, else the first ``whole % size`` members one more."""
+    base, extra = divmod(whole, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 def member_slice(value: np.ndarray, axis: int, rank: int, size: int, sections=None) -> np.ndarray:
-    """Member ``rank``'s slice (of ``size``) of ``value`` along ``axis``: 1/size of it, or of
-    each of its ``sections`` (their sizes along the axis) side by side."""
-    parts = np.split(value, np.cumsum(sections)[:-1], axis=axis) if sections else [value]
+    """Member ``rank``'s slice (of ``size``) of ``value`` along ``axis``: its part
+    (``member_range``) of it, or 1/size of each of its ``sections`` (their sizes along the
+    axis) side by side."""
+    if not sections:
+        first, count = member_range(value.shape[axis], rank, size)
+        return np.ascontiguousarray(np.take(value, np.arange(first, first + count), axis=axis))
+    parts = np.split(value, np.cumsum(sections)[:-1], axis=axis)
     return np.ascontiguousarray(np.concatenate([np.split(p, size, axis=axis)[rank] for p in parts], axis=axis))
 
 

@@ -101,6 +101,10 @@ ALL_GATHER_OP = "AllGather"
 #: summed over the group (g: the sum forward, its gradient handed to every member as it is)
 TENSOR_PARALLEL_COPY_OP = "TensorParallelCopy"
 TENSOR_PARALLEL_REDUCE_OP = "TensorParallelReduce"
+#: the maximum over the group of a value each member computes (the vocabulary-parallel
+#: softmax's shift, against overflow): identity on one process, no gradient (the loss does
+#: not depend on the shift)
+TENSOR_PARALLEL_MAX_OP = "TensorParallelMax"
 
 #: suffix of a gradient output: the gradient of parameter P is the graph output P_grad
 GRAD_SUFFIX = "_grad"

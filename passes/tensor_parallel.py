@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,28 +17,20 @@ from graphforge.passes.tensor_parallel_axes import (
     Unsplittable,
     probe_shapes,
 )
+from graphforge.passes.tensor_parallel_projections import Projection, projection, projection_ending, read_only_by
+from graphforge.passes.tensor_parallel_vocab import head_split, kept_shapes, split_embedding, split_loss, vocab_layers
 
 from graphforge import roles
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import is_parameter
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.placement.buckets import marker_call, marker_function
-from graphforge.program import TensorParallelRole
+from graphforge.program import TensorParallelRole, member_range
 from graphforge.shapes import infer_shapes
 
 #: nodes the walk back from a row projection visits before it gives up on a block: a block is
 #: a few dozen nodes (an attention with its reshapes and rotary embedding about a hundred)
 MAX_BLOCK_NODES = 2000
-
-
-@dataclass(frozen=True)
-class _Projection:
-    node: gs.Node
-    weight: gs.Constant
-    axis_in: int  # the weight's axis of input features
-    bias: gs.Constant | None = None  # Gemm's C, or the parameter of the Add after a MatMul
-    add: gs.Node | None = None
 
 
 @dataclass(frozen=True)
@@ -81,8 +74,19 @@ class TensorParallel(Pass):
        whole model with the markers: one process runs it unchanged, and the members' states
        join into its state (graphforge.distributed.tensor_parallel).
 
-    It runs on the forward program, before ``autodiff``. Embeddings and the
-    vocabulary-parallel loss are not split by it yet.
+    5. Along the vocabulary (passes/tensor_parallel_vocab.py; ``vocab=false`` leaves them
+       whole): each token embedding (a lookup in a 2-D parameter by ids from a graph input),
+       each member holding its rows, the lookups summed (g); and an LM head whose logits only
+       a cross-entropy reads (a LogSoftmax over the vocabulary, the loss pass's or the
+       export's, under NegativeLogLikelihoodLoss or label smoothing's mean), column-parallel,
+       with the cross-entropy computed from the member's slice of the logits (the maximum
+       across the group, TensorParallelMax, then sums of the exponentials and of the label's
+       logit): no member holds the full-vocabulary logits. A table tied to the LM head is
+       split once, along the vocabulary, for both. A vocabulary the group does not divide
+       (GPT-2's 50257) is split unevenly, the first members one row more (``member_range``).
+
+    It runs on the forward program, after the loss pass (to split its cross-entropy) and
+    before ``autodiff`` (``with_tensor_parallel`` places it so in a pipeline).
     """
 
     name = "tensor_parallel"
@@ -91,6 +95,7 @@ class TensorParallel(Pass):
     size: int = 2
     skip: tuple[str, ...] = ()
     rank: int | None = None
+    vocab: bool = True
 
     def __post_init__(self):
         check_number(self, "size", at_least=1)
@@ -102,18 +107,23 @@ class TensorParallel(Pass):
         graph.toposort()
         shapes = probe_shapes(model)
         blocks, left = _blocks(graph, set(self.skip), shapes, self.size)
+        heads, embeddings = [], []
+        if self.vocab:
+            used = {id(p.node) for b in blocks for p in [*b.firsts, b.second]}
+            heads, embeddings, vocab_left = vocab_layers(graph, shapes, self.size, set(self.skip), used)
+            left += vocab_left
         if left:
             warnings.warn(
-                f"tensor_parallel: {len(left)} block(s) stay whole on every member: {left[0]}"
+                f"tensor_parallel: {len(left)} layer(s) stay whole on every member: {left[0]}"
                 + (f" (and {len(left) - 1} more)" if len(left) > 1 else ""),
                 stacklevel=2,
             )
-        if not blocks:
+        if not blocks and not heads and not embeddings:
             reason = f": {left[0]}" if left else ""
             raise PassError(
-                "tensor_parallel: no block of projections to split was found (a MatMul or Gemm on a 2-D parameter "
-                f"whose input is computed from other such projections, read by nothing else){reason}; embeddings "
-                "are not split by this pass yet"
+                "tensor_parallel: no layer to split was found (a block of projections: a MatMul or Gemm on a 2-D "
+                "parameter whose input is computed from other such projections, read by nothing else; a token "
+                f"embedding; an LM head under a cross-entropy){reason}"
             )
         split: dict[str, int] = {}
         sections: dict[str, tuple[int, ...]] = {}
@@ -122,17 +132,17 @@ class TensorParallel(Pass):
         reduce_fn = marker_function(graph, roles.TENSOR_PARALLEL_REDUCE_OP, attribute="group")
         for index, block in enumerate(blocks):
             column = []
-            for projection in block.firsts:
-                cut = block.axes.sections[_end(projection).outputs[0].name]
-                split[projection.weight.name] = 1 - projection.axis_in
-                column.append(projection.weight.name)
-                if projection.bias is not None:
-                    split[projection.bias.name] = 0
-                    column.append(projection.bias.name)
+            for first in block.firsts:
+                cut = block.axes.sections[first.end.outputs[0].name]
+                split[first.weight.name] = 1 - first.axis_in
+                column.append(first.weight.name)
+                if first.bias is not None:
+                    split[first.bias.name] = 0
+                    column.append(first.bias.name)
                 if len(cut) > 1:
-                    sections[projection.weight.name] = cut
-                    if projection.bias is not None:
-                        sections[projection.bias.name] = cut
+                    sections[first.weight.name] = cut
+                    if first.bias is not None:
+                        sections[first.bias.name] = cut
             split[block.second.weight.name] = block.second.axis_in
             copied = _copy_inputs(graph, [p.node for p in block.firsts], index)
             reduced = _reduce_output(graph, block.second, index)
@@ -140,56 +150,56 @@ class TensorParallel(Pass):
                 {"column": column, "row": [block.second.weight.name], "copy": copied, "reduce": reduced,
                  "kind": block.kind}
             )  # fmt: skip
+        group = len(blocks)
+        for embedding in embeddings:
+            split[embedding.table.name] = 0
+            summed = split_embedding(graph, embedding, self.rank, self.size, group)
+            recorded.append({"column": [embedding.table.name], "row": [], "copy": [], "reduce": [summed],
+                             "kind": "embedding"})  # fmt: skip
+            group += 1
+        for head in heads:
+            split.update(head_split(head))
+            copied = _copy_inputs(graph, [head.projection.node], group)
+            reduced = split_loss(graph, head, self.rank, self.size, group)
+            recorded.append({"column": list(head_split(head)), "row": [], "copy": copied, "reduce": reduced,
+                             "kind": "vocabulary"})  # fmt: skip
+            group += 1
         graph.functions.extend([copy_fn, reduce_fn])
+        if heads:
+            graph.functions.append(marker_function(graph, roles.TENSOR_PARALLEL_MAX_OP, attribute="group"))
         graph.toposort()
-        role = TensorParallelRole(self.size, split, tuple(recorded), self.rank, sections)
+        uneven = {e.table.name: e.table.shape[0] for e in embeddings if e.table.shape[0] % self.size}
+        for head in heads:
+            if head.vocabulary % self.size:
+                uneven.update(dict.fromkeys(head_split(head), head.vocabulary))
+        role = TensorParallelRole(self.size, split, tuple(recorded), self.rank, sections, uneven)
         if self.rank is not None:
-            for block in blocks:
-                for edit in block.axes.edits:
-                    edit(graph, self.size)
+            for axes in [*(b.axes for b in blocks), *(h.axes for h in heads)]:
+                for edit in axes.edits:
+                    edit(graph, self.size, self.rank)
             graph.toposort()
-            _keep_slices(model, role, {id(b.second.node) for b in blocks})
+            _keep_slices(model, role, {id(b.second.node) for b in blocks} | kept_shapes(heads, embeddings, graph))
             _own_dropout_streams(blocks, self.rank)
-            _check_member_shapes(model, blocks, shapes, self.size, self.rank)
+            _check_member_shapes(model, blocks, heads, shapes, self.size, self.rank)
         roles.set_json(model, roles.TENSOR_PARALLEL, role.to_json())
         member = "" if self.rank is None else f" (the program of member {self.rank})"
-        kinds = sorted({b.kind for b in blocks})
+        kinds = sorted({b["kind"] for b in recorded})
         return PassResult(
-            model, True, note=f"{len(blocks)} block(s) ({', '.join(kinds)}) split across {self.size} processes{member}"
+            model,
+            True,
+            note=f"{len(recorded)} layer(s) ({', '.join(kinds)}) split across {self.size} processes{member}",
         )
 
 
-def _projection(node: gs.Node) -> _Projection | None:
-    """``node`` as a projection on a 2-D parameter (MatMul x·W, Gemm with or without transB and
-    a bias C), or None."""
-    if node.op == "MatMul" and len(node.inputs) == 2:
-        weight, axis_in = node.inputs[1], 0
-        source = weight.inputs[0] if len(weight.inputs) == 1 else None
-        if source is not None and source.op == "Transpose" and list(source.attrs.get("perm", [1, 0])) == [1, 0]:
-            weight, axis_in = source.inputs[0], 1  # x·Wᵀ, as torch's dynamo exporter writes a Linear
-        if is_parameter(weight) and len(weight.shape) == 2:
-            add = _bias_add(node)
-            return _Projection(node, weight, axis_in, add[0] if add else None, add[1] if add else None)
-    if node.op == "Gemm" and not node.attrs.get("transA", 0) and len(node.inputs) >= 2:
-        weight = node.inputs[1]
-        bias = node.inputs[2] if len(node.inputs) > 2 else None
-        if is_parameter(weight) and len(weight.shape) == 2 and (bias is None or is_parameter(bias)):
-            if bias is not None and len(bias.shape) != 1:
-                return None
-            return _Projection(node, weight, 1 if node.attrs.get("transB", 0) else 0, bias)
-    return None
-
-
-def _bias_add(node: gs.Node) -> tuple[gs.Constant, gs.Node] | None:
-    """The Add of a 1-D parameter right after a MatMul (its only reader), as exporters write a Linear's bias."""
-    out = node.outputs[0]
-    if len(out.outputs) != 1 or out.outputs[0].op != "Add":
-        return None
-    add = out.outputs[0]
-    other = next((t for t in add.inputs if t is not out), None)
-    if other is not None and is_parameter(other) and len(other.shape) == 1:
-        return other, add
-    return None
+def with_tensor_parallel(passes: Sequence[Pass], split: TensorParallel) -> list[Pass]:
+    """``passes`` (a pipeline for the forward model) with ``split`` where it belongs: after the
+    loss pass, whose cross-entropy it splits along the vocabulary, and before the first pass
+    that writes gradients; first where no loss pass comes before that."""
+    passes = list(passes)
+    writes = next((i for i, p in enumerate(passes) if Fact.GRADIENTS in p.ensures), len(passes))
+    loss = [i for i, p in enumerate(passes[:writes]) if p.name == "loss"]
+    at = loss[-1] + 1 if loss else 0
+    return [*passes[:at], split, *passes[at:]]
 
 
 @dataclass(frozen=True)
@@ -198,9 +208,9 @@ class _Block:
     V), the nodes between them and the row-parallel projection that reads what they make,
     and where the split axis runs through them."""
 
-    firsts: tuple[_Projection, ...]
+    firsts: tuple[Projection, ...]
     between: tuple[gs.Node, ...]
-    second: _Projection
+    second: Projection
     axes: Axes | None
 
     @property
@@ -212,7 +222,7 @@ def _blocks(graph: gs.Graph, skip: set[str], shapes, size: int) -> tuple[list[_B
     """The blocks to split, and why each block that stays whole does."""
     found, left, used = [], [], set()
     for node in graph.nodes:
-        second = _projection(node)
+        second = projection(node)
         if second is None or node.name in skip or id(node) in used:
             continue
         try:
@@ -228,13 +238,13 @@ def _blocks(graph: gs.Graph, skip: set[str], shapes, size: int) -> tuple[list[_B
     return found, left
 
 
-def _block_before(second: _Projection, skip: set[str], used: set[int], graph, shapes, size) -> _Block | None:
+def _block_before(second: Projection, skip: set[str], used: set[int], graph, shapes, size) -> _Block | None:
     """The block ``second`` ends, or None where its input is not computed from other
     projections alone. Walking back from its input (not through Shape, whose value a member
     computes alike) finds the first projections; the nodes computed from their outputs are
     the block, the rest of what the walk saw (masks, rotary tables) what every member
     computes whole."""
-    firsts: dict[int, _Projection] = {}
+    firsts: dict[int, Projection] = {}
     behind: dict[int, gs.Node] = {}
     stack, seen = [second.node.inputs[0]], set()
     while stack:
@@ -245,7 +255,7 @@ def _block_before(second: _Projection, skip: set[str], used: set[int], graph, sh
         producer = tensor.inputs[0]
         if producer.op in ("Constant", "Shape", "Size"):
             continue
-        first = _projection_ending(producer)
+        first = projection_ending(producer)
         if first is not None:
             if first.node.name in skip or id(first.node) in used or first.node is second.node:
                 return None
@@ -255,9 +265,9 @@ def _block_before(second: _Projection, skip: set[str], used: set[int], graph, sh
         if len(behind) > MAX_BLOCK_NODES:
             return None
         stack.extend(producer.inputs)
-    if not firsts or not all(_read_only_by(p) for p in [*firsts.values(), second]):
+    if not firsts or not all(read_only_by(p) for p in [*firsts.values(), second]):
         return None  # a weight shared with other layers (or a tied bias) stays whole
-    region = {_end(f).outputs[0].name for f in firsts.values()}
+    region = {f.end.outputs[0].name for f in firsts.values()}
     between = []
     for node in graph.nodes:  # in order: a node reads what the block made before it
         if id(node) in behind and any(t.name in region for t in node.inputs if not _shape_only(t, node)):
@@ -266,7 +276,7 @@ def _block_before(second: _Projection, skip: set[str], used: set[int], graph, sh
     if second.node.inputs[0].name not in region:
         return None
     inside = {id(n) for n in between} | {id(second.node)}
-    for tensor in [*(t for n in between for t in n.outputs), *(_end(f).outputs[0] for f in firsts.values())]:
+    for tensor in [*(t for n in between for t in n.outputs), *(f.end.outputs[0] for f in firsts.values())]:
         if tensor.is_empty():
             continue
         outside = [r for r in tensor.outputs if id(r) not in inside and not _shape_only(tensor, r)]
@@ -292,7 +302,7 @@ def _axes(firsts, between, second, graph, shapes, size, region) -> Axes:
         axes = Axes(shapes, size, region, opset=graph.opset)
         try:
             for first in firsts:
-                out = _end(first).outputs[0]
+                out = first.end.outputs[0]
                 axes.start(out, cuts.get(out.name))
             for node in between:
                 axes.carry(node)
@@ -314,35 +324,6 @@ def _shape_only(tensor: gs.Tensor, node: gs.Node) -> bool:
     return node.op in ("Shape", "Size") or (node.op == "CastLike" and len(node.inputs) > 1 and node.inputs[1] is tensor)
 
 
-def _projection_ending(node: gs.Node) -> _Projection | None:
-    """The projection ``node`` ends: a MatMul or Gemm on a 2-D parameter, or the bias Add after a MatMul."""
-    if node.op == "Add":
-        for t in node.inputs:
-            if len(t.inputs) == 1 and t.inputs[0].op == "MatMul":
-                made = _projection(t.inputs[0])
-                if made is not None and made.add is node:
-                    return made
-        return None
-    made = _projection(node)
-    return made if made is not None and made.add is None else None
-
-
-def _read_only_by(projection: _Projection) -> bool:
-    """Whether the projection's weight and bias are read by it alone (a member slices them)."""
-    own = {id(projection.node), *([id(projection.add)] if projection.add is not None else [])}
-    for parameter in [projection.weight, *([projection.bias] if projection.bias is not None else [])]:
-        for reader in parameter.outputs:
-            if reader.op == "Transpose" and all(id(r) in own for r in reader.outputs[0].outputs):
-                continue
-            if id(reader) not in own:
-                return False
-    return True
-
-
-def _end(projection: _Projection) -> gs.Node:
-    return projection.add or projection.node
-
-
 def _copy_inputs(graph: gs.Graph, nodes: list[gs.Node], group: int) -> list[str]:
     """f before the column projections' inputs, one per input (their other readers keep the input itself)."""
     copies: dict[int, gs.Variable] = {}
@@ -361,7 +342,7 @@ def _copy_inputs(graph: gs.Graph, nodes: list[gs.Node], group: int) -> list[str]
     return [c.name for c in copies.values()]
 
 
-def _reduce_output(graph: gs.Graph, second: _Projection, group: int) -> str:
+def _reduce_output(graph: gs.Graph, second: Projection, group: int) -> str:
     """g after the second projection's product, before its bias (added once, to the sum)."""
     node = second.node
     bias = None
@@ -377,10 +358,12 @@ def _reduce_output(graph: gs.Graph, second: _Projection, group: int) -> str:
     if bias is None:
         graph.nodes.append(gs.Node("Identity", inputs=[summed], outputs=[product]))
         return summed.name
-    if beta != 1.0:
+    if beta != 1.0:  # (beta from a Constant node: an initializer would be taken for a parameter)
         scaled = gs.Variable(f"{bias.name}/tensor_parallel_beta", dtype=bias.dtype)
-        graph.nodes.append(gs.Node("Mul", inputs=[bias, gs.Constant(f"{scaled.name}/c", _scalar(beta, bias))],
-                                   outputs=[scaled]))  # fmt: skip
+        factor = gs.Variable(f"{scaled.name}/c", dtype=bias.dtype, shape=[])
+        graph.nodes.append(gs.Node("Constant", attrs={"value": gs.Constant(factor.name, _scalar(beta, bias))},
+                                   outputs=[factor]))  # fmt: skip
+        graph.nodes.append(gs.Node("Mul", inputs=[bias, factor], outputs=[scaled]))
         bias = scaled
     graph.nodes.append(gs.Node("Add", inputs=[summed, bias], outputs=[product]))
     return summed.name
@@ -412,27 +395,35 @@ def _keep_slices(model: Model, role: TensorParallelRole, ends: set[int]) -> None
     infer_shapes(model, in_place=True)
 
 
-def _check_member_shapes(model: Model, blocks: list[_Block], whole: dict, size: int, rank: int) -> None:
+def _check_member_shapes(model: Model, blocks: list[_Block], heads, whole: dict, size: int, rank: int) -> None:
     """Each tensor of a block has, in the member's program at the probe's dims, the whole
     model's shape with the split axis divided by ``size``, and the row projections' outputs
     the whole model's: what the exporter computed from the whole sizes (a head size as
     features // heads) would not, and is refused here, naming the tensor."""
     member = probe_shapes(model)
-    for block in blocks:
+    # (where the split runs, the node named in the refusal, its output the member computes
+    # whole, whether only the split axis is compared: an LM head's logits meet the labels,
+    # whose dims the probe sizes apart from the batch's)
+    layers = [(b.axes, b.second.node, b.second.node.outputs[0].name, False) for b in blocks]
+    layers += [(h.axes, h.projection.node, None, True) for h in heads]
+    for axes, end, whole_output, axis_only in layers:
         expected = {}
-        for name, axis in block.axes.axis.items():
+        for name, axis in axes.axis.items():
             shape = list(whole[name])
-            shape[axis] //= size
+            shape[axis] = member_range(shape[axis], rank, size)[1]
             expected[name] = tuple(shape)
-        out = block.second.node.outputs[0]
-        expected[out.name] = whole.get(out.name)
+        if whole_output is not None:
+            expected[whole_output] = whole.get(whole_output)
         for name, shape in expected.items():
             got = member.get(name)
-            if shape is not None and got is not None and got != shape:
+            if shape is None or got is None:
+                continue
+            axis = axes.axis.get(name)
+            if (got[axis] != shape[axis]) if axis_only and len(got) == len(shape) else got != shape:
                 raise PassError(
                     f"tensor_parallel: in member {rank}'s program {name!r} has the shape {list(got)} where its part of "
                     f"the whole {list(whole[name])} is {list(shape)}: the model computes it from a whole size (leave "
-                    f"the block whole: skip=[{block.second.node.name!r}])"
+                    f"the layer whole: skip=[{end.name!r}])"
                 )
 
 

@@ -26,6 +26,7 @@ from graphforge.passes.specialize import Specialize
 from graphforge.constants import constant_value
 from graphforge.errors import GraphforgeError, PassError
 from graphforge.graph import Model
+from graphforge.program import member_range
 
 #: distinct small sizes for the symbolic dims of the probe: a reshape's axes are told apart by
 #: the products of the sizes before them, which these keep apart from the model's own sizes
@@ -91,8 +92,8 @@ def probe_shapes(model: Model) -> dict[str, tuple[int, ...]]:
     }
 
 
-#: a member's change to its program: (the graph, the group size) -> None
-Edit = Callable[[gs.Graph, int], None]
+#: a member's change to its program: (the graph, the group size, the member's rank) -> None
+Edit = Callable[[gs.Graph, int, int], None]
 
 
 @dataclass
@@ -195,6 +196,10 @@ class Axes:
         shape, out = self._shape(data, node), self._shape(node.outputs[0], node)
         before = math.prod(shape[:a])
         b = next((i for i in range(len(out)) if math.prod(out[:i]) == before and out[i] != 1), None)
+        if b is None and a == len(shape) - 1 and out and out[-1] == shape[a]:
+            # the last axis kept whole (logits to [-1, vocabulary]): rows stay rows, whatever the
+            # dims before (the probe's may disagree: labels' dims are a dim of their own there)
+            b = len(out) - 1
         if b is not None and out[b] % self.size:
             self.indivisible.append(
                 f"{node.op} node {node.name!r} makes {out[b]} along the split axis ({shape} -> {out}: heads, or "
@@ -384,11 +389,11 @@ def _target_entry(node: gs.Node, index: int, whole: int, region: set[str], keep:
     group size; an entry computed from a split tensor's shape is the member's already; one
     computed from a whole tensor's shape is divided at run time."""
 
-    def edit(graph: gs.Graph, size: int) -> None:
+    def edit(graph: gs.Graph, size: int, rank: int) -> None:
         target = node.inputs[1]
         value = constant_value(target, graph.opset)
         if value is not None:
-            node.inputs[1] = _divided_constant(target, value, index, size, whole, keep, node)
+            node.inputs[1] = _divided_constant(target, value, index, (size, rank), whole, keep, node)
             return
         piece, offset = target, index
         producer = target.inputs[0] if len(target.inputs) == 1 else None
@@ -401,7 +406,7 @@ def _target_entry(node: gs.Node, index: int, whole: int, region: set[str], keep:
                     value = constant_value(part, graph.opset)
                     if value is not None:  # the member's own Concat: another reshape may read this one
                         pieces = list(producer.inputs)
-                        pieces[i] = _divided_constant(part, value, offset, size, whole, keep, node)
+                        pieces[i] = _divided_constant(part, value, offset, (size, rank), whole, keep, node)
                         own = gs.Variable(f"{target.name}/tensor_parallel_member/{_label(node)}", dtype=np.int64)
                         graph.nodes.append(gs.Node("Concat", inputs=pieces, outputs=[own], attrs={"axis": 0}))
                         node.inputs[1] = own
@@ -411,19 +416,21 @@ def _target_entry(node: gs.Node, index: int, whole: int, region: set[str], keep:
                 offset -= length
         if _reads_shape_of(piece, region):
             return
-        _divide_at_run_time(graph, node, index, size)
+        _divide_at_run_time(graph, node, index, (size, rank), whole)
 
     return edit
 
 
-def _divided_constant(tensor, value, index, size, whole, keep, node) -> gs.Constant:
+def _divided_constant(tensor, value, index, member, whole, keep, node) -> gs.Constant:
+    """``value`` with its entry ``index`` (``whole``) the member's part of it (``member``: the
+    group's size and the member's rank)."""
     value = np.array(value, dtype=np.int64).reshape(-1)
     if int(value[index]) not in keep:
         if int(value[index]) != whole:
             raise Unsplittable(
                 f"{node.op} node {node.name!r}'s target holds {int(value[index])} where the split axis has {whole}"
             )
-        value[index] //= size
+        value[index] = member_range(whole, member[1], member[0])[1]
     return gs.Constant(f"{tensor.name}/tensor_parallel_member/{_label(node)}", value)
 
 
@@ -451,20 +458,28 @@ def _reads_shape_of(tensor: gs.Tensor, region: set[str]) -> bool:
     return False
 
 
-def _divide_at_run_time(graph: gs.Graph, node: gs.Node, index: int, size: int) -> None:
+def _divide_at_run_time(graph: gs.Graph, node: gs.Node, index: int, member: tuple[int, int], whole: int) -> None:
+    """The target's entry ``index`` divided by the group's size at run time; where the size
+    does not divide ``whole`` (an uneven vocabulary), times the member's part of it over it."""
+    size, rank = member
     target = node.inputs[1]
-    rank = _length(target, graph.opset)
-    if rank is None:
+    length = _length(target, graph.opset)
+    if length is None:
         raise Unsplittable(f"{node.op} node {node.name!r}'s target has an unknown length")
-    divisor = np.ones(rank, np.int64)
-    divisor[index] = size
-    divided = gs.Variable(f"{target.name}/tensor_parallel_member/{_label(node)}", dtype=np.int64, shape=[rank])
-    graph.nodes.append(gs.Node("Div", inputs=[target, gs.Constant(f"{divided.name}/by", divisor)], outputs=[divided]))
+    times, over = np.ones(length, np.int64), np.ones(length, np.int64)
+    if whole % size:
+        times[index], over[index] = member_range(whole, rank, size)[1], whole
+    else:
+        over[index] = size
+    divided = gs.Variable(f"{target.name}/tensor_parallel_member/{_label(node)}", dtype=np.int64, shape=[length])
+    scaled = gs.Variable(f"{divided.name}/times", dtype=np.int64, shape=[length])
+    graph.nodes.append(gs.Node("Mul", inputs=[target, gs.Constant(f"{scaled.name}/by", times)], outputs=[scaled]))
+    graph.nodes.append(gs.Node("Div", inputs=[scaled, gs.Constant(f"{divided.name}/by", over)], outputs=[divided]))
     node.inputs[1] = divided
 
 
 def _split_sizes(node: gs.Node, sizes: tuple[int, ...]) -> Edit:
-    def edit(graph: gs.Graph, size: int) -> None:
+    def edit(graph: gs.Graph, size: int, rank: int) -> None:
         if len(node.inputs) > 1 and not node.inputs[1].is_empty():
             node.inputs[1] = gs.Constant(
                 f"{node.inputs[1].name}/tensor_parallel_member/{_label(node)}",
@@ -477,7 +492,7 @@ def _split_sizes(node: gs.Node, sizes: tuple[int, ...]) -> Edit:
 
 
 def _attention_heads(node: gs.Node) -> Edit:
-    def edit(graph: gs.Graph, size: int) -> None:
+    def edit(graph: gs.Graph, size: int, rank: int) -> None:
         for name in ("q_num_heads", "kv_num_heads"):
             node.attrs[name] = int(node.attrs[name]) // size
 

@@ -90,9 +90,10 @@ def export_mlp(path: str | Path, seed: int = 0) -> Path:
     return _export(module, (example,), Path(path), ["x"], ["y"], axes)
 
 
-def gpt2_module(seed: int = 0, **config_changes):
-    """A 1-layer GPT-2 with random weights (never downloaded) returning logits, in eval mode;
-    ``config_changes`` change its GPT2Config (``n_layer=2, tie_word_embeddings=False``)."""
+def gpt2_module(seed: int = 0, classes_first: bool = False, **config_changes):
+    """A 1-layer GPT-2 with random weights (never downloaded) returning logits, in eval mode
+    (``classes_first``: [batch, vocabulary, seq], cross_entropy's layout); ``config_changes``
+    change its GPT2Config (``n_layer=2, tie_word_embeddings=False``)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -110,19 +111,20 @@ def gpt2_module(seed: int = 0, **config_changes):
         def forward(self, input_ids):
             # transformers 5.x needs an explicit mask to trace a dynamic sequence length
             mask = torch.ones_like(input_ids)
-            return self.inner(input_ids=input_ids, attention_mask=mask).logits
+            logits = self.inner(input_ids=input_ids, attention_mask=mask).logits
+            return logits.transpose(1, 2) if classes_first else logits
 
     return LogitsOnly(model).eval()
 
 
-def export_transformer(path: str | Path, seed: int = 0, **config_changes) -> Path:
+def export_transformer(path: str | Path, seed: int = 0, classes_first: bool = False, **config_changes) -> Path:
     """Export the 1-layer GPT-2 (or as ``config_changes`` say): input ``input_ids`` int64
-    [batch, seq], output ``logits`` [batch, seq, 64]."""
+    [batch, seq], output ``logits`` [batch, seq, 64] (``classes_first``: [batch, 64, seq])."""
     import torch
 
-    module = gpt2_module(seed, **config_changes)
+    module = gpt2_module(seed, classes_first, **config_changes)
     ids = torch.randint(0, GPT2_CONFIG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(seed))
-    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 2 if classes_first else 1: "seq"}}
     return _export(module, (ids,), Path(path), ["input_ids"], ["logits"], axes)
 
 

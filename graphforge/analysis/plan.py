@@ -9,9 +9,9 @@ compiles (never runs) each candidate's program and reads its costs:
   backward per micro-batch (the pipeline pass's cost report) through the schedule simulator
   (graphforge.distributed.simulate), whose makespan holds the bubble;
 - communication, at a link's ``bandwidth`` and per-message ``latency``: a tensor-parallel
-  member's sums (each TensorParallelReduce of its program, forward and backward, a ring
-  all-reduce of 2 (T - 1) / T of its bytes), the data-parallel gradient reduction (2 (D - 1)
-  / D of the gradients' bytes, in 25 MB buckets; ZeRO's reduce-scatter and all-gather move
+  member's sums (each TensorParallelReduce of its program, forward and backward, and the
+  vocabulary's TensorParallelMax, a ring all-reduce of 2 (T - 1) / T of its bytes), the
+  data-parallel gradient reduction (2 (D - 1) / D of the gradients' bytes, in 25 MB buckets; ZeRO's reduce-scatter and all-gather move
   the same), the activations a stage sends per micro-batch (inside the simulation);
 - memory: a step's predicted peak (graphforge.runtime.step_memory) of the member's program
   (two buffers per carried tensor where the run is data-parallel, as DataParallel keeps
@@ -47,6 +47,7 @@ from graphforge.graph import Model
 from graphforge.pass_infra import Pass
 from graphforge.pass_manager import PassManager
 from graphforge.passes import PipelinePartition, Recompute, TensorParallel
+from graphforge.passes.tensor_parallel import with_tensor_parallel
 from graphforge.program import ProgramRoles
 from graphforge.runtime.step_memory import step_memory
 
@@ -217,7 +218,7 @@ class _Programs:
         if made is None:
             passes = planned_passes(self.passes, split, dims)
             if split.tensor > 1:
-                passes = [TensorParallel(size=split.tensor, rank=0), *passes]
+                passes = with_tensor_parallel(passes, TensorParallel(size=split.tensor, rank=0))
             if split.stages > 1:
                 chosen = tuple(f"{k}={v}" for k, v in sorted(dims.items()))
                 passes[-1] = dataclasses.replace(passes[-1], dims=chosen)
@@ -293,7 +294,9 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
 
 
 def _is_reduce(node) -> bool:
-    return node.op == roles.TENSOR_PARALLEL_REDUCE_OP and node.domain == roles.MARKER_DOMAIN
+    """A collective across the tensor group: a sum, or the vocabulary-parallel softmax's maximum."""
+    ops = (roles.TENSOR_PARALLEL_REDUCE_OP, roles.TENSOR_PARALLEL_MAX_OP)
+    return node.op in ops and node.domain == roles.MARKER_DOMAIN
 
 
 def _bytes(spec) -> int:

@@ -34,13 +34,21 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
 from graphforge import roles
 from graphforge.distributed.world import DistributedError, World
 from graphforge.errors import GraphforgeError
-from graphforge.program import CarriedSpec, ProgramRoles, TensorParallelRole, joined_slices, member_slice
+from graphforge.program import (
+    CarriedSpec,
+    ProgramRoles,
+    TensorParallelRole,
+    joined_slices,
+    member_range,
+    member_slice,
+)
 from graphforge.runtime.checkpoint import CheckpointState, TensorSpec
 from graphforge.runtime.dlpack import tensor_of
 from graphforge.runtime.training import Module
@@ -75,6 +83,20 @@ def carried_split(program_roles: ProgramRoles) -> dict[str, tuple[int, tuple[int
         if source in role.split:
             split[spec.input] = (role.split[source], role.sections.get(source))
     return split
+
+
+def carried_wholes(program_roles: ProgramRoles) -> dict[str, int]:
+    """The whole size of the split axis of each carried tensor that the members hold unequal
+    parts of (a vocabulary the group size does not divide)."""
+    role = program_roles.tensor_parallel
+    if role is None or not role.uneven:
+        return {}
+    wholes = {}
+    for spec in program_roles.carried:
+        source = spec.input if spec.input in role.uneven else spec.like
+        if source in role.uneven:
+            wholes[spec.input] = role.uneven[source]
+    return wholes
 
 
 def member_tensors(whole: Mapping[str, np.ndarray], split: Mapping, rank: int, size: int):
@@ -155,7 +177,7 @@ class TensorParallel:
     parameters' squares across the tensor group too, so the global norm stays the whole's.
     """
 
-    op = roles.TENSOR_PARALLEL_REDUCE_OP
+    ops: ClassVar[Mapping[str, str]] = {roles.TENSOR_PARALLEL_REDUCE_OP: "sum", roles.TENSOR_PARALLEL_MAX_OP: "max"}
 
     def __init__(self, module: Module, world: World):
         role = _member_role(module.roles)
@@ -177,15 +199,19 @@ class TensorParallel:
         if stage is not None:
             self.split = {n: v for n, v in self.split.items() if n in set(stage.carried)}
         self.axes = {name: axis for name, (axis, _) in self.split.items()}
+        self.wholes = carried_wholes(module.roles)
         world.agree(
             "tensor-parallel program",
             {"size": role.size, "split": sorted(role.split.items()), "carried": sorted(self.split.items())},
         )
         module.attach_collectives(self)
 
-    def hook(self, reduced: Sequence[Sequence[str]]):
-        """Sum part k's marked outputs across the group, in place, as soon as the part has run."""
+    def hook(self, reduced: Sequence[Sequence[str]], how: Mapping[str, str]):
+        """Reduce part k's marked outputs across the group (``how``: "sum" or "max"), in place,
+        as soon as the part has run."""
         import torch.distributed as dist
+
+        reductions = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
         def hook(index: int, sent):
             names = [n for n in reduced[index] if n in sent] if index < len(reduced) else []
@@ -196,7 +222,7 @@ class TensorParallel:
             with self.world.collective(what):
                 for name in names:
                     tensor = tensor_of(sent[name])
-                    dist.all_reduce(tensor, group=self.world.group)
+                    dist.all_reduce(tensor, op=reductions[how[name]], group=self.world.group)
                     self.stats.bytes += tensor.numel() * tensor.element_size()
                     self.stats.reductions += 1
             self.stats.seconds += time.perf_counter() - started
@@ -232,8 +258,9 @@ class TensorParallel:
         for name, (axis, sections) in self.split.items():
             value = tensors[name]
             whole = list(value.shape)
-            whole[axis] *= size
-            parts[name] = (value, self.role.rank * value.shape[axis], tuple(whole), axis, sections)
+            whole[axis] = self.wholes.get(name, whole[axis] * size)
+            first, _ = member_range(whole[axis], self.role.rank, size)
+            parts[name] = (value, first, tuple(whole), axis, sections)
         checkpoints.save_slices(state, parts, self.role.rank, size)
         world.barrier(f"waiting for every member's slices of the checkpoint of step {step}")
         if self.role.rank != 0:

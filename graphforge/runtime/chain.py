@@ -28,22 +28,24 @@ MAX_CUTS = 16
 
 
 class Collectives(Protocol):
-    """What sums the marked values across a group (graphforge.distributed.TensorParallel)."""
+    """What reduces the marked values across a group (graphforge.distributed.TensorParallel)."""
 
-    #: the marker op (in graphforge's domain) whose calls' outputs are summed across the group
-    op: str
+    #: the marker ops (in graphforge's domain) whose calls' outputs are reduced across the
+    #: group -> how ("sum", or "max": the vocabulary-parallel softmax's maximum)
+    ops: Mapping[str, str]
 
-    def hook(self, reduced: Sequence[Sequence[str]]) -> Hook:
+    def hook(self, reduced: Sequence[Sequence[str]], how: Mapping[str, str]) -> Hook:
         """The hook for one execution of parts cut after ``reduced[k]`` (part k's marker
-        outputs): it sums each across the group, in place, before a later part reads it."""
+        outputs): it reduces each across the group (``how[name]``), in place, before a later
+        part reads it."""
 
 
 class Chains:
-    """The runs of a runner's models, each cut after its marker calls of ``collectives.op``."""
+    """The runs of a runner's models, each cut after its marker calls of ``collectives.ops``."""
 
     def __init__(self, runner: Runner, collectives: Collectives):
         self.runner, self.collectives = runner, collectives
-        self._cuts: dict[Any, tuple[list[Segment], list[list[str]]]] = {}
+        self._cuts: dict[Any, tuple[list[Segment], list[list[str]], dict[str, str]]] = {}
 
     def runs(
         self,
@@ -73,9 +75,10 @@ class Chains:
             if dims:
                 whole = self.runner.specialize(whole, dims, where)
             lean = lean_model(whole, keep, bound=self.runner.carried)
-            reduced = [[n] for n in marker_outputs(lean, self.collectives.op)]
-            entry = self._cuts[(key, tuple(keep), signature)] = (cut(lean, reduced), reduced)
-        segments, reduced = entry
+            how = marker_outputs(lean, self.collectives.ops)
+            reduced = [[n] for n in how]
+            entry = self._cuts[(key, tuple(keep), signature)] = (cut(lean, reduced), reduced, how)
+        segments, reduced, how = entry
         into = into or {}
         runs = []
         for segment in segments:
@@ -95,9 +98,12 @@ class Chains:
                     {n: v for n, v in into.items() if n in made},
                 )
             )
-        return runs, (self.collectives.hook(reduced) if reduced else None)
+        return runs, (self.collectives.hook(reduced, how) if reduced else None)
 
 
-def marker_outputs(model: onnx.ModelProto, op: str) -> list[str]:
-    """The outputs of ``model``'s calls of graphforge's marker ``op``, in its (topological) node order."""
-    return [n.output[0] for n in model.graph.node if n.op_type == op and n.domain == roles.MARKER_DOMAIN]
+def marker_outputs(model: onnx.ModelProto, ops: Mapping[str, str]) -> dict[str, str]:
+    """The outputs of ``model``'s calls of graphforge's marker ``ops`` (in its topological
+    node order) -> what ``ops`` says of their op."""
+    return {
+        n.output[0]: ops[n.op_type] for n in model.graph.node if n.op_type in ops and n.domain == roles.MARKER_DOMAIN
+    }

@@ -23,7 +23,7 @@ each checkpoint. The ranks first check that they run the same program and settin
 stop (Ctrl-C) is agreed on at the end of a step, so all stop after the same one. With
 ``[distributed] tensor = T`` the processes are tensor-parallel groups of T instead (one, or
 N / T data-parallel replicas of one: World.mesh): each compiles its member's program
-(``tensor_parallel(size=T, rank=r)`` before model.pipeline, with the allreduce pass where
+(``tensor_parallel(size=T, rank=r)`` in model.pipeline after its loss pass, with the allreduce pass where
 there are replicas), each replica's group takes data.batch_size samples a step (every
 member all of them) and evaluates every batch, and each checkpoint is the first group's
 members' slices beside rank 0's file, which loads as the whole program's state
@@ -58,6 +58,7 @@ from graphforge.model_io import load, save
 from graphforge.pass_manager import PassManager, parse_pipeline
 from graphforge.passes import AllReduce, Zero
 from graphforge.passes import TensorParallel as TensorParallelPass
+from graphforge.passes.tensor_parallel import with_tensor_parallel
 from graphforge.payloads import copy_without_initializers
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
@@ -526,7 +527,7 @@ def _world_size(state: CheckpointState) -> int:
 
 def _program(config: Config, tensor: int = 1, rank: int | None = None) -> tuple[onnx.ModelProto, str]:
     """The training program: model.path compiled with model.pipeline, or model.program. With
-    ``tensor`` > 1, after ``tensor_parallel(size=tensor, rank=rank)``: member ``rank``'s
+    ``tensor`` > 1, with ``tensor_parallel(size=tensor, rank=rank)`` after its loss: member ``rank``'s
     program, or without ``rank`` the whole one (what the checkpoints and the export hold)."""
     where, model = config.where, config.model
     if model.program is not None:
@@ -540,13 +541,13 @@ def _program(config: Config, tensor: int = 1, rank: int | None = None) -> tuple[
             raise ConfigError(f"{where}: model.pipeline: {exc}") from None
         forward = _load(model.path, where, "model.path")
         if tensor > 1:
-            passes = [TensorParallelPass(size=tensor, rank=rank), *passes]
+            passes = with_tensor_parallel(passes, TensorParallelPass(size=tensor, rank=rank))
         started = time.perf_counter()
         try:
             program = PassManager(passes).run(forward).model
         except GraphforgeError as exc:  # a pass refused the model: say which config key compiled it
             raise ConfigError(f"{where}: model.pipeline: {exc}") from None
-        pipeline = f"tensor_parallel(size={tensor}), {model.pipeline}" if tensor > 1 else model.pipeline
+        pipeline = ", ".join(p.spec() for p in passes) if tensor > 1 else model.pipeline
         source = f'{shown(model.path)}, compiled with "{pipeline}" in {time.perf_counter() - started:.2f} s'
         key = "model.pipeline"
     if not ProgramRoles.of_proto(program).is_training_program:

@@ -1,6 +1,6 @@
 """One member of a tensor-parallel test run: ``python _tensor_parallel_worker.py SPEC.json``
 under the environment torchrun sets. For each case of the spec it compiles this member's
-program (``tensor_parallel(size=T, rank=r)`` before the case's pipeline; T the world's size,
+program (``tensor_parallel(size=T, rank=r)`` after the case's loss pass; T the world's size,
 or with ``data`` = D replicas a mesh of D × T, each replica's program ending with the
 allreduce pass), trains it on every batch (whole, or each replica its 1/D of the rows),
 evaluates the last batch, and rank 0 writes the whole program's state joined from its tensor
@@ -15,12 +15,21 @@ import sys
 import warnings
 
 import numpy as np
+from graphforge.passes import TensorParallel as TensorParallelPass
+from graphforge.passes.tensor_parallel import with_tensor_parallel
 
 import graphforge
 from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel
 from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTransport
 from graphforge.distributed.tensor_parallel import TensorParallel
+from graphforge.pass_manager import parse_pipeline
 from graphforge.runtime import CheckpointState, Module
+
+
+def member_pipeline(pipeline: str, size: int, rank: int | None = None) -> list:
+    """``pipeline`` with ``tensor_parallel(size=size, rank=rank)`` after its loss pass (which
+    the split's vocabulary-parallel cross-entropy replaces)."""
+    return with_tensor_parallel(parse_pipeline(pipeline), TensorParallelPass(size=size, rank=rank))
 
 
 def train(case: dict, world: World) -> None:
@@ -31,9 +40,7 @@ def train(case: dict, world: World) -> None:
     pipeline = case["pipeline"] + ((f", zero(stage={zero})" if zero else ", allreduce") if replicas > 1 else "")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exports' padding-row notice
-        member = graphforge.compile(
-            case["model"], f"tensor_parallel(size={tensor.size}, rank={tensor.rank}), {pipeline}"
-        ).model
+        member = graphforge.compile(case["model"], member_pipeline(pipeline, tensor.size, tensor.rank)).model
     in_place = case.get("in_place", True)
     module = Module(member, device="cpu", intra_op_threads=1, in_place=in_place, shard_optimizer_states=bool(zero))
     group = TensorParallel(module, tensor)
@@ -68,7 +75,7 @@ def train(case: dict, world: World) -> None:
 def train_staged(case: dict, world: World) -> None:
     """A mesh of tensor groups and pipeline stages (T × S = the world): each member of a
     stage's tensor group runs its stage of its own program (``tensor_parallel(size=T,
-    rank=t)`` before the case's pipeline, which ends with the pipeline pass), on every batch
+    rank=t)`` after the case's loss, the pipeline ending with the pipeline pass), on every batch
     cut into the program's micro-batches. Each stage's tensor-group member 0 writes the
     stage's tensors joined from its group's (``<out>-stage<s>.npz``), rank 0 the losses."""
     stages = case["stages"]
@@ -76,9 +83,7 @@ def train_staged(case: dict, world: World) -> None:
     tensor, pipe = mesh.tensor, mesh.pipeline
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        member = graphforge.compile(
-            case["model"], f"tensor_parallel(size={tensor.size}, rank={tensor.rank}), {case['pipeline']}"
-        ).model
+        member = graphforge.compile(case["model"], member_pipeline(case["pipeline"], tensor.size, tensor.rank)).model
     stage = PipelineStage(member, CheckpointState.from_program(member), TorchTransport(pipe), intra_op_threads=1)
     group = TensorParallel(stage, tensor)
     batches = np.load(case["batches"])

@@ -72,7 +72,7 @@ def test_the_tensor_parallel_example_runs_under_torchrun_and_its_state_fits_the_
     (line,) = [x for x in done.stdout.splitlines() if x.startswith("loss ")]
     assert line.endswith("after 100 steps on 2 processes")
     assert float(line.split()[1]) < 1.0
-    pipeline = "tensor_parallel(size=2), loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)"
+    pipeline = "loss(kind=cross_entropy, output=logits), tensor_parallel(size=2), autodiff, adamw(lr=1e-2)"
     program = graphforge.compile(str(REPO / "examples" / "digits" / "model.onnx"), pipeline).model
     state = CheckpointState.load(workspace / "digits-tp.safetensors", program)
     assert state.step == 100 and state.tensors["fc1.weight"].shape == (64, 64)

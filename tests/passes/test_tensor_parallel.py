@@ -16,11 +16,14 @@ import models
 import numpy as np
 import onnx
 import pytest
+from graphforge.passes.tensor_parallel_axes import probe_shapes
 from onnx import numpy_helper
 
 import graphforge
 from graphforge import roles
 from graphforge.errors import PipelineError
+from graphforge.graph import Model
+from graphforge.program import joined_slices
 from graphforge.runtime import Module
 
 #: Gemm (transB) with a bias, Relu, Gemm with a bias
@@ -100,21 +103,36 @@ def test_the_members_run_as_a_group_compute_the_whole_model(source, size, gpt2_f
     np.testing.assert_allclose(_group_run(members, feeds, output), whole, rtol=1e-4, atol=1e-5)
 
 
+#: how the group reduces each marker's input
+_REDUCTIONS = {"TensorParallelReduce": np.add.reduce, "TensorParallelMax": np.maximum.reduce}
+
+
 def _group_run(members: list[onnx.ModelProto], feeds, output: str) -> np.ndarray:
-    """``output`` as the group computes it: each TensorParallelReduce's input summed across
-    the members' programs, in the order they reach them, and fed on as its output."""
-    sums: dict[str, np.ndarray] = {}
-    for node in [n for n in members[0].graph.node if n.op_type == "TensorParallelReduce"]:
-        sums[node.output[0]] = sum(_run_to(_fed(m, sums), node.input[0], {**feeds, **sums}) for m in members)
+    """``output`` as the group computes it (members[0]'s)."""
+    sums = _group_sums(members, feeds)
     return _run_to(_fed(members[0], sums), output, {**feeds, **sums})
 
 
-def _run_to(model: onnx.ModelProto, name: str, feeds) -> np.ndarray:
+def _group_sums(members: list[onnx.ModelProto], feeds) -> dict[str, np.ndarray]:
+    """Each TensorParallelReduce's input summed across the members' programs (each
+    TensorParallelMax's the maximum), in the order they reach them, fed on as its output:
+    every member's values of the markers' outputs."""
+    sums: dict[str, np.ndarray] = {}
+    for node in [n for n in members[0].graph.node if n.op_type in _REDUCTIONS]:
+        parts = [_run_to(_fed(m, sums), node.input[0], {**feeds, **sums}) for m in members]
+        sums[node.output[0]] = _REDUCTIONS[node.op_type](parts)
+    return sums
+
+
+def _run_to(model: onnx.ModelProto, name: str | list[str], feeds):
+    """``model``'s value of ``name`` (or of each of a list of names)."""
+    names = [name] if isinstance(name, str) else name
     cut = onnx.ModelProto()
     cut.CopyFrom(model)
     del cut.graph.output[:]
-    cut.graph.output.extend([onnx.helper.make_empty_tensor_value_info(name)])
-    return models.run(cut, feeds)[name]
+    cut.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
+    got = models.run(cut, feeds)
+    return got[name] if isinstance(name, str) else got
 
 
 def _fed(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -143,7 +161,8 @@ def test_a_dynamo_llama_and_a_bert_encoder_split_their_attention_and_mlps(tmp_pa
         llama = models.export_dynamo(models.llama_module(), tmp_path / "llama.onnx", 23)
         bert = models.export_bert(tmp_path / "bert.onnx")
     role = _role(graphforge.compile(str(llama), "tensor_parallel(size=2)").model)
-    assert [b["kind"] for b in role["blocks"]] == ["attention", "mlp"] * 2
+    # (before a loss: the LM head stays whole, the untied embedding splits)
+    assert [b["kind"] for b in role["blocks"]] == ["attention", "mlp"] * 2 + ["embedding"]
     for layer in range(2):
         attention, mlp = role["blocks"][2 * layer : 2 * layer + 2]
         stem = f"inner.model.layers.{layer}"
@@ -153,7 +172,8 @@ def test_a_dynamo_llama_and_a_bert_encoder_split_their_attention_and_mlps(tmp_pa
         assert mlp["row"] == [f"{stem}.mlp.down_proj.weight"] and len(mlp["copy"]) == 1
         assert role["split"][f"{stem}.mlp.gate_proj.weight"] == 0 and role["split"][f"{stem}.mlp.down_proj.weight"] == 1
     role = _role(graphforge.compile(str(bert), "tensor_parallel(size=2)").model)
-    rows = [b["row"] for b in role["blocks"]]
+    assert role["blocks"][-1]["column"] == ["inner.embeddings.word_embeddings.weight"]
+    rows = [b["row"] for b in role["blocks"][:-1]]
     assert rows == [
         [f"inner.encoder.layer.{i}.{x}.dense.weight"] for i in range(2) for x in ("attention.output", "output")
     ]
@@ -170,11 +190,11 @@ def test_a_dynamo_llama_and_a_bert_encoder_split_their_attention_and_mlps(tmp_pa
 def test_sizes_that_do_not_divide_and_models_without_a_block_are_refused_by_name(transformer_path):
     with pytest.raises(PipelineError, match=r"node '.*' has 64 output features, which 3 processes cannot split"):
         graphforge.compile(DIGITS, "tensor_parallel(size=3)")
-    with pytest.raises(PipelineError, match="no block of projections"):
+    with pytest.raises(PipelineError, match="no layer to split"):
         graphforge.compile(models.linear_model(), "tensor_parallel(size=2)")
     model = onnx.load(DIGITS)
     first = next(n.name for n in model.graph.node if n.op_type == "Gemm")
-    with pytest.raises(PipelineError, match="no block of projections"):  # the only block, left replicated
+    with pytest.raises(PipelineError, match="no layer to split"):  # the only block, left replicated
         graphforge.compile(model, f'tensor_parallel(size=2, skip=["{first}"])')
     # GPT-2 with 2 heads on 4 members: refused at its reshape to heads, naming the block to skip
     gpt2 = onnx.load(transformer_path)
@@ -183,6 +203,95 @@ def test_sizes_that_do_not_divide_and_models_without_a_block_are_refused_by_name
     c_proj = next(n.name for n in gpt2.graph.node if n.op_type == "Gemm" and "attn/c_proj" in n.name)
     role = _role(graphforge.compile(gpt2, f'tensor_parallel(size=4, skip=["{c_proj}"])').model)
     assert [b["kind"] for b in role["blocks"]] == ["mlp"]  # the attention stays whole on every member
+
+
+#: GPT-2 vocabularies no other size of the model equals (a tensor with a dim of this size holds
+#: whole-vocabulary values): one 2 and 4 divide, and an odd one as GPT-2's own 50257
+VOCAB, ODD_VOCAB = 96, 95
+
+
+@pytest.fixture(scope="module")
+def gpt2_classes_first(tmp_path_factory) -> dict[int, Path]:
+    """GPT-2s (tied embeddings) with logits [batch, vocabulary, seq]: vocabulary -> path
+    (2 layers, 4 heads; the odd vocabulary's 1 layer, 2 heads)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("tp-vocab")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            VOCAB: models.export_transformer(folder / "gpt2.onnx", n_head=4, n_layer=2, vocab_size=VOCAB,
+                                             classes_first=True),
+            ODD_VOCAB: models.export_transformer(folder / "odd.onnx", vocab_size=ODD_VOCAB, classes_first=True),
+        }  # fmt: skip
+
+
+SMOOTHED = "loss(kind=cross_entropy, output=logits, ignore_index=0, label_smoothing=0.1)"
+
+
+@pytest.mark.parametrize(
+    ("vocab", "loss", "size"),
+    [
+        (VOCAB, SMOOTHED, 2),
+        (VOCAB, SMOOTHED, 4),
+        (VOCAB, "loss(kind=cross_entropy, output=logits, reduction=sum)", 2),
+        (ODD_VOCAB, SMOOTHED, 2),
+    ],
+)
+def test_the_vocabulary_parallel_cross_entropy_equals_the_gathered_one(vocab, loss, size, gpt2_classes_first):
+    """After the loss pass, tensor_parallel splits the token embedding and the LM head tied to
+    it (one table, split along the vocabulary; an odd one unevenly, member 0 holding one row
+    more) and computes the cross-entropy from each member's slice of the logits: run as a
+    group (each TensorParallelReduce summed, each TensorParallelMax the maximum across the
+    members), the members' loss and every parameter's gradient, joined from their slices,
+    equal the whole model's with the loss pass's cross-entropy (label smoothing and an
+    ignored label, whose rows member 0 holds, included). No member's program has a tensor of
+    the vocabulary's size at fixed dims."""
+    path = gpt2_classes_first[vocab]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = graphforge.compile(path, f"{loss}, autodiff").model
+        members = [
+            graphforge.compile(path, f"{loss}, tensor_parallel(size={size}, rank={r}), autodiff").model
+            for r in range(size)
+        ]
+    role = _role(members[0])
+    layers = 2 if vocab == VOCAB else 1
+    assert [b["kind"] for b in role["blocks"]] == ["attention", "mlp"] * layers + ["embedding", "vocabulary"]
+    assert role["split"]["inner.transformer.wte.weight"] == 0  # the embedding's and the LM head's table
+    assert role.get("uneven", {}) == ({} if vocab % size == 0 else {"inner.transformer.wte.weight": vocab})
+    rng = np.random.default_rng(size)
+    feeds = {"input_ids": rng.integers(0, vocab, (3, 8)), "labels": rng.integers(0, vocab, (3, 8))}
+    feeds["labels"][0, :3] = 0
+    want = models.run(whole, feeds)
+    sums = _group_sums(members, feeds)
+    norm = "inner.transformer.ln_f.weight"  # whole on every member
+    outputs = ["loss", f"{norm}_grad", *(f"{name}_grad" for name in role["split"])]
+    got = [_run_to(_fed(m, sums), outputs, {**feeds, **sums}) for m in members]
+    np.testing.assert_allclose(got[0]["loss"], want["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got[0][f"{norm}_grad"], want[f"{norm}_grad"], rtol=1e-4, atol=1e-7)
+    for name, axis in role["split"].items():
+        joined = joined_slices([g[f"{name}_grad"] for g in got], axis, role.get("sections", {}).get(name))
+        np.testing.assert_allclose(joined, want[f"{name}_grad"], rtol=1e-4, atol=1e-7, err_msg=name)
+    for rank, member in enumerate(members):
+        shapes = probe_shapes(Model.from_proto(member))
+        assert [n for n, shape in shapes.items() if vocab in shape] == []
+        assert shapes["logits"][1] == vocab // size + (rank < vocab % size)
+
+
+def test_the_vocabulary_stays_whole_where_the_split_cannot_take_it(gpt2_classes_first):
+    """The rest still splits: an LM head whose logits another loss reads whole (mse) stays
+    whole, and so does the table tied to it (said in a warning); so does an LM head with no
+    loss after it yet (tensor_parallel before the loss pass), and both with vocab=false."""
+    ce, mse = "loss(kind=cross_entropy, output=logits)", "loss(kind=mse, output=logits)"
+    with pytest.warns(UserWarning, match="1 layer.* stay whole .*embedding .*read by a layer that stays whole"):
+        role = _role(graphforge.compile(gpt2_classes_first[VOCAB], f"{mse}, tensor_parallel(size=2)").model)
+    for pipeline in ("tensor_parallel(size=2)", f"{ce}, tensor_parallel(size=2, vocab=false)"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            role = _role(graphforge.compile(gpt2_classes_first[VOCAB], pipeline).model)
+        assert [b["kind"] for b in role["blocks"]] == ["attention", "mlp"] * 2, pipeline
+        assert "inner.transformer.wte.weight" not in role["split"]
 
 
 def test_a_block_that_mixes_the_members_parts_stays_whole_with_a_warning():
@@ -224,7 +333,7 @@ def test_a_block_that_mixes_the_members_parts_stays_whole_with_a_warning():
         inits,
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
-    with pytest.warns(UserWarning, match="1 block.* stay whole .*'per_head_bias' reads 'head_bias'"):
+    with pytest.warns(UserWarning, match="1 layer.* stay whole .*'per_head_bias' reads 'head_bias'"):
         role = _role(graphforge.compile(model, "tensor_parallel(size=2)").model)
     assert [b["row"] for b in role["blocks"]] == [["w2"]]
 
@@ -298,11 +407,11 @@ def _hf_export(name: str, path: Path) -> Path:
             super().__init__()
             self.inner = inner
 
-        def forward(self, input_ids):
-            return self.inner(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+        def forward(self, input_ids):  # logits [b, vocabulary, s]: cross_entropy's layout
+            return self.inner(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits.transpose(1, 2)
 
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    axes = {"input_ids": {0: "b", 1: "s"}, "logits": {0: "b", 1: "s"}}
+    axes = {"input_ids": {0: "b", 1: "s"}, "logits": {0: "b", 2: "s"}}
     return models._export(Logits().eval(), (ids,), path, ["input_ids"], ["logits"], axes)
 
 
@@ -312,18 +421,23 @@ def test_other_architectures_split_and_their_members_compute_the_whole(name, tmp
     """Architectures the other tests do not train (OPT: Gemm, ReLU, separate Q/K/V; GPT-NeoX:
     a fused QKV laid out per head, partial rotary, GELU; Qwen2: grouped key/value heads,
     SwiGLU without biases; Phi: attention and MLP side by side reading one norm, each with an
-    f of its own): every layer's attention and MLP split, the marked model computes
-    what the export does, and so do the members run as a group."""
+    f of its own; OPT's LM head tied to its embedding): every layer's attention and MLP
+    split, the embedding and the LM head under the cross-entropy along the vocabulary, the
+    marked model computes what the export does, and so do the members run as a group."""
+    loss = "loss(kind=cross_entropy, output=logits)"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = onnx.load(_hf_export(name, tmp_path / f"{name}.onnx"))
-        marked = graphforge.compile(model, "tensor_parallel(size=2)").model
-        members = [graphforge.compile(model, f"tensor_parallel(size=2, rank={r})").model for r in range(2)]
-    assert sorted(b["kind"] for b in _role(marked)["blocks"]) == ["attention", "attention", "mlp", "mlp"]
-    feeds = {"input_ids": np.random.default_rng(1).integers(0, 64, (2, 8))}
-    whole = models.run(model, feeds)["logits"]
-    np.testing.assert_allclose(models.run(marked, feeds)["logits"], whole, atol=1e-5)
-    np.testing.assert_allclose(_group_run(members, feeds, "logits"), whole, rtol=1e-4, atol=1e-5)
+        plain = graphforge.compile(model, loss).model
+        marked = graphforge.compile(model, f"{loss}, tensor_parallel(size=2)").model
+        members = [graphforge.compile(model, f"{loss}, tensor_parallel(size=2, rank={r})").model for r in range(2)]
+    kinds = sorted(b["kind"] for b in _role(marked)["blocks"])
+    assert kinds == ["attention", "attention", "embedding", "mlp", "mlp", "vocabulary"]
+    rng = np.random.default_rng(1)
+    feeds = {"input_ids": rng.integers(0, 64, (2, 8)), "labels": rng.integers(0, 64, (2, 8))}
+    whole = models.run(plain, feeds)
+    np.testing.assert_allclose(models.run(marked, feeds)["logits"], whole["logits"], atol=1e-5)
+    np.testing.assert_allclose(_group_run(members, feeds, "loss"), whole["loss"], rtol=1e-5)
 
 
 def test_a_dropout_between_the_projections_draws_a_stream_per_member():

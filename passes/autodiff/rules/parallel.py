@@ -3,7 +3,9 @@ graphforge.TensorParallelReduce): an Identity each on one process, and the gradi
 is a call of the other, so autodiff writes the backward's collectives where the forward's split
 needs them. f marks the input of a layer split across a group (every member reads the same
 value): the members' gradients of it are partial, summed over the group. g marks a partial
-output summed over the group: each member's gradient of its part is the gradient of the sum."""
+output summed over the group: each member's gradient of its part is the gradient of the sum.
+graphforge.TensorParallelMax (the vocabulary-parallel softmax's shift) has no gradient: the
+loss does not depend on the shift."""
 
 from __future__ import annotations
 
@@ -34,3 +36,4 @@ def _marker_gradient(ctx, dys):
 
 for _op in _GRADIENT_OF:
     RULES.add(Rule(_op, _marker_gradient, domain=roles.MARKER_DOMAIN, module=__name__))
+RULES.add(Rule(roles.TENSOR_PARALLEL_MAX_OP, None, domain=roles.MARKER_DOMAIN, module=__name__))

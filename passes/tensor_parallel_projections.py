@@ -1,0 +1,84 @@
+"""Projections on 2-D parameters (Linear layers as exporters write them: MatMul x·W or x·Wᵀ,
+with or without a bias Add; Gemm), which the tensor_parallel pass splits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_graphsurgeon as gs
+
+from graphforge.ir import is_parameter
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A MatMul or Gemm on a 2-D parameter: a Linear layer as exporters write it."""
+
+    node: gs.Node
+    weight: gs.Constant
+    axis_in: int  # the weight's axis of input features
+    bias: gs.Constant | None = None  # Gemm's C, or the parameter of the Add after a MatMul
+    add: gs.Node | None = None
+
+    @property
+    def end(self) -> gs.Node:
+        """The node whose output is the projection's (its bias Add, where it has one)."""
+        return self.add or self.node
+
+
+def projection(node: gs.Node) -> Projection | None:
+    """``node`` as a projection on a 2-D parameter (MatMul x·W, Gemm with or without transB and
+    a bias C), or None."""
+    if node.op == "MatMul" and len(node.inputs) == 2:
+        weight, axis_in = node.inputs[1], 0
+        source = weight.inputs[0] if len(weight.inputs) == 1 else None
+        if source is not None and source.op == "Transpose" and list(source.attrs.get("perm", [1, 0])) == [1, 0]:
+            weight, axis_in = source.inputs[0], 1  # x·Wᵀ, as torch's dynamo exporter writes a Linear
+        if is_parameter(weight) and len(weight.shape) == 2:
+            add = _bias_add(node)
+            return Projection(node, weight, axis_in, add[0] if add else None, add[1] if add else None)
+    if node.op == "Gemm" and not node.attrs.get("transA", 0) and len(node.inputs) >= 2:
+        weight = node.inputs[1]
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if is_parameter(weight) and len(weight.shape) == 2 and (bias is None or is_parameter(bias)):
+            if bias is not None and len(bias.shape) != 1:
+                return None
+            return Projection(node, weight, 1 if node.attrs.get("transB", 0) else 0, bias)
+    return None
+
+
+def _bias_add(node: gs.Node) -> tuple[gs.Constant, gs.Node] | None:
+    """The Add of a 1-D parameter right after a MatMul (its only reader), as exporters write a Linear's bias."""
+    out = node.outputs[0]
+    if len(out.outputs) != 1 or out.outputs[0].op != "Add":
+        return None
+    add = out.outputs[0]
+    other = next((t for t in add.inputs if t is not out), None)
+    if other is not None and is_parameter(other) and len(other.shape) == 1:
+        return other, add
+    return None
+
+
+def projection_ending(node: gs.Node) -> Projection | None:
+    """The projection ``node`` ends: a MatMul or Gemm on a 2-D parameter, or the bias Add after a MatMul."""
+    if node.op == "Add":
+        for t in node.inputs:
+            if len(t.inputs) == 1 and t.inputs[0].op == "MatMul":
+                made = projection(t.inputs[0])
+                if made is not None and made.add is node:
+                    return made
+        return None
+    made = projection(node)
+    return made if made is not None and made.add is None else None
+
+
+def read_only_by(projection: Projection) -> bool:
+    """Whether the projection's weight and bias are read by it alone (a member slices them)."""
+    own = {id(projection.node), *([id(projection.add)] if projection.add is not None else [])}
+    for parameter in [projection.weight, *([projection.bias] if projection.bias is not None else [])]:
+        for reader in parameter.outputs:
+            if reader.op == "Transpose" and all(id(r) in own for r in reader.outputs[0].outputs):
+                continue
+            if id(reader) not in own:
+                return False
+    return True
