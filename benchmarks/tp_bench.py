@@ -7,13 +7,15 @@ fewer steps: it takes seconds a step here), trained with cross-entropy and AdamW
 of 8 that every member takes whole. What is split is what graphforge's pass splits today: each
 block's attention by heads (the fused QKV projection column-parallel per section, the output
 projection row-parallel) and its MLP (the first projection column-parallel, the second
-row-parallel); the embeddings and the LM head stay whole on every member. Runs, each its own
-processes:
+row-parallel), the embeddings and the LM head whole on every member as torch's run keeps
+them; and again with those split along the vocabulary too (the cross-entropy computed from
+each member's slice of the logits). Runs, each its own processes:
 
 * graphforge and torch eager, 1 process × T threads, the whole model;
 * graphforge T = 2 (and 4): T processes × 1 thread, each its member's program
-  (``tensor_parallel(size=T, rank=r)`` before the pipeline), summing across the group
-  (gloo on loopback) where the program marks it;
+  (``tensor_parallel(size=T, rank=r, vocab=false)`` after the loss pass), summing across the group
+  (gloo on loopback) where the program marks it; "vocabulary split": the same with
+  ``vocab=true``;
 * torch TP, T processes × 1 thread: ``parallelize_module`` with ColwiseParallel on each MLP's
   first projection and on the attention's c_attn (its columns regrouped by member), and
   RowwiseParallel on their second (GPT-2's Conv1D turned into the nn.Linear these take, the
@@ -54,10 +56,15 @@ RUN_TIMEOUT_S = 900
 
 
 def runs(sizes: tuple[int, ...]) -> list[tuple[str, str, int]]:
-    """(label, side, T) of each run: T = 0 is one process of the whole model."""
+    """(label, side, T) of each run: T = 0 is one process of the whole model; side
+    "graphforge+vocab" splits the embedding and the LM head along the vocabulary too."""
     out = [("graphforge, one process", "graphforge", 0), ("torch, one process", "torch", 0)]
     for t in sizes:
-        out += [(f"graphforge T = {t}", "graphforge", t), (f"torch TP T = {t}", "torch", t)]
+        out += [
+            (f"graphforge T = {t}", "graphforge", t),
+            (f"torch TP T = {t}", "torch", t),
+            (f"graphforge T = {t}, vocabulary split", "graphforge+vocab", t),
+        ]
     return out
 
 
@@ -76,7 +83,7 @@ def worker_main(job: dict) -> int:
         world = World.join(timeout_s=300)
     data = np.load(job["batches"])
     batches = [(data["x"][i], data["y"][i]) for i in range(len(data["x"]))]
-    step, extra = (_graphforge if job["side"] == "graphforge" else _torch)(job, world)
+    step, extra = (_torch if job["side"] == "torch" else _graphforge)(job, world)
     losses = [float(step(*batches[i % len(batches)])) for i in range(CHECK_STEPS)]
     for i in range(job["warmup"]):
         step(*batches[i % len(batches)])
@@ -107,16 +114,22 @@ def _graphforge(job: dict, world):
     """graphforge's step: one process, a tensor group of ``size``, or (``data`` > 1, for
     plan_bench.py) ``data`` replicas of tensor groups of ``size`` / ``data``, each replica
     taking its share of the batch's rows."""
+    from graphforge.passes import TensorParallel as TensorParallelPass
+    from graphforge.passes.tensor_parallel import with_tensor_parallel
+
     import graphforge
     from graphforge.distributed import DataParallel, TensorParallel
+    from graphforge.pass_manager import parse_pipeline
     from graphforge.runtime import Module
 
     data = job.get("data", 1)
     mesh = world.mesh(tensor=job["size"] // data) if world is not None else None
     tensor = mesh.tensor.size if mesh is not None else 1
-    split = f"tensor_parallel(size={tensor}, rank={mesh.tensor.rank}), " if tensor > 1 else ""
-    reduce = ", allreduce" if data > 1 else ""
-    program = graphforge.compile(job["model"], f"{split}{tb.PIPELINE}{reduce}").model
+    passes = parse_pipeline(tb.PIPELINE + (", allreduce" if data > 1 else ""))
+    if tensor > 1:  # (the vocabulary whole, as torch's run splits it, unless the side says)
+        split = TensorParallelPass(size=tensor, rank=mesh.tensor.rank, vocab=job["side"].endswith("+vocab"))
+        passes = with_tensor_parallel(passes, split)
+    program = graphforge.compile(job["model"], passes).model
     module = Module(program, device="cpu", intra_op_threads=job["threads"], inter_op_threads=1)
     extra = {"parameter_mib": sum(v.nbytes for v in module.parameters.values()) / 2**20}
     if tensor > 1:
@@ -272,12 +285,21 @@ def report(measured: dict) -> str:
         ]
     lines += [
         "",
-        "Reading it: each block's attention and MLP are split; the embeddings and the LM head, which holds the "
-        f"{c['vocab_size']:,}-word vocabulary, stay whole on every member (the pass does not split them yet): "
+        'Reading it: "graphforge T" and "torch TP T" split the same layers, each block\'s attention and '
+        "MLP, while the token embedding and the LM head (tied, the "
+        f"{c['vocab_size']:,}-word vocabulary) stay whole on every member: "
         + "; ".join(
             f"at T = {size} member 0 holds {best[f'graphforge T = {size}']['parameter_mib']:.1f} of "
             f"{whole:.1f} MiB of parameters ({best[f'graphforge T = {size}']['parameter_mib'] / whole:.0%}, 1/T "
             f"= {1 / size:.0%})"
+            for size in measured["sizes"]
+        )
+        + ". \"vocabulary split\" splits them too, as Megatron-LM does (the embedding's rows, the LM head's "
+        "columns, and the cross-entropy computed from each member's slice of the logits, "
+        f"{c['vocab_size']:,} not divisible by T: the first members hold one row more): "
+        + "; ".join(
+            f"at T = {size} member 0 holds {best[f'graphforge T = {size}, vocabulary split']['parameter_mib']:.1f} MiB "
+            f"({best[f'graphforge T = {size}, vocabulary split']['parameter_mib'] / whole:.0%})"
             for size in measured["sizes"]
         )
         + f". On {os.cpu_count()} cores, T processes of 1 thread "
