@@ -178,7 +178,7 @@ class TensorParallel(Pass):
                 for edit in axes.edits:
                     edit(graph, self.size, self.rank)
             graph.toposort()
-            _keep_slices(model, role, {id(b.second.node) for b in blocks} | kept_shapes(heads, embeddings, graph))
+            _keep_slices(model, role, {id(b.second.node) for b in blocks} | kept_shapes(heads, embeddings))
             _own_dropout_streams(blocks, self.rank)
             _check_member_shapes(model, blocks, heads, shapes, self.size, self.rank)
         roles.set_json(model, roles.TENSOR_PARALLEL, role.to_json())
@@ -419,7 +419,8 @@ def _check_member_shapes(model: Model, blocks: list[_Block], heads, whole: dict,
             if shape is None or got is None:
                 continue
             axis = axes.axis.get(name)
-            if (got[axis] != shape[axis]) if axis_only and len(got) == len(shape) else got != shape:
+            differs = got[axis] != shape[axis] if axis_only and len(got) == len(shape) else got != shape
+            if differs:
                 raise PassError(
                     f"tensor_parallel: in member {rank}'s program {name!r} has the shape {list(got)} where its part of "
                     f"the whole {list(whole[name])} is {list(shape)}: the model computes it from a whole size (leave "

@@ -466,15 +466,16 @@ def _divide_at_run_time(graph: gs.Graph, node: gs.Node, index: int, member: tupl
     length = _length(target, graph.opset)
     if length is None:
         raise Unsplittable(f"{node.op} node {node.name!r}'s target has an unknown length")
-    times, over = np.ones(length, np.int64), np.ones(length, np.int64)
-    if whole % size:
-        times[index], over[index] = member_range(whole, rank, size)[1], whole
-    else:
-        over[index] = size
     divided = gs.Variable(f"{target.name}/tensor_parallel_member/{_label(node)}", dtype=np.int64, shape=[length])
-    scaled = gs.Variable(f"{divided.name}/times", dtype=np.int64, shape=[length])
-    graph.nodes.append(gs.Node("Mul", inputs=[target, gs.Constant(f"{scaled.name}/by", times)], outputs=[scaled]))
-    graph.nodes.append(gs.Node("Div", inputs=[scaled, gs.Constant(f"{divided.name}/by", over)], outputs=[divided]))
+    over = np.ones(length, np.int64)
+    over[index] = size
+    if whole % size:  # the member's count times the entry, over the whole
+        times = np.ones(length, np.int64)
+        times[index], over[index] = member_range(whole, rank, size)[1], whole
+        scaled = gs.Variable(f"{divided.name}/times", dtype=np.int64, shape=[length])
+        graph.nodes.append(gs.Node("Mul", inputs=[target, gs.Constant(f"{scaled.name}/by", times)], outputs=[scaled]))
+        target = scaled
+    graph.nodes.append(gs.Node("Div", inputs=[target, gs.Constant(f"{divided.name}/by", over)], outputs=[divided]))
     node.inputs[1] = divided
 
 

@@ -72,13 +72,20 @@ def projection_ending(node: gs.Node) -> Projection | None:
     return made if made is not None and made.add is None else None
 
 
-def read_only_by(projection: Projection) -> bool:
-    """Whether the projection's weight and bias are read by it alone (a member slices them)."""
+def other_readers(projection: Projection) -> list[gs.Node]:
+    """The nodes reading the projection's weight or bias besides the projection itself (and
+    its Transpose of the weight): what a member's slice of them would be wrong for."""
     own = {id(projection.node), *([id(projection.add)] if projection.add is not None else [])}
+    others = []
     for parameter in [projection.weight, *([projection.bias] if projection.bias is not None else [])]:
         for reader in parameter.outputs:
             if reader.op == "Transpose" and all(id(r) in own for r in reader.outputs[0].outputs):
                 continue
             if id(reader) not in own:
-                return False
-    return True
+                others.append(reader)
+    return others
+
+
+def read_only_by(projection: Projection) -> bool:
+    """Whether the projection's weight and bias are read by it alone (a member slices them)."""
+    return not other_readers(projection)

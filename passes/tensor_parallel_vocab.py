@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 from graphforge.passes.tensor_parallel_axes import ELEMENTWISE, Axes, Unsplittable
-from graphforge.passes.tensor_parallel_projections import Projection, projection_ending
+from graphforge.passes.tensor_parallel_projections import Projection, other_readers, projection_ending
 
 from graphforge import roles
 from graphforge.builder import Builder
@@ -58,6 +58,11 @@ class VocabHead:
     readers: tuple[gs.Node, ...]
     axes: Axes
     vocabulary: int
+
+    @property
+    def logits(self) -> gs.Tensor:
+        """What the LogSoftmax normalized: the logits, a member's slice of them."""
+        return (self.chain[-1] if self.chain else self.projection.end).outputs[0]
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ def vocab_layers(graph: gs.Graph, shapes, size: int, skip: set[str], used: set[i
         looked_up = {id(e.node) for e in embeddings}
         kept = []
         for head in heads:
-            other = _other_readers(head.projection.weight, head.projection)
+            other = other_readers(head.projection)
             if all(id(r) in looked_up for r in other):
                 kept.append(head)
             else:
@@ -201,20 +206,6 @@ def _is_token_embedding(node: gs.Node, graph: gs.Graph) -> bool:
             return False
         ids = ids.inputs[0].inputs[0]
     return False
-
-
-def _other_readers(weight: gs.Tensor, head: Projection) -> list[gs.Node]:
-    """The nodes reading ``weight`` besides ``head`` (and its Transpose of it)."""
-    own = {id(head.node), *([id(head.add)] if head.add is not None else [])}
-    others = []
-    for reader in weight.outputs:
-        if reader.op == "Transpose" and all(id(r) in own for r in reader.outputs[0].outputs):
-            continue
-        if id(reader) not in own:
-            others.append(reader)
-    if head.bias is not None and any(id(r) not in own for r in head.bias.outputs):
-        others.append(head.bias.outputs[0])
-    return others
 
 
 def _reads_for(node: gs.Node, heads: set[int]) -> bool:
@@ -349,12 +340,17 @@ def _summed(b: Builder, partial: gs.Tensor, out: gs.Variable, group: int) -> str
     return summed.name
 
 
-def kept_shapes(heads: Sequence[VocabHead], embeddings: Sequence[Embedding], graph: gs.Graph) -> set[int]:
-    """The nodes after which a member's shapes are the whole model's again: each lookup in a
-    split table, and the reductions over the split vocabulary."""
+def kept_shapes(heads: Sequence[VocabHead], embeddings: Sequence[Embedding]) -> set[int]:
+    """The nodes after which a member's shapes are the whole model's again (once split_loss
+    rewrote the heads): each lookup in a split table, and the reductions over the vocabulary
+    of the logits (directly, or of their shifted exponentials)."""
     ends = {id(e.node) for e in embeddings}
-    reductions = {"ReduceMax", "ReduceSum", "NegativeLogLikelihoodLoss"}
     for head in heads:
-        prefix = _loss_prefix(head) + "/"
-        ends.update(id(n) for n in graph.nodes if n.op in reductions and n.name.startswith(prefix))
+        stack = list(head.logits.outputs)
+        while stack:
+            node = stack.pop()
+            if node.op in ("ReduceMax", "ReduceSum", "NegativeLogLikelihoodLoss"):
+                ends.add(id(node))
+            elif node.op in ("Sub", "Exp"):
+                stack.extend(node.outputs[0].outputs)
     return ends
