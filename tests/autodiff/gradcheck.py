@@ -286,9 +286,9 @@ def no_gradient_model(case: Case) -> tuple[onnx.ModelProto, list[str]]:
         )
         wrt.append(name)
     nodes = [
-        helper.make_node(case.op, names, ["out0"], **case.attrs),
+        helper.make_node(case.op, names, ["out0"], domain=case.domain or None, **case.attrs),
         helper.make_node("Cast", ["out0"], ["as_float"], to=onnx.TensorProto.FLOAT),
         helper.make_node("ReduceSum", ["as_float"], ["loss"], keepdims=0),
     ]
     loss = helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])
-    return _model(nodes, graph_inputs, [], [loss], case.opset), wrt
+    return _model(nodes, graph_inputs, [], [loss], case.opset, case.functions), wrt

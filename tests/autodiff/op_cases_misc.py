@@ -124,6 +124,15 @@ MISC_CASES: list[Case] = [
 # ops that pass no gradient: a row each for the test that the loss gets none through them
 MISC_NONDIFFERENTIABLE: list[Case] = [
     Case("Hardmax", [r(3, 4)]),
+    # the vocabulary-parallel softmax's shift: the loss does not depend on it
+    Case(
+        "TensorParallelMax",
+        [r(3, 4)],
+        {"group": 1},
+        domain="graphforge",
+        functions=(_marker("TensorParallelMax"),),
+        id="graphforge.TensorParallelMax",
+    ),
     Case(
         "NonMaxSuppression",
         [
