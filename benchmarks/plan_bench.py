@@ -73,7 +73,7 @@ def benchmark(quick: bool = False, cache: Path = CACHE) -> dict:
         for data, tensor in measured_splits(processes):
             job = {
                 "label": f"D={data} T={tensor}",
-                "side": "graphforge",
+                "side": "graphforge+vocab",  # (the embedding and LM head split too, as the planner compiles T)
                 "size": processes if processes > 1 else 0,
                 "data": data if processes > 1 else 1,
                 "threads": max(1, cores // processes),

@@ -196,6 +196,12 @@ class TensorParallelRole:
             entry["uneven"] = dict(self.uneven)
         return entry
 
+    @property
+    def split_outputs(self) -> dict[str, int]:
+        """The model's outputs a member computes a slice of (the logits of an LM head split
+        along the vocabulary) -> the axis it holds a part of."""
+        return {name: int(axis) for block in self.blocks for name, axis in block.get("outputs", {}).items()}
+
     def member_slice(self, name: str, value: np.ndarray) -> np.ndarray:
         """Member ``rank``'s slice of the whole parameter ``name``."""
         return member_slice(value, self.split[name], self.rank, self.size, self.sections.get(name))

@@ -152,19 +152,21 @@ def _partial_norms(model: Model, cuts: list[str], stages: int) -> list[tuple[int
     node = tensors[program.grad_norm].inputs[0] if tensors[program.grad_norm].inputs else None
     while node is not None and node.op in ("Identity", "Sqrt"):
         node = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
-    total, sliced, reduce = node, [], None
+    total, whole, sliced, reduce, plain = node, None, [], None, None
     if node is not None and node.op == "Add":  # a tensor-parallel member's: whole squares + its group's slices'
         producers = [t.inputs[0] if len(t.inputs) == 1 else None for t in node.inputs]
         reduce = next((p for p in producers if p is not None and _is_group_sum(p)), None)
         plain = next((p for p in producers if p is not reduce), None)
-        if reduce is not None and plain is not None and plain.op == "Sum":
+        if reduce is not None and plain is not None:
             sliced = _terms(reduce.inputs[0])
-            node = plain
-    if node is None or node.op != "Sum":
-        raise PassError(
-            f"cannot find the sum of squares behind {program.grad_norm!r}: the pipeline pass must come right "
-            "after the optimizer pass"
-        )
+            whole = _terms(plain.outputs[0])  # (one square alone where one parameter is whole)
+    if whole is None:
+        if node is None or node.op != "Sum":
+            raise PassError(
+                f"cannot find the sum of squares behind {program.grad_norm!r}: the pipeline pass must come right "
+                "after the optimizer pass"
+            )
+        whole = list(node.inputs)
     graph = model.graph
     order = [graph.nodes[i] for i in topological_order(graph)]
     phase = phases(model, order)
@@ -186,7 +188,7 @@ def _partial_norms(model: Model, cuts: list[str], stages: int) -> list[tuple[int
         raise PassError(f"the gradient norm term {tensor.name!r} reads no parameter's gradient")
 
     groups: dict[int, list[gs.Tensor]] = {}
-    for term in node.inputs:
+    for term in whole:
         groups.setdefault(stage_of_square(term), []).append(term)
     slices: dict[int, list[gs.Tensor]] = {}
     for term in sliced:
@@ -206,12 +208,14 @@ def _partial_norms(model: Model, cuts: list[str], stages: int) -> list[tuple[int
         )
         partials.append((s, out.name))
         inputs.append(out)
-    node.inputs = inputs
     if reduce is not None and sliced:  # the whole norm is the stages' partials now
         total.op, total.inputs, total.attrs = "Sum", list(inputs), {}
-        graph.nodes = [
-            n for n in graph.nodes if n is not reduce and n is not node and n is not reduce.inputs[0].inputs[0]
-        ]
+        # the group's sum and the sums it and the whole squares were (not a single square itself)
+        sums = [reduce.inputs[0].inputs[0] if reduce.inputs[0].inputs else None, plain]
+        dropped = {id(reduce), *(id(n) for n in sums if n is not None and n.op == "Sum")}
+        graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
+    else:
+        node.inputs = inputs
     graph.toposort()
     return partials
 

@@ -161,8 +161,10 @@ class TensorParallel(Pass):
             split.update(head_split(head))
             copied = _copy_inputs(graph, [head.projection.node], group)
             reduced = split_loss(graph, head, self.rank, self.size, group)
+            # the model's outputs among the logits (a member's: its slice along the vocabulary)
+            outputs = {t.name: head.axes.axis[t.name] for t in graph.outputs if t.name in head.axes.axis}
             recorded.append({"column": list(head_split(head)), "row": [], "copy": copied, "reduce": reduced,
-                             "kind": "vocabulary"})  # fmt: skip
+                             "kind": "vocabulary", "outputs": outputs})  # fmt: skip
             group += 1
         graph.functions.extend([copy_fn, reduce_fn])
         if heads:

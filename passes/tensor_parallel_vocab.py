@@ -192,13 +192,16 @@ def _reduced_axes(node: gs.Node, rank: int, opset: int) -> set[int] | None:
 
 
 def _is_token_embedding(node: gs.Node, graph: gs.Graph) -> bool:
-    """A lookup in a 2-D parameter by ids from a graph input (token ids: a position table is
-    looked up by computed ids, and stays whole, as Megatron-LM keeps it)."""
+    """A lookup in a 2-D parameter of more rows than columns by ids from a graph input (token
+    ids: a position table is looked up by computed ids, and stays whole, as Megatron-LM keeps
+    it)."""
     if node.op != "Gather" or int(node.attrs.get("axis", 0)) != 0 or len(node.inputs) != 2:
         return False
     table, ids = node.inputs
     if not is_parameter(table) or table.shape is None or len(table.shape) != 2:
         return False
+    if table.shape[0] <= table.shape[1]:
+        return False  # a table of types or segments (BERT's 2 rows): not worth a sum across the group
     for _ in range(MAX_CHAIN):
         if any(ids is i for i in graph.inputs):
             return True

@@ -145,7 +145,8 @@ def splits(processes: int, batch: int) -> list[Split]:
     for tensor in _divisors(processes):
         for stages in _divisors(processes // tensor):
             data = processes // (tensor * stages)
-            if (tensor > 1 and stages > 1) or batch % data:
+            # (tensor groups as stages run alone: graphforge train has no data-parallel pipelines of them)
+            if (tensor > 1 and stages > 1 and data > 1) or batch % data:
                 continue
             per_replica = batch // data
             if stages == 1:
@@ -285,7 +286,8 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
             if _is_reduce(node):
                 size = tensor_bytes(tensors[node.outputs[0].name], run_dims)
                 tensor_s += link.latency + 2 * (split.tensor - 1) / split.tensor * size / link.bandwidth
-        tensor_s *= split.microbatches if split.stages > 1 else 1
+        # a member sums its stage's share (about 1/S of the program's) once per micro-batch
+        tensor_s *= split.microbatches / split.stages if split.stages > 1 else 1
     data_s = 0.0
     if split.data > 1:
         buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))

@@ -194,7 +194,7 @@ class TensorParallel:
             )
         self.module, self.world, self.role = module, world, role
         self.stats = TensorStats()
-        self.split = carried_split(module.roles)
+        self.split = self.program_split = carried_split(module.roles)
         stage = getattr(module, "parts", None)  # a pipeline stage (PipelineStage) holds its own tensors only
         if stage is not None:
             self.split = {n: v for n, v in self.split.items() if n in set(stage.carried)}
@@ -254,33 +254,46 @@ class TensorParallel:
         step = int(state.step)
         tensors = dict(tensors) if tensors is not None else self.current_tensors()
         state = _with_tensors(state, tensors, self.module.roles.carried)
-        parts = {}
-        for name, (axis, sections) in self.split.items():
-            value = tensors[name]
-            whole = list(value.shape)
-            whole[axis] = self.wholes.get(name, whole[axis] * size)
-            first, _ = member_range(whole[axis], self.role.rank, size)
-            parts[name] = (value, first, tuple(whole), axis, sections)
-        checkpoints.save_slices(state, parts, self.role.rank, size)
+        checkpoints.save_slices(state, self.parts(tensors), self.role.rank, size)
         world.barrier(f"waiting for every member's slices of the checkpoint of step {step}")
         if self.role.rank != 0:
             return checkpoints.path_for(step)
         shards = [checkpoints.slice_path(step, r, size) for r in range(size)]
         return checkpoints.save(state, names=[n for n in tensors if n not in self.axes], shards=shards)
 
+    def parts(self, tensors: Mapping[str, np.ndarray]) -> dict[str, tuple]:
+        """This member's slices of ``tensors``' split ones, as a checkpoint file holds pieces
+        (CheckpointState.save's ``parts``): each with where it starts in the whole tensor."""
+        parts = {}
+        for name, (axis, sections) in self.split.items():
+            value = tensors[name]
+            whole = list(value.shape)
+            whole[axis] = self.wholes.get(name, whole[axis] * self.role.size)
+            first, _ = member_range(whole[axis], self.role.rank, self.role.size)
+            parts[name] = (value, first, tuple(whole), axis, sections)
+        return parts
+
+    def join(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """``tensors`` (this member's carried tensors, of the same names on every member: a
+        stage's, or every stage's gathered on stage 0) with the split ones joined from every
+        member's, on member 0 (None on the others; a collective)."""
+        import torch.distributed as dist
+
+        split = {n: v for n, v in tensors.items() if n in self.program_split}
+        gathered: list = [None] * self.world.size
+        with self.world.collective("gathering the tensor-parallel members' tensors"):
+            dist.all_gather_object(gathered, split, group=self.world.group)
+        if self.world.rank != 0:
+            return None
+        return {**tensors, **join_tensors(gathered, {n: self.program_split[n] for n in split})}
+
     def whole_state(self) -> CheckpointState | None:
         """On member 0, the whole program's state (the members' split tensors joined; step,
         learning rate and the rest member 0's), to save, export or resume on another T or on
         one process; None on the other members. Every member must call it (a collective)."""
-        import torch.distributed as dist
 
-        state = self.module.state
         tensors = self.current_tensors()
-        split = {n: tensors[n] for n in self.axes}
-        gathered: list = [None] * self.world.size
-        with self.world.collective("gathering the tensor-parallel members' states"):
-            dist.all_gather_object(gathered, split, group=self.world.group)
-        if self.world.rank != 0:
+        joined = self.join(tensors)
+        if joined is None:
             return None
-        joined = {**tensors, **join_tensors(gathered, self.split)}
-        return _with_tensors(state, {n: joined[n] for n in tensors}, self.module.roles.carried)
+        return _with_tensors(self.module.state, {n: joined[n] for n in tensors}, self.module.roles.carried)

@@ -693,6 +693,11 @@ class CheckpointManager:
         """Where tensor-parallel member ``rank`` (of ``size``) writes its slices."""
         return self.directory / f"{self.prefix}-{step:08d}.tensor{rank}-of-{size}.safetensors"
 
+    def piece_path(self, step: int, stage: int, stages: int, rank: int, size: int) -> Path:
+        """Where tensor-parallel member ``rank`` (of ``size``) of pipeline stage ``stage`` (of
+        ``stages``) writes its stage's tensors: its slices, and member 0 the whole ones."""
+        return self.directory / f"{self.prefix}-{step:08d}.stage{stage}-of-{stages}.tensor{rank}-of-{size}.safetensors"
+
     def save_slices(self, state: CheckpointState, parts: Mapping[str, tuple], rank: int, size: int) -> Path:
         """Write one tensor-parallel member's slices for ``state.step`` (before member 0 writes the checkpoint)."""
         self.directory.mkdir(parents=True, exist_ok=True)

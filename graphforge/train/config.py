@@ -271,10 +271,12 @@ class DistributedConfig:
     (ZeRO, graphforge.distributed.ZeroDataParallel), 0 keeps them whole on each. ``tensor``:
     T > 1 makes the processes tensor-parallel groups of T (N processes: N / T data-parallel
     replicas of a group, ranks ordered data then tensor, World.mesh): each compiles its
-    member's program, model.pipeline with ``tensor_parallel(size=T, rank=r)`` after its loss pass, and each
-    replica's group takes data.batch_size samples a step, every member all of them, as one
+    member's program, model.pipeline with ``tensor_parallel(size=T, rank=r)`` after its loss
+    pass, and each replica's group takes data.batch_size samples a step, every member all of them, as one
     data-parallel process does (the allreduce pass, or with ``zero`` the zero pass, added to
-    the members' programs when there are replicas). A single process ignores the section."""
+    the members' programs when there are replicas); with a pipeline pass of S stages in
+    model.pipeline, T × S processes, each stage a tensor group (ranks ordered pipeline then
+    tensor). A single process ignores the section."""
 
     timeout_s: float = field(default=120.0, metadata=accepts("float", minimum=1))
     bucket_mb: float = field(default=25.0, metadata=accepts("float", minimum=0.001))

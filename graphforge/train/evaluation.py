@@ -18,6 +18,7 @@ def evaluate(
     output: str | None,
     labels: str | None,
     across: World | None = None,
+    classes_across=None,
 ):
     """Loss averaged over samples and, when ``output`` is set and the labels are integer class
     ids, the accuracy of ``argmax(output, axis=1)`` (labels < 0, the ignored ones, not counted).
@@ -25,7 +26,9 @@ def evaluate(
     Runs the module in eval mode (dropout off, BatchNorm on its running statistics) and
     puts it back in the mode it was in; the training state is not touched. ``across``: each
     rank of a data-parallel run evaluated its share of the batches; the sums are added up
-    over the ranks, so every rank gets the metrics of the whole data.
+    over the ranks, so every rank gets the metrics of the whole data. ``classes_across``: a
+    tensor group (graphforge.distributed.TensorParallel) whose members each hold a slice of
+    ``output``'s classes (an LM head split along the vocabulary): the argmax is the group's.
     """
     was_training = module.training
     module.eval()
@@ -37,7 +40,8 @@ def evaluate(
             scored = output is not None and target is not None and np.issubdtype(target.dtype, np.integer)
             if scored:
                 loss, predicted = module(**batch, outputs=[output])
-                right, total = _hits(predicted, target, output)
+                chosen = _argmax_across(predicted, classes_across) if classes_across is not None else None
+                right, total = _hits(predicted, target, output, chosen)
                 correct += right
                 counted += total
             else:
@@ -55,11 +59,28 @@ def evaluate(
     return metrics
 
 
-def _hits(predicted: np.ndarray, target: np.ndarray, output: str) -> tuple[int, int]:
+def _hits(predicted: np.ndarray, target: np.ndarray, output: str, chosen=None) -> tuple[int, int]:
     if predicted.ndim != target.ndim + 1 or predicted.shape[0] != target.shape[0]:
         raise GraphforgeError(
             f"accuracy needs {output!r} as scores [N, C, ...] for labels [N, ...]; it is {list(predicted.shape)} "
             f"for labels {list(target.shape)} (set eval.output to the logits output)"
         )
     valid = target >= 0
-    return int(np.sum((np.argmax(predicted, axis=1) == target) & valid)), int(np.sum(valid))
+    chosen = np.argmax(predicted, axis=1) if chosen is None else chosen
+    return int(np.sum((chosen == target) & valid)), int(np.sum(valid))
+
+
+def _argmax_across(scores: np.ndarray, group) -> np.ndarray:
+    """The class of the highest score along axis 1, which the members of ``group`` split in
+    rank order: each member's best and where, the group's best of those (on a tie the lower
+    rank's, as argmax over the whole takes the first)."""
+    import torch.distributed as dist
+
+    mine = (scores.max(axis=1), scores.argmax(axis=1), scores.shape[1])
+    gathered: list = [None] * group.world.size
+    with group.world.collective("the evaluation's argmax across the tensor group"):
+        dist.all_gather_object(gathered, mine, group=group.world.group)
+    offsets = np.cumsum([0, *(count for _, _, count in gathered)])[:-1]
+    bests = np.stack([best for best, _, _ in gathered])
+    wheres = np.stack([where + offset for (_, where, _), offset in zip(gathered, offsets, strict=True)])
+    return np.take_along_axis(wheres, np.argmax(bests, axis=0)[None], axis=0)[0]

@@ -23,11 +23,13 @@ each checkpoint. The ranks first check that they run the same program and settin
 stop (Ctrl-C) is agreed on at the end of a step, so all stop after the same one. With
 ``[distributed] tensor = T`` the processes are tensor-parallel groups of T instead (one, or
 N / T data-parallel replicas of one: World.mesh): each compiles its member's program
-(``tensor_parallel(size=T, rank=r)`` in model.pipeline after its loss pass, with the allreduce pass where
-there are replicas), each replica's group takes data.batch_size samples a step (every
+(``tensor_parallel(size=T, rank=r)`` in model.pipeline after its loss pass, with the
+allreduce pass where there are replicas), each replica's group takes data.batch_size samples a step (every
 member all of them) and evaluates every batch, and each checkpoint is the first group's
 members' slices beside rank 0's file, which loads as the whole program's state
-(OUT/program.onnx's).
+(OUT/program.onnx's). With a pipeline program too, the T × S processes are the stages of
+one pipeline, each stage a tensor group: each process runs its stage of its member's program,
+and each checkpoint is every process's pieces of its stage, listed by rank 0's file.
 """
 
 from __future__ import annotations
@@ -244,8 +246,9 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     mesh = None
     if tensor > 1:
         _check_tensor_parallel(config, world)
-        mesh = world.mesh(tensor=tensor)
     program, compiled_from = _program(config, tensor)
+    if tensor > 1:
+        mesh = world.mesh(tensor=tensor, pipeline=_tensor_stages(config, program, world))
     # this member's program (tensor > 1); the whole one is what OUT/program.onnx and the checkpoints hold
     member = _program(config, tensor, mesh.tensor.rank)[0] if mesh is not None else None
     if mesh is not None and mesh.data.size == 1 and config.distributed.zero:
@@ -343,6 +346,13 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         )
     if eval_output is None and len(outputs) == 1:
         eval_output = outputs[0]
+    split_axis = ProgramRoles.of_proto(member).tensor_parallel.split_outputs.get(eval_output) if member else None
+    if split_axis not in (None, 1):  # (the members' argmax is joined along the classes' axis, 1)
+        note(
+            f"no eval accuracy: {eval_output!r} is split across the tensor group along its axis {split_axis}, "
+            "and accuracy takes the classes on axis 1"
+        )
+        eval_output = None
     if config.profile is not None and config.profile.start > total_steps:
         raise ConfigError(
             f"{where}: profile.start = {config.profile.start} is past the run's last step ({total_steps})"
@@ -357,7 +367,7 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         changed = _changed_settings(config, state, settings, resumed_from)
         for key, (old, new) in changed.items():
             note(f"resuming with {key} = {_setting(new)} instead of the checkpoint's {_setting(old)} (allowed)")
-        processes = (world.size // (staged.stages if staged else tensor)) if world is not None else 1
+        processes = world.size // (staged.stages if staged else 1) // tensor if world is not None else 1
         if _world_size(state) != processes:
             note(
                 f"resuming a checkpoint of {_world_size(state)} process(es) on {processes}: the global batch "
@@ -367,7 +377,12 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     threads = _threads_per_process() if world is not None and world.device == "cpu" else None
     module, pipeline, tensor_group = None, None, None
     try:
-        if staged is not None and world is not None:
+        if staged is not None and mesh is not None:  # a stage of this member's program (T × S)
+            state = member_state(state, member)  # (the run's state: the stage advances its step)
+            pipeline = PipelineStage(
+                member, state, TorchTransport(mesh.pipeline), device=device, intra_op_threads=threads
+            )
+        elif staged is not None and world is not None:
             stages = staged.stages
             replicas = StageReplicas(world, stages) if world.size > stages else None
             transport = TorchTransport(world, first=world.rank - world.rank % stages, stages=stages)
@@ -403,8 +418,12 @@ def prepare(config: Config, world: World | None = None) -> Plan:
         }
         world.agree("program and config", agreed)
         if tensor > 1:
-            tensor_group = TensorParallel(module, mesh.tensor)
-            note(f"tensor-parallel: each process holds 1/{tensor} of {len(tensor_group.axes)} carried tensors")
+            tensor_group = TensorParallel(module or pipeline, mesh.tensor)
+            held = f"1/{tensor} of {len(tensor_group.axes)} carried tensors"
+            if pipeline is not None:
+                held = f"its stage's tensors, {held} of them"
+                note(f"tensor-parallel groups of {tensor} as the {pipeline.stages} stages of a pipeline")
+            note(f"tensor-parallel: each process holds {held}")
             if mesh.data.size > 1:
                 overlap = config.distributed.overlap
                 if sharded:
@@ -468,12 +487,6 @@ def _check_tensor_parallel(config: Config, world: World) -> None:
             f"{where}: distributed.tensor = {tensor} needs model.path and model.pipeline: each process compiles "
             "its own member's program (tensor_parallel(size=T, rank=r) before the pipeline)"
         )
-    if any(p.name == "pipeline" for p in parse_pipeline(config.model.pipeline)):
-        raise ConfigError(
-            f"{where}: distributed.tensor = {tensor} with pipeline stages in model.pipeline: graphforge train does "
-            "not run tensor groups in stages yet (the Python API does: World.mesh(tensor=T, pipeline=S), "
-            "PipelineStage and TensorParallel); leave one out"
-        )
     if any(p.name == "tensor_parallel" for p in parse_pipeline(config.model.pipeline)):
         raise ConfigError(
             f"{where}: model.pipeline has tensor_parallel(...) and distributed.tensor = {tensor} adds it: leave it "
@@ -484,6 +497,22 @@ def _check_tensor_parallel(config: Config, world: World) -> None:
             f"{where}: distributed.tensor = {tensor}, but {world.size} process(es) were started: start a multiple "
             f"of {tensor} (tensor groups of {tensor} × data-parallel replicas)"
         )
+
+
+def _tensor_stages(config: Config, program: onnx.ModelProto, world: World) -> int:
+    """The pipeline stages of a tensor-parallel run (1 without): tensor groups as the stages
+    of one pipeline (T × S), every process's; data-parallel pipelines of them are refused."""
+    staged = ProgramRoles.of_proto(program).pipeline
+    if staged is None:
+        return 1
+    tensor, stages = config.distributed.tensor, staged.stages
+    if world.size != tensor * stages:
+        raise ConfigError(
+            f"{config.where}: distributed.tensor = {tensor} with {stages} pipeline stages runs on {tensor * stages} "
+            f"processes (a tensor group of {tensor} as each stage), but {world.size} were started; graphforge train "
+            "does not run data-parallel pipelines of tensor groups yet (T × S × D)"
+        )
+    return stages
 
 
 def _pipeline_shard(world: World, stages: int) -> Shard:
@@ -884,8 +913,14 @@ class Run:
         if self.pipeline is None:
             # a tensor-parallel group's members all evaluate every batch, to the same figures
             across = self.world if plan.tensor_group is None else None
-            return evaluate(self.module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels, across=across)
+            split = plan.tensor_group is not None and plan.eval_output in plan.tensor_group.role.split_outputs
+            return evaluate(
+                self.module, plan.eval.epoch(0), output=plan.eval_output, labels=plan.labels, across=across,
+                classes_across=plan.tensor_group if split else None,
+            )  # fmt: skip
         gathered = self.pipeline.gathered_tensors()
+        if gathered is not None and plan.tensor_group is not None:  # stage 0's members: their slices joined
+            gathered = plan.tensor_group.join(gathered)
         if gathered is None or not self.lead:
             return {}
         if self._eval_module is None:
@@ -937,9 +972,10 @@ class Run:
         """How many processes share each global batch: data-parallel ranks, or pipelines."""
         if self.world is None:
             return 1
+        stages = self.pipeline.stages if self.pipeline is not None else 1
         if self.plan.tensor_group is not None:
-            return self.world.size // self.plan.tensor_group.role.size
-        return self.world.size // self.pipeline.stages if self.pipeline is not None else self.world.size
+            return self.world.size // self.plan.tensor_group.role.size // stages
+        return self.world.size // stages
 
     def _resumed_position(self) -> dict | None:
         """Where the data stream of a resumed run starts: the checkpoint's position, or with
@@ -1000,6 +1036,8 @@ class Run:
         itself, with stage 0's tensors and the list of shards: that file, the last written,
         makes the checkpoint whole. Loading it reads the shards too (any stage count resumes)."""
         pipeline, step = self.pipeline, int(state.step)
+        if self.plan.tensor_group is not None:
+            return self._save_tensor_stages(state)
         mine = pipeline.tensors()
         state.tensors.update(mine)  # the state's other tensors are stale here: only ``mine`` is written
         if self.world.rank < pipeline.stages and pipeline.stage > 0 and mine:
@@ -1013,6 +1051,29 @@ class Run:
             return self.checkpoints.path_for(step)
         shards = [self.checkpoints.shard_path(step, s, pipeline.stages) for s in range(1, pipeline.stages) if counts[s]]
         return self.checkpoints.save(state, names=list(mine), shards=shards)
+
+    def _save_tensor_stages(self, state: CheckpointState) -> Path:
+        """A checkpoint of tensor groups as pipeline stages (T × S): each process writes its
+        stage's tensors in a file of its own (its slices of the split ones; member 0 the whole
+        ones too), then rank 0 the checkpoint file, listing them all: it loads as the whole
+        program's state, as a single run's checkpoint does."""
+        pipeline, group, step = self.pipeline, self.plan.tensor_group, int(state.step)
+        members = group.role.size
+        mine = group.current_tensors()
+        state.tensors.update(mine)  # the state's other tensors are stale here: only ``mine`` is written
+        whole = [n for n in mine if n not in group.axes] if group.role.rank == 0 else []
+        path = self.checkpoints.piece_path(step, pipeline.stage, pipeline.stages, group.role.rank, members)
+        self.checkpoints.directory.mkdir(parents=True, exist_ok=True)
+        state.save(path, names=whole, parts=group.parts(mine))
+        self.world.barrier(f"waiting for every stage's pieces of the checkpoint of step {step}")
+        if not self.lead:
+            return self.checkpoints.path_for(step)
+        pieces = [
+            self.checkpoints.piece_path(step, s, pipeline.stages, t, members)
+            for s in range(pipeline.stages)
+            for t in range(members)
+        ]
+        return self.checkpoints.save(state, names=[], shards=pieces)
 
     def _interrupt(self, schedule, stream, unfinished, log: RunLog, profiler) -> Interrupted:
         """Save the checkpoint of the last finished step; the Interrupted to raise."""

@@ -24,6 +24,7 @@ from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTranspo
 from graphforge.distributed.tensor_parallel import TensorParallel
 from graphforge.pass_manager import parse_pipeline
 from graphforge.runtime import CheckpointState, Module
+from graphforge.train.evaluation import _argmax_across
 
 
 def member_pipeline(pipeline: str, size: int, rank: int | None = None) -> list:
@@ -56,7 +57,11 @@ def train(case: dict, world: World) -> None:
         share = slice(data.rank * rows, (data.rank + 1) * rows)
         losses.append(float(module.train_step(**{n: batches[n][step][share] for n in batches.files})))
     module.eval()
-    evaluated = float(module(**{n: batches[n][-1] for n in batches.files}))
+    last = {n: batches[n][-1] for n in batches.files}
+    evaluated = float(module(**last))
+    # the logits a member holds a slice of: the class the group's argmax picks (graphforge train's eval accuracy)
+    sliced = next((n for n, axis in group.role.split_outputs.items() if axis == 1), None)
+    chosen = _argmax_across(module(**last, outputs=[sliced])[1], group) if sliced else np.zeros(0)
     whole = group.whole_state()
     shapes = {name: list(value.shape) for name, value in module.parameters.items()}
     with open(f"{case['out']}-rank{world.rank}.json", "w") as f:
@@ -69,6 +74,7 @@ def train(case: dict, world: World) -> None:
             losses=np.array(losses),
             eval=np.array(evaluated),
             grad_norm=np.array(module.last_grad_norm),
+            argmax=chosen,
         )
 
 

@@ -33,7 +33,10 @@ def test_the_splits_are_those_graphforge_runs_with_a_batch_each_replica_divides(
     got = set(splits(4, 8))
     assert {Split(4, zero=z) for z in (0, 1, 2)} <= got
     assert {Split(2, 2), Split(1, 4), Split(2, 1, 2, 2), Split(2, 1, 2, 4), Split(1, 1, 4, 4), Split(1, 1, 4, 8)} <= got
-    assert not any(s.tensor > 1 and s.stages > 1 for s in got)  # tensor groups with stages: not runnable yet
+    # tensor groups as a pipeline's stages, but no data-parallel pipelines of them (not runnable yet)
+    assert {Split(1, 2, 2, 2), Split(1, 2, 2, 4)} <= got and not any(
+        s.tensor > 1 < s.stages and s.data > 1 for s in got
+    )
     assert {Split(2, 2, zero=z) for z in (1, 2)} <= got  # ZeRO over a mesh's replicas
     assert Split(2, 2, recompute=0.0) in got and not any(s.stages > 1 and s.recompute < 1 for s in got)
     assert all(s.processes == 4 and 8 % (s.data * s.microbatches) == 0 for s in got)
@@ -51,6 +54,11 @@ def test_the_predictions_follow_the_programs():
     data, tensor, staged = done[Split(2)], done[Split(1, 2)], done[Split(1, 1, 2, 2)]
     assert data.data_s > 0 and data.tensor_s == 0 and tensor.tensor_s > 0 and tensor.data_s == 0
     assert tensor.memory < data.memory
+    # tensor groups as stages: both kinds of communication's share in each process, and less memory
+    four = {c.split: c.prediction for c in plan(model, parse_pipeline(PIPELINE), 64, {}, 4, hardware)}
+    both = four[Split(1, 2, 2, 2)]
+    assert both is not None and both.tensor_s > 0 and 0 < both.bubble < 1 and both.data_s == 0
+    assert both.memory < done[Split(1, 1, 2, 2)].memory
     assert done[Split(2, zero=2)].memory < done[Split(2, zero=1)].memory < data.memory
     assert 0 < staged.bubble < 1 and staged.tensor_s == staged.data_s == 0
     one = {c.split: c.prediction for c in plan(model, parse_pipeline(PIPELINE), 64, {}, 1, hardware)}[Split(1)]

@@ -193,6 +193,12 @@ def test_t_members_equal_one_process_of_the_whole_program(name, size, request):
     got = np.load(folder / f"{name}-{size}-losses.npz")
     np.testing.assert_allclose(got["losses"], losses, rtol=TOLERANCE, atol=TOLERANCE)
     np.testing.assert_allclose(got["eval"], evaluated, rtol=TOLERANCE, atol=TOLERANCE)
+    if name in ("gpt2", "llama"):  # logits split along the vocabulary: the group's argmax is the whole's
+        batch = {n: v[-1] for n, v in np.load(folder / f"{name}-batches.npz").items()}
+        reference.eval()
+        _, logits = reference(**batch, outputs=["logits"])
+        reference.train()
+        np.testing.assert_array_equal(got["argmax"], np.argmax(logits, axis=1))
     # the global gradient norm is the whole model's (the slices' squares summed across the group)
     np.testing.assert_allclose(got["grad_norm"], reference.last_grad_norm, rtol=TOLERANCE)
     if name in OPTIMIZERS:

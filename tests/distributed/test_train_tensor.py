@@ -3,23 +3,27 @@ member's program and taking every batch whole, train as the same config does on 
 (which ignores the section); their checkpoints (each member's slices in a file of its own,
 joined on loading) resume on one process, and one process's on two; four processes are two
 data-parallel replicas of a group of two, each taking half of every batch, and train alike;
-refusals name the key."""
+so do four as the two pipeline stages of tensor groups of two; refusals name the key."""
 
 from __future__ import annotations
 
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import _train_runs as runs
 import numpy as np
 import pytest
 from _launch import REPO
+from graphforge.passes import TensorParallel
+from graphforge.passes.tensor_parallel import with_tensor_parallel
 
 import graphforge.train
+from graphforge.pass_manager import parse_pipeline
 from graphforge.runtime import CheckpointState
 from graphforge.train.config import ConfigError, load_config
-from graphforge.train.loop import prepare
+from graphforge.train.loop import _tensor_stages, prepare
 
 pytest.importorskip("torch")
 sys.path.insert(0, str(REPO / "tests" / "train"))
@@ -106,17 +110,39 @@ def test_four_processes_are_two_replicas_of_a_tensor_group_and_train_as_one(fold
             r"model.pipeline has tensor_parallel\(...\) and distributed.tensor = 2 adds it",
         ),
         ({}, r"distributed.tensor = 2, but 1 process\(es\) were started: start a multiple of 2"),
-        (
-            {
-                "model": {
-                    "pipeline": f"{th.PIPELINE.replace('lr=0.05', 'lr=0.05, accumulate=true')}, pipeline(stages=2)"
-                }
-            },
-            "with pipeline stages in model.pipeline: graphforge train does not run tensor groups in stages yet",
-        ),
     ],
 )
 def test_what_a_tensor_parallel_run_cannot_do_is_refused_by_key(folder, world_of_one, sections, message):
     cfg = load_config(config(folder, "refused.toml", **sections))
     with pytest.raises(ConfigError, match=message):
         prepare(cfg, world_of_one)
+
+
+STAGED = f"{th.PIPELINE.replace('lr=0.05', 'lr=0.05, accumulate=true')}, pipeline(stages=2, microbatches=2)"
+
+
+def test_tensor_groups_as_pipeline_stages_train_as_one_process(folder):
+    """T × S = 2 × 2 (World.mesh(tensor=2, pipeline=2): ranks 0, 1 stage 0's tensor group,
+    2, 3 stage 1's): each process runs its stage of its member's program on every
+    micro-batch; the checkpoint is every process's pieces of its stage (its slices, member 0
+    the whole tensors too) listed by rank 0's file, and loads as the whole program's state,
+    equal to one process running the same pipeline program (its micro-batches in turn)."""
+    cfg = config(folder, "staged.toml", model={"pipeline": STAGED}, data={"batch_size": 4})
+    four = runs.launch(folder, cfg, folder / "staged", "--steps", str(STEPS), ranks=4)
+    assert "tensor-parallel groups of 2 as the 2 stages of a pipeline" in four.stdout
+    one = graphforge.train.run(cfg, steps=STEPS, out=folder / "staged-one", quiet=True)
+    _assert_close(runs.checkpoint_path(folder / "staged", STEPS), one.checkpoint)
+    names = sorted(p.name for p in (folder / "staged" / "checkpoints").glob("checkpoint-00000008*"))
+    assert names == [
+        "checkpoint-00000008.safetensors",
+        *(f"checkpoint-00000008.stage{s}-of-2.tensor{t}-of-2.safetensors" for s in range(2) for t in range(2)),
+    ]
+
+
+def test_data_parallel_pipelines_of_tensor_groups_are_refused_by_key(folder):
+    """T × S × D is not run by graphforge train yet: 8 processes for T = 2, S = 2 are refused,
+    naming the process count it runs on."""
+    cfg = load_config(config(folder, "staged-dp.toml", model={"pipeline": STAGED}, data={"batch_size": 4}))
+    program = graphforge.compile(cfg.model.path, with_tensor_parallel(parse_pipeline(STAGED), TensorParallel())).model
+    with pytest.raises(ConfigError, match=r"with 2 pipeline stages runs on 4 processes .* but 8 were started"):
+        _tensor_stages(cfg, program, SimpleNamespace(size=8, rank=0))
