@@ -6,6 +6,7 @@ traceback and no output file (outputs are written atomically, after the work suc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import textwrap
@@ -624,6 +625,21 @@ def plan_command(
             "--overhead", min=0, help="Seconds each onnxruntime run costs besides its kernels (default: CPU)."
         ),
     ] = None,
+    node_processes: Annotated[
+        int,
+        typer.Option(
+            "--node-processes",
+            min=0,
+            help="Processes per node, whose groups take the node's own link (--node-bandwidth, --node-latency); "
+            "0: all on one link.",
+        ),
+    ] = 0,
+    node_bandwidth: Annotated[
+        float | None, typer.Option("--node-bandwidth", min=1, help="Bytes/s on the node's own link (NVLink, say).")
+    ] = None,
+    node_latency: Annotated[
+        float | None, typer.Option("--node-latency", min=0, help="Seconds per message on the node's own link.")
+    ] = None,
     dims: Annotated[
         list[str] | None,
         typer.Option("--dims", help="Sizes of symbolic dims other than the batch (seq=64); default: data.train's."),
@@ -639,6 +655,10 @@ def plan_command(
     hardware = default_hardware(
         processes, _parse_bytes(memory), flops=flops, bandwidth=bandwidth, latency=latency, overhead=overhead
     )
+    if node_processes:
+        hardware = dataclasses.replace(
+            hardware, node_processes=node_processes, node_bandwidth=node_bandwidth, node_latency=node_latency
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a block left whole for some T: the table says what each split holds
         planned = plan_config(config, processes, hardware, parse_dims(dims or []))
@@ -649,7 +669,8 @@ def plan_command(
     table = Table(
         title=f"{config.name} on {processes} process(es): global batch {planned.batch} ({dims_text}), "
         f"{human_bytes(hardware.memory)} each, {hardware.flops / 1e9:g} GFLOP/s each, "
-        f"{hardware.bandwidth / 1e9:g} GB/s and {hardware.latency * 1e6:g} µs a message",
+        f"{hardware.bandwidth / 1e9:g} GB/s and {hardware.latency * 1e6:g} µs a message"
+        + (f" ({hardware.node_processes} a node, on its own link: {_link_text(hardware)})" if node_processes else ""),
         title_justify="left",
     )
     for column in ("split", "step", "compute", "tensor sums", "gradients", "bubble", "memory", "fits"):
@@ -679,6 +700,11 @@ def plan_command(
         )
         write_planned(planned, best.split, output, note)
         out.print(f"wrote [bold]{escape(str(output))}[/] ({best.split})", highlight=False)
+
+
+def _link_text(hardware) -> str:
+    bandwidth, latency = hardware.link(hardware.node_processes)
+    return f"{bandwidth / 1e9:g} GB/s and {latency * 1e6:g} µs a message"
 
 
 def _parse_bytes(text: str) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -199,8 +199,8 @@ def stand_ins_long_enough(proto: onnx.ModelProto, model: Model) -> bool:
     left_out = {t.name for t in proto.graph.initializer if is_stand_in(t)}
     for constant in _constants(model.graph):
         tensor = _lazy_tensor(constant) if constant.name in left_out else None
-        if tensor is None or getattr(constant._values, _LENGTH_CHECKED, False):
-            continue
+        if tensor is None or is_stand_in(tensor) or getattr(constant._values, _LENGTH_CHECKED, False):
+            continue  # (a model compiled for its shapes alone has no values to measure)
         if not long_enough(tensor):
             return False
         setattr(constant._values, _LENGTH_CHECKED, True)
@@ -224,6 +224,19 @@ def mark_lengths_checked(model: Model) -> None:
     for constant in _constants(model.graph):
         if _lazy_tensor(constant) is not None:
             setattr(constant._values, _LENGTH_CHECKED, True)
+
+
+def is_left_out(constant: gs.Constant) -> bool:
+    """Whether ``constant`` has no values, only its type and shape: a weight of a model
+    compiled for its shapes alone (``payloads.weights_left_out``)."""
+    tensor = _lazy_tensor(constant)
+    return tensor is not None and is_stand_in(tensor)
+
+
+def left_out_as(constant: gs.Constant, shape: Sequence[int]) -> None:
+    """Make ``constant`` (``is_left_out``) stand in for a tensor of ``shape``: its slice, say."""
+    tensor = _lazy_tensor(constant)
+    constant._values = LazyValues(stand_in(constant.name, tensor.data_type, list(shape)))
 
 
 def _lazy_tensor(constant: gs.Constant) -> onnx.TensorProto | None:

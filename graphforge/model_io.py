@@ -25,6 +25,7 @@ from graphforge.payloads import (
     copy_fields,
     copy_without_initializers,
     exceeds_protobuf_limit,
+    is_stand_in,
     raw_data_size,
     serialized_within_limit,
 )
@@ -125,14 +126,15 @@ def check_external_data_locations(proto: onnx.ModelProto, base_dir: Path, *, whe
             )
 
 
-def refuse_unresolved_external_data(proto: onnx.ModelProto, *, where: str) -> None:
+def refuse_unresolved_external_data(proto: onnx.ModelProto, *, where: str, stand_ins: bool = False) -> None:
     """Refuse a model held in memory that still refers to external data files.
 
     Such a model has no folder to read them from (onnxruntime would read them relative to
     the current directory, unchecked), so it must be loaded from its path instead.
+    ``stand_ins``: weights left out on purpose (``payloads.weights_left_out``) are allowed.
     """
     for tensor in all_tensors(proto):
-        if external_data_helper.uses_external_data(tensor):
+        if external_data_helper.uses_external_data(tensor) and not (stand_ins and is_stand_in(tensor)):
             raise ModelLoadError(
                 f"{where}: tensor {tensor.name!r} keeps its data in the external file "
                 f"{_external_location(tensor)!r}, which a model held in memory has no folder to read from; "

@@ -17,7 +17,7 @@ import onnx
 from graphforge.errors import GraphforgeError, ModelSaveError, PassError, PipelineError
 from graphforge.graph import Model, mark_lengths_checked, names_kept
 from graphforge.ir import gc_paused, op_histogram
-from graphforge.model_io import ModelSource, load, save
+from graphforge.model_io import ModelSource, load, refuse_unresolved_external_data, save
 from graphforge.pass_infra import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
 from graphforge.passes import REGISTRY
 from graphforge.roles import metadata_of
@@ -67,6 +67,9 @@ class PassManager:
     dump_on_change: with dump_dir, write only the applications that changed the model
         (and ``000_input.onnx``, the model the first change is compared with).
     bisect_limit: run only the first N pass applications; the rest are reported as skipped.
+    shapes_only: the model's weights may be stand-ins (``payloads.weights_left_out``), compiled
+        for their names, types and shapes alone, as the planner compiles a split's program; the
+        result has stand-ins too: it is read (costs, memory), never run.
 
     Each change is exported and verified; the weights are copied into an export only for the
     result, a dump or onnxruntime, and left out of the others (see ``Model.to_proto``). A
@@ -84,8 +87,12 @@ class PassManager:
         dump_dir: str | Path | None = None,
         dump_on_change: bool = False,
         bisect_limit: int | None = None,
+        shapes_only: bool = False,
     ):
+        if shapes_only and verify_with_ort:
+            raise GraphforgeError("a model compiled for its shapes alone cannot be loaded by onnxruntime")
         self.passes = list(passes)
+        self.shapes_only = shapes_only
         self.verify = verify
         self.verify_with_ort = verify_with_ort
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
@@ -99,7 +106,12 @@ class PassManager:
         return cls(parse_pipeline(text, registry), **options)
 
     def run(self, source: ModelSource | Model) -> CompileResult:
-        proto = source.to_proto() if isinstance(source, Model) else load(source, copy=False)
+        if isinstance(source, Model):
+            proto = source.to_proto()
+        else:
+            proto = load(source, copy=False, load_external_data=not self.shapes_only)
+            if self.shapes_only:
+                refuse_unresolved_external_data(proto, where="the input model", stand_ins=True)
         if not isinstance(source, onnx.ModelProto):
             return self._run(proto, own=True)
         # a caller's ModelProto is only read (Model.reading), never changed nor returned: a copy
@@ -165,7 +177,7 @@ class PassManager:
                 current = model.to_proto(over=spare)
             last_change.verify_seconds += time.perf_counter() - start
         if current is proto and not own:  # nothing changed: a copy, not the caller's own ModelProto
-            current = load(proto)
+            current = load(proto, load_external_data=not self.shapes_only)
         return CompileResult(current, records)
 
     def _apply(

@@ -96,6 +96,21 @@ def without_values(proto: onnx.ModelProto, names: Collection[str]) -> onnx.Model
     return out
 
 
+def weights_left_out(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``proto`` whose weights are stand-ins: each large floating-point main-graph
+    initializer, and each one held in an external file (a model read without its external
+    data), left out. What compiles for shapes and costs alone (``PassManager(shapes_only=True)``):
+    the planner's programs, of a model however large, in no more memory than its graph."""
+    out = copy_without_initializers(proto)
+    for tensor in proto.graph.initializer:
+        external = tensor.data_location == onnx.TensorProto.EXTERNAL
+        if external or can_leave_out(tensor):
+            out.graph.initializer.append(stand_in(tensor.name, tensor.data_type, tensor.dims))
+        else:
+            out.graph.initializer.add().CopyFrom(tensor)
+    return out
+
+
 def exceeds_protobuf_limit(proto: onnx.ModelProto) -> bool:
     """Whether ``proto`` is too large to serialize as one protobuf (2 GiB).
 

@@ -206,6 +206,15 @@ class TensorParallelRole:
         """Member ``rank``'s slice of the whole parameter ``name``."""
         return member_slice(value, self.split[name], self.rank, self.size, self.sections.get(name))
 
+    def member_shape(self, name: str, shape: Sequence[int]) -> list[int]:
+        """The shape of member ``rank``'s slice of the whole parameter ``name`` of ``shape``."""
+        axis, sections = self.split[name], self.sections.get(name)
+        out = list(shape)
+        out[axis] = (
+            sum(s // self.size for s in sections) if sections else member_range(out[axis], self.rank, self.size)[1]
+        )
+        return out
+
 
 def member_range(whole: int, rank: int, size: int) -> tuple[int, int]:
     """The first index and the count of member ``rank``'s part of an axis of ``whole``: 1/size

@@ -22,7 +22,7 @@ from graphforge.passes.tensor_parallel_vocab import head_split, kept_shapes, spl
 
 from graphforge import roles
 from graphforge.errors import PassError
-from graphforge.graph import Model
+from graphforge.graph import Model, is_left_out, left_out_as
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.placement.buckets import marker_call, marker_function
 from graphforge.program import TensorParallelRole, member_range
@@ -382,7 +382,10 @@ def _keep_slices(model: Model, role: TensorParallelRole, ends: set[int]) -> None
     stack = []
     for name in role.split:
         constant = tensors[name]
-        constant.values = role.member_slice(name, np.asarray(constant.values))
+        if is_left_out(constant):  # compiled for its shapes alone (the planner's programs)
+            left_out_as(constant, role.member_shape(name, constant.shape))
+        else:
+            constant.values = role.member_slice(name, np.asarray(constant.values))
         stack.append(constant)
     seen = set()
     while stack:

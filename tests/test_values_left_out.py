@@ -428,3 +428,45 @@ def test_a_pass_over_a_model_whose_branches_read_initializers(pipeline):
     result = graphforge.compile(if_model(), pipeline)
     onnx.checker.check_model(result.model, full_check=True)
     assert {"W", "w", "s"} <= set(_initializers(result.model.graph))
+
+
+# --------------------------------------------------------------------------- compiled for shapes alone
+
+TRAINING = "loss(kind=cross_entropy, output=logits), tensor_parallel(size=2, rank=0), autodiff, adamw(lr=1e-3)"
+
+
+def _shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, list[int]]]:
+    return {t.name: (t.data_type, list(t.dims)) for t in proto.graph.initializer}
+
+
+def test_a_model_without_its_weights_compiles_to_the_program_of_the_whole_one(transformer_path):
+    """GPT-2 (1 layer) with every weight a stand-in compiles, through a tensor-parallel
+    member's slicing, to the program the whole model compiles to: the same nodes and, for
+    each weight, the stand-in of the member's slice (the planner reads no more)."""
+    whole = onnx.load(transformer_path)
+    passes = graphforge.parse_pipeline(TRAINING)
+    want = graphforge.PassManager(passes).run(whole).model
+    light = payloads.weights_left_out(whole)
+    assert sum(is_stand_in(t) for t in light.graph.initializer) >= 5
+    got = graphforge.PassManager(graphforge.parse_pipeline(TRAINING), shapes_only=True).run(light).model
+    assert [n.op_type for n in got.graph.node] == [n.op_type for n in want.graph.node]
+    assert _shapes(got) == _shapes(want)
+    left_out = {t.name for t in got.graph.initializer if is_stand_in(t)}
+    assert left_out == {t.name for t in light.graph.initializer if is_stand_in(t)}
+    c_attn = next(n for n in left_out if "c_attn.weight" in n)
+    assert _shapes(got)[c_attn][1] == [32, 48]  # the member's third of each of Q, K and V's 2 heads: 1 head each
+
+
+def test_weights_held_in_a_missing_file_are_left_out_and_anything_else_is_refused(tmp_path, transformer_path):
+    """A model read without its external data has its weights left out as stand-ins; a compile
+    that is not for shapes alone refuses them, naming the tensor."""
+    graphforge.save(onnx.load(transformer_path), tmp_path / "model.onnx", external_data=True)
+    (tmp_path / "model.onnx.data").unlink()  # a model larger than this machine: its graph alone
+    graph_only = onnx.load(tmp_path / "model.onnx", load_external_data=False)
+    light = payloads.weights_left_out(graph_only)
+    assert [t.name for t in light.graph.initializer if is_stand_in(t)] == [
+        t.name for t in graph_only.graph.initializer if t.data_location == TensorProto.EXTERNAL
+    ]
+    graphforge.PassManager(graphforge.parse_pipeline(TRAINING), shapes_only=True).run(light)
+    with pytest.raises(graphforge.GraphforgeError, match="keeps its data in the external file"):
+        graphforge.PassManager(graphforge.parse_pipeline(TRAINING)).run(light)

@@ -8,7 +8,8 @@ compiles (never runs) each candidate's program and reads its costs:
   data-parallel bucket's segment, each stage's forward and backward); with pipeline stages, each stage's forward and
   backward per micro-batch (the pipeline pass's cost report) through the schedule simulator
   (graphforge.distributed.simulate), whose makespan holds the bubble;
-- communication, at a link's ``bandwidth`` and per-message ``latency``: a tensor-parallel
+- communication, at a link's ``bandwidth`` and per-message ``latency`` (the node's own link
+  for a group one node holds, ``Hardware.link``): a tensor-parallel
   member's sums (each TensorParallelReduce of its program, forward and backward, and the
   vocabulary's TensorParallelMax, a ring all-reduce of 2 (T - 1) / T of its bytes), the
   data-parallel gradient reduction (2 (D - 1) / D of the gradients' bytes, in 25 MB buckets; ZeRO's reduce-scatter and all-gather move
@@ -48,6 +49,7 @@ from graphforge.pass_infra import Pass
 from graphforge.pass_manager import PassManager
 from graphforge.passes import PipelinePartition, Recompute, TensorParallel
 from graphforge.passes.tensor_parallel import with_tensor_parallel
+from graphforge.payloads import weights_left_out
 from graphforge.program import ProgramRoles
 from graphforge.runtime.step_memory import step_memory
 
@@ -80,6 +82,19 @@ class Hardware:
     #: seconds each onnxruntime run of a step costs besides its kernels (binding, launching,
     #: the Python around it): what small models' steps are made of
     overhead: float = CPU_RUN_OVERHEAD
+    #: processes per node (0: all on one), whose collectives among themselves take the node's
+    #: own link at ``node_bandwidth`` and ``node_latency`` (NVLink beside InfiniBand, say)
+    node_processes: int = 0
+    node_bandwidth: float | None = None
+    node_latency: float | None = None
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a collective among processes within ``span`` consecutive
+        ranks: the node's link where one node holds them, else the link between nodes."""
+        if self.node_processes and span <= self.node_processes:
+            bandwidth = self.node_bandwidth if self.node_bandwidth is not None else self.bandwidth
+            return bandwidth, self.node_latency if self.node_latency is not None else self.latency
+        return self.bandwidth, self.latency
 
 
 @dataclass(frozen=True)
@@ -208,7 +223,9 @@ class _Programs:
     """The compiled programs the splits read, each made once: (tensor size, stages, micro-batches)."""
 
     def __init__(self, model: onnx.ModelProto, passes: list[Pass]):
-        self.model, self.passes = model, passes
+        # compiled without the weights (read for shapes and costs only): a model larger than
+        # this machine's memory plans too, and no split's compile copies them
+        self.model, self.passes = weights_left_out(model), passes
         self._made: dict[tuple, onnx.ModelProto | GraphforgeError] = {}
 
     def get(self, split: Split, dims: Mapping[str, int]) -> onnx.ModelProto:
@@ -224,7 +241,7 @@ class _Programs:
                 chosen = tuple(f"{k}={v}" for k, v in sorted(dims.items()))
                 passes[-1] = dataclasses.replace(passes[-1], dims=chosen)
             try:
-                made = PassManager(passes).run(_copy(self.model)).model
+                made = PassManager(passes, shapes_only=True).run(self.model).model
             except GraphforgeError as exc:
                 made = GraphforgeError(f"{split}: {exc}")
             self._made[key] = made
@@ -242,7 +259,12 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     if split.tensor > 1 and program_roles.optimizer == "lamb":
         raise GraphforgeError(f"{split}: LAMB does not run tensor-parallel yet (its trust ratio takes whole norms)")
     model = Model.from_proto(program)
-    rate, link = hardware.flops, hardware  # (the link's bandwidth and latency)
+    rate = hardware.flops
+    # the mesh's ranks are ordered data, pipeline, tensor: a tensor group is T consecutive
+    # ranks, a pipeline T × S, the data-parallel replicas all of them
+    tensor_link = hardware.link(split.tensor)
+    pipeline_link = hardware.link(split.tensor * split.stages)
+    data_link = hardware.link(split.processes)
     parameters = [c for c in program_roles.carried if c.role == "parameter"]
     states = [c for c in program_roles.carried if c.role == "optimizer"]
     parameter_bytes = sum(_bytes(c) for c in parameters)
@@ -256,7 +278,8 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
         backward = [2 * f / 3 / rate + hardware.overhead for f in costs["flops"]]
         tensors = model.graph.tensors()
         sends = max((tensor_bytes(tensors[c], run_dims) for c in role.cuts if c in tensors), default=0)
-        comm = link.latency + sends / link.bandwidth  # a stage's activations out, its gradients back
+        bandwidth, latency = pipeline_link
+        comm = latency + sends / bandwidth  # a stage's activations out, its gradients back
         schedule = make_schedule(role.schedule, split.stages, split.microbatches)
         simulation = simulate(schedule, Costs(forward, backward, comm))
         compute = simulation.makespan + max(costs["update_flops"]) / rate + hardware.overhead
@@ -282,16 +305,18 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     tensor_s = 0.0
     if split.tensor > 1:
         tensors = model.graph.tensors()
+        bandwidth, latency = tensor_link
         for node in model.graph.nodes:
             if _is_reduce(node):
                 size = tensor_bytes(tensors[node.outputs[0].name], run_dims)
-                tensor_s += link.latency + 2 * (split.tensor - 1) / split.tensor * size / link.bandwidth
+                tensor_s += latency + 2 * (split.tensor - 1) / split.tensor * size / bandwidth
         # a member sums its stage's share (about 1/S of the program's) once per micro-batch
         tensor_s *= split.microbatches / split.stages if split.stages > 1 else 1
     data_s = 0.0
     if split.data > 1:
         buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))
-        data_s = buckets * link.latency + 2 * (split.data - 1) / split.data * gradient_bytes / link.bandwidth
+        bandwidth, latency = data_link
+        data_s = buckets * latency + 2 * (split.data - 1) / split.data * gradient_bytes / bandwidth
     return Prediction(split, compute, tensor_s, data_s, bubble, int(memory), memory <= hardware.memory)
 
 
@@ -320,9 +345,3 @@ def batch_dims_of(model: onnx.ModelProto) -> set[str]:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    return out

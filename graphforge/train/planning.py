@@ -90,7 +90,7 @@ def plan_config(path: str | Path, processes: int, hardware: Hardware, dims: Mapp
                 f"{config.where}: model.pipeline already has {key}(...): graphforge plan picks the split itself; "
                 "leave it out"
             )
-    model = load(config.model.path)
+    model = load(config.model.path, load_external_data=False)  # (the planner reads shapes: no weight is read)
     passes = parse_pipeline(config.model.pipeline)
     batch = int(config.data.batch_size)
     found = dict(dims or {}) or _dims_from_data(config, model, batch)

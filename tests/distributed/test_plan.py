@@ -4,6 +4,7 @@ from the programs it compiles: nothing runs), and the configs it writes, which
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from _launch import REPO
 from graphforge.analysis.plan import Hardware, Split, plan, splits
 from graphforge.pass_manager import parse_pipeline
 from graphforge.train.config import load_config
+from graphforge.train.planning import plan_config
 
 pytest.importorskip("torch")
 th = runs.th  # the training helpers (tests/train), which _train_runs puts on the path
@@ -112,6 +114,39 @@ def test_the_config_it_writes_runs_under_torchrun(folder):
     assert (folder / "tensor.toml").read_text().startswith("# planned by graphforge plan for 2 processes: D=1 T=2")
     runs.launch(folder, folder / "tensor.toml", folder / "out", "--steps", "4")
     assert (folder / "out" / "checkpoints").is_dir()
+
+
+def test_a_model_whose_weights_are_not_here_plans_as_the_whole_one(folder):
+    """The planner reads the graph alone: a model saved with its weights in an external file,
+    that file gone (a model larger than this machine, say), plans to the predictions the
+    whole model gets."""
+    onnx.save(onnx.load(folder / "model.onnx"), folder / "graph-only.onnx", save_as_external_data=True,
+              location="graph-only.data", size_threshold=0)  # fmt: skip
+    (folder / "graph-only.data").unlink()
+    whole = runs.config(folder, "whole.toml", {"data": {"batch_size": 8}})
+    graph_only = runs.config(
+        folder, "graph-only.toml", {"data": {"batch_size": 8}, "model": {"path": "graph-only.onnx"}}
+    )
+    hardware = Hardware(flops=1e9, memory=2**30)
+    want, got = (plan_config(c, 2, hardware).candidates for c in (whole, graph_only))
+    assert [(c.split, c.prediction, c.reason) for c in got] == [(c.split, c.prediction, c.reason) for c in want]
+    assert any(c.prediction is not None for c in got)
+
+
+def test_groups_one_node_holds_take_its_link():
+    """With 2 processes a node, a D=2 × T=2 mesh sums within nodes on the node's own link and
+    reduces the gradients across them on the slower one; a pipeline of two stages (T=1)
+    sends within a node."""
+    model = onnx.load(DIGITS / "model.onnx")
+    flat = Hardware(flops=1e9, memory=2**30, overhead=0.0)
+    nodes = dataclasses.replace(flat, node_processes=2, node_bandwidth=100 * flat.bandwidth, node_latency=0.0)
+    assert nodes.link(2) == (100 * flat.bandwidth, 0.0) and nodes.link(4) == (flat.bandwidth, flat.latency)
+    before, after = (
+        {c.split: c.prediction for c in plan(model, parse_pipeline(PIPELINE), 64, {}, 4, h)} for h in (flat, nodes)
+    )
+    mesh, staged = Split(2, 2), Split(2, 1, 2, 2)
+    assert after[mesh].tensor_s < before[mesh].tensor_s / 10 and after[mesh].data_s == before[mesh].data_s
+    assert after[staged].compute_s < before[staged].compute_s and after[staged].data_s == before[staged].data_s
 
 
 def _memory_of(table: str, split: str) -> float:
