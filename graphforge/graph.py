@@ -233,6 +233,11 @@ def is_left_out(constant: gs.Constant) -> bool:
     return tensor is not None and is_stand_in(tensor)
 
 
+def has_left_out(model: Model) -> bool:
+    """Whether some weight of ``model`` is ``is_left_out``: it compiles for its shapes alone."""
+    return any(is_left_out(c) for c in _constants(model.graph))
+
+
 def left_out_as(constant: gs.Constant, shape: Sequence[int]) -> None:
     """Make ``constant`` (``is_left_out``) stand in for a tensor of ``shape``: its slice, say."""
     tensor = _lazy_tensor(constant)

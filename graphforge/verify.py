@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 
 from graphforge.errors import InvalidModelError, one_line
-from graphforge.graph import Model, known_long_enough, stand_ins_long_enough
+from graphforge.graph import Model, has_left_out, known_long_enough, stand_ins_long_enough
 from graphforge.model_io import save
 from graphforge.payloads import LEFT_OUT, copy_leaving_values_out, exceeds_protobuf_limit, is_stand_in
 
@@ -52,6 +52,8 @@ def verify_model(
         else:  # the whole model: what ``values_from`` (its source) knows of lengths need not be measured
             light = copy_leaving_values_out(proto, known_long_enough(values_from) if values_from is not None else ())
         if light is None or not _passes(light):
+            if light is not None and has_left_out(values_from):  # no whole model to ask: the light one's verdict
+                raise InvalidModelError(f"{where} is not a valid ONNX model: {light_problem(light)}")
             whole = values_from.to_proto() if whole is None else whole
             _check(whole)
     except CHECK_ERRORS as exc:

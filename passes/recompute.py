@@ -218,7 +218,10 @@ def rewrite(graph: gs.Graph, forward: list[gs.Node], needed: Iterable[str], save
             stack.pop()
             inputs = [copies.get(id(i), i) if id(i) in producer and i.name not in saved else i for i in node.inputs]
             outputs = [
-                gs.Variable(f"{roles.RECOMPUTE_PREFIX}{o.name}", dtype=o.dtype, shape=o.shape) if o.name else o
+                # (of the original's kind: a sequence, where the exporter split into one)
+                gs.Variable(f"{roles.RECOMPUTE_PREFIX}{o.name}", dtype=o.dtype, shape=o.shape, type=o.type)
+                if o.name
+                else o
                 for o in node.outputs
             ]
             clone = gs.Node(

@@ -173,3 +173,28 @@ def test_measured_peak_falls_on_an_activation_heavy_model(tmp_path):
 def test_cse_leaves_the_recomputed_copies_alone(gpt2):
     program = _compile(gpt2, f"recompute(level=1, {DIMS}), cse")
     assert sum(n.name.startswith("recompute::") for n in program.graph.node) > 10
+
+
+def test_a_sequence_is_recomputed_as_a_sequence():
+    """torch.onnx's dynamo exporter, unoptimized, writes GPT-2's split of Q, K and V as
+    SplitToSequence and SequenceAt: a recomputed copy of a sequence is a sequence too (it was
+    typed a tensor, and the program refused), and the program trains as it does without
+    recomputation."""
+    import torch
+
+    ids = torch.randint(0, models.GPT2_CONFIG["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(0))
+    exported = torch.onnx.export(
+        models.gpt2_module(), (ids,), dynamo=True, optimize=False, input_names=["input_ids"],
+        output_names=["logits"], dynamic_shapes=({0: "batch", 1: "seq"},),
+    )  # fmt: skip
+    model = exported.model_proto
+    assert any(n.op_type == "SplitToSequence" for n in model.graph.node)
+    reference = graphforge.compile(model, TRAIN).model
+    program = graphforge.compile(model, f"{TRAIN}, recompute(budget=0, {DIMS})").model
+    assert any(n.name.startswith("recompute::") and n.op_type == "SequenceAt" for n in program.graph.node)
+    grads = list(ProgramRoles.of_proto(reference).gradients.values())
+    batch = _batch()
+    want = Module(reference, device="cpu").train_step(**batch, outputs=grads)
+    got = Module(program, device="cpu").train_step(**batch, outputs=grads)
+    for name, a, b in zip(["loss", *grads], got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)
