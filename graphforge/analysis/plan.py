@@ -193,6 +193,11 @@ def plan(
     programs = _Programs(model, list(passes))
     done = []
     for split in splits(processes, batch):
+        if hardware.node_processes and split.tensor > hardware.node_processes:
+            reason = (f"{split}: a tensor group of {split.tensor} would span nodes of {hardware.node_processes} "
+                      "processes, its sums in every layer on the link between them: not weighed")  # fmt: skip
+            done.append(Candidate(split, reason=reason))
+            continue
         try:
             done.append(Candidate(split, _predict(split, programs, batch, batch_dims, dims, hardware)))
         except GraphforgeError as exc:
@@ -234,20 +239,35 @@ class _Programs:
             key += (tuple(sorted(dims.items())),)  # the activations it keeps depend on the batch
         made = self._made.get(key)
         if made is None:
-            passes = planned_passes(self.passes, split, dims)
-            if split.tensor > 1:
-                passes = with_tensor_parallel(passes, TensorParallel(size=split.tensor, rank=0))
-            if split.stages > 1:
-                chosen = tuple(f"{k}={v}" for k, v in sorted(dims.items()))
-                passes[-1] = dataclasses.replace(passes[-1], dims=chosen)
             try:
-                made = PassManager(passes, shapes_only=True).run(self.model).model
+                made = self._compile(split, dims)
             except GraphforgeError as exc:
                 made = GraphforgeError(f"{split}: {exc}")
             self._made[key] = made
         if isinstance(made, GraphforgeError):
             raise made
         return made
+
+    def _compile(self, split: Split, dims: Mapping[str, int]) -> onnx.ModelProto:
+        passes = planned_passes(self.passes, split, dims)
+        if split.tensor > 1:
+            passes = with_tensor_parallel(passes, TensorParallel(size=split.tensor, rank=0))
+        if split.stages == 1:
+            return PassManager(passes, shapes_only=True).run(self.model).model
+        # the splits into stages of one tensor size share their program up to the pipeline
+        # pass: compiled once (a deep model's dozens of stage and micro-batch counts)
+        key = ("before the stages", split.tensor)
+        before = self._made.get(key)
+        if before is None:
+            try:
+                before = PassManager(passes[:-1], shapes_only=True).run(self.model).model
+            except GraphforgeError as exc:
+                before = exc
+            self._made[key] = before
+        if isinstance(before, GraphforgeError):
+            raise before
+        chosen = tuple(f"{k}={v}" for k, v in sorted(dims.items()))
+        return PassManager([dataclasses.replace(passes[-1], dims=chosen)], shapes_only=True).run(before).model
 
 
 def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Prediction:

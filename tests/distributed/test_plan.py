@@ -147,6 +147,7 @@ def test_groups_one_node_holds_take_its_link():
     mesh, staged = Split(2, 2), Split(2, 1, 2, 2)
     assert after[mesh].tensor_s < before[mesh].tensor_s / 10 and after[mesh].data_s == before[mesh].data_s
     assert after[staged].compute_s < before[staged].compute_s and after[staged].data_s == before[staged].data_s
+    assert after[Split(1, 4)] is None and before[Split(1, 4)] is not None  # a tensor group across nodes
 
 
 def _memory_of(table: str, split: str) -> float:
