@@ -51,7 +51,7 @@ from graphforge.errors import GraphforgeError
 from graphforge.model_io import ModelSource
 from graphforge.placement.stages import StageSegments, stage_segments
 from graphforge.program import ProgramRoles, program_proto
-from graphforge.runtime.chain import Chains, Collectives
+from graphforge.runtime.chain import Chains, GroupMember
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_dtype
@@ -107,7 +107,7 @@ class StepResult:
     started_at: float = 0.0
 
 
-class PipelineStage:
+class PipelineStage(GroupMember):
     """Stage ``transport.stage`` of a program the pipeline pass split::
 
         world = World.join()                                  # torchrun, one process per stage
@@ -264,18 +264,6 @@ class PipelineStage:
     def _done_with(self, action: Action) -> bool:
         """Whether ``action`` is the last one of its micro-batch on this stage."""
         return action.kind == SEND_B or self.stage == 0
-
-    def attach_collectives(self, collectives: Collectives) -> None:
-        """Make this stage a member of a tensor-parallel group (graphforge.distributed.TensorParallel
-        over ``World.mesh(tensor=T, pipeline=S).tensor``): from now on each of its segments'
-        runs is cut after the program's sums, which ``collectives`` makes across the group."""
-        if self._chains is not None:
-            raise GraphforgeError("this stage is already a member of a tensor-parallel group")
-        self._chains = Chains(self.runner, collectives)
-
-    @property
-    def collectives(self) -> Collectives | None:
-        return self._chains.collectives if self._chains is not None else None
 
     def _execute(self, label: str, bound: BoundSession, feeds: dict[str, Any], fetch: list[str], sends: list[str]):
         """One run of segment ``label``: as it is, or cut after its sums in a tensor group."""

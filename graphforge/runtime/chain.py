@@ -19,6 +19,7 @@ import onnx
 import onnxruntime as ort
 
 from graphforge import roles
+from graphforge.errors import GraphforgeError
 from graphforge.placement.cut import Segment, cut
 from graphforge.runtime.runner import Hook, Runner, SegmentRun
 from graphforge.runtime.sessions import lean_model
@@ -99,6 +100,27 @@ class Chains:
                 )
             )
         return runs, (self.collectives.hook(reduced, how) if reduced else None)
+
+
+class GroupMember:
+    """What makes a holder of a runner (a Module, a pipeline stage) a member of a
+    tensor-parallel group: ``attach_collectives``, after which its runs are cut after the
+    program's marker calls and reduced across the group (its ``_chains``)."""
+
+    runner: Runner
+    _chains: Chains | None = None
+
+    def attach_collectives(self, collectives: Collectives) -> None:
+        """Join the group ``collectives`` reduces across (graphforge.distributed.TensorParallel):
+        from now on every run of a model with marker calls is cut after them."""
+        if self._chains is not None:
+            raise GraphforgeError(f"this {type(self).__name__} is already a member of a tensor-parallel group")
+        self._chains = Chains(self.runner, collectives)
+
+    @property
+    def collectives(self) -> Collectives | None:
+        """The group this member's runs reduce across (``attach_collectives``), or None."""
+        return self._chains.collectives if self._chains is not None else None
 
 
 def marker_outputs(model: onnx.ModelProto, ops: Mapping[str, str]) -> dict[str, str]:

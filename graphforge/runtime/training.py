@@ -56,7 +56,7 @@ from graphforge.model_io import ModelSource, save
 from graphforge.payloads import without_values
 from graphforge.placement.cut import cut
 from graphforge.program import ProgramRoles, program_proto
-from graphforge.runtime.chain import Chains, Collectives
+from graphforge.runtime.chain import Chains, GroupMember
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
@@ -161,7 +161,7 @@ class _Split:
     checks: list[str]
 
 
-class Module:
+class Module(GroupMember):
     """A training program with its state, ready to run.
 
     ``program``: a compiled training program (path, bytes, ModelProto or Model).
@@ -323,19 +323,6 @@ class Module:
         self.reducer, self.replica = reducer, replica
         if self._kernel is not None or self._update_pending:  # the reducer's update (or the program's) runs now
             self.use_update_kernel(None, "a data-parallel program: its update reads the reduced gradients")
-
-    def attach_collectives(self, collectives: Collectives) -> None:
-        """Make this Module a member of a group that sums the values its program marks
-        (graphforge.distributed.TensorParallel): from now on every run of a model with such
-        marker calls is cut after them, and ``collectives`` sums each across the group."""
-        if self._chains is not None:
-            raise GraphforgeError("this Module is already a member of a tensor-parallel group")
-        self._chains = Chains(self.runner, collectives)
-
-    @property
-    def collectives(self) -> Collectives | None:
-        """The group this Module's runs sum across (``attach_collectives``), or None."""
-        return self._chains.collectives if self._chains is not None else None
 
     def take_unheld_states(self) -> dict[str, np.ndarray]:
         """The carried tensors this Module's runner does not hold (``shard_optimizer_states``),
