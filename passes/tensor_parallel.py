@@ -18,7 +18,15 @@ from graphforge.passes.tensor_parallel_axes import (
     probe_shapes,
 )
 from graphforge.passes.tensor_parallel_projections import Projection, projection, projection_ending, read_only_by
-from graphforge.passes.tensor_parallel_vocab import head_split, kept_shapes, split_embedding, split_loss, vocab_layers
+from graphforge.passes.tensor_parallel_vocab import (
+    LAYOUT,
+    MAX_CHAIN,
+    head_split,
+    kept_shapes,
+    split_embedding,
+    split_loss,
+    vocab_layers,
+)
 
 from graphforge import roles
 from graphforge.errors import PassError
@@ -112,6 +120,10 @@ class TensorParallel(Pass):
             used = {id(p.node) for b in blocks for p in [*b.firsts, b.second]}
             heads, embeddings, vocab_left = vocab_layers(graph, shapes, self.size, set(self.skip), used)
             left += vocab_left
+            if not heads and not Fact.LOSS.holds(model) and _output_projection(graph, used):
+                # an LM head splits only under its cross-entropy, which the loss pass adds
+                left.insert(0, "the projection to the model's output: no loss reads it yet (an LM head splits only "
+                            "under its cross-entropy: put tensor_parallel after the loss pass)")  # fmt: skip
         if left:
             warnings.warn(
                 f"tensor_parallel: {len(left)} layer(s) stay whole on every member: {left[0]}"
@@ -191,6 +203,26 @@ class TensorParallel(Pass):
             True,
             note=f"{len(recorded)} layer(s) ({', '.join(kinds)}) split across {self.size} processes{member}",
         )
+
+
+def _output_projection(graph: gs.Graph, used: set[int]) -> bool:
+    """Whether some output of ``graph`` is a projection's, through layout ops (an LM head's
+    logits, say), one no block splits (``used``: the blocks' nodes)."""
+    for output in graph.outputs:
+        tensor = output
+        for _ in range(MAX_CHAIN):
+            node = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+            if node is None:
+                break
+            made = projection_ending(node)
+            if made is not None:
+                if id(made.node) not in used:
+                    return True
+                break
+            if node.op not in LAYOUT or not node.inputs:
+                break
+            tensor = node.inputs[0]
+    return False
 
 
 def with_tensor_parallel(passes: Sequence[Pass], split: TensorParallel) -> list[Pass]:

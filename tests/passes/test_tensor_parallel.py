@@ -286,6 +286,8 @@ def test_the_vocabulary_stays_whole_where_the_split_cannot_take_it(gpt2_classes_
     ce, mse = "loss(kind=cross_entropy, output=logits)", "loss(kind=mse, output=logits)"
     with pytest.warns(UserWarning, match="1 layer.* stay whole .*embedding .*read by a layer that stays whole"):
         role = _role(graphforge.compile(gpt2_classes_first[VOCAB], f"{mse}, tensor_parallel(size=2)").model)
+    with pytest.warns(UserWarning, match="no loss reads it yet .*put tensor_parallel after the loss pass"):
+        graphforge.compile(gpt2_classes_first[VOCAB], "tensor_parallel(size=2)")
     for pipeline in ("tensor_parallel(size=2)", f"{ce}, tensor_parallel(size=2, vocab=false)"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
