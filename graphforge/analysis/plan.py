@@ -232,6 +232,15 @@ class _Programs:
         # this machine's memory plans too, and no split's compile copies them
         self.model, self.passes = weights_left_out(model), passes
         self._made: dict[tuple, onnx.ModelProto | GraphforgeError] = {}
+        self._measured: dict[tuple, object] = {}
+
+    def measured(self, program: onnx.ModelProto, what: str, dims: Mapping[str, int], *more, measure):
+        """``measure()``, what ``program`` costs at ``dims`` (its FLOPs, its Model, its memory),
+        made once: the splits that differ only in their ZeRO stage share it."""
+        key = (id(program), what, tuple(sorted(dims.items())), *more)
+        if key not in self._measured:
+            self._measured[key] = measure()
+        return self._measured[key]
 
     def get(self, split: Split, dims: Mapping[str, int]) -> onnx.ModelProto:
         key = (split.tensor, split.stages, split.microbatches if split.stages > 1 else 1, split.recompute)
@@ -252,11 +261,15 @@ class _Programs:
         passes = planned_passes(self.passes, split, dims)
         if split.tensor > 1:
             passes = with_tensor_parallel(passes, TensorParallel(size=split.tensor, rank=0))
-        if split.stages == 1:
+        if split.stages == 1 and split.recompute == 1:
             return PassManager(passes, shapes_only=True).run(self.model).model
-        # the splits into stages of one tensor size share their program up to the pipeline
-        # pass: compiled once (a deep model's dozens of stage and micro-batch counts)
-        key = ("before the stages", split.tensor)
+        # the splits of one tensor size share their program up to the pass a split adds last
+        # (the pipeline's, the recompute's): compiled once (a deep model's dozens of stage,
+        # micro-batch and replica counts)
+        last = passes[-1]
+        if split.stages > 1:
+            last = dataclasses.replace(last, dims=tuple(f"{k}={v}" for k, v in sorted(dims.items())))
+        key = ("before the last pass", split.tensor, split.stages > 1)
         before = self._made.get(key)
         if before is None:
             try:
@@ -266,8 +279,7 @@ class _Programs:
             self._made[key] = before
         if isinstance(before, GraphforgeError):
             raise before
-        chosen = tuple(f"{k}={v}" for k, v in sorted(dims.items()))
-        return PassManager([dataclasses.replace(passes[-1], dims=chosen)], shapes_only=True).run(before).model
+        return PassManager([last], shapes_only=True).run(before).model
 
 
 def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Prediction:
@@ -278,7 +290,7 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     program_roles = ProgramRoles.of_proto(program)
     if split.tensor > 1 and program_roles.optimizer == "lamb":
         raise GraphforgeError(f"{split}: LAMB does not run tensor-parallel yet (its trust ratio takes whole norms)")
-    model = Model.from_proto(program)
+    model = programs.measured(program, "model", {}, measure=lambda: Model.from_proto(program))
     rate = hardware.flops
     # the mesh's ranks are ordered data, pipeline, tensor: a tensor group is T consecutive
     # ranks, a pipeline T × S, the data-parallel replicas all of them
@@ -312,11 +324,20 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
         )
         gradient_bytes = costs["parameter_bytes"][stage]
     else:
-        flops = sum(model_flops(model, run_dims).values())
+        flops = programs.measured(
+            program, "flops", run_dims, measure=lambda: sum(model_flops(model, run_dims).values())
+        )
         runs = 2 + (math.ceil(parameter_bytes / BUCKET_BYTES) if split.data > 1 else 0)
         runs += sum(_is_reduce(n) for n in model.graph.nodes)
         compute = flops / rate + runs * hardware.overhead
-        memory = step_memory(program, dims=run_dims, in_place=split.data == 1).peak
+        in_place = split.data == 1
+        memory = programs.measured(
+            program,
+            "peak",
+            run_dims,
+            in_place,
+            measure=lambda: step_memory(program, dims=run_dims, in_place=in_place).peak,
+        )
         if split.zero:
             memory -= int(state_bytes * (1 - 1 / split.data))
         if split.zero >= 2:
