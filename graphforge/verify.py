@@ -52,7 +52,7 @@ def verify_model(
         else:  # the whole model: what ``values_from`` (its source) knows of lengths need not be measured
             light = copy_leaving_values_out(proto, known_long_enough(values_from) if values_from is not None else ())
         if light is None or not _passes(light):
-            if light is not None and has_left_out(values_from):  # no whole model to ask: the light one's verdict
+            if light is not None and values_from is not None and has_left_out(values_from):  # no whole model
                 raise InvalidModelError(f"{where} is not a valid ONNX model: {light_problem(light)}")
             whole = values_from.to_proto() if whole is None else whole
             _check(whole)
