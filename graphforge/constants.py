@@ -14,6 +14,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from graphforge.analysis.dag import topological_order
+from graphforge.graph import is_left_out
 from graphforge.ir import NONDETERMINISTIC_OPS
 
 #: a Constant node's attributes that hold its value, other than ``value`` (a tensor)
@@ -51,8 +52,8 @@ def _constant_node(tensor: gs.Tensor) -> gs.Node | None:
 
 
 def _stored_value(tensor: gs.Tensor) -> np.ndarray | None:
-    if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values)
+    if isinstance(tensor, gs.Constant):  # (a weight compiled for its shape alone has none)
+        return None if is_left_out(tensor) else np.asarray(tensor.values)
     producer = _constant_node(tensor)
     if producer is None:
         return None
@@ -88,8 +89,8 @@ def _constant_subgraph(t: gs.Tensor) -> tuple[list[gs.Node] | None, dict[str, np
     stack = [t]
     while stack:
         x = stack.pop()
-        if isinstance(x, gs.Constant) and (x.shape is None or _too_big(x.shape)):
-            return None, {}  # a weight, say: not read
+        if isinstance(x, gs.Constant) and (x.shape is None or _too_big(x.shape) or is_left_out(x)):
+            return None, {}  # a weight, say (or one compiled for its shape alone): not read
         known = _known_value(x)
         if known is not None:
             leaves[x.name] = known
