@@ -19,6 +19,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
+from graphforge.constants import is_left_out
 from graphforge.ir import (
     FLOAT_TYPES,
     TORCH_FOLDED,
@@ -224,13 +225,6 @@ def mark_lengths_checked(model: Model) -> None:
     for constant in _constants(model.graph):
         if _lazy_tensor(constant) is not None:
             setattr(constant._values, _LENGTH_CHECKED, True)
-
-
-def is_left_out(constant: gs.Constant) -> bool:
-    """Whether ``constant`` has no values, only its type and shape: a weight of a model
-    compiled for its shapes alone (``payloads.weights_left_out``)."""
-    tensor = _lazy_tensor(constant)
-    return tensor is not None and is_stand_in(tensor)
 
 
 def has_left_out(model: Model) -> bool:

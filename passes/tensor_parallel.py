@@ -29,8 +29,9 @@ from graphforge.passes.tensor_parallel_vocab import (
 )
 
 from graphforge import roles
+from graphforge.constants import is_left_out
 from graphforge.errors import PassError
-from graphforge.graph import Model, is_left_out, left_out_as
+from graphforge.graph import Model, left_out_as
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.placement.buckets import marker_call, marker_function
 from graphforge.program import TensorParallelRole, member_range

@@ -273,16 +273,21 @@ class TensorParallel:
             parts[name] = (value, first, tuple(whole), axis, sections)
         return parts
 
+    def gather(self, value, what: str) -> list:
+        """Every member's ``value`` (any picklable), in rank order (a collective)."""
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world.size
+        with self.world.collective(what):
+            dist.all_gather_object(gathered, value, group=self.world.group)
+        return gathered
+
     def join(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """``tensors`` (this member's carried tensors, of the same names on every member: a
         stage's, or every stage's gathered on stage 0) with the split ones joined from every
         member's, on member 0 (None on the others; a collective)."""
-        import torch.distributed as dist
-
         split = {n: v for n, v in tensors.items() if n in self.program_split}
-        gathered: list = [None] * self.world.size
-        with self.world.collective("gathering the tensor-parallel members' tensors"):
-            dist.all_gather_object(gathered, split, group=self.world.group)
+        gathered = self.gather(split, "gathering the tensor-parallel members' tensors")
         if self.world.rank != 0:
             return None
         return {**tensors, **join_tensors(gathered, {n: self.program_split[n] for n in split})}

@@ -74,12 +74,8 @@ def _argmax_across(scores: np.ndarray, group) -> np.ndarray:
     """The class of the highest score along axis 1, which the members of ``group`` split in
     rank order: each member's best and where, the group's best of those (on a tie the lower
     rank's, as argmax over the whole takes the first)."""
-    import torch.distributed as dist
-
     mine = (scores.max(axis=1), scores.argmax(axis=1), scores.shape[1])
-    gathered: list = [None] * group.world.size
-    with group.world.collective("the evaluation's argmax across the tensor group"):
-        dist.all_gather_object(gathered, mine, group=group.world.group)
+    gathered = group.gather(mine, "the evaluation's argmax across the tensor group")
     offsets = np.cumsum([0, *(count for _, _, count in gathered)])[:-1]
     bests = np.stack([best for best, _, _ in gathered])
     wheres = np.stack([where + offset for (_, where, _), offset in zip(gathered, offsets, strict=True)])
