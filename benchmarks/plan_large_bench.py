@@ -230,20 +230,19 @@ def _table(large: Large, gpus: int, found: list, seconds: float) -> str:
     recomputed = [c for c in (fitting or by_memory) if c.split.recompute < 1]
     if recomputed and recomputed[0] not in shown:
         shown.append(recomputed[0])
-    for recipe in (r for r in large.recipes if r.gpus == gpus):
-        split = Split(recipe.data, recipe.tensor, recipe.stages, zero=recipe.zero)
-        mine = next((c for c in found if c.split == split), None)
-        if mine is not None and mine not in shown:
-            shown.append(mine)
+    recipes = [r for r in large.recipes if r.gpus == gpus]
+    theirs = {
+        r: next((c for c in found if c.split == Split(r.data, r.tensor, r.stages, zero=r.zero)), None) for r in recipes
+    }
+    shown += [c for c in theirs.values() if c is not None and c.prediction is not None and c not in shown]
     for candidate in shown:
         p = candidate.prediction
         lines.append(
             f"| {candidate.split} | {p.step_s * 1e3:.1f} ms | {p.compute_s * 1e3:.1f} ms | {p.tensor_s * 1e3:.1f} ms "
             f"| {p.data_s * 1e3:.1f} ms | {p.bubble:.0%} | {p.memory / 2**30:.1f} GiB | {'yes' if p.fits else 'no'} |"
         )
-    for recipe in (r for r in large.recipes if r.gpus == gpus):
+    for recipe, mine in theirs.items():
         split = Split(recipe.data, recipe.tensor, recipe.stages, zero=recipe.zero)
-        mine = next((c for c in found if c.split == split), None)
         said = (
             "predicted above"
             if mine is not None and mine.prediction is not None

@@ -101,14 +101,9 @@ def weights_left_out(proto: onnx.ModelProto) -> onnx.ModelProto:
     initializer, and each one held in an external file (a model read without its external
     data), left out. What compiles for shapes and costs alone (``PassManager(shapes_only=True)``):
     the planner's programs, of a model however large, in no more memory than its graph."""
-    out = copy_without_initializers(proto)
-    for tensor in proto.graph.initializer:
-        external = tensor.data_location == onnx.TensorProto.EXTERNAL
-        if external or can_leave_out(tensor):
-            out.graph.initializer.append(stand_in(tensor.name, tensor.data_type, tensor.dims))
-        else:
-            out.graph.initializer.add().CopyFrom(tensor)
-    return out
+    external = onnx.TensorProto.EXTERNAL
+    names = {t.name for t in proto.graph.initializer if t.data_location == external or can_leave_out(t)}
+    return without_values(proto, names)
 
 
 def exceeds_protobuf_limit(proto: onnx.ModelProto) -> bool:
