@@ -158,14 +158,19 @@ def report(measured: dict) -> str:
         lines.append(
             f"- Largest error {worst:.0%} (goal within {ERROR_GOAL:.0%}: {'met' if worst <= ERROR_GOAL else 'not met'})."
         )
+    from graphforge.analysis.plan import CPU_RUN_OVERHEAD, GLOO_BANDWIDTH, GLOO_LATENCY
+    from graphforge.train.planning import CPU_FLOPS_PER_CORE
+
     lines += [
         "",
         "Reading it: the planner compiles each split's program and reads its FLOPs, its collectives' bytes "
-        "and its memory; its rates are this machine's (a sustained 27 GFLOP/s a core for onnxruntime on "
-        "training programs, gloo's all-reduce on loopback at 1 GB/s and 2 ms a collective for 2 processes, "
-        "stretched by the turns more processes than cores take, 0.13 ms an onnxruntime run), calibrated on the one-process GPT-2 step and a link measurement, not on the split "
-        "runs it is compared with here. Splits with stages are predicted but not measured here (GPT-2's tied "
-        "embedding is refused by the pipeline pass).",
+        f"and its memory; its rates are this machine's (a sustained {CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s a "
+        f"core for onnxruntime on training programs, gloo's all-reduce on loopback at {GLOO_BANDWIDTH / 1e9:g} "
+        f"GB/s and {GLOO_LATENCY * 1e3:g} ms a collective for 2 processes, stretched by the turns more "
+        f"processes than cores take, {CPU_RUN_OVERHEAD * 1e3:.2f} ms an onnxruntime run), calibrated on the "
+        "one-process GPT-2 step and a link measurement, not on the split runs it is compared with here. "
+        "Splits with stages are predicted but not measured here (GPT-2's tied embedding is refused by the "
+        "pipeline pass).",
     ]
     return "\n".join(lines) + "\n"
 

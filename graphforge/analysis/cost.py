@@ -4,8 +4,9 @@ A cost model for balancing pipeline stages, not a timing model: MatMul, Gemm and
 count 2 × multiply-adds (they dominate training steps); every other op counts one
 operation per element of its largest input or output (elementwise work, reductions, data
 movement). :func:`model_flops` binds the inputs' symbolic dims (``dims``, e.g.
-``{"batch": 8, "seq": 64}``; DEFAULT_DIM for the others) and runs ONNX shape inference
-again, so dims computed inside the graph (batch × seq after a Reshape) are known too.
+``{"batch": 8, "seq": 64}``; the others as the program fixes them, graphforge.analysis.dims)
+and runs ONNX shape inference again, so dims computed inside the graph (batch × seq after a
+Reshape) are known too.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from graphforge.analysis.dims import DEFAULT_DIM, bind_inputs, completed
 from graphforge.analysis.size import nbytes
 from graphforge.errors import InvalidModelError, PassError
 from graphforge.graph import Model
 from graphforge.shapes import infer_shapes
-
-#: the size a symbolic input dim takes when ``dims`` does not name it
-DEFAULT_DIM = 8
 
 
 def parse_dims(entries) -> dict[str, int]:
@@ -86,15 +85,11 @@ def node_flops(node: gs.Node, dims: Mapping[str, int] | None = None) -> int:
 
 def model_flops(model: Model, dims: Mapping[str, int] | None = None) -> dict[int, float]:
     """FLOPs of every node of ``model``'s graph (by node id), with the inputs' symbolic dims
-    bound (``dims``, else DEFAULT_DIM) and shapes inferred again from them."""
-    dims = dict(dims or {})
+    bound (``dims``, those the program fixes from them, else DEFAULT_DIM) and shapes inferred
+    again from them."""
     proto = model.to_proto(values=False)
-    for value in proto.graph.input:
-        for d in value.type.tensor_type.shape.dim:
-            if d.HasField("dim_param"):
-                size = dims.get(d.dim_param, DEFAULT_DIM)
-                d.Clear()
-                d.dim_value = size
+    dims = completed(proto, dims or {})
+    bind_inputs(proto, dims)
     del proto.graph.value_info[:]
     try:
         bound = infer_shapes(Model.from_proto(proto))

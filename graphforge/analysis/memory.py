@@ -33,7 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from graphforge.analysis.cost import DEFAULT_DIM
+from graphforge.analysis.dims import bind_inputs, completed
 from graphforge.analysis.size import nbytes
 from graphforge.errors import InvalidModelError
 from graphforge.ir import node_reads
@@ -200,7 +200,8 @@ def _aliases(node: onnx.NodeProto) -> bool:
 
 def tensor_sizes(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) -> dict[str, int]:
     """Bytes of every tensor of ``model``'s main graph whose shape ONNX inference finds once
-    the inputs' symbolic dims are bound (``dims`` by name, else DEFAULT_DIM)."""
+    the inputs' symbolic dims are bound (``dims`` by name, those the program fixes from them,
+    else DEFAULT_DIM: graphforge.analysis.dims)."""
     return {name: size for name, (size, _) in tensor_types(model, dims).items() if size is not None}
 
 
@@ -212,12 +213,7 @@ def tensor_types(model: onnx.ModelProto, dims: Mapping[str, int] | None = None) 
     if proto is None:
         proto = copy_without_initializers(model)
         proto.graph.initializer.extend(model.graph.initializer)
-    for value in proto.graph.input:
-        for d in value.type.tensor_type.shape.dim:
-            if d.HasField("dim_param") or not d.HasField("dim_value"):
-                size = int(dims.get(d.dim_param, DEFAULT_DIM)) if d.dim_param else 1
-                d.Clear()
-                d.dim_value = size
+    bind_inputs(proto, completed(proto, dims))
     inferred = _infer(proto)
     for _ in range(SHAPE_ROUNDS):
         folded = _fold_shape_values(proto, inferred)

@@ -37,9 +37,10 @@ from graphforge.tempfiles import write_atomically
 from graphforge.train.config import Config, ConfigError, load_config
 
 #: sustained FLOP/s of one onnxruntime CPU thread on training programs: GPT-2 2×256's step
-#: (18.8 GFLOP at batch 8 × 64) takes 351 ms on the 2 cores of the EPYC VM the benchmarks
-#: run on (docs/benchmarks.md, "Tensor-parallel training")
-CPU_FLOPS_PER_CORE = 2.7e10
+#: (45.2 GFLOP at batch 8 × 64, the output projection's 13.2 GFLOP three times) takes 422 to
+#: 459 ms in one process on the 2 cores of the EPYC VM the benchmarks run on
+#: (docs/benchmarks.md, "Tensor-parallel training" and "Planning splits")
+CPU_FLOPS_PER_CORE = 4.9e10
 
 
 @dataclass(frozen=True)
