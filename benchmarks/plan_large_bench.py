@@ -125,6 +125,7 @@ def _export(large: Large):
     import onnxscript
     import torch
 
+    from graphforge.ir import TORCH_KIND_PROP
     from graphforge.payloads import stand_in
 
     with torch.device("meta"):
@@ -153,6 +154,11 @@ def _export(large: Large):
         else:
             proto.graph.initializer.append(ir.serde.serialize_tensor(value.const_value))
             proto.graph.initializer[-1].name = name
+            if name not in shapes:
+                # folded by the optimizer from the module's constants (the causal mask's zeros):
+                # a constant, as torch.export calls lifted ones, which autodiff does not train
+                # (an exporter optimizing real weights names such values val_<n>, which it reads so)
+                proto.graph.initializer[-1].metadata_props.add(key=TORCH_KIND_PROP, value="CONSTANT_TENSOR")
     return proto
 
 

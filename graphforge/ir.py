@@ -116,7 +116,7 @@ def is_parameter(tensor: gs.Tensor) -> bool:
 #: metadata; the autodiff pass reads it to tell parameters from buffers and lifted constants.
 TORCH_KINDS = "graphforge.torch_input_kinds"
 #: where the dynamo exporter writes that kind: a metadata_props entry of the value
-_TORCH_KIND_PROP = "pkg.torch.export.graph_signature.InputSpec.kind"
+TORCH_KIND_PROP = "pkg.torch.export.graph_signature.InputSpec.kind"
 
 
 def torch_input_kinds(proto: onnx.ModelProto) -> dict[str, str]:
@@ -129,7 +129,7 @@ def torch_input_kinds(proto: onnx.ModelProto) -> dict[str, str]:
         if value.name not in initializers or value.name in kinds:
             continue
         for prop in getattr(value, "metadata_props", ()):
-            if prop.key == _TORCH_KIND_PROP:
+            if prop.key == TORCH_KIND_PROP:
                 kinds[value.name] = prop.value
     return kinds
 

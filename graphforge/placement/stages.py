@@ -585,4 +585,9 @@ def forward_chain(
             live.pop(t_id, None)
         if len(live) == 1:
             points[i + 1] = next(iter(live.values())).name
-    return forward, weight, points
+    # a tensor alone over a run of positions (the embedding while the masks are made) is one
+    # cut, made where it first is: two cuts at one tensor would leave a stage empty
+    first: dict[str, int] = {}
+    for at, name in sorted(points.items()):
+        first.setdefault(name, at)
+    return forward, weight, {at: name for name, at in first.items()}

@@ -79,6 +79,43 @@ def _skip_model(seed: int = 0) -> onnx.ModelProto:
     return model
 
 
+def _mask_beside_model(seed: int = 0) -> onnx.ModelProto:
+    """x → fc1 → h1 → fc2 → a2; y = a2 × neg(tanh(sigmoid(x))): while the factor made from the
+    batch alone (a mask, say) is computed, h1 is the one activation live, at three positions."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h1"], name="fc1"),
+        helper.make_node("Sigmoid", ["x"], ["s1"], name="s1"),
+        helper.make_node("Tanh", ["s1"], ["s2"], name="s2"),
+        helper.make_node("Neg", ["s2"], ["s3"], name="s3"),
+        helper.make_node("MatMul", ["h1", "w2"], ["a2"], name="fc2"),
+        helper.make_node("Mul", ["a2", "s3"], ["y"], name="scale"),
+    ]
+    weights = [numpy_helper.from_array(rng.standard_normal((6, 6)).astype(np.float32), n) for n in ("w1", "w2")]
+    graph = helper.make_graph(
+        nodes,
+        "mask_beside",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 6])],
+        weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_tensor_alone_at_several_positions_is_one_cut_point():
+    from graphforge.graph import Model
+    from graphforge.placement.stages import forward_chain, plan_stages
+
+    program = graphforge.compile(_mask_beside_model(), MSE).model
+    forward, _, points = forward_chain(plan_stages(Model.from_proto(program), []))
+    names = list(points.values())
+    assert len(names) == len(set(names)) and "h1" in names
+    # made where it is first alone: right after fc1
+    assert forward[min(p for p, n in points.items() if n == "h1") - 1].name == "fc1"
+    role = _role(graphforge.compile(_mask_beside_model(), f"{MSE}, pipeline(stages=3, microbatches=3)").model)
+    assert len(set(role.cuts)) == 2
+
+
 def _role(program: onnx.ModelProto):
     return ProgramRoles.of_proto(program).pipeline
 
