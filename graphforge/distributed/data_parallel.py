@@ -268,7 +268,7 @@ def broadcast_carried(world: World, runner, names, source: int, what: str, group
     flat = torch.cat(views)
     with world.collective(what):
         dist.broadcast(flat, source, group=group)
-    if world.rank != source:
+    if world.global_rank != source:  # (``source`` is a rank of the whole run, as torch's)
         offset = 0
         for view in views:
             view.copy_(flat[offset : offset + view.numel()])

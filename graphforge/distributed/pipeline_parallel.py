@@ -410,6 +410,18 @@ class StageReplicas:
             groups = [dist.new_group([d * stages + s for d in range(self.count)]) for s in range(stages)]
         self.group = groups[self.stage]
 
+    @classmethod
+    def of_mesh(cls, mesh) -> StageReplicas:
+        """The replicas of this process's stage in a mesh's other pipelines (T × S × D): the
+        same stage and tensor-group member of every data replica, the mesh's data group."""
+        replicas = cls.__new__(cls)
+        data = mesh.data
+        replicas.world, replicas.stages = data, mesh.pipeline.size
+        replicas.count, replicas.index, replicas.stage = data.size, data.rank, mesh.pipeline.rank
+        replicas.ranks = [data.global_of(r) for r in range(data.size)]
+        replicas.group = data.group
+        return replicas
+
     def average(self, values: Sequence[ort.OrtValue], what: str) -> None:
         """Each of ``values`` replaced in place by its mean over the replicas (one flat all_reduce)."""
         import torch

@@ -27,9 +27,11 @@ N / T data-parallel replicas of one: World.mesh): each compiles its member's pro
 allreduce pass where there are replicas), each replica's group takes data.batch_size samples a step (every
 member all of them) and evaluates every batch, and each checkpoint is the first group's
 members' slices beside rank 0's file, which loads as the whole program's state
-(OUT/program.onnx's). With a pipeline program too, the T × S processes are the stages of
+(OUT/program.onnx's). With a pipeline program too, each T × S processes are the stages of
 one pipeline, each stage a tensor group: each process runs its stage of its member's program,
-and each checkpoint is every process's pieces of its stage, listed by rank 0's file.
+and each checkpoint is the first pipeline's processes' pieces of their stages, listed by rank
+0's file. N / (T × S) such pipelines are data-parallel replicas (T × S × D): each takes its
+share of every batch, and each stage averages its accumulated gradients with its replicas'.
 """
 
 from __future__ import annotations
@@ -257,11 +259,13 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             f"replicas, but the {world.size} processes are one tensor group of {tensor}: start a multiple of "
             f"{tensor} processes, or leave distributed.zero out"
         )
-    if mesh is not None and mesh.data.size > 1:  # data replicas of the tensor groups: the gradients averaged
+    staged = ProgramRoles.of_proto(program).pipeline
+    # data replicas of the tensor groups: the gradients averaged (a pipeline's stages average
+    # theirs themselves, StageReplicas, after accumulating)
+    if mesh is not None and mesh.data.size > 1 and staged is None:
         zero, bucket_mb = config.distributed.zero, config.distributed.bucket_mb
         added = Zero(stage=zero, bucket_mb=bucket_mb) if zero else AllReduce(bucket_mb=bucket_mb)
         member = PassManager([added]).run(member).model
-    staged = ProgramRoles.of_proto(program).pipeline
     if staged is not None:
         config = _pipeline_config(config, staged, world)
     zero = config.distributed.zero
@@ -377,11 +381,13 @@ def prepare(config: Config, world: World | None = None) -> Plan:
     threads = _threads_per_process() if world is not None and world.device == "cpu" else None
     module, pipeline, tensor_group = None, None, None
     try:
-        if staged is not None and mesh is not None:  # a stage of this member's program (T × S)
+        if staged is not None and mesh is not None:  # a stage of this member's program (T × S, × D)
             state = member_state(state, member)  # (the run's state: the stage advances its step)
+            replicas = StageReplicas.of_mesh(mesh) if mesh.data.size > 1 else None
             pipeline = PipelineStage(
-                member, state, TorchTransport(mesh.pipeline), device=device, intra_op_threads=threads
-            )
+                member, state, TorchTransport(mesh.pipeline), device=device, intra_op_threads=threads,
+                replicas=replicas,
+            )  # fmt: skip
         elif staged is not None and world is not None:
             stages = staged.stages
             replicas = StageReplicas(world, stages) if world.size > stages else None
@@ -422,9 +428,10 @@ def prepare(config: Config, world: World | None = None) -> Plan:
             held = f"1/{tensor} of {len(tensor_group.axes)} carried tensors"
             if pipeline is not None:
                 held = f"its stage's tensors, {held} of them"
-                note(f"tensor-parallel groups of {tensor} as the {pipeline.stages} stages of a pipeline")
+                replicated = f" × {mesh.data.size} data-parallel replicas of it" if mesh.data.size > 1 else ""
+                note(f"tensor-parallel groups of {tensor} as the {pipeline.stages} stages of a pipeline{replicated}")
             note(f"tensor-parallel: each process holds {held}")
-            if mesh.data.size > 1:
+            if mesh.data.size > 1 and module is not None:
                 overlap = config.distributed.overlap
                 if sharded:
                     ZeroDataParallel(module, mesh.data, stage=zero_stage, overlap=overlap)
@@ -501,16 +508,16 @@ def _check_tensor_parallel(config: Config, world: World) -> None:
 
 def _tensor_stages(config: Config, program: onnx.ModelProto, world: World) -> int:
     """The pipeline stages of a tensor-parallel run (1 without): tensor groups as the stages
-    of one pipeline (T × S), every process's; data-parallel pipelines of them are refused."""
+    of a pipeline (T × S), and data-parallel replicas of that pipeline (T × S × D)."""
     staged = ProgramRoles.of_proto(program).pipeline
     if staged is None:
         return 1
     tensor, stages = config.distributed.tensor, staged.stages
-    if world.size != tensor * stages:
+    if world.size % (tensor * stages):
         raise ConfigError(
-            f"{config.where}: distributed.tensor = {tensor} with {stages} pipeline stages runs on {tensor * stages} "
-            f"processes (a tensor group of {tensor} as each stage), but {world.size} were started; graphforge train "
-            "does not run data-parallel pipelines of tensor groups yet (T × S × D)"
+            f"{config.where}: distributed.tensor = {tensor} with {stages} pipeline stages runs on a multiple of "
+            f"{tensor * stages} processes (a tensor group of {tensor} as each stage, × data-parallel replicas of the "
+            f"pipeline), but {world.size} were started"
         )
     return stages
 
@@ -1053,18 +1060,20 @@ class Run:
         return self.checkpoints.save(state, names=list(mine), shards=shards)
 
     def _save_tensor_stages(self, state: CheckpointState) -> Path:
-        """A checkpoint of tensor groups as pipeline stages (T × S): each process writes its
-        stage's tensors in a file of its own (its slices of the split ones; member 0 the whole
-        ones too), then rank 0 the checkpoint file, listing them all: it loads as the whole
-        program's state, as a single run's checkpoint does."""
+        """A checkpoint of tensor groups as pipeline stages (T × S): each process of the first
+        pipeline writes its stage's tensors in a file of its own (its slices of the split ones;
+        member 0 the whole ones too; the other replicas hold the same), then rank 0 the
+        checkpoint file, listing them all: it loads as the whole program's state, as a single
+        run's checkpoint does."""
         pipeline, group, step = self.pipeline, self.plan.tensor_group, int(state.step)
         members = group.role.size
         mine = group.current_tensors()
         state.tensors.update(mine)  # the state's other tensors are stale here: only ``mine`` is written
         whole = [n for n in mine if n not in group.axes] if group.role.rank == 0 else []
         path = self.checkpoints.piece_path(step, pipeline.stage, pipeline.stages, group.role.rank, members)
-        self.checkpoints.directory.mkdir(parents=True, exist_ok=True)
-        state.save(path, names=whole, parts=group.parts(mine))
+        if self.plan.mesh.data.rank == 0:
+            self.checkpoints.directory.mkdir(parents=True, exist_ok=True)
+            state.save(path, names=whole, parts=group.parts(mine))
         self.world.barrier(f"waiting for every stage's pieces of the checkpoint of step {step}")
         if not self.lead:
             return self.checkpoints.path_for(step)

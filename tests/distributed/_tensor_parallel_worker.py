@@ -20,7 +20,7 @@ from graphforge.passes.tensor_parallel import with_tensor_parallel
 
 import graphforge
 from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel
-from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTransport
+from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
 from graphforge.distributed.tensor_parallel import TensorParallel
 from graphforge.pass_manager import parse_pipeline
 from graphforge.runtime import CheckpointState, Module
@@ -83,24 +83,39 @@ def train_staged(case: dict, world: World) -> None:
     stage's tensor group runs its stage of its own program (``tensor_parallel(size=T,
     rank=t)`` after the case's loss, the pipeline ending with the pipeline pass), on every batch
     cut into the program's micro-batches. Each stage's tensor-group member 0 writes the
-    stage's tensors joined from its group's (``<out>-stage<s>.npz``), rank 0 the losses."""
-    stages = case["stages"]
-    mesh = world.mesh(tensor=world.size // stages, pipeline=stages)
-    tensor, pipe = mesh.tensor, mesh.pipeline
+    stage's tensors joined from its group's (``<out>-stage<s>.npz``), rank 0 the losses. With
+    ``data`` = D, D such pipelines (T × S × D), each taking its 1/D of every micro-batch's rows,
+    their stages' accumulated gradients averaged across the replicas before the update."""
+    stages, replicas = case["stages"], case.get("data", 1)
+    mesh = world.mesh(tensor=world.size // (stages * replicas), pipeline=stages)
+    tensor, pipe, data = mesh.tensor, mesh.pipeline, mesh.data
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         member = graphforge.compile(case["model"], member_pipeline(case["pipeline"], tensor.size, tensor.rank)).model
-    stage = PipelineStage(member, CheckpointState.from_program(member), TorchTransport(pipe), intra_op_threads=1)
+    stage = PipelineStage(
+        member,
+        CheckpointState.from_program(member),
+        TorchTransport(pipe),
+        intra_op_threads=1,
+        replicas=StageReplicas.of_mesh(mesh) if replicas > 1 else None,
+    )
     group = TensorParallel(stage, tensor)
     batches = np.load(case["batches"])
     m = stage.microbatches
     losses = []
     for step in range(len(batches[batches.files[0]])):
         rows = len(batches[batches.files[0]][step]) // m
-        micro = [{n: batches[n][step][i * rows : (i + 1) * rows] for n in batches.files} for i in range(m)]
+        share = rows // replicas
+        micro = [
+            {
+                n: batches[n][step][i * rows + data.rank * share : i * rows + (data.rank + 1) * share]
+                for n in batches.files
+            }
+            for i in range(m)
+        ]
         losses.append(stage.train_step(micro).loss)
     whole = group.whole_state()  # this stage's tensors, joined across its tensor group
-    if whole is not None:
+    if whole is not None and data.rank == 0:
         np.savez(f"{case['out']}-stage{pipe.rank}.npz", **{n: whole.tensors[n] for n in stage.parts.carried})
     if world.rank == 0:
         np.savez(f"{case['out']}-losses.npz", losses=np.array(losses), grad_norm=np.array(stage.last_grad_norm))

@@ -151,8 +151,12 @@ def four_members(workspace) -> Path:
 def tensor_by_data(workspace) -> Path:
     """4 processes: 2 data replicas of tensor groups of 2 (GPT-2 and digits also with ZeRO
     stage 2 over the replicas)."""
-    _launch(workspace, 4, ["gpt2", "digits"], data=2, zero=2)
-    return _launch(workspace, 4, ["gpt2", "llama", "digits"], data=2)
+    plain = json.loads(_spec(workspace, "2x2", ["gpt2", "llama", "digits"], data=2).read_text())
+    sharded = json.loads(_spec(workspace, "2x2-zero2", ["gpt2", "digits"], data=2, zero=2).read_text())
+    spec = workspace / "spec-2x2-both.json"  # one launch for both (each launch starts 4 processes)
+    spec.write_text(json.dumps({**plain, "cases": plain["cases"] + sharded["cases"]}))
+    _run_spec(spec, 4)
+    return workspace
 
 
 def _whole_program(folder: Path, name: str, size: int):
@@ -254,10 +258,11 @@ def test_a_mesh_of_data_replicas_of_tensor_groups_equals_one_process(name, tenso
 
 @pytest.fixture(scope="module")
 def tensor_by_stages(workspace) -> Path:
-    """4 processes: pipelines of 2 stages whose every stage is a tensor group of 2 (T × S)."""
+    """8 processes: 2 data replicas of pipelines of 2 stages whose every stage is a tensor
+    group of 2 (T × S × D; graphforge train's tests run T × S alone)."""
     accumulating = "adamw(lr=1e-3, weight_decay=0.01, accumulate=true), pipeline(stages=2, microbatches=2)"
     pipeline = lambda name: f"{CASES[name][1]}, {accumulating}"  # noqa: E731
-    _run_spec(_spec(workspace, "2x2s", ["llama", "bert"], pipeline, stages=2), 4)
+    _run_spec(_spec(workspace, "2x2x2", ["llama", "bert"], pipeline, stages=2, data=2), 8)
     return workspace
 
 
@@ -291,26 +296,28 @@ STAGED_TOLERANCE = 5e-5
 
 
 @pytest.mark.parametrize("name", ["llama", "bert"])
-def test_pipelines_whose_stages_are_tensor_groups_equal_one_process(name, tensor_by_stages):
-    """T × S = 2 × 2 (World.mesh(tensor=2, pipeline=2): a pipeline's stages are the same member
-    of two tensor groups): each stage's segments are cut after its group's sums, each batch
-    runs as 2 micro-batches through the stages. The oracle: one process, the whole program
-    accumulating over the same micro-batches; the losses within 1e-5, every parameter and
-    optimizer state of each stage, joined from its tensor group, within STAGED_TOLERANCE."""
+def test_data_replicas_of_pipelines_of_tensor_groups_equal_one_process(name, tensor_by_stages):
+    """T × S × D = 2 × 2 × 2 (World.mesh(tensor=2, pipeline=2) over 8 processes: a pipeline's
+    stages are the same member of two tensor groups, the replicas the same stage and member of
+    two pipelines): each stage's segments are cut after its group's sums, each replica's
+    pipeline takes half of the rows of each of a batch's 2 micro-batches, and each stage's
+    accumulated gradients are averaged with its replica's (StageReplicas.of_mesh, the mesh's
+    data group) before the update. The oracle: one process, the whole program accumulating
+    over the whole micro-batches; the losses within 1e-5, every parameter and optimizer state
+    of each stage, joined from its tensor group, within STAGED_TOLERANCE."""
     folder = tensor_by_stages
     reference, losses = _accumulating_reference(folder, name, 2)
-    got = np.load(folder / f"{name}-2x2s-losses.npz")
+    got = np.load(folder / f"{name}-2x2x2-losses.npz")
     np.testing.assert_allclose(got["losses"], losses, rtol=TOLERANCE, atol=TOLERANCE)
-    seen = set()
+    joined = {}
     for stage in range(2):
-        tensors = np.load(folder / f"{name}-2x2s-stage{stage}.npz")
-        for tensor in tensors.files:
-            if tensor in reference.state.tensors:  # (the stages' gradient accumulators are theirs alone)
-                np.testing.assert_allclose(
-                    tensors[tensor], reference.state.tensors[tensor], rtol=0, atol=STAGED_TOLERANCE, err_msg=tensor
-                )
-                seen.add(tensor)
-    assert seen == set(reference.state.tensors)  # every tensor of the whole program, in one stage or the other
+        joined.update(np.load(folder / f"{name}-2x2x2-stage{stage}.npz"))
+    assert set(joined) == set(reference.state.tensors)  # every tensor of the whole program, in one stage or the other
+    # (a replica's gradient accumulators hold its own rows' sums: the average is taken at the update)
+    scratch = {c.input for c in reference.roles.carried_with_role("accumulator")}
+    for tensor, value in reference.state.tensors.items():
+        if tensor not in scratch:
+            np.testing.assert_allclose(joined[tensor], value, rtol=0, atol=STAGED_TOLERANCE, err_msg=tensor)
 
 
 @contextlib.contextmanager

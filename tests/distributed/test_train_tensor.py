@@ -3,7 +3,8 @@ member's program and taking every batch whole, train as the same config does on 
 (which ignores the section); their checkpoints (each member's slices in a file of its own,
 joined on loading) resume on one process, and one process's on two; four processes are two
 data-parallel replicas of a group of two, each taking half of every batch, and train alike;
-so do four as the two pipeline stages of tensor groups of two; refusals name the key."""
+so do four as the two pipeline stages of tensor groups of two, and eight as two replicas of
+that pipeline; refusals name the key."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from graphforge.passes.tensor_parallel import with_tensor_parallel
 
 import graphforge.train
 from graphforge.pass_manager import parse_pipeline
+from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointState
 from graphforge.train.config import ConfigError, load_config
 from graphforge.train.loop import _tensor_stages, prepare
@@ -139,10 +141,31 @@ def test_tensor_groups_as_pipeline_stages_train_as_one_process(folder):
     ]
 
 
-def test_data_parallel_pipelines_of_tensor_groups_are_refused_by_key(folder):
-    """T × S × D is not run by graphforge train yet: 8 processes for T = 2, S = 2 are refused,
-    naming the process count it runs on."""
-    cfg = load_config(config(folder, "staged-dp.toml", model={"pipeline": STAGED}, data={"batch_size": 4}))
-    program = graphforge.compile(cfg.model.path, with_tensor_parallel(parse_pipeline(STAGED), TensorParallel())).model
-    with pytest.raises(ConfigError, match=r"with 2 pipeline stages runs on 4 processes .* but 8 were started"):
-        _tensor_stages(cfg, program, SimpleNamespace(size=8, rank=0))
+def test_data_parallel_pipelines_of_tensor_groups_train_as_one_process_with_the_doubled_batch(folder):
+    """T × S × D = 2 × 2 × 2 on 8 processes (ranks ordered data, pipeline, tensor): two
+    replicas of the T × S pipeline, each taking every other sample of each micro-batch, each
+    stage averaging its accumulated gradients with its replica's before its tensor group's
+    update; the checkpoint is the first pipeline's pieces. Equal to one process running the
+    pipeline program on the doubled batch; a process count that is no multiple of T × S is
+    refused, naming the count it runs on."""
+    cfg = config(folder, "staged-dp.toml", model={"pipeline": STAGED}, data={"batch_size": 4})
+    eight = runs.launch(folder, cfg, folder / "staged-dp", "--steps", str(STEPS), ranks=8)
+    assert "the 2 stages of a pipeline × 2 data-parallel replicas of it" in eight.stdout
+    doubled = config(folder, "staged-dp-one.toml", model={"pipeline": STAGED}, data={"batch_size": 8})
+    one = graphforge.train.run(doubled, steps=STEPS, out=folder / "staged-dp-one", quiet=True)
+    got, want = (CheckpointState.load(p) for p in (runs.checkpoint_path(folder / "staged-dp", STEPS), one.checkpoint))
+    assert got.step == want.step and sorted(got.tensors) == sorted(want.tensors)
+    # (a replica's gradient accumulators hold its own samples' sums: the average is taken at the update)
+    scratch = {
+        c.input for c in ProgramRoles.read(folder / "staged-dp-one" / "program.onnx").carried_with_role("accumulator")
+    }
+    assert scratch
+    for name, value in want.tensors.items():  # norm-wise: AdamW amplifies the averaging's rounding
+        if name not in scratch:
+            assert np.linalg.norm(got.tensors[name] - value) <= 1e-5 * max(np.linalg.norm(value), 1e-12), name
+    loaded = load_config(cfg)
+    program = graphforge.compile(
+        loaded.model.path, with_tensor_parallel(parse_pipeline(STAGED), TensorParallel())
+    ).model
+    with pytest.raises(ConfigError, match=r"runs on a multiple of 4 processes .* but 6 were started"):
+        _tensor_stages(loaded, program, SimpleNamespace(size=6, rank=0))
