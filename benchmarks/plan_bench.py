@@ -159,16 +159,18 @@ def report(measured: dict) -> str:
             f"- Largest error {worst:.0%} (goal within {ERROR_GOAL:.0%}: {'met' if worst <= ERROR_GOAL else 'not met'})."
         )
     from graphforge.analysis.plan import CPU_RUN_OVERHEAD, GLOO_BANDWIDTH, GLOO_LATENCY
-    from graphforge.train.planning import CPU_FLOPS_PER_CORE
+    from graphforge.train.planning import CPU_FLOPS_PER_CORE, CPU_MEMORY_BANDWIDTH
 
     lines += [
         "",
         "Reading it: the planner compiles each split's program and reads its FLOPs, its collectives' bytes "
-        f"and its memory; its rates are this machine's (a sustained {CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s a "
-        f"core for onnxruntime on training programs, gloo's all-reduce on loopback at {GLOO_BANDWIDTH / 1e9:g} "
+        f"and its memory; its rates are this machine's ({CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s a core in "
+        f"onnxruntime's matrix products and {CPU_MEMORY_BANDWIDTH / 1e9:g} GB/s of memory shared by the processes, "
+        f"each node of a program taking the longer of its FLOPs and its bytes, gloo's all-reduce on loopback at "
+        f"{GLOO_BANDWIDTH / 1e9:g} "
         f"GB/s and {GLOO_LATENCY * 1e3:g} ms a collective for 2 processes, stretched by the turns more "
-        f"processes than cores take, {CPU_RUN_OVERHEAD * 1e3:.2f} ms an onnxruntime run), calibrated on the "
-        "one-process GPT-2 step and a link measurement, not on the split runs it is compared with here. "
+        f"processes than cores take, {CPU_RUN_OVERHEAD * 1e3:.2f} ms an onnxruntime run), measured on single "
+        "kernels and a link, not on the split runs it is compared with here. "
         "Splits with stages are predicted but not measured here (GPT-2's tied embedding is refused by the "
         "pipeline pass).",
     ]

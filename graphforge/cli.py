@@ -611,6 +611,15 @@ def plan_command(
             "among the processes, at a rate measured here for onnxruntime on the CPU).",
         ),
     ] = None,
+    memory_bandwidth: Annotated[
+        float | None,
+        typer.Option(
+            "--memory-bandwidth",
+            min=1,
+            help="Bytes/s a process's kernels stream through its memory (default: this machine's, shared among "
+            "the processes, as measured here for onnxruntime's elementwise kernels).",
+        ),
+    ] = None,
     bandwidth: Annotated[
         float | None,
         typer.Option("--bandwidth", min=1, help="Bytes/s a process moves on a link (default: gloo on loopback here)."),
@@ -653,8 +662,9 @@ def plan_command(
     for CONFIG (compiling each split's program, running nothing), show the best, and write the
     config with the fastest one that fits (-o) for graphforge train under torchrun."""
     hardware = default_hardware(
-        processes, _parse_bytes(memory), flops=flops, bandwidth=bandwidth, latency=latency, overhead=overhead
-    )
+        processes, _parse_bytes(memory), flops=flops, memory_bandwidth=memory_bandwidth, bandwidth=bandwidth,
+        latency=latency, overhead=overhead,
+    )  # fmt: skip
     if node_processes:
         hardware = dataclasses.replace(
             hardware, node_processes=node_processes, node_bandwidth=node_bandwidth, node_latency=node_latency

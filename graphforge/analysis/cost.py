@@ -3,7 +3,8 @@
 A cost model for balancing pipeline stages, not a timing model: MatMul, Gemm and Conv
 count 2 × multiply-adds (they dominate training steps); every other op counts one
 operation per element of its largest input or output (elementwise work, reductions, data
-movement). :func:`model_flops` binds the inputs' symbolic dims (``dims``, e.g.
+movement). :func:`model_costs` gives each node's bytes moved beside (its inputs and outputs;
+none for a view), for a timing that knows an elementwise update is bound by memory. :func:`model_flops` binds the inputs' symbolic dims (``dims``, e.g.
 ``{"batch": 8, "seq": 64}``; the others as the program fixes them, graphforge.analysis.dims)
 and runs ONNX shape inference again, so dims computed inside the graph (batch × seq after a
 Reshape) are known too.
@@ -83,10 +84,27 @@ def node_flops(node: gs.Node, dims: Mapping[str, int] | None = None) -> int:
     return max(out, largest_input)
 
 
+#: ops whose kernels hand back a view of their input: no bytes move
+_VIEWS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size"})
+
+
+def node_bytes(node: gs.Node, dims: Mapping[str, int] | None = None) -> int:
+    """Bytes a node's kernel reads and writes: its inputs and outputs (0 for a view)."""
+    if node.op in _VIEWS:
+        return 0
+    return sum(tensor_bytes(t, dims) for t in [*node.inputs, *node.outputs] if not t.is_empty())
+
+
 def model_flops(model: Model, dims: Mapping[str, int] | None = None) -> dict[int, float]:
     """FLOPs of every node of ``model``'s graph (by node id), with the inputs' symbolic dims
     bound (``dims``, those the program fixes from them, else DEFAULT_DIM) and shapes inferred
     again from them."""
+    return {key: flops for key, (flops, _) in model_costs(model, dims).items()}
+
+
+def model_costs(model: Model, dims: Mapping[str, int] | None = None) -> dict[int, tuple[float, int]]:
+    """(FLOPs, bytes moved) of every node of ``model``'s graph (by node id), its dims bound
+    as ``model_flops`` binds them."""
     proto = model.to_proto(values=False)
     dims = completed(proto, dims or {})
     bind_inputs(proto, dims)
@@ -94,8 +112,8 @@ def model_flops(model: Model, dims: Mapping[str, int] | None = None) -> dict[int
     try:
         bound = infer_shapes(Model.from_proto(proto))
     except InvalidModelError:  # shapes as they were, symbolic dims as 1
-        return {id(n): float(node_flops(n, dims)) for n in model.graph.nodes}
+        return {id(n): (float(node_flops(n, dims)), node_bytes(n, dims)) for n in model.graph.nodes}
     return {
-        id(original): float(node_flops(node, dims))
+        id(original): (float(node_flops(node, dims)), node_bytes(node, dims))
         for original, node in zip(model.graph.nodes, bound.graph.nodes, strict=True)
     }

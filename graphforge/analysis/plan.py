@@ -2,11 +2,14 @@
 fastest within a memory per process, predicted from the programs graphforge would run. It
 compiles (never runs) each candidate's program and reads its costs:
 
-- compute: the FLOPs of one process's program at its batch (graphforge.analysis.cost) at a
-  sustained rate (``Hardware.flops``), and ``Hardware.overhead`` for each onnxruntime run
+- compute: each node of one process's program at its batch (graphforge.analysis.cost) the
+  longer of its FLOPs at a sustained rate (``Hardware.flops``) and its bytes moved at the
+  memory's (``Hardware.memory_bandwidth``, where given: a roofline, so that the optimizer's
+  elementwise update over every parameter weighs what it moves), and ``Hardware.overhead`` for each onnxruntime run
   of its step (the update, each part a tensor-parallel member's run is cut into, each
   data-parallel bucket's segment, each stage's forward and backward); with pipeline stages, each stage's forward and
-  backward per micro-batch (the pipeline pass's cost report) through the schedule simulator
+  backward per micro-batch (the pipeline pass's FLOPs report, stretched by the program's
+  roofline over its FLOPs alone) through the schedule simulator
   (graphforge.distributed.simulate), whose makespan holds the bubble;
 - communication, at a link's ``bandwidth`` and per-message ``latency`` (the node's own link
   for a group one node holds, ``Hardware.link``): a tensor-parallel
@@ -24,8 +27,7 @@ program's copies of the forward add to the FLOPs, and the activations it no long
 leave the memory model's peak.
 
 Nothing overlaps in the prediction (gloo on the CPU does not overlap much: the collectives
-and the kernels share the cores); splits graphforge cannot run yet (tensor groups with
-pipeline stages) are not candidates. The global batch is the
+and the kernels share the cores). The global batch is the
 config's; a split with D replicas gives each replica 1/D of it.
 """
 
@@ -40,7 +42,7 @@ import numpy as np
 import onnx
 
 from graphforge import roles
-from graphforge.analysis.cost import model_flops, tensor_bytes
+from graphforge.analysis.cost import model_costs, tensor_bytes
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate
 from graphforge.errors import GraphforgeError
@@ -82,6 +84,8 @@ class Hardware:
     #: seconds each onnxruntime run of a step costs besides its kernels (binding, launching,
     #: the Python around it): what small models' steps are made of
     overhead: float = CPU_RUN_OVERHEAD
+    #: bytes/s a process's kernels stream through memory (None: FLOPs alone time a node)
+    memory_bandwidth: float | None = None
     #: processes per node (0: all on one), whose collectives among themselves take the node's
     #: own link at ``node_bandwidth`` and ``node_latency`` (NVLink beside InfiniBand, say)
     node_processes: int = 0
@@ -160,8 +164,7 @@ def splits(processes: int, batch: int) -> list[Split]:
     for tensor in _divisors(processes):
         for stages in _divisors(processes // tensor):
             data = processes // (tensor * stages)
-            # (tensor groups as stages run alone: graphforge train has no data-parallel pipelines of them)
-            if (tensor > 1 and stages > 1 and data > 1) or batch % data:
+            if batch % data:
                 continue
             per_replica = batch // data
             if stages == 1:
@@ -292,6 +295,10 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
         raise GraphforgeError(f"{split}: LAMB does not run tensor-parallel yet (its trust ratio takes whole norms)")
     model = programs.measured(program, "model", {}, measure=lambda: Model.from_proto(program))
     rate = hardware.flops
+    costs_of = lambda: list(model_costs(model, run_dims).values())  # noqa: E731
+    pairs = programs.measured(program, "costs", run_dims, measure=costs_of)
+    flops = sum(f for f, _ in pairs)
+    seconds = _seconds(pairs, hardware)
     # the mesh's ranks are ordered data, pipeline, tensor: a tensor group is T consecutive
     # ranks, a pipeline T × S, the data-parallel replicas all of them
     tensor_link = hardware.link(split.tensor)
@@ -305,16 +312,17 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     if split.stages > 1:
         role = program_roles.pipeline
         costs = role.costs
+        stretch = seconds / (flops / rate) if flops else 1.0  # (what memory adds, spread evenly)
         # a backward is about twice its forward
-        forward = [f / 3 / rate + hardware.overhead for f in costs["flops"]]
-        backward = [2 * f / 3 / rate + hardware.overhead for f in costs["flops"]]
+        forward = [stretch * f / 3 / rate + hardware.overhead for f in costs["flops"]]
+        backward = [stretch * 2 * f / 3 / rate + hardware.overhead for f in costs["flops"]]
         tensors = model.graph.tensors()
         sends = max((tensor_bytes(tensors[c], run_dims) for c in role.cuts if c in tensors), default=0)
         bandwidth, latency = pipeline_link
         comm = latency + sends / bandwidth  # a stage's activations out, its gradients back
         schedule = make_schedule(role.schedule, split.stages, split.microbatches)
         simulation = simulate(schedule, Costs(forward, backward, comm))
-        compute = simulation.makespan + max(costs["update_flops"]) / rate + hardware.overhead
+        compute = simulation.makespan + stretch * max(costs["update_flops"]) / rate + hardware.overhead
         bubble = simulation.bubble
         stage = max(range(split.stages), key=lambda k: costs["parameter_bytes"][k] + costs["state_bytes"][k])
         memory = (
@@ -324,12 +332,9 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
         )
         gradient_bytes = costs["parameter_bytes"][stage]
     else:
-        flops = programs.measured(
-            program, "flops", run_dims, measure=lambda: sum(model_flops(model, run_dims).values())
-        )
         runs = 2 + (math.ceil(parameter_bytes / BUCKET_BYTES) if split.data > 1 else 0)
         runs += sum(_is_reduce(n) for n in model.graph.nodes)
-        compute = flops / rate + runs * hardware.overhead
+        compute = seconds + runs * hardware.overhead
         in_place = split.data == 1
         memory = programs.measured(
             program,
@@ -359,6 +364,14 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
         bandwidth, latency = data_link
         data_s = buckets * latency + 2 * (split.data - 1) / split.data * gradient_bytes / bandwidth
     return Prediction(split, compute, tensor_s, data_s, bubble, int(memory), memory <= hardware.memory)
+
+
+def _seconds(pairs, hardware: Hardware) -> float:
+    """The nodes' time, each the longer of its FLOPs at the rate and its bytes at the memory's."""
+    bandwidth = hardware.memory_bandwidth
+    if not bandwidth:
+        return sum(f for f, _ in pairs) / hardware.flops
+    return sum(max(f / hardware.flops, b / bandwidth) for f, b in pairs)
 
 
 def _is_reduce(node) -> bool:

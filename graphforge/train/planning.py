@@ -36,11 +36,15 @@ from graphforge.pass_manager import parse_pipeline
 from graphforge.tempfiles import write_atomically
 from graphforge.train.config import Config, ConfigError, load_config
 
-#: sustained FLOP/s of one onnxruntime CPU thread on training programs: GPT-2 2×256's step
-#: (45.2 GFLOP at batch 8 × 64, the output projection's 13.2 GFLOP three times) takes 422 to
-#: 459 ms in one process on the 2 cores of the EPYC VM the benchmarks run on
-#: (docs/benchmarks.md, "Tensor-parallel training" and "Planning splits")
-CPU_FLOPS_PER_CORE = 4.9e10
+#: FLOP/s of one onnxruntime CPU thread in a matrix product, and bytes/s the machine's memory
+#: streams through an elementwise kernel, shared by all its processes: measured on the 2-core
+#: EPYC VM the benchmarks run on (a MatMul of [512, 256] × [256, 8192]: 80 GFLOP/s on one
+#: thread, 162 on two; a Mul of 8M floats: 24 GB/s on one thread, 25 to 31 on two). Each node
+#: of a program takes the longer of the two (graphforge.analysis.plan), the kernels' figures
+#: and not the steps': GPT-2 2×256's step (45.2 GFLOP, 5.7 GB moved) is then predicted within
+#: 10% of the 460 to 510 ms it takes in one process (docs/benchmarks.md, "Planning splits")
+CPU_FLOPS_PER_CORE = 8.0e10
+CPU_MEMORY_BANDWIDTH = 2.7e10
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,15 @@ class ConfigPlan:
 def default_hardware(processes: int, memory: int, **given: float | None) -> Hardware:
     """This machine as N processes share it: each its share of the cores (graphforge train
     gives each process cores / N threads; more processes than cores take turns) at
-    CPU_FLOPS_PER_CORE each, and gloo on loopback, whose bandwidth and latency the turns
-    stretch as they stretch the compute (4 processes on 2 cores: 0.55 GB/s measured, where
-    2 have 1.0). ``given``: flops, bandwidth, latency, overhead that replace the defaults."""
+    CPU_FLOPS_PER_CORE each, the memory's CPU_MEMORY_BANDWIDTH shared among them, and gloo on
+    loopback, whose bandwidth and latency the turns stretch as they stretch the compute (4
+    processes on 2 cores: 0.55 GB/s measured, where 2 have 1.0). ``given``: flops,
+    memory_bandwidth, bandwidth, latency, overhead that replace the defaults."""
     cores = os.cpu_count() or 1
     turns = max(1.0, processes / cores)
     defaults = {
         "flops": CPU_FLOPS_PER_CORE * cores / processes,
+        "memory_bandwidth": CPU_MEMORY_BANDWIDTH / processes,
         "bandwidth": GLOO_BANDWIDTH / turns,
         "latency": GLOO_LATENCY * turns,
         "overhead": CPU_RUN_OVERHEAD,

@@ -35,10 +35,9 @@ def test_the_splits_are_those_graphforge_runs_with_a_batch_each_replica_divides(
     got = set(splits(4, 8))
     assert {Split(4, zero=z) for z in (0, 1, 2)} <= got
     assert {Split(2, 2), Split(1, 4), Split(2, 1, 2, 2), Split(2, 1, 2, 4), Split(1, 1, 4, 4), Split(1, 1, 4, 8)} <= got
-    # tensor groups as a pipeline's stages, but no data-parallel pipelines of them (not runnable yet)
-    assert {Split(1, 2, 2, 2), Split(1, 2, 2, 4)} <= got and not any(
-        s.tensor > 1 < s.stages and s.data > 1 for s in got
-    )
+    # tensor groups as a pipeline's stages, and data-parallel replicas of such pipelines
+    assert {Split(1, 2, 2, 2), Split(1, 2, 2, 4)} <= got
+    assert {Split(2, 2, 2, 2), Split(2, 2, 2, 4)} <= set(splits(8, 16))
     assert {Split(2, 2, zero=z) for z in (1, 2)} <= got  # ZeRO over a mesh's replicas
     assert Split(2, 2, recompute=0.0) in got and not any(s.stages > 1 and s.recompute < 1 for s in got)
     assert all(s.processes == 4 and 8 % (s.data * s.microbatches) == 0 for s in got)
@@ -69,6 +68,28 @@ def test_the_predictions_follow_the_programs():
     lamb = {c.split: c for c in plan(model, parse_pipeline(PIPELINE.replace("adamw", "lamb")), 64, {}, 2, hardware)}
     assert lamb[Split(1, 2)].prediction is None and "LAMB does not run tensor-parallel" in lamb[Split(1, 2)].reason
     assert lamb[Split(2)].prediction is not None
+
+
+def test_a_memory_bandwidth_weighs_the_bytes_each_node_moves():
+    """With Hardware.memory_bandwidth each node takes the longer of its FLOPs and its bytes
+    (a roofline): at a memory far slower than the FLOPs, a data-parallel replica, which runs
+    the elementwise update over every parameter, computes for more than half of what one
+    process does, and more than a tensor-parallel member, which updates half of the
+    parameters (and takes the whole batch); at a memory far faster, the FLOPs alone."""
+    model = onnx.load(DIGITS / "model.onnx")
+    flops_only = Hardware(flops=1e15, memory=2**30, overhead=0.0)
+
+    def compute(hardware, processes, split):
+        return {c.split: c.prediction for c in plan(model, parse_pipeline(PIPELINE), 64, {}, processes, hardware)}[
+            split
+        ].compute_s
+
+    slow = dataclasses.replace(flops_only, memory_bandwidth=1e6)
+    one, replica, member = compute(slow, 1, Split(1)), compute(slow, 2, Split(2)), compute(slow, 2, Split(1, 2))
+    assert one > 100 * compute(flops_only, 1, Split(1))
+    assert replica > 0.6 * one and replica > member
+    fast = dataclasses.replace(flops_only, memory_bandwidth=1e30)
+    assert compute(fast, 1, Split(1)) == pytest.approx(compute(flops_only, 1, Split(1)))
 
 
 def test_recomputation_trades_compute_for_memory(transformer_path):
