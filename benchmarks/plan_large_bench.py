@@ -30,9 +30,11 @@ PIPELINE = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=3e-4, we
 #: H100 SXM 80 GB (assumed, not measured): TF32's 495 TFLOP/s dense peak at 40% sustained;
 #: NVLink 4 within a node of 8 at an all-reduce bus bandwidth of 360 GB/s and 10 µs a
 #: message; InfiniBand NDR between nodes, 400 Gb/s a GPU, at 40 GB/s and 20 µs; 50 µs of
-#: launch overhead a run (captured CUDA graphs)
+#: launch overhead a run (captured CUDA graphs); HBM3's 3.35 TB/s at 80% for the kernels
+#: that stream memory (the elementwise update, the norms, the softmax)
 HARDWARE = {
     "flops": 0.4 * 495e12,
+    "memory_bandwidth": 0.8 * 3.35e12,
     "memory": 80 * 10**9,
     "bandwidth": 40e9,
     "latency": 20e-6,
@@ -270,7 +272,8 @@ def _report(models: list, sections: list[str]) -> str:
             "for shapes and costs (`benchmarks/plan_large_bench.py`).",
             f"Hardware (stated, not measured): H100 SXM, {h['memory'] / 1e9:.0f} GB each, {h['node_processes']} "
             f"to a node; {h['flops'] / 1e12:.0f} TFLOP/s sustained (40% of TF32's dense peak: the programs are "
-            f"float32); NVLink {h['node_bandwidth'] / 1e9:.0f} GB/s and {h['node_latency'] * 1e6:.0f} µs within a "
+            f"float32), each node the longer of its FLOPs and its bytes at {h['memory_bandwidth'] / 1e12:.1f} TB/s "
+            f"(80% of HBM3's); NVLink {h['node_bandwidth'] / 1e9:.0f} GB/s and {h['node_latency'] * 1e6:.0f} µs within a "
             f"node, InfiniBand {h['bandwidth'] / 1e9:.0f} GB/s and {h['latency'] * 1e6:.0f} µs between nodes; "
             f"{h['overhead'] * 1e6:.0f} µs a run. Tensor groups stay within a node. AdamW; a round is one "
             "forward and backward of the global batch (a step may accumulate several).",

@@ -24,7 +24,10 @@ compiles (never runs) each candidate's program and reads its costs:
 
 A split without stages is also weighed with ``recompute(budget=0)`` after its optimizer: its
 program's copies of the forward add to the FLOPs, and the activations it no longer keeps
-leave the memory model's peak.
+leave the memory model's peak. And accumulating M = 2 or 4 batches a step (the optimizer
+accumulating, train.accumulate = M): M forward/backward runs at a 1/M of the replica's
+batch, whose peak is the memory model's at that batch (the accumulators held besides),
+then the update once.
 
 Nothing overlaps in the prediction (gloo on the CPU does not overlap much: the collectives
 and the kernels share the cores). The global batch is the
@@ -52,6 +55,7 @@ from graphforge.pass_manager import PassManager
 from graphforge.passes import PipelinePartition, Recompute, TensorParallel
 from graphforge.passes.tensor_parallel import with_tensor_parallel
 from graphforge.payloads import weights_left_out
+from graphforge.placement.stages import UPDATE, phases
 from graphforge.program import ProgramRoles
 from graphforge.runtime.step_memory import step_memory
 
@@ -70,6 +74,8 @@ BUCKET_BYTES = 25 * 2**20
 MICROBATCH_FACTORS = (1, 2, 4)
 #: recompute budgets tried for splits without stages (1.0: none; 0: the least memory)
 RECOMPUTE_BUDGETS = (1.0, 0.0)
+#: batches a step accumulates, tried for splits without stages (each a 1/M of the replica's)
+ACCUMULATION_FACTORS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,9 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Split:
-    """``data`` replicas × ``tensor`` members × ``stages``, ``microbatches`` per step where
-    staged, ZeRO stage ``zero`` over the replicas."""
+    """``data`` replicas × ``tensor`` members × ``stages``, ``microbatches`` per step (a
+    pipeline's, or without stages the batches a step accumulates, train.accumulate), ZeRO
+    stage ``zero`` over the replicas."""
 
     data: int
     tensor: int = 1
@@ -121,7 +128,7 @@ class Split:
 
     def __str__(self) -> str:
         text = f"D={self.data} T={self.tensor} S={self.stages}"
-        if self.stages > 1:
+        if self.stages > 1 or self.microbatches > 1:
             text += f" M={self.microbatches}"
         if self.zero:
             text += f" ZeRO-{self.zero}"
@@ -170,6 +177,9 @@ def splits(processes: int, batch: int) -> list[Split]:
             if stages == 1:
                 zeros = (0, 1, 2) if data > 1 else (0,)
                 out += [Split(data, tensor, 1, 1, z, r) for r in RECOMPUTE_BUDGETS for z in zeros]
+                # accumulation: the other way to hold fewer activations (not with recompute as well)
+                accumulated = [m for m in ACCUMULATION_FACTORS if m > 1 and per_replica % m == 0]
+                out += [Split(data, tensor, 1, m, z) for m in accumulated for z in zeros]
                 continue
             for factor in MICROBATCH_FACTORS:
                 micro = stages * factor
@@ -212,14 +222,16 @@ def plan(
 
 def planned_passes(passes: Sequence[Pass], split: Split, dims: Mapping[str, int] | None = None) -> list[Pass]:
     """The training pipeline for ``split``: with a recompute budget, ``recompute(budget)``
-    after the optimizer (activations weighed at ``dims``); with stages, the optimizer
-    accumulating (the pipeline pass needs it) and ``pipeline(stages, microbatches)`` after it."""
+    after the optimizer (activations weighed at ``dims``); with micro-batches, the optimizer
+    accumulating (train.accumulate's, and the pipeline pass's), and with stages
+    ``pipeline(stages, microbatches)`` after it."""
     out = list(passes)
     if split.recompute < 1 and not any(isinstance(p, Recompute) for p in out):
         weighed = tuple(f"{k}={v}" for k, v in sorted((dims or {}).items()))
         out.append(Recompute(budget=split.recompute, dims=weighed))
-    if split.stages > 1:
+    if split.stages > 1 or split.microbatches > 1:
         out = [dataclasses.replace(p, accumulate=True) if hasattr(p, "accumulate") else p for p in out]
+    if split.stages > 1:
         out.append(PipelinePartition(stages=split.stages, microbatches=split.microbatches))
     return out
 
@@ -246,7 +258,9 @@ class _Programs:
         return self._measured[key]
 
     def get(self, split: Split, dims: Mapping[str, int]) -> onnx.ModelProto:
-        key = (split.tensor, split.stages, split.microbatches if split.stages > 1 else 1, split.recompute)
+        # (without stages, every accumulation count runs one program: accumulating)
+        key = (split.tensor, split.stages, split.microbatches if split.stages > 1 else split.microbatches > 1)
+        key += (split.recompute,)
         if split.recompute < 1:
             key += (tuple(sorted(dims.items())),)  # the activations it keeps depend on the batch
         made = self._made.get(key)
@@ -288,17 +302,17 @@ class _Programs:
 def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Prediction:
     per_replica = batch // split.data
     micro = per_replica // split.microbatches
-    run_dims = {**dims, **dict.fromkeys(batch_dims, micro if split.stages > 1 else per_replica)}
+    run_dims = {**dims, **dict.fromkeys(batch_dims, micro)}
     program = programs.get(split, run_dims)
     program_roles = ProgramRoles.of_proto(program)
     if split.tensor > 1 and program_roles.optimizer == "lamb":
         raise GraphforgeError(f"{split}: LAMB does not run tensor-parallel yet (its trust ratio takes whole norms)")
     model = programs.measured(program, "model", {}, measure=lambda: Model.from_proto(program))
     rate = hardware.flops
-    costs_of = lambda: list(model_costs(model, run_dims).values())  # noqa: E731
-    pairs = programs.measured(program, "costs", run_dims, measure=costs_of)
-    flops = sum(f for f, _ in pairs)
-    seconds = _seconds(pairs, hardware)
+    costs_of = lambda: model_costs(model, run_dims)  # noqa: E731
+    by_node = programs.measured(program, "costs", run_dims, measure=costs_of)
+    flops = sum(f for f, _ in by_node.values())
+    seconds = _seconds(by_node.values(), hardware)
     # the mesh's ranks are ordered data, pipeline, tensor: a tensor group is T consecutive
     # ranks, a pipeline T × S, the data-parallel replicas all of them
     tensor_link = hardware.link(split.tensor)
@@ -332,9 +346,16 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
         )
         gradient_bytes = costs["parameter_bytes"][stage]
     else:
-        runs = 2 + (math.ceil(parameter_bytes / BUCKET_BYTES) if split.data > 1 else 0)
-        runs += sum(_is_reduce(n) for n in model.graph.nodes)
-        compute = seconds + runs * hardware.overhead
+        # a forward/backward run (cut after each tensor sum) per micro-batch, at a 1/M of the
+        # replica's batch; then the update, and each data-parallel bucket's segment
+        update = 0.0
+        if split.microbatches > 1:
+            phase = programs.measured(program, "phases", {}, measure=lambda: phases(model))
+            update = _seconds([c for i, c in by_node.items() if phase.get(i) == UPDATE], hardware)
+        backward_runs = 1 + sum(_is_reduce(n) for n in model.graph.nodes)
+        other_runs = 1 + (math.ceil(parameter_bytes / BUCKET_BYTES) if split.data > 1 else 0)
+        compute = split.microbatches * (seconds - update + backward_runs * hardware.overhead)
+        compute += update + other_runs * hardware.overhead
         in_place = split.data == 1
         memory = programs.measured(
             program,
@@ -357,7 +378,7 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
                 size = tensor_bytes(tensors[node.outputs[0].name], run_dims)
                 tensor_s += latency + 2 * (split.tensor - 1) / split.tensor * size / bandwidth
         # a member sums its stage's share (about 1/S of the program's) once per micro-batch
-        tensor_s *= split.microbatches / split.stages if split.stages > 1 else 1
+        tensor_s *= split.microbatches / split.stages
     data_s = 0.0
     if split.data > 1:
         buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))

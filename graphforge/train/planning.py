@@ -1,10 +1,12 @@
 """``graphforge plan``: a train config's splits over N processes, predicted
 (graphforge.analysis.plan), and the config written back with the one picked.
 
-The config's ``data.batch_size`` is taken as the global batch: the batch one process of it
-trains on. A split of D data-parallel replicas gives each 1/D of it, which is what the
-written config's ``data.batch_size`` says (graphforge train's batch is a replica's), so every
-split trains on the same global batch. The sizes of the other symbolic dims (a sequence) come
+The config's step is taken as the global batch: ``data.batch_size`` × ``train.accumulate``,
+what one process of it trains on in a step. A split of D data-parallel replicas gives each 1/D
+of it, cut into the M micro-batches the split's step runs (a pipeline's, or batches it
+accumulates): the written config's ``data.batch_size`` is one of those (graphforge train's
+batch is a replica's micro-batch) and its ``train.accumulate`` M where there are no stages, so
+every split trains on the same global batch a step. The sizes of the other symbolic dims (a sequence) come
 from the first batch of ``data.train`` (an .npz file or a folder of .npy files), or ``dims``.
 """
 
@@ -99,7 +101,7 @@ def plan_config(path: str | Path, processes: int, hardware: Hardware, dims: Mapp
             )
     model = load(config.model.path, load_external_data=False)  # (the planner reads shapes: no weight is read)
     passes = parse_pipeline(config.model.pipeline)
-    batch = int(config.data.batch_size)
+    batch = int(config.data.batch_size) * config.train.accumulate
     found = dict(dims or {}) or _dims_from_data(config, model, batch)
     candidates = plan(model, passes, batch, found, processes, hardware)
     return ConfigPlan(config, candidates, batch, found, processes, hardware, frozenset(batch_dims_of(model)))
@@ -112,11 +114,20 @@ def write_planned(planned: ConfigPlan, split: Split, target: Path, note: str) ->
     document = tomlkit.parse(Path(config.source).read_text())
     base = Path(config.source).parent
     model = document.setdefault("model", tomlkit.table())
-    replica = {**planned.dims, **dict.fromkeys(planned.batch_dims, planned.batch // split.data)}
+    # a process's batch: its replica's share, cut into the micro-batches a step runs
+    # (train.accumulate's without stages; the pipeline's, which sets train.accumulate itself)
+    micro = planned.batch // (split.data * split.microbatches)
+    replica = {**planned.dims, **dict.fromkeys(planned.batch_dims, micro)}
     passes = planned_passes(parse_pipeline(config.model.pipeline), split, replica)
     model["pipeline"] = ", ".join(p.spec() for p in passes)
     data = document.setdefault("data", tomlkit.table())
-    data["batch_size"] = planned.batch // split.data
+    data["batch_size"] = micro
+    train = document.get("train")
+    if split.stages == 1 and split.microbatches > 1:
+        train = document.setdefault("train", tomlkit.table())
+        train["accumulate"] = split.microbatches
+    elif train is not None and "accumulate" in train:
+        del train["accumulate"]
     distributed = document.setdefault("distributed", tomlkit.table())
     for key, value, default in (("tensor", split.tensor, 1), ("zero", split.zero, 0)):
         if value != default:

@@ -14,10 +14,11 @@ import onnx
 import pytest
 from _launch import REPO
 
+import graphforge.train
 from graphforge.analysis.plan import Hardware, Split, plan, splits
 from graphforge.pass_manager import parse_pipeline
 from graphforge.train.config import load_config
-from graphforge.train.planning import plan_config
+from graphforge.train.planning import plan_config, write_planned
 
 pytest.importorskip("torch")
 th = runs.th  # the training helpers (tests/train), which _train_runs puts on the path
@@ -40,6 +41,10 @@ def test_the_splits_are_those_graphforge_runs_with_a_batch_each_replica_divides(
     assert {Split(2, 2, 2, 2), Split(2, 2, 2, 4)} <= set(splits(8, 16))
     assert {Split(2, 2, zero=z) for z in (1, 2)} <= got  # ZeRO over a mesh's replicas
     assert Split(2, 2, recompute=0.0) in got and not any(s.stages > 1 and s.recompute < 1 for s in got)
+    # without stages, steps that accumulate 2 or 4 batches (not with recompute as well)
+    assert {Split(4, 1, 1, 2), Split(2, 2, 1, 4, zero=1), Split(1, 4, 1, 2)} <= got
+    assert not any(s.stages == 1 < s.microbatches and s.recompute < 1 for s in got)
+    assert Split(4, 1, 1, 4) not in got  # a replica's 2 samples do not make 4 micro-batches
     assert all(s.processes == 4 and 8 % (s.data * s.microbatches) == 0 for s in got)
     assert Split(4) not in splits(4, 6)  # 6 samples do not split into 4 replicas
 
@@ -102,6 +107,17 @@ def test_recomputation_trades_compute_for_memory(transformer_path):
     assert recomputed.memory < plain.memory and recomputed.compute_s > plain.compute_s
 
 
+def test_accumulation_trades_runs_for_memory(transformer_path):
+    """GPT-2 (1 layer), 64 sequences of 32 a step: accumulating 2 batches of 32 holds half of
+    the activations (the accumulators besides) for a run more per step, the same FLOPs."""
+    pipeline = parse_pipeline("loss(kind=mse, output=logits), autodiff, adamw(lr=1e-3)")
+    hardware = Hardware(flops=1e9, memory=2**30)  # (each run's overhead: the one thing accumulation adds)
+    done = {c.split: c.prediction for c in plan(onnx.load(transformer_path), pipeline, 64, {"seq": 32}, 1, hardware)}
+    plain, accumulated = done[Split(1)], done[Split(1, 1, 1, 2)]
+    assert accumulated.memory < plain.memory
+    assert accumulated.compute_s == pytest.approx(plain.compute_s + hardware.overhead, rel=0.01)
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return th.workspace(tmp_path_factory.mktemp("plan"), count=64, eval_count=20)
@@ -135,6 +151,24 @@ def test_the_config_it_writes_runs_under_torchrun(folder):
     assert (folder / "tensor.toml").read_text().startswith("# planned by graphforge plan for 2 processes: D=1 T=2")
     runs.launch(folder, folder / "tensor.toml", folder / "out", "--steps", "4")
     assert (folder / "out" / "checkpoints").is_dir()
+
+
+def test_a_planned_accumulation_is_written_as_train_accumulate_and_trains(folder):
+    """A split that accumulates M batches a step is written as data.batch_size = a 1/M of the
+    step's batch and train.accumulate = M (a config that accumulates already counts its
+    accumulation in the step's batch), and graphforge train runs it."""
+    cfg = runs.config(folder, "accumulating.toml", {"data": {"batch_size": 4}, "train": {"accumulate": 2}})
+    planned = plan_config(cfg, 1, Hardware(flops=1e9, memory=2**30))
+    assert planned.batch == 8 and Split(1, 1, 1, 4) in {c.split for c in planned.candidates}
+    write_planned(planned, Split(1, 1, 1, 4), folder / "accumulate4.toml", "planned: D=1 T=1 S=1 M=4")
+    written = load_config(folder / "accumulate4.toml")
+    assert (written.data.batch_size, written.train.accumulate) == (2, 4)
+    assert "accumulate=true" in written.model.pipeline
+    write_planned(planned, Split(1), folder / "whole.toml", "planned: D=1 T=1 S=1")
+    whole = load_config(folder / "whole.toml")
+    assert (whole.data.batch_size, whole.train.accumulate) == (8, 1)
+    result = graphforge.train.run(folder / "accumulate4.toml", steps=2, out=folder / "accumulated", quiet=True)
+    assert result.step == 2
 
 
 def test_a_model_whose_weights_are_not_here_plans_as_the_whole_one(folder):

@@ -259,10 +259,12 @@ def test_a_mesh_of_data_replicas_of_tensor_groups_equals_one_process(name, tenso
 @pytest.fixture(scope="module")
 def tensor_by_stages(workspace) -> Path:
     """8 processes: 2 data replicas of pipelines of 2 stages whose every stage is a tensor
-    group of 2 (T × S × D; graphforge train's tests run T × S alone)."""
+    group of 2 (T × S × D; graphforge train's tests run T × S alone), the Llama-style model
+    alone (rotary, grouped-query attention, its vocabulary split: the most the split does;
+    eight processes share this machine's cores, so one model)."""
     accumulating = "adamw(lr=1e-3, weight_decay=0.01, accumulate=true), pipeline(stages=2, microbatches=2)"
     pipeline = lambda name: f"{CASES[name][1]}, {accumulating}"  # noqa: E731
-    _run_spec(_spec(workspace, "2x2x2", ["llama", "bert"], pipeline, stages=2, data=2), 8)
+    _run_spec(_spec(workspace, "2x2x2", ["llama"], pipeline, stages=2, data=2), 8)
     return workspace
 
 
@@ -295,7 +297,7 @@ def _accumulating_reference(folder: Path, name: str, microbatches: int) -> tuple
 STAGED_TOLERANCE = 5e-5
 
 
-@pytest.mark.parametrize("name", ["llama", "bert"])
+@pytest.mark.parametrize("name", ["llama"])
 def test_data_replicas_of_pipelines_of_tensor_groups_equal_one_process(name, tensor_by_stages):
     """T × S × D = 2 × 2 × 2 (World.mesh(tensor=2, pipeline=2) over 8 processes: a pipeline's
     stages are the same member of two tensor groups, the replicas the same stage and member of
