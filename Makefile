@@ -31,12 +31,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Two test processes on a 2-core machine (at most 4: each distributed test starts several
-# processes of its own); a module's tests stay in one process, so its fixtures are made once.
+# processes of its own); a module's tests stay in one process, so its fixtures are made once,
+# taken in collection order (tests/conftest.py puts the longest modules first; xdist's own
+# reorder, by test count, put the few-test distributed modules last, to run alone at the end).
 # Bytecode is cached: the tests start a few hundred Python processes (CLI, torchrun ranks).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 	$(BIN)/graphforge golden check golden_models
 
 # Train a 64-64-10 MLP on the shipped 8×8 digits (examples/digits/train.toml), export the

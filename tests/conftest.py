@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: the modules that take longest (seconds of their tests, 2 workers on 2 cores, measured with
 #: ``pytest -n 2 --dist loadscope --durations=0`` and summed by module): make test's workers
-#: take whole modules in collection order, so these go first, longest first, and the last
-#: module a worker takes is a short one, not a 3-minute one that runs alone at the end
+#: take whole modules in collection order (--no-loadscope-reorder), so these go first,
+#: longest first, and the last module a worker takes is a short one, not a 3-minute one that
+#: runs alone at the end
 LONGEST = {
     "distributed/test_tensor_parallel_members.py": 217,
     "autodiff/test_backend_conformance.py": 145,
