@@ -22,6 +22,7 @@ from graphforge.analysis.dims import DEFAULT_DIM, bind_inputs, completed
 from graphforge.analysis.size import nbytes
 from graphforge.errors import InvalidModelError, PassError
 from graphforge.graph import Model
+from graphforge.ir import ALIASING_OPS
 from graphforge.shapes import infer_shapes
 
 
@@ -84,13 +85,13 @@ def node_flops(node: gs.Node, dims: Mapping[str, int] | None = None) -> int:
     return max(out, largest_input)
 
 
-#: ops whose kernels hand back a view of their input: no bytes move
-_VIEWS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size"})
+#: ops that move no bytes: views of their input, and the ones that read only its shape
+_NO_TRAFFIC = ALIASING_OPS | {"Shape", "Size"}
 
 
 def node_bytes(node: gs.Node, dims: Mapping[str, int] | None = None) -> int:
     """Bytes a node's kernel reads and writes: its inputs and outputs (0 for a view)."""
-    if node.op in _VIEWS:
+    if node.op in _NO_TRAFFIC:
         return 0
     return sum(tensor_bytes(t, dims) for t in [*node.inputs, *node.outputs] if not t.is_empty())
 

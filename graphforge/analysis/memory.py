@@ -36,7 +36,7 @@ from onnx.reference import ReferenceEvaluator
 from graphforge.analysis.dims import bind_inputs, completed
 from graphforge.analysis.size import nbytes
 from graphforge.errors import InvalidModelError
-from graphforge.ir import node_reads
+from graphforge.ir import ALIASING_OPS, node_reads
 from graphforge.payloads import copy_leaving_values_out, copy_without_initializers, is_stand_in
 from graphforge.program import CarriedSpec, ProgramRoles
 from graphforge.roles import node_origin
@@ -51,8 +51,6 @@ CATEGORIES = (
     "inputs",
     "constants",
 )
-#: ops whose onnxruntime kernels give the output the input's buffer (declared Alias(0, 0))
-ALIASING_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 #: ops whose kernels read and write each element at the same index, so that the runtime may
 #: bind the output to the buffer of an input of the same shape: each element is read before
 #: it is overwritten (whether onnxruntime itself reuses the buffer is MAY_IN_PLACE's question)

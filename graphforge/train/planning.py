@@ -43,8 +43,9 @@ from graphforge.train.config import Config, ConfigError, load_config
 #: EPYC VM the benchmarks run on (a MatMul of [512, 256] × [256, 8192]: 80 GFLOP/s on one
 #: thread, 162 on two; a Mul of 8M floats: 24 GB/s on one thread, 25 to 31 on two). Each node
 #: of a program takes the longer of the two (graphforge.analysis.plan), the kernels' figures
-#: and not the steps': GPT-2 2×256's step (45.2 GFLOP, 5.7 GB moved) is then predicted within
-#: 10% of the 460 to 510 ms it takes in one process (docs/benchmarks.md, "Planning splits")
+#: and not the steps' (timed once each with onnxruntime sessions of the single op, not a
+#: committed benchmark): GPT-2 2×256's step (45.2 GFLOP, 5.7 GB moved) is then predicted at
+#: 417 ms where one process measured 394 (docs/benchmarks.md, "Planning splits")
 CPU_FLOPS_PER_CORE = 8.0e10
 CPU_MEMORY_BANDWIDTH = 2.7e10
 
