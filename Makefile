@@ -35,10 +35,11 @@ install: $(STAMP)
 # taken in collection order (tests/conftest.py puts the longest modules first; xdist's own
 # reorder, by test count, put the few-test distributed modules last, to run alone at the end).
 # Bytecode is cached: the tests start a few hundred Python processes (CLI, torchrun ranks).
+# The 25 longest tests are listed at the end, for the next trim of the suite.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 	$(BIN)/graphforge golden check golden_models
 
 # Train a 64-64-10 MLP on the shipped 8×8 digits (examples/digits/train.toml), export the

@@ -180,8 +180,13 @@ def child(job: dict) -> dict:
         extra["state_mib"] = (memory.used() - memory.base) / MIB if memory else None
         if job.get("checkpoint"):  # torch.utils.checkpoint around each block, as transformers does it
             module.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # torch.compile's default mode (inductor; Triton kernels on CUDA), compiled in the warm-up
-        forward = torch.compile(module) if job.get("compile") else None
+        # torch.compile's default mode (inductor; Triton kernels on CUDA), compiled in the warm-up;
+        # a backend named instead (the CPU smoke test's "aot_eager": dynamo and AOT autograd
+        # without inductor's C++ build, which takes 20 s on 2 cores)
+        backend = job.get("compile")
+        forward = (
+            torch.compile(module, backend=backend if isinstance(backend, str) else "inductor") if backend else None
+        )
         step = tb.torch_adamw_step(module, device, forward=forward, autocast=job.get("autocast"))
 
         def finish():

@@ -242,7 +242,7 @@ def bench():
 #: thread pools, ~12 MiB); the model leaves out kernels' private workspaces (a Conv's packed
 #: or reordered layouts: a CNN's peak is predicted 10-25% low, see docs/benchmarks.md)
 MODELS = {
-    "mlp": ("mlp", "MLP 2048-4096-4096-4096-10", 256, {"sizes": [2048, 4096, 4096, 4096, 10]}),
+    "mlp": ("mlp", "MLP 1024-2048-2048-2048-10", 256, {"sizes": [1024, 2048, 2048, 2048, 10]}),
     "gpt2": ("gpt2", "GPT-2 2×256", 8, {"n_layer": 2, "n_embd": 256, "n_head": 4, "vocab_size": 50257, "seq": 64}),
     "gpt2_wide": (
         "gpt2",

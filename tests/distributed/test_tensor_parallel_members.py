@@ -144,14 +144,14 @@ def two_members(workspace) -> Path:
 
 @pytest.fixture(scope="module")
 def four_members(workspace) -> Path:
-    return _launch(workspace, 4, ["gpt2", "llama", "digits"])
+    return _launch(workspace, 4, ["gpt2", "llama"])
 
 
 @pytest.fixture(scope="module")
 def tensor_by_data(workspace) -> Path:
-    """4 processes: 2 data replicas of tensor groups of 2 (GPT-2 and digits also with ZeRO
-    stage 2 over the replicas)."""
-    plain = json.loads(_spec(workspace, "2x2", ["gpt2", "llama", "digits"], data=2).read_text())
+    """4 processes: 2 data replicas of tensor groups of 2 (also with ZeRO stage 2 over the
+    replicas). The Llama-style model's replicas of tensor groups run in tensor_by_stages' mesh."""
+    plain = json.loads(_spec(workspace, "2x2", ["gpt2", "digits"], data=2).read_text())
     sharded = json.loads(_spec(workspace, "2x2-zero2", ["gpt2", "digits"], data=2, zero=2).read_text())
     spec = workspace / "spec-2x2-both.json"  # one launch for both (each launch starts 4 processes)
     spec.write_text(json.dumps({**plain, "cases": plain["cases"] + sharded["cases"]}))
@@ -188,7 +188,6 @@ def _reference(folder: Path, name: str, size: int) -> tuple[Module, list[float],
         ("gpt2-recompute", 2),
         ("gpt2", 4),
         ("llama", 4),
-        ("digits", 4),
     ],
 )
 def test_t_members_equal_one_process_of_the_whole_program(name, size, request):
@@ -227,7 +226,7 @@ def test_t_members_equal_one_process_of_the_whole_program(name, size, request):
             assert shape == expected, parameter
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "digits", "gpt2-zero2", "digits-zero2"])
+@pytest.mark.parametrize("name", ["gpt2", "digits", "gpt2-zero2", "digits-zero2"])
 def test_a_mesh_of_data_replicas_of_tensor_groups_equals_one_process(name, tensor_by_data):
     """T × D = 2 × 2 (World.mesh: ranks ordered data, then tensor): each replica's tensor group
     splits the model, each replica takes half of every batch's rows, the gradients are
