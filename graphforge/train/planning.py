@@ -40,12 +40,11 @@ from graphforge.train.config import Config, ConfigError, load_config
 
 #: FLOP/s of one onnxruntime CPU thread in a matrix product, and bytes/s the machine's memory
 #: streams through an elementwise kernel, shared by all its processes: measured on the 2-core
-#: EPYC VM the benchmarks run on (a MatMul of [512, 256] × [256, 8192]: 80 GFLOP/s on one
-#: thread, 162 on two; a Mul of 8M floats: 24 GB/s on one thread, 25 to 31 on two). Each node
-#: of a program takes the longer of the two (graphforge.analysis.plan), the kernels' figures
-#: and not the steps' (timed once each with onnxruntime sessions of the single op, not a
-#: committed benchmark): GPT-2 2×256's step (45.2 GFLOP, 5.7 GB moved) is then predicted at
-#: 417 ms where one process measured 394 (docs/benchmarks.md, "Planning splits")
+#: EPYC VM the benchmarks run on by benchmarks/kernel_rates_bench.py (docs/benchmarks.md,
+#: "Kernel rates"). Each node of a program takes the longer of the two
+#: (graphforge.analysis.plan): the kernels' figures, not the steps', which mix both bounds.
+#: GPT-2 2×256's step (45.2 GFLOP, 5.7 GB moved) is then predicted at 417 ms where one process
+#: measured 394 (docs/benchmarks.md, "Planning splits")
 CPU_FLOPS_PER_CORE = 8.0e10
 CPU_MEMORY_BANDWIDTH = 2.7e10
 

@@ -38,12 +38,12 @@ docs/ops.md.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import sys
 import warnings
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,14 +116,49 @@ class Outcome:
         return self.status not in ("mismatch", "error")
 
 
-@functools.cache
-def cases() -> dict[str, object]:
-    """onnx's backend node test cases by name (collected once; onnx prints warnings making them)."""
-    from onnx.backend.test.case.node import collect_testcases
+_collected: tuple[frozenset[str], dict[str, object]] | None = None
 
-    with warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore")
-        return {case.name: case for case in collect_testcases(None)}
+
+def cases(without: Iterable[str] = ()) -> dict[str, object]:
+    """onnx's backend node test cases by name (collected once; onnx prints warnings making them).
+
+    ``without``: cases whose data is not made. onnx makes every case's expected outputs as it
+    imports its modules, with its reference evaluator: the 3-D pooling cases take seconds each,
+    paid again by every test process that collects them. Their modules are imported once, so
+    the first call decides; a later one cannot bring back a case the first left out."""
+    global _collected
+    without = frozenset(without)
+    if _collected is None:
+        from onnx.backend.test.case import base
+        from onnx.backend.test.case.node import collect_testcases
+
+        exporter = base._Exporter.__init__  # runs each export_* of a case class as it is made
+        unmade = {"export_" + name.removeprefix("test_") for name in without}
+
+        def made_without(cls, name, bases, namespace):
+            exporter(cls, name, bases, {k: v for k, v in namespace.items() if k not in unmade})
+
+        base._Exporter.__init__ = made_without
+        try:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                _collected = (without, {case.name: case for case in collect_testcases(None)})
+        finally:
+            base._Exporter.__init__ = exporter
+    left_out, collected = _collected
+    if not left_out <= without:
+        raise RuntimeError(f"the cases were collected without {sorted(left_out - without)}")
+    return {name: case for name, case in collected.items() if name not in without}
+
+
+def _collected_cases() -> dict[str, object]:
+    """The cases collected so far (every case, where none were yet)."""
+    return _collected[1] if _collected is not None else cases()
+
+
+def _case_named(name: str):
+    """The collected case ``name`` (KeyError where there is none, or the collection left it out)."""
+    return _collected_cases()[name]
 
 
 def op_label(node: onnx.NodeProto) -> str:
@@ -344,7 +379,7 @@ def _close(value: np.ndarray, expected: np.ndarray) -> bool:
 
 def check_case(name: str, *, coordinates: int = COORDINATES) -> Outcome:
     """Run one backend case through autodiff and the oracle; never raises."""
-    case = cases()[name]
+    case = _case_named(name)
     ops = case_ops(case.model)
     outcome = Outcome(name, ops, "error")
     try:
@@ -579,7 +614,7 @@ def op_of(name: str) -> str:
     """The op type a case checks: its one node's, or for ``*_expanded`` (the function body
     inlined) the unexpanded case's; the ops of a case of several nodes joined by "+" (the
     nodes of the main graph: If, Loop and Scan stand for their bodies)."""
-    base = cases().get(name.split("_expanded")[0], cases()[name])  # also *_expanded_ver18
+    base = _collected_cases().get(name.split("_expanded")[0]) or _case_named(name)  # also *_expanded_ver18
     return "+".join(sorted({op_label(n) for n in base.model.graph.node}))  # not its bodies' ops
 
 

@@ -20,14 +20,15 @@ SAME_VERSIONS = (RECORDED["onnx"], RECORDED["onnxruntime"]) == (onnx.__version__
 
 
 #: the cases whose oracle is onnx's reference evaluator over a [1, 3, 32, 32, 32] input, a
-#: few Python-looped runs of 2.5 s each: 20 s a case, a fortieth of the suite for two cases.
+#: few Python-looped runs of 2.5 s each: 20 s a case, a fortieth of the suite for two cases
+#: (and 10 s more for every test process that collects them, where onnx makes their data).
 #: ``make conformance`` checks them with every other case; here their recorded outcome is
 #: held to (test_the_slowest_cases_stay_recorded_as_matched), and the other 3-D pooling
 #: cases (dilations, pads, ceil mode; smaller inputs) run
 FULL_RUN_ONLY = ("test_averagepool_3d_default", "test_lppool_3d_default")
 
 
-@pytest.mark.parametrize("name", sorted(set(conformance.cases()) - set(FULL_RUN_ONLY)))
+@pytest.mark.parametrize("name", sorted(conformance.cases(without=FULL_RUN_ONLY)))
 def test_backend_node_case(name):
     outcome = conformance.check_case(name)
     assert outcome.ok, f"{outcome.status}: {outcome.reason}"
@@ -43,12 +44,13 @@ def test_backend_node_case(name):
 def test_every_recorded_case_still_exists():
     if not SAME_VERSIONS:
         pytest.skip(f"recorded with onnx {RECORDED['onnx']}, onnxruntime {RECORDED['onnxruntime']}")
-    assert set(RECORDED["cases"]) == set(conformance.cases())
+    assert set(RECORDED["cases"]) == set(conformance.cases(without=FULL_RUN_ONLY)) | set(FULL_RUN_ONLY)
 
 
 def test_the_slowest_cases_stay_recorded_as_matched():
+    """(Not even made here: onnx computes their expected outputs as it collects them.)"""
     for name in FULL_RUN_ONLY:
-        assert name in conformance.cases()
+        assert name not in conformance.cases(without=FULL_RUN_ONLY)
         assert RECORDED["cases"][name]["status"] == "matched", name
 
 
