@@ -20,9 +20,9 @@ Each figure is the median of repeated runs after a warm-up. Run alone:
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +40,10 @@ def _model(op: str, a: list[int], b: list[int], out: list[int]):
     graph = helper.make_graph(
         [helper.make_node(op, ["a", "b"], ["y"])],
         op.lower(),
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, a), helper.make_tensor_value_info("b", TensorProto.FLOAT, b)],
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, a),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, b),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -81,11 +84,12 @@ def _rate(kind: str, threads: int, start_at: float | None = None) -> float:
 
 
 def _concurrent(kind: str, processes: int) -> float:
-    """The sum of ``processes`` single-threaded sessions' rates, run at the same time."""
-    context = multiprocessing.get_context("spawn")
-    start_at = time.time() + 3.0  # past every process's start and warm-up
-    with context.Pool(processes) as pool:
-        return sum(pool.starmap(_rate, [(kind, 1, start_at)] * processes))
+    """The sum of ``processes`` single-threaded sessions' rates, run at the same time (each
+    process this script again, ``--rate``)."""
+    start_at = time.time() + 5.0  # past every process's start and warm-up
+    argv = [sys.executable, __file__, "--rate", kind, repr(start_at)]
+    workers = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    return sum(float(w.communicate(timeout=300)[0]) for w in workers)
 
 
 def measure() -> dict:
@@ -137,4 +141,7 @@ def run(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    print(run())
+    if len(sys.argv) == 4 and sys.argv[1] == "--rate":
+        print(_rate(sys.argv[2], 1, float(sys.argv[3])))
+    else:
+        print(run())
