@@ -412,9 +412,7 @@ class Module(GroupMember):
         outputs = list(outputs)
         if outputs:
             self._check_outputs(outputs, self.roles.outputs, "from train_step")
-        if self.runner.in_place and self.reducer is None:
-            return self._train_step_in_place(feeds, outputs)
-        if self._chains is not None and self.reducer is not None:
+        if (self.runner.in_place and self.reducer is None) or (self._chains is not None and self.reducer is not None):
             return self._train_step_in_two(feeds, outputs)
         extra, keep = self._fused_outputs(outputs)
         fetch = [self.loss_name, *outputs]
@@ -450,12 +448,19 @@ class Module(GroupMember):
         self.state.grad_reset_pending = True
         return self._reported(host, outputs)
 
-    def _train_step_in_place(self, feeds: dict[str, Any], outputs: list[str]):
-        """train_step as segment 0, then segment 1 unless the update is skipped."""
+    def _train_step_in_two(self, feeds: dict[str, Any], outputs: list[str]):
+        """train_step as segment 0, then the update unless it is skipped: in place, or for a
+        tensor-parallel member that is a data-parallel replica too (a mesh of both), its
+        forward/backward cut after the tensor group's sums, the gradients reduced across the
+        replicas (the reducer's hooks), then the update, cut after its sums as well."""
         split = self._split_models()
+        replica = self.reducer is not None
+        if replica:
+            self.reducer.before_forward()
         first = [o for o in outputs if o in split.grad_outputs]
         extra = tuple(sorted(o for o in first if o != self.loss_name))
-        done = self._forward_backward(feeds, extra, first, self._gradient_buffers(split))
+        # (a replica's gradients go to its reducer's buckets, not to buffers of the Module's)
+        done = self._forward_backward(feeds, extra, first, None if replica else self._gradient_buffers(split))
         host = dict(done.host)
         undo = self._undo
         self.state.micro_batch -= 1  # one step, not a micro-batch: the update resets it, a skip keeps it
@@ -466,23 +471,6 @@ class Module(GroupMember):
             undo.overwritten += update.overwritten
         self._undo = undo
         self._received = None  # the gradients go now, not when the next step's replace them
-        self.state.grad_reset_pending = True
-        return self._reported(host, outputs)
-
-    def _train_step_in_two(self, feeds: dict[str, Any], outputs: list[str]):
-        """train_step of a tensor-parallel member that is a data-parallel replica too (a mesh
-        of both): forward/backward cut after the tensor group's sums, the gradients reduced
-        across the replicas, then the update (each of the two runs cut after its sums)."""
-        self.reducer.before_forward()
-        split = self._split_models()
-        first = [o for o in outputs if o in split.grad_outputs]
-        done = self._forward_backward(feeds, tuple(sorted(o for o in first if o != self.loss_name)), first)
-        host = dict(done.host)
-        self.state.micro_batch -= 1  # one step, not a micro-batch
-        update = self._update([o for o in outputs if o not in split.grad_outputs])
-        if update is not None:
-            host.update(update.host)
-        self._received = None
         self.state.grad_reset_pending = True
         return self._reported(host, outputs)
 
