@@ -323,6 +323,7 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     parameter_bytes = sum(_bytes(c) for c in parameters)
     state_bytes = sum(_bytes(c) for c in states)
     bubble = 0.0
+    phase: dict[int, str] = {}  # each node's phase, where accumulation without stages needs it
     if split.stages > 1:
         role = program_roles.pipeline
         costs = role.costs
@@ -373,12 +374,14 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     if split.tensor > 1:
         tensors = model.graph.tensors()
         bandwidth, latency = tensor_link
+        # a member sums its stage's share (about 1/S of the program's) once per micro-batch;
+        # accumulating without stages, the update's sums (the global norm's) once a step
+        runs = split.microbatches / split.stages
         for node in model.graph.nodes:
             if _is_reduce(node):
                 size = tensor_bytes(tensors[node.outputs[0].name], run_dims)
-                tensor_s += latency + 2 * (split.tensor - 1) / split.tensor * size / bandwidth
-        # a member sums its stage's share (about 1/S of the program's) once per micro-batch
-        tensor_s *= split.microbatches / split.stages
+                once = latency + 2 * (split.tensor - 1) / split.tensor * size / bandwidth
+                tensor_s += once * (1 if phase.get(id(node)) == UPDATE else runs)
     data_s = 0.0
     if split.data > 1:
         buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))

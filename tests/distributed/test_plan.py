@@ -118,6 +118,20 @@ def test_accumulation_trades_runs_for_memory(transformer_path):
     assert accumulated.compute_s == pytest.approx(plain.compute_s + hardware.overhead, rel=0.01)
 
 
+def test_an_accumulating_member_sums_its_update_once_a_step():
+    """A tensor member accumulating M batches sums its forward/backward's partial products once a
+    batch, and the update's (the global norm, for clipping) once a step: on a link of latency
+    alone, each sum costs the latency."""
+    pipeline = parse_pipeline("loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2, clip_grad_norm=1.0)")
+    latency = 1e-3
+    hardware = Hardware(flops=1e15, memory=2**30, memory_bandwidth=1e18, bandwidth=1e18, latency=latency)
+    done = {c.split: c.prediction for c in plan(onnx.load(DIGITS / "model.onnx"), pipeline, 64, {}, 2, hardware)}
+    sums = {m: round(done[Split(1, 2, 1, m)].tensor_s / latency) for m in (1, 2, 4)}
+    update = 2 * sums[1] - sums[2]  # M=1: f + u, M=2: 2f + u
+    assert update >= 1  # the norm's sum across the group
+    assert sums[4] == 4 * (sums[1] - update) + update
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return th.workspace(tmp_path_factory.mktemp("plan"), count=64, eval_count=20)
