@@ -242,16 +242,18 @@ def prepare(spec: tb.Spec, folder: Path) -> tuple[Path, Path, float, float]:
     return path, folder / "batches.npz", sum(sizes), max(sizes)
 
 
-def benchmark(quick: bool = False, *, passes: int = 2, cache: Path = CACHE) -> dict:
-    """Every run, ``passes`` times (alternating the order), each keeping its fastest."""
+def benchmark(quick: bool = False, *, passes: int = 2, cache: Path = CACHE, only: tuple[str, ...] = ()) -> dict:
+    """Every run (``only``: those of these labels), ``passes`` times (alternating the order),
+    each keeping its fastest."""
     spec = next(s for s in (tb.QUICK if quick else tb.FULL) if s.key == "gpt2")
     spec = tb.Spec(**{**asdict(spec), "batch": PER_RANK})
     folder = cache / ("quick" if quick else "full")
     folder.mkdir(parents=True, exist_ok=True)
     program, batches, gradient_mib, largest_mib = prepare(spec, folder)
     steps, warmup = (5, 2) if quick else (12, 3)
-    results: dict[str, list[dict]] = {label: [] for label, *_ in RUNS}
-    for order in ([RUNS, RUNS[::-1]] * passes)[:passes]:
+    chosen = [run for run in RUNS if not only or run[0] in only]
+    results: dict[str, list[dict]] = {label: [] for label, *_ in chosen}
+    for order in ([chosen, chosen[::-1]] * passes)[:passes]:
         for label, side, processes, threads, overlap in order:
             job = {
                 "label": label,
@@ -282,7 +284,9 @@ def report(measured: dict) -> str:
     spec, best = measured["spec"], measured["best"]
     rows, throughput = [], {}
     for label, _, processes, threads, _ in RUNS:
-        result = best[label]
+        result = best.get(label)
+        if result is None:  # (not run: benchmark(only=...))
+            continue
         step = statistics.median(result["step_s"])
         throughput[label] = processes * PER_RANK / step
         exposed = "—"
@@ -311,11 +315,23 @@ def report(measured: dict) -> str:
         "",
         f"- **graphforge DP / torch DDP: {ratio:.2f}× the samples/s** (goal ≥ {GOAL}×: "
         f"{'met' if ratio >= GOAL else 'not met'}).",
-        f"- Scaling from 1 process × 2 threads to 2 processes × 1 thread: graphforge "
-        f"{throughput['graphforge DP'] / throughput['graphforge']:.2f}×, torch "
-        f"{throughput['torch DDP'] / throughput['torch']:.2f}×.",
-        f"- Overlap: with it graphforge's step waits {best['graphforge DP']['exposed_s'] * 1e3:.1f} ms per step for "
-        f"reductions, without it {best['graphforge DP, no overlap']['exposed_s'] * 1e3:.1f} ms.",
+        *(
+            [
+                f"- Scaling from 1 process × 2 threads to 2 processes × 1 thread: graphforge "
+                f"{throughput['graphforge DP'] / throughput['graphforge']:.2f}×, torch "
+                f"{throughput['torch DDP'] / throughput['torch']:.2f}×."
+            ]
+            if {"graphforge", "torch"} <= set(best)
+            else []
+        ),
+        *(
+            [
+                f"- Overlap: with it graphforge's step waits {best['graphforge DP']['exposed_s'] * 1e3:.1f} ms per "
+                f"step for reductions, without it {best['graphforge DP, no overlap']['exposed_s'] * 1e3:.1f} ms."
+            ]
+            if "graphforge DP, no overlap" in best
+            else []
+        ),
         f"- Gradients move between onnxruntime and torch without a copy: the segments write them into "
         f"the buckets' memory (DLPack); one copy of them would add {copy_ms:.1f} ms per step.",
         f"- First {CHECK_STEPS} losses, graphforge DP vs torch DDP: "

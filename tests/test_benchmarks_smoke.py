@@ -48,15 +48,17 @@ def test_train_benchmark_reports_every_column(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_parallel_benchmark_runs_every_configuration(tmp_path):
-    """Two real processes for each DP run (gloo on loopback); the report has every row."""
+def test_data_parallel_benchmark_runs_every_distributed_configuration(tmp_path):
+    """Two real processes for each DP run (gloo on loopback), with overlap and without, and
+    torch DDP's; the report has their rows (the one-process rows are train_bench's steps)."""
     sys.path.insert(0, str(BENCH.parent))
     import dp_bench
 
-    report = dp_bench.report(dp_bench.benchmark(quick=True, passes=1, cache=tmp_path))
-    for label, *_ in dp_bench.RUNS:
+    distributed = tuple(label for label, _, processes, *_ in dp_bench.RUNS if processes > 1)
+    report = dp_bench.report(dp_bench.benchmark(quick=True, passes=1, cache=tmp_path, only=distributed))
+    for label in distributed:
         assert f"| {label} | " in report
-    assert "graphforge DP / torch DDP:" in report and "(agree)" in report
+    assert "graphforge DP / torch DDP:" in report and "(agree)" in report and "without it" in report
 
 
 @pytest.mark.slow
