@@ -170,7 +170,8 @@ def report(measured: dict) -> str:
         f"{GLOO_BANDWIDTH / 1e9:g} "
         f"GB/s and {GLOO_LATENCY * 1e3:g} ms a collective for 2 processes, stretched by the turns more "
         f"processes than cores take, {CPU_RUN_OVERHEAD * 1e3:.2f} ms an onnxruntime run), measured on single "
-        "kernels and a link, not on the split runs it is compared with here. "
+        "kernels (section Kernel rates: `benchmarks/kernel_rates_bench.py`) and a link, not on the split runs "
+        "it is compared with here. "
         "Splits with stages are predicted but not measured here (GPT-2's tied embedding is refused by the "
         "pipeline pass).",
     ]
