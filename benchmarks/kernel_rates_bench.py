@@ -67,18 +67,18 @@ def _rate(kind: str, threads: int, start_at: float | None = None) -> float:
 
     model, feeds, work = _case(kind)
     session = create_session(model, providers=[CPU], intra_op_threads=threads, inter_op_threads=1)
-    output = session.io_binding()
+    binding = session.io_binding()
     for name, value in feeds.items():
-        output.bind_cpu_input(name, value)
-    output.bind_output("y")
+        binding.bind_cpu_input(name, value)
+    binding.bind_output("y")
     for _ in range(3):
-        session.run_with_iobinding(output)
+        session.run_with_iobinding(binding)
     if start_at is not None:
         time.sleep(max(0.0, start_at - time.time()))
     times = []
     for _ in range(REPEATS):
         began = time.perf_counter()
-        session.run_with_iobinding(output)
+        session.run_with_iobinding(binding)
         times.append(time.perf_counter() - began)
     return work / statistics.median(times)
 

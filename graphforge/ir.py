@@ -16,10 +16,10 @@ from onnx import TensorProto, helper
 
 from graphforge import roles
 
-#: ops whose two calls with equal inputs may give different results: never merged or folded
 #: ops whose onnxruntime kernels give the output the input's buffer (declared Alias(0, 0)):
 #: the memory model allocates nothing for them, the cost model moves no bytes
 ALIASING_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+#: ops whose two calls with equal inputs may give different results: never merged or folded
 NONDETERMINISTIC_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
 )

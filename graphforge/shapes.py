@@ -108,7 +108,8 @@ def relate_dims(model: Model, proto: onnx.ModelProto | None = None) -> int:
     (a build without onnxruntime's tools, a model with subgraphs, an op it does not follow).
     ``proto``: the model's export without values, where the caller has one (``infer_shapes``).
     """
-    if not any(_unknown(d) for t in _variables(model) for d in t.shape):
+    variables = [t for t in model.graph.tensors().values() if isinstance(t, gs.Variable) and t.shape is not None]
+    if not any(_unknown(d) for t in variables for d in t.shape):
         return 0  # nothing to find: spares the import of sympy (most of a small model's compile)
     proto = model.to_proto(values=False) if proto is None else proto
     if any(True for _ in subgraphs_of(proto.graph.node)):  # inner names may repeat from body to body
@@ -136,11 +137,6 @@ def relate_dims(model: Model, proto: onnx.ModelProto | None = None) -> int:
             tensor.shape = shape
             changed += 1
     return changed
-
-
-def _variables(model: Model):
-    """The model's variables whose rank is known."""
-    return (t for t in model.graph.tensors().values() if isinstance(t, gs.Variable) and t.shape is not None)
 
 
 def _unknown(dim) -> bool:

@@ -315,21 +315,22 @@ def test_each_layer_imports_alone(entry):
     assert not unwanted, f"importing {entry} alone loads {unwanted[:5]}"
 
 
-#: a model whose Reshape to [-1, 3] leaves ONNX's inference an unknown dim (unk__0), which
-#: onnxruntime's symbolic shape inference works out (2·batch)
-_RESHAPED = """
+#: compile MODEL and print which of torch and sympy that imported
+_COMPILE = """
 import sys, numpy as np, graphforge
 from onnx import TensorProto, helper, numpy_helper
-graph = helper.make_graph(
+graphforge.compile(MODEL, PIPELINE)
+print(sorted(m for m in sys.modules if m in ("torch", "sympy")))
+"""
+#: a model whose Reshape to [-1, 3] leaves ONNX's inference an unknown dim (unk__0), which
+#: onnxruntime's symbolic shape inference works out (2·batch)
+_RESHAPED = """helper.make_model(helper.make_graph(
     [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("MatMul", ["r", "w"], ["y"])], "g",
     [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6])],
     [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 2])],
     [numpy_helper.from_array(np.ones((3, 2), np.float32), "w"),
-     numpy_helper.from_array(np.array([-1, 3], np.int64), "shape")])
-graphforge.compile(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
-                   "loss(kind=mse, output=y), autodiff, adamw(lr=1e-2)")
-print(sorted(m for m in sys.modules if m in ("torch", "sympy")))
-"""
+     numpy_helper.from_array(np.array([-1, 3], np.int64), "shape")]),
+    opset_imports=[helper.make_opsetid("", 17)])"""
 
 
 def test_compiling_a_program_imports_no_torch():
@@ -337,12 +338,12 @@ def test_compiling_a_program_imports_no_torch():
     (autodiff relates the dims); importing it as onnxruntime.tools.symbolic_shape_infer would run
     that package's __init__, which imports torch (3-5 s of a 13-node model's compile): graphforge
     loads the file alone. A model whose every dim is known never starts it (nor sympy, 0.7 s)."""
-    digits = _RESHAPED[: _RESHAPED.index("graph =")] + (
-        "graphforge.compile('examples/digits/model.onnx', "
-        "'loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)')\n"
-        'print(sorted(m for m in sys.modules if m in ("torch", "sympy")))\n'
+    cases = (
+        (_RESHAPED, "'loss(kind=mse, output=y), autodiff, adamw(lr=1e-2)'", "['sympy']"),
+        ("'examples/digits/model.onnx'", "'loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)'", "[]"),
     )
-    for code, expected in ((_RESHAPED, "['sympy']"), (digits, "[]")):
+    for model, pipeline, expected in cases:
+        code = _COMPILE.replace("MODEL", model).replace("PIPELINE", pipeline)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == expected
