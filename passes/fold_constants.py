@@ -99,6 +99,36 @@ class FoldConstants(Pass):
         return PassResult(model, fingerprint(graph) != before, "; ".join(failures))
 
 
+def may_fold(
+    model: Model, size_limit_mb: float = FoldConstants.size_limit_mb, *, fold_parameters: bool = False
+) -> bool:
+    """Whether ``FoldConstants`` could fold anything in ``model`` (a graph it already folded:
+    its dead nodes are gone): a ``Shape`` or ``Size`` node, or a node computable ahead of
+    time (every input a constant that is not a parameter, or a Constant node's output; not a
+    random op nor one known to be too big, which takes inferred shapes). False means a run
+    would change nothing; the check reads no weight, and a fold that finds nothing cost the
+    specialization of GPT-2 small's forward/backward 0.5-0.9 s."""
+    limit = int(size_limit_mb * 2**20)
+
+    def known(tensor: gs.Tensor) -> bool:
+        if isinstance(tensor, gs.Constant):
+            return fold_parameters or not is_parameter(tensor)
+        return tensor.is_empty() or (len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant")
+
+    for graph in every_graph(model.graph):
+        for node in graph.nodes:
+            if node.op in ("Shape", "Size"):
+                return True
+            if (
+                node.op != "Constant"
+                and node.op not in NONDETERMINISTIC_OPS
+                and all(known(t) for t in node.inputs)
+                and not _too_big(node, limit)
+            ):
+                return True
+    return False
+
+
 def _graphs_outer_first(graph: gs.Graph) -> Iterator[tuple[gs.Graph, gs.Function | None]]:
     """The main graph, its subgraphs, then each function and its subgraphs, each with the
     function it belongs to; a graph's subgraphs are listed only after the caller has folded
@@ -343,7 +373,9 @@ def _resultnbytes(node: gs.Node) -> int | None:
 
 
 def _argument(tensor: gs.Tensor) -> np.ndarray | None:
-    return np.asarray(tensor.values).reshape(-1) if isinstance(tensor, gs.Constant) else None
+    """A shape argument's value: an initializer's, or a Constant node's (before gs lowers it)."""
+    value = constant_value(tensor)
+    return None if value is None else np.asarray(value).reshape(-1)
 
 
 # --------------------------------------------------------------------------- case 3: parameters

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import onnx
 import onnx_graphsurgeon as gs
-from graphforge.passes.fold_constants import FoldConstants
+from graphforge.passes.fold_constants import FoldConstants, may_fold
 
 from graphforge.analysis.cost import parse_dims
 from graphforge.analysis.host_sync import host_syncs, summary
@@ -83,8 +83,10 @@ class Specialize(Pass):
         before = fingerprint(graph)
         _bind(graph, sizes)
         fold = FoldConstants(size_limit_mb=FOLD_LIMIT_MB)
-        for _ in range(MAX_ROUNDS):
+        for round_ in range(MAX_ROUNDS):
             model = infer_shapes(model, in_place=True)
+            if round_ and not may_fold(model, FOLD_LIMIT_MB):  # what the last round's shapes left to fold
+                break
             result = fold.run(model)
             model = result.model
             if not result.changed:

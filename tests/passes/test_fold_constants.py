@@ -23,8 +23,11 @@ from _util import (
     run_pass,
 )
 from graphforge.passes import FoldConstants
+from graphforge.passes.fold_constants import may_fold
 
+from graphforge.graph import Model
 from graphforge.ort_compat import runtime_limits
+from graphforge.shapes import infer_shapes
 
 CHAIN = """
 <ir_version: 10, opset_import: ["" : 18]>
@@ -474,3 +477,29 @@ def test_constants_that_cannot_be_evaluated_are_reported_in_the_note(case):
     assert not result.changed and op_list(proto.graph) == op_list(model.graph)
     assert result.note.startswith("the constants of graph 'g' were left unevaluated (")
     assert reason in result.note and "\n" not in result.note
+
+
+@pytest.mark.parametrize(
+    ("text", "limit_mb", "expected"),
+    [
+        (CHAIN, 16, True),  # a constant chain
+        (PARAMETER, 16, False),  # its only constant input is a parameter
+        (DYNAMIC, 16, True),  # Shape nodes
+        (BIG, 1, False),  # the Expand is known to be too big
+        (BIG, 8, True),
+        (IF_MODEL, 16, True),  # the else branch's Sqrt of an outer Constant
+        (MULTI_OUTPUT, 16, True),
+    ],
+    ids=["chain", "parameter", "shapes", "too-big", "big-enough", "if-branch", "multi-output"],
+)
+def test_may_fold_says_false_only_where_a_fold_changes_nothing(text, limit_mb, expected):
+    """The specialize pass stops its rounds on ``may_fold``'s False: it must never miss a
+    fold (checked before and after one fold of each model); after the fold, only a model
+    with symbolic Shape nodes left still says True."""
+    model = parse(text)
+    assert may_fold(infer_shapes(Model.from_proto(model)), limit_mb) is expected
+    folded = FoldConstants(size_limit_mb=limit_mb).run(Model.from_proto(model))
+    assert folded.changed is expected
+    again = FoldConstants(size_limit_mb=limit_mb).run(Model.from_proto(folded.model.to_proto()))
+    assert not again.changed
+    assert may_fold(infer_shapes(Model.from_proto(folded.model.to_proto())), limit_mb) is (text is DYNAMIC)

@@ -285,3 +285,24 @@ def test_batch_dims_reads_the_symbolic_dims_from_the_feeds():
     assert batch_dims(model, {"x": x, "y": np.zeros(5, np.int64), "w": w}) == {"batch": 5}
     assert batch_dims(model, {"x": x, "y": np.zeros(4, np.int64)}) is None  # the feeds disagree
     assert batch_dims(model, {"w": w}) is None  # no symbolic dim fed
+
+
+def test_a_second_module_on_the_program_finds_its_split_made(program, monkeypatch):
+    """The forward/backward and update segments are cut once per program and ``norm_first``
+    in a process; a second Module on the program (a resume, an evaluation copy) trains on the
+    same cut, and equals the first step for step. Another program is cut afresh."""
+    from graphforge.runtime import training
+
+    monkeypatch.setattr(training, "_splits", type(training._splits)())
+    cuts = []
+    real = training._cut_in_two
+    monkeypatch.setattr(training, "_cut_in_two", lambda *a, **k: cuts.append(k["norm_first"]) or real(*a, **k))
+    first, second = Module(program, device="cpu"), Module(program, device="cpu")
+    for x, target in tm.batches(3):
+        assert np.array_equal(first.train_step(x, target), second.train_step(x, target))
+    assert cuts == [True]
+    assert first._split_models() is second._split_models()
+    Module(program, device="cpu", in_place=False).train_step(*tm.batches(1)[0])  # one whole-step session: no cut
+    other = tm.compile_program(tm.mlp_onnx(), "sgd(lr=0.1)")
+    Module(other, device="cpu").train_step(*tm.batches(1)[0])
+    assert cuts == [True, True]
