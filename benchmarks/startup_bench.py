@@ -6,8 +6,9 @@ In a fresh process each time, on an export made beforehand: ``import graphforge`
 device), the first ``train_step`` (the forward/backward segment split off and specialized to
 the batch's dims, its sessions made, torch imported for the fused update) and the second (a
 step as every later one). Then a second Module on the same program in the same process, as a
-resume or an evaluation copy makes: its first step finds the specialization made (one per
-program and dims in a process). torch eager's side: its import, the module built and moved
+resume or an evaluation copy makes: its first step finds the program's cut into forward/backward
+and update, and their specialization, made (one per program, and per program and dims, in a
+process). torch eager's side: its import, the module built and moved
 into train mode, AdamW, and its first two steps. Each figure is the median of REPEATS runs.
 
     python benchmarks/run.py startup
@@ -125,7 +126,7 @@ def run(quick: bool = False) -> str:
             "Seconds from a fresh process to the end of the first training step (CPU, 2 threads as the "
             "machine has; the export made beforehand), each phase the median of "
             f"{REPEATS} fresh processes; “again”: a second Module on the same program in the same process, "
-            "made and stepped once (its specialization is found, not made again). torch eager beside it: "
+            "made and stepped once (its cut and specialization are found, not made again). torch eager beside it: "
             "import, model and AdamW built, first step.",
             "",
             "| model | import s | compile s | Module s | first step s | second step s | to the first step s | "
