@@ -75,18 +75,6 @@ class Carried:
         return self.slots[self.current]
 
 
-def _adoptable(value: np.ndarray, carried: Carried) -> bool:
-    flags = value.flags
-    return (
-        flags.writeable
-        and flags.c_contiguous
-        and flags.owndata
-        and flags.aligned
-        and value.dtype == carried.dtype
-        and value.shape == carried.shape
-    )
-
-
 @dataclass
 class _Binding:
     """An IOBinding and the host outputs it fetches: bound once to preallocated buffers
@@ -356,23 +344,10 @@ class Runner:
 
     # ------------------------------------------------------------------ carried values
 
-    def write_tensors(self, values: Mapping[str, np.ndarray], *, adopt: bool = False) -> None:
-        """Set the current value of every carried tensor (host arrays, by input name).
-        ``adopt``: the arrays are handed over, nothing else refers to them; on the CPU an array
-        that can serve as the buffer as it is (writable, C-ordered, owning its memory, of the
-        tensor's dtype and shape) becomes it instead of being copied into it. The optimizer
-        moments' fresh zeros then stay untouched memory until the first update writes them
-        (GPT-2 small's AdamW: 1 GB not read and copied at a Module's start)."""
-        adopted = False
+    def write_tensors(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set the current value of every carried tensor (host arrays, by input name)."""
         for name, c in self.carried.items():
-            value = np.asarray(values[name], order="C")
-            if adopt and self.device.type == "cpu" and _adoptable(value, c):
-                c.slots[c.current] = ort.OrtValue.ortvalue_from_numpy(value)  # keeps ``value`` alive
-                adopted = True
-            else:
-                c.value.update_inplace(value)
-        if adopted:
-            self._forget_sessions()  # bindings made before bound the buffers replaced
+            c.value.update_inplace(np.asarray(values[name], order="C"))
 
     def read_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """The current values of the carried tensors (``names``, default all), as host copies."""

@@ -225,9 +225,7 @@ class Module(GroupMember):
         self.default_lr = roles.default_lr if roles.default_lr is not None else math.nan
         self.loss_name = roles.loss or "loss"
 
-        # a state made here is attached at once: the runner's buffers are the copy of its arrays,
-        # or (the zeros it makes) the arrays themselves
-        made_here = state is None
+        # a state made here is attached at once: the runner's buffers are the copy of its arrays
         state = state if state is not None else CheckpointState.from_program(self._program, writable=False)
         state.check(roles.carried)
         # the runner holds the carried tensors: the Module's copy of the program keeps their
@@ -265,7 +263,7 @@ class Module(GroupMember):
         )
         # a state trains in one Module at a time: attach refuses one another Module holds
         tensors = state.attach(self.runner)
-        self.runner.write_tensors(tensors, adopt=made_here)
+        self.runner.write_tensors(tensors)
         #: the carried tensors the runner does not hold, until their holder takes them
         self._unheld = {n: v for n, v in tensors.items() if n not in self.runner.carried}
         del tensors

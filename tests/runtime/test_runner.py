@@ -199,39 +199,3 @@ def test_a_failure_between_segments_leaves_the_carried_state_as_before():
             assert np.array_equal(value, before[name]), (message, name)
     done = runner.execute(runs, feeds)  # and it still runs
     assert {c.spec.role for c in done.written} == {"accumulator", "parameter"}
-
-
-def test_adopted_arrays_are_the_buffers_and_others_are_copied():
-    """``write_tensors(adopt=True)`` on the CPU: an array that can be a buffer as it is
-    becomes it (no copy); a read-only one, a view, or one of another dtype is copied. Without
-    ``adopt`` nothing is shared with the caller. Training on adopted buffers gives the losses
-    of copied ones."""
-    program = mlp_program("adamw(lr=0.05)")
-    roles = ProgramRoles.of_proto(program)
-    initial = graphforge.CheckpointState.from_program(program).tensors
-    copied = Runner(roles.carried, resolve_device("cpu"))
-    copied.write_tensors(initial)
-    for name, value in initial.items():
-        assert copied.carried[name].value.data_ptr() != value.ctypes.data, name
-
-    adopted = Runner(roles.carried, resolve_device("cpu"))
-    handed = {name: np.array(value, copy=True) for name, value in initial.items()}
-    readonly, view = sorted(handed)[:2]
-    handed[readonly].flags.writeable = False
-    handed[view] = np.pad(handed[view], [(0, 1)] + [(0, 0)] * (handed[view].ndim - 1))[: initial[view].shape[0]]
-    adopted.write_tensors(handed, adopt=True)
-    for name, value in handed.items():
-        shared = adopted.carried[name].value.data_ptr() == value.ctypes.data
-        assert shared == (name not in (readonly, view)), name
-        np.testing.assert_array_equal(adopted.read_tensors([name])[name], initial[name], err_msg=name)
-
-    losses = []
-    for runner in (copied, adopted):
-        runs = whole(runner, program)
-        losses.append(
-            [
-                runner.execute(runs, {**feeds, **scalars(roles, step)}).host["loss"]
-                for step, feeds in enumerate(batches(3))
-            ]
-        )
-    np.testing.assert_array_equal(losses[0], losses[1])
