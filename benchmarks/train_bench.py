@@ -108,7 +108,7 @@ STEP_TIMEOUT_S = 300
 class Spec:
     """One benchmarked model: how to build it and how long to time it."""
 
-    key: str  # builder: mlp, cnn or gpt2
+    key: str  # builder: mlp, cnn, resnet18, gpt2 or qwen2
     label: str
     batch: int
     config: dict
@@ -176,6 +176,8 @@ def build_torch(spec: Spec):
         )
     elif spec.key == "gpt2":
         module = _gpt2(c)
+    elif spec.key == "qwen2":
+        module = _qwen2(c)
     elif spec.key == "resnet18":
         module = resnet18(c["classes"])
     else:
@@ -219,8 +221,44 @@ def resnet18(classes: int):
     return nn.Sequential(*layers)
 
 
-def _gpt2(config: dict):
+def _flat_logits(inner):
+    """``inner`` (a transformers causal LM) as input_ids [B, T] -> logits [B * T, vocab];
+    transformers 5.x traces a dynamic sequence length only with an explicit attention mask."""
     import torch
+
+    class FlatLogits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            mask = torch.ones_like(input_ids)
+            logits = self.inner(input_ids=input_ids, attention_mask=mask).logits
+            return logits.reshape(-1, logits.shape[-1])
+
+    return FlatLogits()
+
+
+def _qwen2(config: dict):
+    """A Qwen2-style decoder (RMSNorm, rotary, grouped-query attention, SwiGLU, tied
+    embedding) of random weights, at the sizes ``config`` gives."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = {k: v for k, v in config.items() if k != "seq"}
+    return _flat_logits(
+        Qwen2ForCausalLM(
+            Qwen2Config(
+                **settings,
+                max_position_embeddings=config["seq"],
+                tie_word_embeddings=True,
+                attn_implementation="eager",
+                use_cache=False,
+            )
+        )
+    )
+
+
+def _gpt2(config: dict):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     settings = {k: v for k, v in config.items() if k != "seq"}
@@ -237,21 +275,7 @@ def _gpt2(config: dict):
             eos_token_id=0,
         )
     )
-
-    class FlatLogits(torch.nn.Module):
-        """input_ids [B, T] -> logits [B * T, vocab]; transformers 5.x traces a dynamic
-        sequence length only with an explicit attention mask."""
-
-        def __init__(self):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids):
-            mask = torch.ones_like(input_ids)
-            logits = self.inner(input_ids=input_ids, attention_mask=mask).logits
-            return logits.reshape(-1, logits.shape[-1])
-
-    return FlatLogits()
+    return _flat_logits(inner)
 
 
 def make_batches(spec: Spec, count: int = BATCHES) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -802,7 +826,7 @@ def prepare(spec: Spec, folder: Path) -> tuple[Path, Path, Path, float]:
     batches = make_batches(spec)
     arrays = {f"{kind}{i}": value for i, (x, y) in enumerate(batches) for kind, value in (("x", x), ("y", y))}
     np.savez(folder / "batches.npz", **arrays)
-    input_name = "input_ids" if spec.key == "gpt2" else "x"
+    input_name = "x" if spec.key in ("mlp", "cnn", "resnet18") else "input_ids"
     # a model with BatchNorm trains in training mode (batch statistics), as torch's side does
     model = export(build_torch(spec), batches[0][0], folder / "model.onnx", input_name, training=spec.key == "resnet18")
     start = time.perf_counter()
