@@ -140,35 +140,3 @@ def test_overridable_initializers_stay_segment_inputs(mlp_path):
     assert not np.array_equal(
         whole["loss"], _run_whole(program, {k: v for k, v in feeds.items() if k not in params})["loss"]
     )
-
-
-def _boundary_types(segments):
-    return [
-        [(v.name, v.type.SerializeToString(deterministic=True)) for v in (*s.model.graph.input, *s.model.graph.output)]
-        for s in segments
-    ]
-
-
-def test_crossing_types_come_from_the_program_or_from_inference(program, monkeypatch):
-    """A compiled program knows the types of the tensors that cross: it is cut without shape
-    inference. One that does not know them (no value_info) has them inferred; both cuts are
-    the same segments and compute the whole program."""
-    grads = [o.name for o in program.graph.output if o.name.endswith("_grad")]
-    untyped = onnx.ModelProto()
-    untyped.CopyFrom(program)
-    del untyped.graph.value_info[:]
-    inferred = cut(untyped, [grads])
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("shape inference ran although every crossing tensor has a type")
-
-    monkeypatch.setattr("graphforge.placement.cut.infer_shapes", refuse)
-    with pytest.raises(AssertionError, match="shape inference ran"):
-        cut(untyped, [grads])
-    known = cut(program, [grads])
-    assert _boundary_types(known) == _boundary_types(inferred)
-    assert [s.sends for s in known] == [s.sends for s in inferred]
-    feeds = _feeds(program)
-    whole, pieces = _run_whole(program, feeds), _run_cut(known, feeds)
-    for name, value in whole.items():
-        np.testing.assert_array_equal(pieces[name], value, err_msg=name)

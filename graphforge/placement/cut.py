@@ -46,39 +46,10 @@ class Segment:
 
 def cut(model: Model | onnx.ModelProto, boundaries: Sequence[Sequence[str]]) -> list[Segment]:
     """Split ``model`` after each boundary set; returns len(boundaries) + 1 segments."""
-    # an import made here is this function's own: types inferred are written onto it, not onto a copy
+    # crossing tensors become segment inputs and outputs, which need their types
+    # (an import made here is this function's own, so the types are written onto it, not onto a copy)
     owned = isinstance(model, onnx.ModelProto)
-    imported = Model.from_proto(model) if owned else model
-    parts = _layout(imported, boundaries)
-    # the tensors crossing a cut become segment inputs and outputs, which need their types:
-    # a compiled program mostly has them (GPT-2 small's: 0.8 s of inference spared)
-    if not all(t.dtype is not None and t.shape is not None for part in parts for t in (*part[1], *part[2])):
-        imported = infer_shapes(imported, in_place=owned)
-        parts = _layout(imported, boundaries)
-    graph = imported.graph
-    output_ids = {id(t) for t in graph.outputs}
-    segments = []
-    for k, (own_nodes, inputs, seg_outputs, outputs, received, sends) in enumerate(parts):
-        seg_model = segment_model(imported, own_nodes, inputs, seg_outputs, f"segment{k}")
-        overridable = restore_initializer_inputs(seg_model, imported)
-        program_inputs = inputs[: len(inputs) - len(received)]
-        segments.append(
-            Segment(
-                index=k,
-                model=seg_model,
-                inputs=[*(t.name for t in program_inputs), *overridable, *(t.name for t in received)],
-                outputs=[t.name for t in outputs if id(t) in output_ids],
-                receives=[t.name for t in received],
-                sends=[t.name for t in sends],
-            )
-        )
-    return segments
-
-
-def _layout(model: Model, boundaries: Sequence[Sequence[str]]) -> list[tuple[list, ...]]:
-    """Per segment: its nodes, its inputs (program inputs, then received tensors), its
-    outputs (program outputs, then sends), the program outputs alone, the received tensors
-    and the sends."""
+    model = infer_shapes(Model.from_proto(model) if owned else model, in_place=owned)
     graph = model.graph
     tensors = graph.tensors()
     for i, names in enumerate(boundaries):
@@ -90,6 +61,7 @@ def _layout(model: Model, boundaries: Sequence[Sequence[str]]) -> list[tuple[lis
     producer_segment = {id(t): assignment[id(n)] for n in nodes for t in n.outputs}
     count = len(boundaries) + 1
     graph_inputs = {id(t) for t in graph.inputs}
+    output_ids = {id(t): t for t in graph.outputs}
 
     reads: list[dict[int, gs.Tensor]] = [{} for _ in range(count)]  # tensors each segment reads from outside itself
     for node in nodes:
@@ -103,7 +75,7 @@ def _layout(model: Model, boundaries: Sequence[Sequence[str]]) -> list[tuple[lis
         if id(t) in graph_inputs:
             reads[count - 1][id(t)] = t
 
-    parts = []
+    segments = []
     for k in range(count):
         own_nodes = [n for n in nodes if assignment[id(n)] == k]
         crossing = (t for j in range(k + 1, count) for t in reads[j].values() if producer_segment.get(id(t)) == k)
@@ -116,8 +88,20 @@ def _layout(model: Model, boundaries: Sequence[Sequence[str]]) -> list[tuple[lis
             outputs += [t for t in graph.outputs if id(t) in graph_inputs]
         received = [t for t in reads[k].values() if id(t) not in graph_inputs]
         program_inputs = [t for t in graph.inputs if id(t) in reads[k]]
-        parts.append((own_nodes, [*program_inputs, *received], _unique([*outputs, *sends]), outputs, received, sends))
-    return parts
+        seg_outputs = _unique([*outputs, *sends])
+        seg_model = segment_model(model, own_nodes, [*program_inputs, *received], seg_outputs, f"segment{k}")
+        overridable = restore_initializer_inputs(seg_model, model)
+        segments.append(
+            Segment(
+                index=k,
+                model=seg_model,
+                inputs=[*(t.name for t in program_inputs), *overridable, *(t.name for t in received)],
+                outputs=[t.name for t in outputs if id(t) in output_ids],
+                receives=[t.name for t in received],
+                sends=[t.name for t in sends],
+            )
+        )
+    return segments
 
 
 def _assign(nodes: list[gs.Node], boundaries: list[list[gs.Tensor]]) -> dict[int, int]:
