@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,34 +104,32 @@ class FoldConstants(Pass):
         return PassResult(model, fingerprint(graph) != before, "; ".join(failures))
 
 
-def may_fold(
-    model: Model, size_limit_mb: float = FoldConstants.size_limit_mb, *, fold_parameters: bool = False
-) -> bool:
+def may_fold(model: Model, size_limit_mb: float = FoldConstants.size_limit_mb) -> bool:
     """Whether ``FoldConstants`` could fold anything in ``model`` (a graph it already folded:
     its dead nodes are gone): a ``Shape`` or ``Size`` node, or a node computable ahead of
-    time (every input a constant that is not a parameter, or a Constant node's output; not a
-    random op nor one known to be too big, which takes inferred shapes). False means a run
-    would change nothing; the check reads no weight, and a fold that finds nothing cost the
+    time (``_computable``, a parameter counting as no constant). False means a run would
+    change nothing; the check reads no weight, and a fold that finds nothing cost the
     specialization of GPT-2 small's forward/backward 0.5-0.9 s."""
     limit = int(size_limit_mb * 2**20)
 
     def known(tensor: gs.Tensor) -> bool:
-        if isinstance(tensor, gs.Constant):
-            return fold_parameters or not is_parameter(tensor)
-        return tensor.is_empty() or _of_constant_node(tensor)
+        return (isinstance(tensor, gs.Constant) and not is_parameter(tensor)) or _of_constant_node(tensor)
 
-    for graph in every_graph(model.graph):
-        for node in graph.nodes:
-            if node.op in ("Shape", "Size"):
-                return True
-            if (
-                node.op != "Constant"
-                and node.op not in NONDETERMINISTIC_OPS
-                and all(known(t) for t in node.inputs)
-                and not _too_big(node, limit)
-            ):
-                return True
-    return False
+    return any(
+        node.op in ("Shape", "Size") or (node.op != "Constant" and _computable(node, known, limit))
+        for graph in every_graph(model.graph)
+        for node in graph.nodes
+    )
+
+
+def _computable(node: gs.Node, known: Callable[[gs.Tensor], bool], limit: int) -> bool:
+    """Whether gs may fold ``node``: every input given is ``known``, it is not a random op, and
+    its result is not known to be too big (that takes inferred shapes)."""
+    return (
+        node.op not in NONDETERMINISTIC_OPS
+        and all(t.is_empty() or known(t) for t in node.inputs)
+        and not _too_big(node, limit)
+    )
 
 
 def _graphs_outer_first(graph: gs.Graph) -> Iterator[tuple[gs.Graph, gs.Function | None]]:
@@ -245,15 +243,9 @@ def _constant_part(graph: gs.Graph, limit: int) -> gs.Graph | None:
     known: set[int] = set()
     nodes = []
     for node in graph.nodes:  # topologically sorted, as gs's folding requires
-        foldable = node.op == "Constant" or (
-            node.op not in NONDETERMINISTIC_OPS
-            and all(
-                t.is_empty() or isinstance(t, gs.Constant) or id(t) in known or _of_constant_node(t)
-                for t in node.inputs
-            )
-            and not _too_big(node, limit)
-        )
-        if foldable:
+        if node.op == "Constant" or _computable(
+            node, lambda t: isinstance(t, gs.Constant) or id(t) in known or _of_constant_node(t), limit
+        ):
             nodes.append(node)
             known.update(id(t) for t in node.outputs)
     inside = {id(node) for node in nodes}
