@@ -35,7 +35,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from graphforge.ort_compat import NCHWC_DOMAIN, NCHWC_WEIGHT_PERM, nchwc_block_size
-from graphforge.payloads import is_stand_in
+from graphforge.stand_ins import is_stand_in
 
 RUNS, WARMUP = 30, 3
 ACTIVATIONS = ([32, 32, 32, 32], [16, 64, 56, 56])
@@ -346,8 +346,8 @@ def _optimizer_segment(shapes) -> onnx.ModelProto:
     """The AdamW segment of graphforge's program for a model whose parameters have ``shapes``
     (loss = Σ ReduceSum(p · x): the update does not depend on what the forward is)."""
     import graphforge
+    from graphforge.placement.step import split_program
     from graphforge.program import ProgramRoles
-    from graphforge.runtime.training import split_program
 
     params = [numpy_helper.from_array(np.full(s, 0.5, np.float32), f"p{i}") for i, s in enumerate(shapes)]
     nodes, sums = [], []

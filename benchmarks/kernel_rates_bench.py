@@ -1,8 +1,8 @@
 """Kernel rates: the figures behind ``graphforge plan``'s CPU defaults, measured on this machine.
 
-The planner (graphforge.analysis.plan) prices each node of a program at the longer of its FLOPs
+The planner (graphforge.planning.planner) prices each node of a program at the longer of its FLOPs
 at ``Hardware.flops`` and its bytes at ``Hardware.memory_bandwidth``. On the CPU its defaults
-(graphforge.train.planning: CPU_FLOPS_PER_CORE, CPU_MEMORY_BANDWIDTH) are what single
+(graphforge.planning.configs: CPU_FLOPS_PER_CORE, CPU_MEMORY_BANDWIDTH) are what single
 onnxruntime kernels reach here, not what whole steps reach (a step's rate already mixes the
 two bounds, and would count them twice):
 
@@ -109,7 +109,7 @@ def report(measured: dict) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import train_bench as tb
 
-    from graphforge.train.planning import CPU_FLOPS_PER_CORE, CPU_MEMORY_BANDWIDTH
+    from graphforge.planning.configs import CPU_FLOPS_PER_CORE, CPU_MEMORY_BANDWIDTH
 
     cores = measured["cores"]
     m, k, n = MATMUL
@@ -127,7 +127,7 @@ def report(measured: dict) -> str:
         "| --- | --- | --- |",
         *rows,
         "",
-        f"- The planner's defaults (graphforge/train/planning.py): CPU_FLOPS_PER_CORE = "
+        f"- The planner's defaults (graphforge/planning/configs.py): CPU_FLOPS_PER_CORE = "
         f"{CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s (measured here: {per_core / 1e9:.0f} a core), "
         f"CPU_MEMORY_BANDWIDTH = {CPU_MEMORY_BANDWIDTH / 1e9:g} GB/s shared by a run's processes "
         f"(measured here: at most {shared / 1e9:.1f}).",

@@ -1,7 +1,7 @@
 """Peak memory of a training step: graphforge (parameters and optimizer states in place, with
 two buffers each, and in place with each RECOMPUTE setting) beside PyTorch eager (plain and
 with a checkpoint per block), each measured in a process of its own, and graphforge's
-prediction (graphforge.runtime.step_memory.step_memory) beside its measurement.
+prediction (graphforge.placement.step_memory.step_memory) beside its measurement.
 
 What is measured: the peak resident memory (VmHWM) of a fresh child process during model
 setup and training steps, above its resident memory after its imports (the peak is reset
@@ -154,7 +154,7 @@ def run(quick: bool = False) -> str:
 
     import graphforge
     from graphforge.analysis.memory import dims_of
-    from graphforge.runtime.step_memory import step_memory
+    from graphforge.placement.step_memory import step_memory
 
     started = time.time()
     rows, notes, pareto = [], [], []

@@ -3,7 +3,7 @@ this machine's cores.
 
 The model is the tensor-parallel benchmark's GPT-2 (tp_bench.py: 2 layers, 256 wide, the
 GPT-2 vocabulary, sequence 64, AdamW, a global batch of 8). For N = 2 and 4 processes the
-planner predicts every split it weighs (graphforge.analysis.plan, its defaults for this
+planner predicts every split it weighs (graphforge.planning.planner, its defaults for this
 machine: the cores shared among the processes, gloo on loopback); the splits graphforge
 runs without stages (D replicas, T members, D × T) are then measured, each its own
 processes (tp_bench.py's workers: each replica takes its share of the batch's rows), with
@@ -48,9 +48,9 @@ def predict(model: Path, processes: int, seq: int) -> dict:
     """The planner's candidates for ``processes``: split text -> prediction (None: refused)."""
     import onnx
 
-    from graphforge.analysis.plan import plan
     from graphforge.pass_manager import parse_pipeline
-    from graphforge.train.planning import default_hardware
+    from graphforge.planning.configs import default_hardware
+    from graphforge.planning.planner import plan
 
     hardware = default_hardware(processes, 2**40)
     found = plan(onnx.load(model), parse_pipeline(tb.PIPELINE), tp_bench.BATCH, {"seq": seq}, processes, hardware)
@@ -115,8 +115,8 @@ def report(measured: dict) -> str:
     lines = [
         f"GPT-2 {c['n_layer']}×{c['n_embd']}, vocab {c['vocab_size']:,}, sequence {c['seq']}, global batch "
         f"{tp_bench.BATCH}, AdamW; N processes on {os.cpu_count()} cores (each its share of them); "
-        f"{tb._cpu_name()}; planner defaults for this machine (graphforge.analysis.plan, "
-        "graphforge.train.planning).",
+        f"{tb._cpu_name()}; planner defaults for this machine (graphforge.planning.planner, "
+        "graphforge.planning.configs).",
         "",
         "| processes | split | predicted step (compute + tensor sums + gradients) | measured step | error |",
         "| --- | --- | --- | --- | --- |",
@@ -158,8 +158,8 @@ def report(measured: dict) -> str:
         lines.append(
             f"- Largest error {worst:.0%} (goal within {ERROR_GOAL:.0%}: {'met' if worst <= ERROR_GOAL else 'not met'})."
         )
-    from graphforge.analysis.plan import CPU_RUN_OVERHEAD, GLOO_BANDWIDTH, GLOO_LATENCY
-    from graphforge.train.planning import CPU_FLOPS_PER_CORE, CPU_MEMORY_BANDWIDTH
+    from graphforge.planning.configs import CPU_FLOPS_PER_CORE, CPU_MEMORY_BANDWIDTH
+    from graphforge.planning.planner import CPU_RUN_OVERHEAD, GLOO_BANDWIDTH, GLOO_LATENCY
 
     lines += [
         "",

@@ -128,7 +128,7 @@ def _export(large: Large):
     import torch
 
     from graphforge.ir import TORCH_KIND_PROP
-    from graphforge.payloads import stand_in
+    from graphforge.stand_ins import stand_in
 
     with torch.device("meta"):
         module = _module(large).eval()
@@ -197,8 +197,8 @@ def _module(large: Large):
 
 def plans(large: Large, gpus: int, cache: Path = CACHE) -> tuple[list, float]:
     """The planner's candidates for ``large`` on ``gpus`` GPUs, and the seconds it took."""
-    from graphforge.analysis.plan import Hardware, plan
     from graphforge.pass_manager import parse_pipeline
+    from graphforge.planning.planner import Hardware, plan
 
     model = graph_only(large, cache)
     started = time.perf_counter()
@@ -220,7 +220,7 @@ def run(quick: bool = False) -> str:
 
 
 def _table(large: Large, gpus: int, found: list, seconds: float) -> str:
-    from graphforge.analysis.plan import Split
+    from graphforge.planning.planner import Split
 
     predicted = {c.split: c.prediction for c in found if c.prediction is not None}
     fitting = [c for c in found if c.prediction is not None and c.prediction.fits]

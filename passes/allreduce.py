@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import placed_early
+from graphforge.dag import placed_early
 from graphforge.graph import Model
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.placement.buckets import gradient_buckets, marker_call, marker_function

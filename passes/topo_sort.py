@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphforge.analysis import topological_order
+from graphforge.dag import topological_order
 from graphforge.graph import Model
 from graphforge.ir import every_graph
 from graphforge.pass_infra import Pass, PassResult

@@ -29,20 +29,22 @@ CORE = (
     # leaves: errors, temporary files, the metadata keys, the op emitter, pipeline text
     ("graphforge.errors", "graphforge.tempfiles", "graphforge.roles", "graphforge.builder", "graphforge.pass_spec"),
     # ONNX protos and graphs as graphs, no file and no Model
-    ("graphforge.ir", "graphforge.analysis", "graphforge.analysis.dag", "graphforge.analysis.partition"),
-    ("graphforge.ort_compat", "graphforge.payloads", "graphforge.constants"),
+    ("graphforge.ir", "graphforge.dag"),
+    ("graphforge.ort_compat", "graphforge.payloads"),
+    ("graphforge.stand_ins",),  # weights left out: of protos and of graphsurgeon's constants
+    ("graphforge.constants",),
     ("graphforge.model_io",),  # files
     ("graphforge.graph",),  # the Model passes work on
-    (
-        "graphforge.shapes",
-        "graphforge.verify",
-        "graphforge.program",
-        "graphforge.pass_infra",
-        "graphforge.analysis.size",
-        "graphforge.analysis.host_sync",
-    ),
-    ("graphforge.analysis.cost", "graphforge.placement", "graphforge.placement.cut", "graphforge.placement.precision"),
-    ("graphforge.analysis.memory", "graphforge.placement.buckets", "graphforge.placement.stages"),
+    ("graphforge.shapes", "graphforge.verify", "graphforge.program", "graphforge.pass_infra"),
+)
+ANALYSIS = (  # read-only analyses of a model
+    ("graphforge.analysis", "graphforge.analysis.size", "graphforge.analysis.dims", "graphforge.analysis.partition"),
+    ("graphforge.analysis.host_sync", "graphforge.analysis.cost", "graphforge.analysis.memory"),
+)
+PLACEMENT = (  # where the parts of a program go; the step's cut, and its memory
+    ("graphforge.placement", "graphforge.placement.cut", "graphforge.placement.lean", "graphforge.placement.precision"),
+    ("graphforge.placement.buckets", "graphforge.placement.stages", "graphforge.placement.step"),
+    ("graphforge.placement.step_memory",),
 )
 PASSES = (("graphforge.passes",),)
 RUNTIME = (
@@ -58,7 +60,6 @@ RUNTIME = (
     # the update in torch's kernels, which Module picks; runs cut at the collectives a program marks
     ("graphforge.runtime.fused_update", "graphforge.runtime.chain"),
     ("graphforge.runtime.training",),  # Module: one client of the runner
-    ("graphforge.runtime.step_memory",),
     ("graphforge.runtime",),  # the package's re-exports
 )
 DISTRIBUTED = (  # the runtime's schedules over torch.distributed
@@ -68,26 +69,40 @@ DISTRIBUTED = (  # the runtime's schedules over torch.distributed
         "graphforge.distributed.data_parallel",
         "graphforge.distributed.tensor_parallel",
     ),
-    ("graphforge.distributed.zero_data_parallel", "graphforge.distributed.pipeline_parallel"),
+    ("graphforge.distributed.zero_data_parallel", "graphforge.distributed.stages"),
     ("graphforge.distributed",),
 )
 DRIVER = (("graphforge.pass_manager",),)
 TOOLS = (
-    (
-        "graphforge.train",
-        "graphforge.golden",
-        "graphforge.diff",
-        "graphforge.inspect_memory",
-        "graphforge.inspect_host_syncs",
-        "graphforge.analysis.plan",
-        "graphforge.torch",
-    ),
+    ("graphforge.torch", "graphforge.diff", "graphforge.inspection"),
+    ("graphforge.train", "graphforge.golden"),
+    ("graphforge.planning",),  # the planner: compiles candidates, reads the simulator, writes train configs
 )
 TOP = (("graphforge.cli", "graphforge.__main__", "graphforge"),)  # the CLI, and the package's public re-exports
-LAYERS = {"core": CORE, "passes": PASSES, "runtime": RUNTIME, "distributed": DISTRIBUTED}
-LAYERS |= {"driver": DRIVER, "tools": TOOLS, "top": TOP}
+LAYERS = {"core": CORE, "analysis": ANALYSIS, "placement": PLACEMENT, "passes": PASSES, "runtime": RUNTIME}
+LAYERS |= {"distributed": DISTRIBUTED, "driver": DRIVER, "tools": TOOLS, "top": TOP}
 #: every sub-layer in order, with the name of its layer: (layer, index within it, names)
 ORDER = [(layer, i, names) for layer, subs in LAYERS.items() for i, names in enumerate(subs)]
+#: The folders, lowest first, as the layers hold them: each package of graphforge/ (passes/ is
+#: graphforge.passes), and graphforge/'s own files, which are the core, the driver and the top.
+#: A folder may import only from itself and the folders before it.
+FOLDERS = (
+    "graphforge/ (the core's files)",
+    "graphforge.analysis",
+    "graphforge.placement",
+    "graphforge.passes",
+    "graphforge.runtime",
+    "graphforge.distributed",
+    "graphforge/ (the driver: pass_manager.py)",
+    "graphforge.torch",
+    "graphforge.diff",
+    "graphforge.inspection",
+    "graphforge.train",
+    "graphforge.golden",
+    "graphforge.planning",
+    "graphforge/ (the top: cli.py, __main__.py, __init__.py)",
+)
+
 #: what only the runtime side may import (passes write what must happen into the model)
 RUNTIME_ONLY_LIBRARIES = ("torch",)
 
@@ -218,12 +233,72 @@ def test_no_layer_reaches_a_layer_above_it(imports):
 def test_an_arrow_back_up_inside_the_core_is_caught():
     """The order is what the test holds: one arrow from a lower sub-layer of the core to a
     higher one (the kind constants.py -> analysis once was) is reported, through its path."""
-    graph = nx.DiGraph([("graphforge.constants", "graphforge.analysis.dag")])
+    graph = nx.DiGraph([("graphforge.constants", "graphforge.dag")])
     assert not _arrows_up(graph)
-    graph.add_edge("graphforge.analysis.dag", "graphforge.analysis.cost")
+    graph.add_edge("graphforge.dag", "graphforge.analysis.cost")
     assert _arrows_up(graph) == [
-        "graphforge.analysis.dag (core[1]) -> graphforge.analysis.cost (core[6])",
-        "graphforge.constants (core[2]) -> graphforge.analysis.dag (core[1]) -> graphforge.analysis.cost (core[6])",
+        "graphforge.constants (core[4]) -> graphforge.dag (core[1]) -> graphforge.analysis.cost (analysis[1])",
+        "graphforge.dag (core[1]) -> graphforge.analysis.cost (analysis[1])",
+    ]
+
+
+def _folder(module: str) -> str:
+    """The entry of FOLDERS that holds ``module``."""
+    parts = module.split(".")
+    if module.startswith("graphforge.passes"):
+        return "graphforge.passes"
+    if len(parts) > 1 and (REPO / "graphforge" / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    if module in DRIVER[0]:
+        return FOLDERS[6]
+    return FOLDERS[-1] if any(module in names for names in TOP) else FOLDERS[0]
+
+
+def _arrows_up_by_folder(edges) -> list[str]:
+    """Every import from a folder to one after it in FOLDERS."""
+    rank = {folder: i for i, folder in enumerate(FOLDERS)}
+    return sorted(
+        f"{_folder(a)} -> {_folder(b)} ({a} imports {b})" for a, b in edges if rank[_folder(b)] > rank[_folder(a)]
+    )
+
+
+def test_no_folder_imports_a_folder_above_it(imports):
+    """The import map drawn by folder: each folder reaches only itself and the folders before
+    it in FOLDERS (the planner, a tool, reads the distributed simulator from above it; the
+    analyses below placement no longer reach the runtime through it)."""
+    modules, _, graph = imports
+    assert {_folder(m) for m in modules} <= set(FOLDERS), "a folder missing from FOLDERS"
+    wrong = _arrows_up_by_folder(graph.edges)
+    assert not wrong, "folders that import a folder above them:\n" + "\n".join(wrong[:20])
+
+
+def test_folders_and_layers_agree(imports):
+    """The map by folder and the map by module draw the same house: every module of a folder
+    sits in a sub-layer at or below those of every later folder's modules, so a folder
+    says which layer its files belong to."""
+    modules, _, _ = imports
+    held: dict[str, list[int]] = {}
+    for module in modules:
+        held.setdefault(_folder(module), []).append(_layer(module))
+    present = [f for f in FOLDERS if f in held]
+    wrong = [
+        f"{low} reaches {ORDER[max(held[low])][0]}[{ORDER[max(held[low])][1]}], above {high}'s lowest module"
+        for i, low in enumerate(present)
+        for high in present[i + 1 :]
+        if max(held[low]) > min(held[high])
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_an_arrow_back_up_between_folders_is_caught():
+    """A module of a lower folder importing one of a higher folder (analysis/plan.py importing
+    distributed/ once was) is reported by folder."""
+    edges = [
+        ("graphforge.analysis.cost", "graphforge.graph"),
+        ("graphforge.analysis.plan", "graphforge.distributed.simulate"),
+    ]
+    assert _arrows_up_by_folder(edges) == [
+        "graphforge.analysis -> graphforge.distributed (graphforge.analysis.plan imports graphforge.distributed.simulate)"
     ]
 
 
@@ -367,3 +442,33 @@ def test_a_module_imports_torch_at_its_first_update_not_before():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["False", "True update: torch._fused_adamw_"]
+
+
+def _short(name: str) -> str:
+    """A module or package of LAYERS as docs/architecture.md's layer table writes it."""
+    if name == "graphforge":
+        return "__init__"
+    short = name.removeprefix("graphforge.").replace(".", "/")
+    return short + "/" if (REPO / "graphforge" / short).is_dir() or short == "passes" else short
+
+
+def layer_rows() -> dict[str, str]:
+    """Each layer's sub-layers as the architecture's table lists them: modules of a sub-layer
+    by commas, sub-layers lowest first by arrows."""
+    return {
+        layer: " → ".join(", ".join(f"`{_short(n)}`" for n in names) for names in subs)
+        for layer, subs in LAYERS.items()
+    }
+
+
+def test_the_architecture_draws_the_layers_this_test_holds():
+    """docs/architecture.md's layer table is this test's LAYERS, row by row, in order (when the
+    layers change, the message gives the rows to write)."""
+    text = (REPO / "docs" / "architecture.md").read_text().split("\n## Layers\n", 1)[-1].split("\n## ", 1)[0]
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ") and line.count("|") >= 4]
+    drawn = {cells[1].strip(): cells[3].strip() for cells in rows if cells[1].strip() in LAYERS}
+    expected = layer_rows()
+    assert list(drawn) == list(expected) and drawn == expected, (
+        "write the layer table's third column as:\n"
+        + "\n".join(f"| {layer} | ... | {row} | ... |" for layer, row in expected.items())
+    )

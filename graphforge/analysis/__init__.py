@@ -1,5 +1,5 @@
-"""Read-only analyses of graphs (networkx views, orderings)."""
-
-from graphforge.analysis.dag import outer_inputs, placed_early, to_digraph, topological_order
-
-__all__ = ["outer_inputs", "placed_early", "to_digraph", "topological_order"]
+"""Read-only analyses of a model, below placement and the runtime: sizes (``size``), the
+dims a program fixes from those given (``dims``), FLOPs and bytes per node (``cost``),
+liveness and a run's predicted peak memory (``memory``), nodes that wait for the host
+(``host_sync``), and balanced cuts of a chain (``partition``). None of them changes a model
+or runs a session."""

@@ -37,9 +37,10 @@ from graphforge.analysis.dims import bind_inputs, completed
 from graphforge.analysis.size import nbytes
 from graphforge.errors import InvalidModelError
 from graphforge.ir import ALIASING_OPS, node_reads
-from graphforge.payloads import copy_leaving_values_out, copy_without_initializers, is_stand_in
+from graphforge.payloads import copy_without_initializers
 from graphforge.program import CarriedSpec, ProgramRoles
 from graphforge.roles import node_origin
+from graphforge.stand_ins import copy_leaving_values_out, is_stand_in
 
 #: the parts a peak is split into, in the order reports show them
 CATEGORIES = (

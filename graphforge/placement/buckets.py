@@ -9,8 +9,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import topological_order
 from graphforge.analysis.size import nbytes
+from graphforge.dag import topological_order
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.program import ProgramRoles

@@ -21,7 +21,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import outer_inputs, topological_order
+from graphforge.dag import outer_inputs, topological_order
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.shapes import infer_shapes

@@ -35,8 +35,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
 from graphforge import roles
-from graphforge.analysis import placed_early, topological_order
-from graphforge.analysis.dag import outer_inputs
+from graphforge.dag import outer_inputs, placed_early, topological_order
 from graphforge.ir import onnx_dtype
 from graphforge.ort_compat import EMULATED, node_kernel
 
@@ -133,7 +132,7 @@ def program_policy(keep_fp32: Iterable[str] = ()) -> Callable[[gs.Node], Policy]
 
     def policy(node: gs.Node) -> Policy:
         name = node.name or ""
-        if name.startswith((roles.OPTIM_PREFIX, roles.ALLREDUCE_PREFIX, roles.PIPELINE_PREFIX)):
+        if name.startswith((roles.OPTIM_PREFIX, roles.ALLREDUCE_PREFIX, roles.STAGES_PREFIX)):
             return Policy.OUTSIDE
         if name.startswith((roles.LOSS_PREFIX, roles.GRAD_PREFIX + roles.LOSS_PREFIX)):
             return Policy.FP32

@@ -1,7 +1,7 @@
 """Pipeline stages of a training program: where each node runs, and each stage's segments.
 
 The pipeline pass records only the forward tensors the stages are cut after
-(the ``graphforge.pipeline`` metadata key); everything else follows from the program, the same way in the
+(the ``graphforge.stages`` metadata key); everything else follows from the program, the same way in the
 pass and in the runtime:
 
 - **Phases.** A node the gradient boundary (or an output the update does not write: the
@@ -35,8 +35,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import outer_inputs, topological_order
 from graphforge.analysis.cost import model_flops, tensor_bytes
+from graphforge.dag import outer_inputs, topological_order
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.placement.cut import Segment, restore_initializer_inputs, segment_model
@@ -383,7 +383,7 @@ def stage_segments(model: Model | onnx.ModelProto, stage: int) -> StageSegments:
     """Stage ``stage``'s segments of a program the pipeline pass split (its recorded cuts)."""
     model = infer_shapes(Model.from_proto(model) if isinstance(model, onnx.ModelProto) else model)
     program = ProgramRoles.of_model(model)
-    role = program.pipeline
+    role = program.stages
     if role is None:
         raise StageError("the program has no pipeline stages: compile it with the pipeline pass")
     if not 0 <= stage < role.stages:

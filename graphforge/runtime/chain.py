@@ -21,8 +21,8 @@ import onnxruntime as ort
 from graphforge import roles
 from graphforge.errors import GraphforgeError
 from graphforge.placement.cut import Segment, cut
+from graphforge.placement.lean import lean_model
 from graphforge.runtime.runner import Hook, Runner, SegmentRun
-from graphforge.runtime.sessions import lean_model
 
 #: cuts kept for models specialized to a batch's dims (then the cut of the model for any dims)
 MAX_CUTS = 16

@@ -33,8 +33,10 @@ from onnx import helper, numpy_helper
 
 from graphforge.analysis.memory import in_place_safety
 from graphforge.errors import GraphforgeError, one_line
+from graphforge.ir import node_reads
 from graphforge.passes.specialize import specialized
 from graphforge.placement.cut import Segment
+from graphforge.placement.lean import lean_model
 from graphforge.program import CarriedSpec
 from graphforge.runtime.capture import (
     captured_providers,
@@ -46,7 +48,7 @@ from graphforge.runtime.capture import (
 )
 from graphforge.runtime.devices import Device
 from graphforge.runtime.dlpack import synchronize
-from graphforge.runtime.sessions import create_session, lean_model, node_reads, session_options, share_arena
+from graphforge.runtime.sessions import create_session, session_options, share_arena
 
 #: host outputs of a fixed shape up to this many elements get a preallocated buffer
 PREALLOCATED_MAX = 4096

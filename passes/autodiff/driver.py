@@ -28,9 +28,8 @@ from graphforge.passes.autodiff.context import GradContext
 from graphforge.passes.autodiff.registry import RULES, RuleRegistry
 
 from graphforge import roles
-from graphforge.analysis import topological_order
-from graphforge.analysis.dag import outer_inputs
 from graphforge.builder import Builder
+from graphforge.dag import outer_inputs, topological_order
 from graphforge.errors import PassError
 from graphforge.ir import gc_paused
 

@@ -15,9 +15,9 @@ import onnx_graphsurgeon as gs
 from graphforge.passes.autodiff.context import GradContext
 from graphforge.passes.autodiff.driver import build_subgraph_gradients
 
-from graphforge.analysis.dag import outer_inputs
 from graphforge.builder import Builder
 from graphforge.constants import CONSTANT_ELEMENTS, constant_value
+from graphforge.dag import outer_inputs
 from graphforge.ir import all_graphs, onnx_dtype
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from graphforge.passes.autodiff.driver import GRAD_PREFIX, build_gradients, is_differentiable_type
 
-from graphforge.analysis import topological_order
 from graphforge.builder import Builder
+from graphforge.dag import topological_order
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import every_graph, replace_uses

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from graphforge.analysis.memory import CATEGORIES, MAY_IN_PLACE, dims_of, execution_order, predict
-from graphforge.runtime.step_memory import step_memory
+from graphforge.placement.step_memory import step_memory
 
 pytest.importorskip("torch")
 

@@ -66,7 +66,7 @@ def test_at_fixed_dims_no_node_of_the_step_stays_on_the_host(compiled):
     Size nodes, which fold as Shape does (a Llama export kept 18 Range nodes over them)."""
     from graphforge.passes.specialize import input_dims
 
-    from graphforge.inspect_host_syncs import session_syncs
+    from graphforge.inspection.host_syncs import session_syncs
 
     *_, program = compiled
     with_optimizer = graphforge.compile(program, "adamw(lr=1e-3)").model

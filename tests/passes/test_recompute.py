@@ -18,9 +18,9 @@ import graphforge
 from graphforge.analysis.memory import dims_of
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
+from graphforge.placement.step_memory import step_memory
 from graphforge.program import ProgramRoles
 from graphforge.runtime import Module
-from graphforge.runtime.step_memory import step_memory
 
 pytest.importorskip("torch")
 

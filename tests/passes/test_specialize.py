@@ -18,7 +18,7 @@ import graphforge
 from graphforge.analysis.host_sync import host_syncs
 from graphforge.errors import PipelineError
 from graphforge.graph import Model
-from graphforge.inspect_host_syncs import session_syncs
+from graphforge.inspection.host_syncs import session_syncs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -10,7 +10,8 @@ import pytest
 
 from graphforge.analysis.memory import execution_order
 from graphforge.errors import GraphforgeError
-from graphforge.runtime.sessions import create_session, lean_model
+from graphforge.placement.lean import lean_model
+from graphforge.runtime.sessions import create_session
 
 MODEL = """
 <ir_version: 8, opset_import: ["" : 17]>

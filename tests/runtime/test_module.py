@@ -291,12 +291,12 @@ def test_a_second_module_on_the_program_finds_its_split_made(program, monkeypatc
     """The forward/backward and update segments are cut once per program and ``norm_first``
     in a process; a second Module on the program (a resume, an evaluation copy) trains on the
     same cut, and equals the first step for step. Another program is cut afresh."""
-    from graphforge.runtime import training
+    from graphforge.placement import step
 
-    monkeypatch.setattr(training, "_splits", type(training._splits)())
+    monkeypatch.setattr(step, "_splits", type(step._splits)())
     cuts = []
-    real = training._cut_in_two
-    monkeypatch.setattr(training, "_cut_in_two", lambda *a, **k: cuts.append(k["norm_first"]) or real(*a, **k))
+    real = step._cut_in_two
+    monkeypatch.setattr(step, "_cut_in_two", lambda *a, **k: cuts.append(k["norm_first"]) or real(*a, **k))
     first, second = Module(program, device="cpu"), Module(program, device="cpu")
     for x, target in tm.batches(3):
         assert np.array_equal(first.train_step(x, target), second.train_step(x, target))

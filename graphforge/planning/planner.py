@@ -17,7 +17,7 @@ compiles (never runs) each candidate's program and reads its costs:
   vocabulary's TensorParallelMax, a ring all-reduce of 2 (T - 1) / T of its bytes), the
   data-parallel gradient reduction (2 (D - 1) / D of the gradients' bytes, in 25 MB buckets; ZeRO's reduce-scatter and all-gather move
   the same), the activations a stage sends per micro-batch (inside the simulation);
-- memory: a step's predicted peak (graphforge.runtime.step_memory) of the member's program
+- memory: a step's predicted peak (graphforge.placement.step_memory) of the member's program
   (two buffers per carried tensor where the run is data-parallel, as DataParallel keeps
   them), less ZeRO's sharded states (and gradients at stage 2); a stage's parameters, their
   gradients, its optimizer states and the activations its schedule stashes at most.
@@ -52,12 +52,12 @@ from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.pass_infra import Pass
 from graphforge.pass_manager import PassManager
-from graphforge.passes import PipelinePartition, Recompute, TensorParallel
+from graphforge.passes import Recompute, StagePartition, TensorParallel
 from graphforge.passes.tensor_parallel import with_tensor_parallel
-from graphforge.payloads import weights_left_out
 from graphforge.placement.stages import UPDATE, phases
+from graphforge.placement.step_memory import step_memory
 from graphforge.program import ProgramRoles
-from graphforge.runtime.step_memory import step_memory
+from graphforge.stand_ins import weights_left_out
 
 #: gloo's all-reduce between 2 processes on one machine (loopback), measured on the 2-core
 #: EPYC VM the benchmarks run on: 16 MiB in 16 ms (2 (n - 1) / n of it moved: 1.0 GB/s), and
@@ -232,7 +232,7 @@ def planned_passes(passes: Sequence[Pass], split: Split, dims: Mapping[str, int]
     if split.stages > 1 or split.microbatches > 1:
         out = [dataclasses.replace(p, accumulate=True) if hasattr(p, "accumulate") else p for p in out]
     if split.stages > 1:
-        out.append(PipelinePartition(stages=split.stages, microbatches=split.microbatches))
+        out.append(StagePartition(stages=split.stages, microbatches=split.microbatches))
     return out
 
 
@@ -316,7 +316,7 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     # the mesh's ranks are ordered data, pipeline, tensor: a tensor group is T consecutive
     # ranks, a pipeline T × S, the data-parallel replicas all of them
     tensor_link = hardware.link(split.tensor)
-    pipeline_link = hardware.link(split.tensor * split.stages)
+    stage_link = hardware.link(split.tensor * split.stages)
     data_link = hardware.link(split.processes)
     parameters = [c for c in program_roles.carried if c.role == "parameter"]
     states = [c for c in program_roles.carried if c.role == "optimizer"]
@@ -325,7 +325,7 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
     bubble = 0.0
     phase: dict[int, str] = {}  # each node's phase, where accumulation without stages needs it
     if split.stages > 1:
-        role = program_roles.pipeline
+        role = program_roles.stages
         costs = role.costs
         stretch = seconds / (flops / rate) if flops else 1.0  # (what memory adds, spread evenly)
         # a backward is about twice its forward
@@ -333,7 +333,7 @@ def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Pr
         backward = [stretch * 2 * f / 3 / rate + hardware.overhead for f in costs["flops"]]
         tensors = model.graph.tensors()
         sends = max((tensor_bytes(tensors[c], run_dims) for c in role.cuts if c in tensors), default=0)
-        bandwidth, latency = pipeline_link
+        bandwidth, latency = stage_link
         comm = latency + sends / bandwidth  # a stage's activations out, its gradients back
         schedule = make_schedule(role.schedule, split.stages, split.microbatches)
         simulation = simulate(schedule, Costs(forward, backward, comm))

@@ -22,8 +22,8 @@ from graphforge.analysis.memory import (
 )
 from graphforge.graph import Model
 from graphforge.model_io import ModelSource
+from graphforge.placement.step import IN_PLACE_ROLES, split_program, step_models
 from graphforge.program import ProgramRoles, program_proto
-from graphforge.runtime.training import IN_PLACE_ROLES, split_program, step_models
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """``graphforge plan``: a train config's splits over N processes, predicted
-(graphforge.analysis.plan), and the config written back with the one picked.
+(graphforge.planning.planner), and the config written back with the one picked.
 
 The config's step is taken as the global batch: ``data.batch_size`` × ``train.accumulate``,
 what one process of it trains on in a step. A split of D data-parallel replicas gives each 1/D
@@ -22,7 +22,9 @@ import onnx
 import tomlkit
 
 from graphforge.analysis.memory import dims_of
-from graphforge.analysis.plan import (
+from graphforge.model_io import load
+from graphforge.pass_manager import parse_pipeline, pipeline_text
+from graphforge.planning.planner import (
     CPU_RUN_OVERHEAD,
     GLOO_BANDWIDTH,
     GLOO_LATENCY,
@@ -33,8 +35,6 @@ from graphforge.analysis.plan import (
     plan,
     planned_passes,
 )
-from graphforge.model_io import load
-from graphforge.pass_manager import parse_pipeline
 from graphforge.tempfiles import write_atomically
 from graphforge.train.config import Config, ConfigError, load_config
 
@@ -42,7 +42,7 @@ from graphforge.train.config import Config, ConfigError, load_config
 #: streams through an elementwise kernel, shared by all its processes: measured on the 2-core
 #: EPYC VM the benchmarks run on by benchmarks/kernel_rates_bench.py (docs/benchmarks.md,
 #: "Kernel rates"). Each node of a program takes the longer of the two
-#: (graphforge.analysis.plan): the kernels' figures, not the steps', which mix both bounds.
+#: (graphforge.planning.planner): the kernels' figures, not the steps', which mix both bounds.
 #: GPT-2 2×256's step (45.2 GFLOP, 5.7 GB moved) is then predicted at 417 ms where one process
 #: measured 394 (docs/benchmarks.md, "Planning splits")
 CPU_FLOPS_PER_CORE = 8.0e10
@@ -51,7 +51,7 @@ CPU_MEMORY_BANDWIDTH = 2.7e10
 
 @dataclass(frozen=True)
 class ConfigPlan:
-    """A config's candidates (graphforge.analysis.plan), the global batch and dims they assume."""
+    """A config's candidates (graphforge.planning.planner), the global batch and dims they assume."""
 
     config: Config
     candidates: list[Candidate]
@@ -119,7 +119,7 @@ def write_planned(planned: ConfigPlan, split: Split, target: Path, note: str) ->
     micro = planned.batch // (split.data * split.microbatches)
     replica = {**planned.dims, **dict.fromkeys(planned.batch_dims, micro)}
     passes = planned_passes(parse_pipeline(config.model.pipeline), split, replica)
-    model["pipeline"] = ", ".join(p.spec() for p in passes)
+    model["pipeline"] = pipeline_text(passes, config.model.pipeline, full=False)  # the user's spelling kept
     data = document.setdefault("data", tomlkit.table())
     data["batch_size"] = micro
     train = document.get("train")

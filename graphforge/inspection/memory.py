@@ -8,8 +8,8 @@ from rich.table import Table
 
 from graphforge.analysis.memory import CATEGORIES, predict
 from graphforge.analysis.size import human_bytes
+from graphforge.placement.step_memory import step_memory
 from graphforge.program import ProgramRoles
-from graphforge.runtime.step_memory import step_memory
 
 #: the tensors listed as live at the peak
 LARGEST = 10

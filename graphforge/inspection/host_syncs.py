@@ -10,9 +10,9 @@ import onnx
 from graphforge.analysis.host_sync import HostSync, host_syncs
 from graphforge.graph import Model
 from graphforge.passes.specialize import input_dims, specialized
+from graphforge.placement.lean import lean_model
+from graphforge.placement.step import step_models
 from graphforge.program import ProgramRoles
-from graphforge.runtime.sessions import lean_model
-from graphforge.runtime.training import step_models
 
 
 @dataclass(frozen=True)
