@@ -12,11 +12,10 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
-from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
-from graphforge.analysis.dag import topological_order
+from graphforge.dag import topological_order
 from graphforge.ir import NONDETERMINISTIC_OPS
-from graphforge.payloads import is_stand_in
+from graphforge.stand_ins import is_left_out
 
 #: a Constant node's attributes that hold its value, other than ``value`` (a tensor)
 _CONSTANT_LISTS = {"value_int": np.int64, "value_ints": np.int64, "value_float": np.float32, "value_floats": np.float32}
@@ -43,13 +42,6 @@ def is_constant(tensor: gs.Tensor) -> bool:
         isinstance(producer.attrs.get("value"), gs.Constant)
         or any(n in producer.attrs and not isinstance(producer.attrs[n], gs.Node.AttributeRef) for n in _CONSTANT_LISTS)
     )
-
-
-def is_left_out(constant: gs.Constant) -> bool:
-    """Whether ``constant`` has no values, only its type and shape: a weight of a model
-    compiled for its shapes alone (``payloads.weights_left_out``)."""
-    values = constant._values
-    return isinstance(values, LazyValues) and not isinstance(values, SparseValues) and is_stand_in(values.tensor)
 
 
 def _constant_node(tensor: gs.Tensor) -> gs.Node | None:

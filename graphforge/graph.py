@@ -2,24 +2,22 @@
 does not keep, and its way to and from a ModelProto without copying the weights more than once
 (large values stay in the TensorProto they were read from, stand-ins while exporting).
 
-Files are read and written by ``graphforge/model_io.py``; payload-free copies of protos are
-``graphforge/payloads.py``'s.
+Files are read and written by ``graphforge/model_io.py``; stand-ins, and every read and write
+of a constant's stored values, are ``graphforge/stand_ins.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
-from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
-from graphforge.constants import is_left_out
 from graphforge.ir import (
     FLOAT_TYPES,
     TORCH_FOLDED,
@@ -33,15 +31,19 @@ from graphforge.ir import (
     torch_training_batchnorms,
 )
 from graphforge.model_io import load
-from graphforge.payloads import (
-    EXTERNAL_DATA_THRESHOLD,
+from graphforge.payloads import EXTERNAL_DATA_THRESHOLD
+from graphforge.roles import metadata_of
+from graphforge.stand_ins import (
     can_leave_out,
+    exported_constants,
     is_stand_in,
-    long_enough,
+    lazy_tensor,
     stand_in,
+    store_values,
+    stored_values,
+    take_values,
     without_values,
 )
-from graphforge.roles import metadata_of
 
 
 @dataclass
@@ -77,11 +79,11 @@ class Model:
         if len(shared) != len(large):  # two of one name: which is which?
             return cls.from_proto(load(proto))
         model = cls.from_proto(without_values(proto, shared))
-        for constant in _constants(model.graph):
-            lazy = _lazy_tensor(constant)
+        for constant in exported_constants(model.graph):
+            lazy = lazy_tensor(constant)
             if lazy is not None and is_stand_in(lazy) and constant.name in shared:
                 tensor = shared[constant.name]
-                constant._values = LazyValues(tensor)
+                store_values(constant, tensor)
                 constant.data_location = tensor.data_location if tensor.HasField("data_location") else None
         return model
 
@@ -189,78 +191,6 @@ def _type_empty_constant_lists(graph: gs.Graph) -> None:
                     node.attrs["value"] = gs.Constant(node.name or key, np.zeros(0, dtype))
 
 
-#: set on a LazyValues whose tensor's raw_data was found long enough: its bytes never change,
-#: and measuring them copies them (``long_enough``), once per pass otherwise
-_LENGTH_CHECKED = "graphforge_length_checked"
-
-
-def stand_ins_long_enough(proto: onnx.ModelProto, model: Model) -> bool:
-    """Whether the values that ``proto`` (``model.to_proto(values=False)``) left out hold enough
-    bytes for their shapes, as the checker requires (NumPy arrays always do)."""
-    left_out = {t.name for t in proto.graph.initializer if is_stand_in(t)}
-    for constant in _constants(model.graph):
-        tensor = _lazy_tensor(constant) if constant.name in left_out else None
-        if tensor is None or is_stand_in(tensor) or getattr(constant._values, _LENGTH_CHECKED, False):
-            continue  # (a model compiled for its shapes alone has no values to measure)
-        if not long_enough(tensor):
-            return False
-        setattr(constant._values, _LENGTH_CHECKED, True)
-    return True
-
-
-def known_long_enough(model: Model) -> set[str]:
-    """The names of ``model``'s constants whose values its export writes with enough bytes for
-    their shapes: NumPy arrays, and values read from a file that were checked (``_LENGTH_CHECKED``)."""
-    return {
-        c.name
-        for c in _constants(model.graph)
-        if isinstance(c._values, np.ndarray) or getattr(c._values, _LENGTH_CHECKED, False)
-    }
-
-
-def mark_lengths_checked(model: Model) -> None:
-    """Record that the values ``model`` reads from its source model are long enough for their
-    shapes: that model passed ``verify_model``, which checks that (``stand_ins_long_enough``
-    then does not measure them again)."""
-    for constant in _constants(model.graph):
-        if _lazy_tensor(constant) is not None:
-            setattr(constant._values, _LENGTH_CHECKED, True)
-
-
-def has_left_out(model: Model) -> bool:
-    """Whether some weight of ``model`` is ``is_left_out``: it compiles for its shapes alone."""
-    return any(is_left_out(c) for c in _constants(model.graph))
-
-
-def left_out_as(constant: gs.Constant, shape: Sequence[int]) -> None:
-    """Make ``constant`` (``is_left_out``) stand in for a tensor of ``shape``: its slice, say."""
-    tensor = _lazy_tensor(constant)
-    constant._values = LazyValues(stand_in(constant.name, tensor.data_type, list(shape)))
-
-
-def _lazy_tensor(constant: gs.Constant) -> onnx.TensorProto | None:
-    """The TensorProto a constant imported from a file still reads its values from, if any."""
-    values = constant._values
-    if isinstance(values, LazyValues) and not isinstance(values, SparseValues):
-        return values.tensor
-    return None
-
-
-def _constants(graph: gs.Graph) -> Iterator[gs.Constant]:
-    """The constants an export writes as initializers (the main graph's, then those its
-    subgraphs read, which ``_hoist_subgraph_initializers`` moves to the main graph), each object
-    once, and each name once; cheaper than ``graph.tensors()``, which also maps every variable."""
-    seen: set[int] = set()
-    names: set[str] = set()
-    for g in all_graphs(graph):
-        for tensors in (g.inputs, *(node.inputs for node in g.nodes), g.outputs):
-            for tensor in tensors:
-                if isinstance(tensor, gs.Constant) and id(tensor) not in seen and tensor.name not in names:
-                    seen.add(id(tensor))
-                    names.add(tensor.name)
-                    yield tensor
-
-
 def _hoist_subgraph_initializers(graph: onnx.GraphProto) -> None:
     """onnx-graphsurgeon writes an outer initializer that If/Loop/Scan bodies read into each
     of those bodies (a copy each, and a stand-in of it when values are left out): move them to
@@ -294,12 +224,12 @@ def _stand_in_for(constant: gs.Constant, values: bool) -> onnx.TensorProto | Non
     With ``values`` (the stand-in is filled afterwards): every constant still read from a
     TensorProto, so the export never touches that TensorProto (onnx-graphsurgeon's renames
     it), and every large NumPy one. Without: the large floating-point ones (``can_leave_out``)."""
-    tensor = _lazy_tensor(constant)
+    tensor = lazy_tensor(constant)
     if tensor is not None:
         if values or can_leave_out(tensor):
             return stand_in(constant.name, tensor.data_type, tensor.dims)
         return None
-    array = constant._values
+    array = stored_values(constant)
     if not isinstance(array, np.ndarray) or array.nbytes < EXTERNAL_DATA_THRESHOLD:
         return None
     data_type = dtype_to_onnx(constant.export_dtype)
@@ -322,26 +252,26 @@ def _values_left_out(graph: gs.Graph, *, values: bool) -> Iterator[dict[str, gs.
         def export_from_copy(constant: gs.Constant, tensor: onnx.TensorProto) -> None:
             copy = onnx.TensorProto()
             copy.CopyFrom(tensor)
-            private.append((constant, constant._values))
-            constant._values = LazyValues(copy)
+            private.append((constant, stored_values(constant)))
+            store_values(constant, copy)
 
-        for constant in _constants(graph):
+        for constant in exported_constants(graph):
             stand_in = _stand_in_for(constant, values)
             if stand_in is not None:
-                swapped.append((constant, constant._values))
-                constant._values = LazyValues(stand_in)
-            elif (tensor := _lazy_tensor(constant)) is not None and tensor.name != constant.name:
+                swapped.append((constant, stored_values(constant)))
+                store_values(constant, stand_in)
+            elif (tensor := lazy_tensor(constant)) is not None and tensor.name != constant.name:
                 export_from_copy(constant, tensor)
         for g in all_graphs(graph):
             for node in g.nodes:
                 for value in node.attrs.values():
-                    tensor = _lazy_tensor(value) if isinstance(value, gs.Constant) else None
+                    tensor = lazy_tensor(value) if isinstance(value, gs.Constant) else None
                     if tensor is not None:
                         export_from_copy(value, tensor)
         yield {constant.name: constant for constant, _ in swapped}
     finally:
         for constant, original in [*swapped, *private]:
-            constant._values = original
+            store_values(constant, original)
 
 
 def _put_values_back(graph: onnx.GraphProto, left_out: dict[str, gs.Constant]) -> None:
@@ -356,7 +286,7 @@ def _put_values_back(graph: onnx.GraphProto, left_out: dict[str, gs.Constant]) -
 
 def _copy_values(constant: gs.Constant, tensor: onnx.TensorProto) -> None:
     """Write ``constant`` (its name and values) into ``tensor``: one copy of its bytes."""
-    source = _lazy_tensor(constant)
+    source = lazy_tensor(constant)
     tensor.CopyFrom(source if source is not None else OnnxExporter.export_tensor_proto(constant))
     tensor.name = constant.name
 
@@ -387,7 +317,7 @@ def _write_over(exported: onnx.ModelProto, left_out: dict[str, gs.Constant], tar
     owned = {id(tensor) for tensor in target.graph.initializer}
     staying: dict[int, str] = {}  # id of a target initializer -> the constant that keeps it
     for name in order:
-        source = _lazy_tensor(left_out[name]) if name in left_out else None
+        source = lazy_tensor(left_out[name]) if name in left_out else None
         if source is not None and id(source) in owned and id(source) not in staying:
             staying[id(source)] = name
     initializers = target.graph.initializer
@@ -424,14 +354,12 @@ def _write_over(exported: onnx.ModelProto, left_out: dict[str, gs.Constant], tar
 
 def _take_values(graph: gs.Graph, source: gs.Graph) -> None:
     """Give ``graph``'s stand-in constants the values of ``source``'s constants of the same name."""
-    originals = {constant.name: constant for constant in _constants(source)}
-    for constant in _constants(graph):
-        lazy = _lazy_tensor(constant)
+    originals = {constant.name: constant for constant in exported_constants(source)}
+    for constant in exported_constants(graph):
+        lazy = lazy_tensor(constant)
         if lazy is None or not is_stand_in(lazy):
             continue
         original = originals.get(constant.name)
         if original is None:
             raise ValueError(f"the values of constant {constant.name!r} were left out, and the source lacks them")
-        constant._values = original._values
-        constant.data_location = original.data_location
-        constant._export_dtype = original._export_dtype
+        take_values(constant, original)

@@ -25,11 +25,11 @@ from graphforge.payloads import (
     copy_fields,
     copy_without_initializers,
     exceeds_protobuf_limit,
-    is_stand_in,
     raw_data_size,
     serialized_within_limit,
 )
-from graphforge.tempfiles import temp_folder_beside
+from graphforge.stand_ins import is_stand_in
+from graphforge.tempfiles import move_into_place, temp_folder_beside
 
 
 class Exportable(Protocol):
@@ -200,13 +200,13 @@ def save(
             tmp_model.write_bytes(out.SerializeToString() if serialized is None else serialized)
             del serialized
             if not tmp_data.exists():
-                os.replace(tmp_model, path)
+                move_into_place(tmp_model, path)
                 return path
             if data_path.exists():
                 _link_or_copy(data_path, backup)
-            os.replace(tmp_data, data_path)
+            move_into_place(tmp_data, data_path)
             try:
-                os.replace(tmp_model, path)
+                move_into_place(tmp_model, path)
             except OSError:
                 if backup.exists():
                     os.replace(backup, data_path)

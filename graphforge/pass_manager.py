@@ -15,13 +15,15 @@ from pathlib import Path
 import onnx
 
 from graphforge.errors import GraphforgeError, ModelSaveError, PassError, PipelineError
-from graphforge.graph import Model, mark_lengths_checked, names_kept
+from graphforge.graph import Model, names_kept
 from graphforge.ir import gc_paused, op_histogram
 from graphforge.model_io import ModelSource, load, refuse_unresolved_external_data, save
 from graphforge.pass_infra import Pass, PassRegistry, PassResult, facts_of, unmet_requirement
+from graphforge.pass_spec import format_value, pass_texts, with_values
 from graphforge.passes import REGISTRY
 from graphforge.roles import metadata_of
 from graphforge.runtime.sessions import check_loads
+from graphforge.stand_ins import mark_lengths_checked
 from graphforge.verify import verify_model
 
 #: a pass that asks for a fixed point is stopped after this many applications
@@ -145,7 +147,7 @@ class PassManager:
             model = Model.from_proto(proto) if own else Model.reading(proto)
             histogram = op_histogram(proto)  # of `model`, from its last export
         if self.verify:
-            mark_lengths_checked(model)  # verified above
+            mark_lengths_checked(model.graph)  # verified above
         records: list[PassRecord] = []
         current: onnx.ModelProto | None = proto  # `model` exported whole; None when it was not
         # the result may be written over a source model of our own (read from a file, or the
@@ -305,6 +307,31 @@ def default_registry() -> PassRegistry:
 def parse_pipeline(text: str, registry: PassRegistry | None = None) -> list[Pass]:
     """Parse pipeline text into passes of ``registry`` (default: the shipped ones)."""
     return (REGISTRY if registry is None else registry).parse(text)
+
+
+def pipeline_text(
+    passes: Sequence[Pass], written: str, *, full: bool = True, registry: PassRegistry | None = None
+) -> str:
+    """``passes`` as pipeline text that keeps ``written``'s spelling: ``passes`` is the pipeline
+    ``written`` parses to with passes added (each its ``spec(full=full)``) or with parameters changed (set in the pass as written); every other pass and value stays
+    as the user wrote it."""
+    originals, texts = parse_pipeline(written, registry), pass_texts(written)
+    out, at = [], 0
+    for p in passes:
+        if at < len(originals) and p == originals[at]:
+            out.append(texts[at])
+        elif at < len(originals) and type(p) is type(originals[at]):
+            changed = {
+                f.name: format_value(getattr(p, f.name))
+                for f in p.parameters()
+                if getattr(p, f.name) != getattr(originals[at], f.name)
+            }
+            out.append(with_values(texts[at], changed))
+        else:
+            out.append(p.spec(full=full))
+            continue
+        at += 1
+    return ", ".join(out)
 
 
 def compile(source: ModelSource | Model, pipeline: str | Sequence[Pass], **options) -> CompileResult:

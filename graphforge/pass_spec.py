@@ -82,6 +82,45 @@ def parse_passes(text: str, lookup: Callable[[str], Any]) -> list:
     return [_build_pass(item, lookup, text) for item in tree.body.elts]
 
 
+def pass_texts(text: str) -> list[str]:
+    """Each pass of pipeline ``text`` as it is written there (``text`` parses: ``parse_passes``)."""
+    source = f"[{text}]"
+    tree = ast.parse(source, mode="eval")
+    return [ast.get_source_segment(source, item) for item in tree.body.elts]
+
+
+def with_values(pass_text: str, values: dict[str, str]) -> str:
+    """``pass_text`` (one pass as written: ``adamw`` or ``adamw(lr=1e-3)``) with the parameters
+    in ``values`` (name -> value text) set: a value written there is replaced where it stands,
+    others are added after the last; everything else keeps its spelling."""
+    item = ast.parse(pass_text, mode="eval").body
+    if isinstance(item, ast.Name):
+        return f"{pass_text}({', '.join(f'{k}={v}' for k, v in values.items())})" if values else pass_text
+    lines = pass_text.splitlines(keepends=True)
+    starts = [sum(len(line) for line in lines[:i]) for i in range(len(lines))]
+
+    def offset(line: int, column: int) -> int:  # ast counts columns in UTF-8 bytes
+        return starts[line - 1] + len(lines[line - 1].encode()[:column].decode())
+
+    edits, added = [], dict(values)
+    for kw in item.keywords:
+        if kw.arg in added:
+            edits.append(
+                (
+                    offset(kw.value.lineno, kw.value.col_offset),
+                    offset(kw.value.end_lineno, kw.value.end_col_offset),
+                    added.pop(kw.arg),
+                )
+            )
+    close = offset(item.end_lineno, item.end_col_offset) - 1  # the closing parenthesis
+    if added:
+        tail = ", ".join(f"{k}={v}" for k, v in added.items())
+        edits.append((close, close, f", {tail}" if item.keywords else tail))
+    for start, end, value in sorted(edits, reverse=True):
+        pass_text = pass_text[:start] + value + pass_text[end:]
+    return pass_text
+
+
 _CLOSING = {"(": ")", "[": "]"}
 
 

@@ -1,25 +1,17 @@
-"""A model's payloads (the bytes of its weights) and the copies that leave them out.
+"""A model's payloads (the bytes of its weights): their sizes, protobuf's limit, and copies of
+a model that never read them (the copies with stand-ins for them are ``stand_ins.py``'s).
 
-Shape inference and the checker read an initializer's type and shape, and its values only
-when they are a small constant input (a Reshape's shape, Range's bounds, Resize's scales); the
-checker also checks the values are long enough. Checking, inferring shapes of, or copying a
-model with large weights spends nearly all of its time serializing and parsing them, so the copies here leave the large floating-point ones out
-(integers are kept: shapes are integers). A stand-in is marked as external data at LEFT_OUT,
-which the checker and shape inference both accept without reading; the checker needs a file of
-that name beside the model it checks. Sizes are measured from dims and types, never by reading
-a payload (reading a bytes field copies it). Protobuf messages only: no file, no Model.
+Sizes are measured from dims and types, never by reading a payload (reading a bytes field
+copies it). Protobuf messages only: no file, no Model.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 
 import onnx
 from google.protobuf.message import EncodeError
 from onnx import external_data_helper
-
-from graphforge.ir import FLOAT_TYPES
 
 #: protobuf refuses to serialize a message of 2 GiB or more
 PROTOBUF_LIMIT = 2**31 - 1
@@ -27,83 +19,6 @@ PROTOBUF_LIMIT = 2**31 - 1
 
 #: tensors at least this large go to the external data file when one is written
 EXTERNAL_DATA_THRESHOLD = 1024
-
-
-#: the external-data location that a tensor whose values were left out names (a stand-in);
-#: no file of that name is ever read: the checker only sees that one exists
-LEFT_OUT = "graphforge-values-left-out"
-
-
-def stand_in(name: str, data_type: int, dims) -> onnx.TensorProto:
-    tensor = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims))
-    tensor.data_location = onnx.TensorProto.EXTERNAL
-    tensor.external_data.add(key="location", value=LEFT_OUT)
-    return tensor
-
-
-def is_stand_in(tensor: onnx.TensorProto) -> bool:
-    """Whether ``tensor`` is a stand-in whose values were left out of a copy."""
-    return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
-        e.key == "location" and e.value == LEFT_OUT for e in tensor.external_data
-    )
-
-
-def can_leave_out(tensor: onnx.TensorProto) -> bool:
-    """A floating-point initializer of at least EXTERNAL_DATA_THRESHOLD bytes, held in
-    raw_data alone (the one storage whose check is only its length, see ``long_enough``)."""
-    if tensor.data_type not in FLOAT_TYPES or tensor.data_type not in ELEMENT_BITS:
-        return False
-    if tensor.data_location == onnx.TensorProto.EXTERNAL or not tensor.HasField("raw_data"):
-        return False
-    return raw_data_size(tensor) >= EXTERNAL_DATA_THRESHOLD and not any(
-        len(getattr(tensor, f)) for f in TENSOR_DATA_FIELDS[1:]
-    )
-
-
-def long_enough(tensor: onnx.TensorProto) -> bool:
-    """What the checker checks of a tensor ``can_leave_out`` accepts: enough bytes for its
-    shape. (Measuring raw_data copies it, ~0.15 ms per MB, so only verification does.)"""
-    return len(tensor.raw_data) >= raw_data_size(tensor)
-
-
-def copy_leaving_values_out(proto: onnx.ModelProto, known: Collection[str] = ()) -> onnx.ModelProto | None:
-    """A copy of ``proto`` for the checker, whose large floating-point main-graph
-    initializers are stand-ins, their lengths checked here (but for those named in
-    ``known``, known to be long enough: ``graph.known_long_enough``); None when there is none."""
-    initializers = proto.graph.initializer
-    left_out = [can_leave_out(t) and (t.name in known or long_enough(t)) for t in initializers]
-    if not any(left_out):
-        return None
-    out = copy_without_initializers(proto)
-    for tensor, leave_out in zip(initializers, left_out, strict=True):
-        if leave_out:
-            out.graph.initializer.append(stand_in(tensor.name, tensor.data_type, tensor.dims))
-        else:
-            out.graph.initializer.add().CopyFrom(tensor)
-    return out
-
-
-def without_values(proto: onnx.ModelProto, names: Collection[str]) -> onnx.ModelProto:
-    """A copy of ``proto`` whose main-graph initializers named in ``names`` are stand-ins
-    (``is_stand_in``: name, type and shape, no values), for a holder that gets their values
-    elsewhere; the others are copied."""
-    out = copy_without_initializers(proto)
-    for tensor in proto.graph.initializer:
-        if tensor.name in names:
-            out.graph.initializer.append(stand_in(tensor.name, tensor.data_type, tensor.dims))
-        else:
-            out.graph.initializer.add().CopyFrom(tensor)
-    return out
-
-
-def weights_left_out(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``proto`` whose weights are stand-ins: each large floating-point main-graph
-    initializer, and each one held in an external file (a model read without its external
-    data), left out. What compiles for shapes and costs alone (``PassManager(shapes_only=True)``):
-    the planner's programs, of a model however large, in no more memory than its graph."""
-    external = onnx.TensorProto.EXTERNAL
-    names = {t.name for t in proto.graph.initializer if t.data_location == external or can_leave_out(t)}
-    return without_values(proto, names)
 
 
 def exceeds_protobuf_limit(proto: onnx.ModelProto) -> bool:

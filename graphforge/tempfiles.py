@@ -44,7 +44,15 @@ def write_atomically(target: Path, data: bytes) -> None:
     """Replace ``target`` with ``data`` at once: readers see the old file or the new one."""
     with temp_file_beside(target) as tmp:
         tmp.write_bytes(data)
-        os.replace(tmp, target)
+        move_into_place(tmp, target)
+
+
+def move_into_place(temporary: Path, target: Path) -> None:
+    """Rename ``temporary`` over ``target``, with the mode a new file gets under the umask:
+    a writer that made the temporary afresh (safetensors does) left it 0600, as its folder's
+    temporaries are."""
+    os.chmod(temporary, 0o666 & ~_UMASK)
+    os.replace(temporary, target)
 
 
 @contextlib.contextmanager

@@ -12,9 +12,17 @@ from pathlib import Path
 import onnx
 
 from graphforge.errors import InvalidModelError, one_line
-from graphforge.graph import Model, has_left_out, known_long_enough, stand_ins_long_enough
+from graphforge.graph import Model
 from graphforge.model_io import save
-from graphforge.payloads import LEFT_OUT, copy_leaving_values_out, exceeds_protobuf_limit, is_stand_in
+from graphforge.payloads import exceeds_protobuf_limit
+from graphforge.stand_ins import (
+    LEFT_OUT,
+    copy_leaving_values_out,
+    has_left_out,
+    is_stand_in,
+    known_long_enough,
+    stand_ins_long_enough,
+)
 
 #: what the ONNX checker and its strict shape inference raise for an invalid model
 CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
@@ -48,11 +56,13 @@ def verify_model(
     whole = None if stand_ins else proto
     try:
         if stand_ins:
-            light = proto if stand_ins_long_enough(proto, values_from) else None
+            light = proto if stand_ins_long_enough(proto, values_from.graph) else None
         else:  # the whole model: what ``values_from`` (its source) knows of lengths need not be measured
-            light = copy_leaving_values_out(proto, known_long_enough(values_from) if values_from is not None else ())
+            light = copy_leaving_values_out(
+                proto, known_long_enough(values_from.graph) if values_from is not None else ()
+            )
         if light is None or not _passes(light):
-            if light is not None and values_from is not None and has_left_out(values_from):  # no whole model
+            if light is not None and values_from is not None and has_left_out(values_from.graph):  # no whole model
                 raise InvalidModelError(f"{where} is not a valid ONNX model: {light_problem(light)}")
             whole = values_from.to_proto() if whole is None else whole
             _check(whole)

@@ -20,6 +20,7 @@ from graphforge.ir import (
     replace_uses,
 )
 from graphforge.pass_infra import Pass, PassResult
+from graphforge.stand_ins import stored_values
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _value_key(value) -> object:
 def _constant_key(value: gs.Constant) -> object:
     # ``value.values`` would load lazy values in place, and gs converts types NumPy lacks
     # (bfloat16, float8) to float32 as it loads: read a copy from the proto instead.
-    stored = value._values
+    stored = stored_values(value)
     if isinstance(stored, gs.ir.tensor.LazyValues):
         try:
             array = numpy_helper.to_array(stored.tensor)

@@ -18,6 +18,7 @@ from graphforge.graph import Model
 from graphforge.ir import FLOAT_TYPES, NONDETERMINISTIC_OPS, every_graph, fingerprint, is_parameter, onnx_dtype
 from graphforge.ort_compat import is_runtime_compatible, make_runtime_compatible
 from graphforge.pass_infra import Pass, PassResult, check_number
+from graphforge.stand_ins import stored_export_dtype, stored_values
 
 
 @dataclass(frozen=True)
@@ -443,6 +444,6 @@ def _hide_parameters(graph: gs.Graph) -> list[tuple[gs.Tensor, object, int | Non
             if id(tensor) in seen or not is_parameter(tensor):
                 continue
             seen.add(id(tensor))
-            hidden.append((tensor, tensor._values, tensor.data_location, tensor._export_dtype))
+            hidden.append((tensor, stored_values(tensor), tensor.data_location, stored_export_dtype(tensor)))
             tensor.to_variable(dtype=tensor.dtype, shape=list(tensor.shape))
     return hidden

@@ -17,8 +17,8 @@ from graphforge import graph as gio
 from graphforge import payloads, verify
 from graphforge.errors import InvalidModelError
 from graphforge.graph import Model
-from graphforge.payloads import is_stand_in
 from graphforge.shapes import infer_shapes
+from graphforge.stand_ins import is_stand_in
 from graphforge.verify import verify_model
 
 #: W (64 x 32 float32, 8 KiB in raw_data), a float16 weight of 4 KiB, a small bias, an int64

@@ -22,7 +22,8 @@ from onnx import external_data_helper, numpy_helper
 
 from graphforge.errors import one_line
 from graphforge.model_io import ModelSource, load
-from graphforge.payloads import LEFT_OUT, copy_leaving_values_out, exceeds_protobuf_limit
+from graphforge.payloads import exceeds_protobuf_limit
+from graphforge.stand_ins import copy_leaving_values_out, mark_left_out
 from graphforge.verify import CHECK_ERRORS, light_problem
 
 #: raw_data payloads at least this large stay in the file
@@ -309,8 +310,7 @@ def _light_copy(side: Side) -> onnx.ModelProto | None:
         dtype = raw_dtype(tensor.data_type)
         if dtype is None or length != int(np.prod(tuple(tensor.dims), dtype=np.int64)) * dtype.itemsize:
             return None
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        tensor.external_data.add(key="location", value=LEFT_OUT)
+        mark_left_out(tensor)
     return light
 
 

@@ -45,7 +45,7 @@ from graphforge.errors import CheckpointError, GraphforgeError
 from graphforge.graph import Model
 from graphforge.model_io import ModelSource
 from graphforge.program import CarriedSpec, ProgramRoles, joined_slices, program_proto
-from graphforge.tempfiles import temp_file_beside
+from graphforge.tempfiles import move_into_place, temp_file_beside
 
 FORMAT = "graphforge.checkpoint"
 VERSION = 1
@@ -363,7 +363,7 @@ class CheckpointState:
                 _write_tensors(tmp, tensors, metadata)
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
-                os.replace(tmp, path)
+                move_into_place(tmp, path)
         except BaseException as exc:
             if isinstance(exc, OSError | ValueError) or type(exc).__name__ == "SafetensorError":
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
