@@ -65,12 +65,12 @@ QUICK_RUNS = [("1f1b", 2), ("gpipe", 2)]
 
 def worker_main(job: dict) -> int:
     from graphforge.distributed import World
-    from graphforge.distributed.pipeline_parallel import PipelineStage, TorchTransport
+    from graphforge.distributed.stages import Stage, TorchTransport
     from graphforge.runtime import CheckpointState
 
     world = World.join(timeout_s=300)
     program = job["program"]
-    stage = PipelineStage(
+    stage = Stage(
         program, CheckpointState.from_program(program), TorchTransport(world), device="cpu", intra_op_threads=1,
         timed=True,
     )  # fmt: skip
@@ -125,7 +125,7 @@ def compile_program(model: Path, schedule: str, micro: int, folder: Path, seq: i
     )
     program = graphforge.compile(str(model), text).model
     path = graphforge.save(program, folder / f"program-{schedule}-{micro}.onnx")
-    return path, dict(ProgramRoles.of_proto(program).pipeline.costs)
+    return path, dict(ProgramRoles.of_proto(program).stages.costs)
 
 
 def measure(steps_by_stage: list[dict], schedule: str, micro: int) -> dict:

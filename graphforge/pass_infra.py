@@ -50,7 +50,7 @@ class Fact(enum.Enum):
         roles.MIXED_PRECISION,
         "put `mixed_precision(dtype=float16)` after the optimizer pass in the pipeline",
     )
-    PIPELINE = ("pipeline stages", roles.PIPELINE, "put `pipeline(stages=..., microbatches=...)` in the pipeline")
+    STAGES = ("pipeline stages", roles.STAGES, "put `pipeline(stages=..., microbatches=...)` in the pipeline")
     GRADIENT_BOUNDARY = (
         "a gradient boundary",
         roles.GRADIENT_BOUNDARY,
@@ -142,12 +142,13 @@ class Pass:
         doc = cls.description()
         return doc.splitlines()[0] if doc else ""
 
-    def spec(self) -> str:
-        """This pass written back as pipeline text."""
+    def spec(self, *, full: bool = False) -> str:
+        """This pass written back as pipeline text: the parameters that differ from their
+        defaults, or with ``full`` every one that holds something (not none, not empty)."""
         args = [
             f"{p.name}={format_value(getattr(self, p.name))}"
             for p in self.parameters()
-            if getattr(self, p.name) != p.default
+            if (getattr(self, p.name) not in (None, (), [], "") if full else getattr(self, p.name) != p.default)
         ]
         return f"{self.name}({', '.join(args)})" if args else self.name
 

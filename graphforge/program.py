@@ -117,7 +117,7 @@ class AllReduceRole:
 
 
 @dataclass(frozen=True)
-class PipelineRole:
+class StagesRole:
     """How the pipeline pass split the program into stages: the forward tensor each cut
     follows (stage k computes what ``cuts[k]`` needs, the last stage the rest), the
     micro-batches per step and the schedule, each stage's share of the global gradient
@@ -133,7 +133,7 @@ class PipelineRole:
     costs: Mapping[str, Any]
 
     @classmethod
-    def from_json(cls, entry: Mapping[str, Any]) -> PipelineRole:
+    def from_json(cls, entry: Mapping[str, Any]) -> StagesRole:
         return cls(
             int(entry["stages"]),
             int(entry["microbatches"]),
@@ -309,8 +309,8 @@ class ProgramRoles:
     gradient_boundary: Mapping[str, str]
     #: the gradients' reduction across data-parallel replicas (the allreduce pass), or None
     allreduce: AllReduceRole | None
-    #: the pipeline stages (the pipeline pass), or None
-    pipeline: PipelineRole | None
+    #: the pipeline stages (the pass users write ``pipeline(...)``), or None
+    stages: StagesRole | None
     #: the split among tensor-parallel processes (the tensor_parallel pass), or None
     tensor_parallel: TensorParallelRole | None
     #: the mixed_precision pass's low type ("float16", "bfloat16") and the provider whose
@@ -393,6 +393,7 @@ class ProgramRoles:
 
         carried = tuple(CarriedSpec.from_json(entry) for entry in json_value(roles.STATE, []))
         mixed_precision = json_value(roles.MIXED_PRECISION, None)
+        stages_key = roles.STAGES if roles.STAGES in metadata else roles.STAGES_BEFORE
         optimizer = json_value(roles.OPTIMIZER, None) or {}
         step_input = metadata.get(roles.STEP)
         output_set = set(outputs)
@@ -418,7 +419,7 @@ class ProgramRoles:
             allreduce=AllReduceRole.from_json(json_value(roles.ALLREDUCE, None))
             if roles.ALLREDUCE in metadata
             else None,
-            pipeline=PipelineRole.from_json(json_value(roles.PIPELINE, None)) if roles.PIPELINE in metadata else None,
+            stages=StagesRole.from_json(json_value(stages_key, None)) if stages_key in metadata else None,
             tensor_parallel=TensorParallelRole.from_json(json_value(roles.TENSOR_PARALLEL, None))
             if roles.TENSOR_PARALLEL in metadata
             else None,

@@ -24,10 +24,12 @@ OPTIMIZER = "graphforge.optimizer"  # JSON: {"kind": ..., "hyperparameters": {..
 #: JSON: the gradients' reduction across data-parallel replicas (passes/allreduce.py):
 #: {"average": bool, "bucket_mb": float, "buckets": [[parameter, ...], ...], "reduced": {parameter: tensor}}
 ALLREDUCE = "graphforge.allreduce"
-#: JSON: the pipeline stages (passes/pipeline_partition.py): {"stages", "microbatches", "schedule",
-#: "cuts": [tensor after stage k, ...], "partial_norms": [[stage, tensor], ...], "parameters":
-#: [[parameter, ...] per stage], "costs": {...}}
-PIPELINE = "graphforge.pipeline"
+#: JSON: the pipeline stages (passes/stage_partition.py, the pass users write ``pipeline``):
+#: {"stages", "microbatches", "schedule", "cuts": [tensor after stage k, ...], "partial_norms":
+#: [[stage, tensor], ...], "parameters": [[parameter, ...] per stage], "costs": {...}}
+STAGES = "graphforge.stages"
+#: the key older programs recorded STAGES under (read, never written)
+STAGES_BEFORE = "graphforge.pipeline"
 #: JSON: the layers a group of processes splits (passes/tensor_parallel.py): {"size": T, "blocks":
 #: [{"column": [...], "row": [...], "copy": tensor, "reduce": tensor}], "split": {parameter: axis}}
 TENSOR_PARALLEL = "graphforge.tensor_parallel"
@@ -46,7 +48,7 @@ LOSS_SEED = "graphforge.loss_seed"
 FUSION = "graphforge.fusion"
 STATE = "graphforge.state"  # JSON list: every tensor carried from step to step (see passes/optimizers.py)
 LR = "graphforge.lr"  # name of the learning-rate input
-DEFAULT_LR = "graphforge.default_lr"  # the learning rate the pipeline asked for
+DEFAULT_LR = "graphforge.default_lr"  # the learning rate the optimizer pass was given
 STEP = "graphforge.step"  # name of the step-count input (steps done before this one)
 RESET_GRAD = "graphforge.lazy_reset_grad"  # name of the accumulate-or-overwrite flag input
 EXPORTED_FROM = "graphforge.exported_from"  # JSON: what an inference model was pruned from (passes/prune.py)
@@ -62,7 +64,7 @@ LOSS_PREFIX = "loss::"
 GRAD_PREFIX = "grad::"
 OPTIM_PREFIX = "optim::"
 ALLREDUCE_PREFIX = "allreduce::"
-PIPELINE_PREFIX = "pipeline::"
+STAGES_PREFIX = "stages::"
 RECOMPUTE_PREFIX = "recompute::"
 ZERO_PREFIX = "zero::"
 #: the casts of the mixed_precision pass (precision.convert), and its loss scaling (under
@@ -73,7 +75,7 @@ GENERATED_PREFIXES = (
     GRAD_PREFIX,
     OPTIM_PREFIX,
     ALLREDUCE_PREFIX,
-    PIPELINE_PREFIX,
+    STAGES_PREFIX,
     RECOMPUTE_PREFIX,
     ZERO_PREFIX,
 )
@@ -83,7 +85,7 @@ PROGRAM_PARTS = {
     GRAD_PREFIX: "backward",
     OPTIM_PREFIX: "optimizer",
     ALLREDUCE_PREFIX: "allreduce",
-    PIPELINE_PREFIX: "optimizer",
+    STAGES_PREFIX: "optimizer",
     RECOMPUTE_PREFIX: "backward",  # the backward's own work: it runs among the backward's nodes
     ZERO_PREFIX: "allreduce",
 }

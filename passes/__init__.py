@@ -14,10 +14,10 @@ from graphforge.passes.identity_elimination import IdentityElimination
 from graphforge.passes.loss import Loss
 from graphforge.passes.mixed_precision import MixedPrecision
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
-from graphforge.passes.pipeline_partition import PipelinePartition
 from graphforge.passes.prune import Prune
 from graphforge.passes.recompute import Recompute
 from graphforge.passes.specialize import Specialize
+from graphforge.passes.stage_partition import StagePartition
 from graphforge.passes.tensor_parallel import TensorParallel
 from graphforge.passes.topo_sort import TopologicalSort
 from graphforge.passes.zero import Zero
@@ -35,7 +35,7 @@ REGISTRY = PassRegistry(
         AdamW,
         Lamb,
         MixedPrecision,
-        PipelinePartition,
+        StagePartition,
         Recompute,
         DeadCodeElimination,
         CommonSubexpressionElimination,
@@ -67,9 +67,9 @@ __all__ = [
     "Lamb",
     "Loss",
     "MixedPrecision",
-    "PipelinePartition",
     "Prune",
     "Specialize",
+    "StagePartition",
     "TensorParallel",
     "TopologicalSort",
     "VectorJacobian",

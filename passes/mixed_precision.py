@@ -10,8 +10,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import placed_early
 from graphforge.builder import Builder
+from graphforge.dag import placed_early
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ort_compat import resolve_provider
@@ -58,7 +58,7 @@ class MixedPrecision(Pass):
 
     name = "mixed_precision"
     requires = (Fact.OPTIMIZER, Fact.GRADIENT_BOUNDARY)
-    refuses = (Fact.MIXED_PRECISION, Fact.PIPELINE)
+    refuses = (Fact.MIXED_PRECISION, Fact.STAGES)
     ensures = (Fact.MIXED_PRECISION,)
 
     dtype: Literal["float16", "bfloat16"] = "float16"

@@ -10,7 +10,7 @@ from typing import Literal
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import placed_early
+from graphforge.dag import placed_early
 from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
@@ -41,7 +41,7 @@ class Zero(Pass):
 
     name = "zero"
     requires = (Fact.GRADIENT_BOUNDARY,)
-    refuses = (Fact.ALLREDUCE, Fact.PIPELINE)
+    refuses = (Fact.ALLREDUCE, Fact.STAGES)
     ensures = (Fact.ALLREDUCE,)
 
     stage: Literal[1, 2] = 1

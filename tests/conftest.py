@@ -29,7 +29,7 @@ LONGEST = {
     "distributed/test_readme_data_parallel.py": 76,
     "distributed/test_train_tensor.py": 70,
     "distributed/test_plan.py": 70,
-    "distributed/test_pipeline_parallel.py": 63,
+    "distributed/test_stages.py": 63,
     "analysis/test_memory.py": 59,
     "distributed/test_train_zero.py": 58,
     "distributed/test_zero.py": 57,

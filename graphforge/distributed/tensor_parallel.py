@@ -195,7 +195,7 @@ class TensorParallel:
         self.module, self.world, self.role = module, world, role
         self.stats = TensorStats()
         self.split = self.program_split = carried_split(module.roles)
-        stage = getattr(module, "parts", None)  # a pipeline stage (PipelineStage) holds its own tensors only
+        stage = getattr(module, "parts", None)  # a pipeline stage (Stage) holds its own tensors only
         if stage is not None:
             self.split = {n: v for n, v in self.split.items() if n in set(stage.carried)}
         self.axes = {name: axis for name, (axis, _) in self.split.items()}

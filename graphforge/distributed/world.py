@@ -96,26 +96,26 @@ class World:
         """The rank in the whole run of member ``rank`` of this World."""
         return self.ranks[rank] if self.ranks is not None else rank
 
-    def mesh(self, *, tensor: int = 1, pipeline: int = 1) -> Mesh:
-        """The processes as a mesh of data × pipeline × tensor, ranks ordered (data, pipeline,
-        tensor): rank = (d × pipeline + s) × tensor + t, so a tensor group's members are
+    def mesh(self, *, tensor: int = 1, stages: int = 1) -> Mesh:
+        """The processes as a mesh of data × stages × tensor, ranks ordered (data, stage,
+        tensor): rank = (d × stages + s) × tensor + t, so a tensor group's members are
         neighbours (one machine's processes, where the links are fastest), then a pipeline's
         stages, and the data replicas furthest apart. Every process makes every group, in one
         order (torch.distributed requires it of all of them). Raises DistributedError where
-        the process count is not a multiple of ``tensor × pipeline``."""
+        the process count is not a multiple of ``tensor × stages``."""
         if self.ranks is not None:
             raise DistributedError("a mesh is made over the whole run's processes, not over a group of them")
-        if tensor < 1 or pipeline < 1 or self.size % (tensor * pipeline):
+        if tensor < 1 or stages < 1 or self.size % (tensor * stages):
             raise DistributedError(
-                f"{self.size} processes do not make a mesh of tensor groups of {tensor} and pipelines of {pipeline} "
-                f"stage(s): the process count must be a multiple of {tensor * pipeline}"
+                f"{self.size} processes do not make a mesh of tensor groups of {tensor} and pipelines of {stages} "
+                f"stage(s): the process count must be a multiple of {tensor * stages}"
             )
-        data = self.size // (tensor * pipeline)
-        at = lambda d, s, t: (d * pipeline + s) * tensor + t  # noqa: E731
+        data = self.size // (tensor * stages)
+        at = lambda d, s, t: (d * stages + s) * tensor + t  # noqa: E731
         axes = {
-            "tensor": [[at(d, s, t) for t in range(tensor)] for d in range(data) for s in range(pipeline)],
-            "pipeline": [[at(d, s, t) for s in range(pipeline)] for d in range(data) for t in range(tensor)],
-            "data": [[at(d, s, t) for d in range(data)] for s in range(pipeline) for t in range(tensor)],
+            "tensor": [[at(d, s, t) for t in range(tensor)] for d in range(data) for s in range(stages)],
+            "stages": [[at(d, s, t) for s in range(stages)] for d in range(data) for t in range(tensor)],
+            "data": [[at(d, s, t) for d in range(data)] for s in range(stages) for t in range(tensor)],
         }
         own = {}
         import torch.distributed as dist
@@ -130,7 +130,7 @@ class World:
                             self, size=len(ranks), rank=ranks.index(self.rank), group=group,
                             ranks=None if whole else tuple(ranks), _checked_in=False,
                         )  # fmt: skip
-        return Mesh(self, own["data"], own["pipeline"], own["tensor"])
+        return Mesh(self, own["data"], own["stages"], own["tensor"])
 
     @classmethod
     def join(cls, *, cuda: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
@@ -279,12 +279,12 @@ class World:
 class Mesh:
     """This process's groups in a mesh of the run's processes (``World.mesh``): the whole
     ``world``, and the group along each axis that this process is in (``data``: the replicas
-    holding the same part of the model; ``pipeline``: one pipeline's stages; ``tensor``: one
+    holding the same part of the model; ``stages``: one pipeline's stages; ``tensor``: one
     tensor-parallel group). A World of one process where the axis has size 1."""
 
     world: World
     data: World
-    pipeline: World
+    stages: World
     tensor: World
 
 

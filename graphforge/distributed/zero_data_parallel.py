@@ -23,7 +23,7 @@ them, and each updated parameter through ``graphforge.AllGather``. A step runs a
 3. **Update.** The global gradient norm (for clipping and the report) is the square root of
    the replicas' summed shard sums of squares, reduced once together with whether any
    replica's loss is not finite, so every replica takes the same decision to skip. The
-   update is the program's own arithmetic in torch's kernels (graphforge/distributed/
+   update is the program's own arithmetic in torch's kernels (graphforge/runtime/
    fused_update.py, held equal to the ONNX update by its tests) over the shard: SGD, Adam and
    AdamW elementwise over each bucket's shard at once, LAMB per piece of tensor, its trust
    ratio from the whole tensors' norms (the pieces' squared norms summed across replicas).

@@ -20,7 +20,7 @@ from graphforge.passes.tensor_parallel import with_tensor_parallel
 
 import graphforge
 from graphforge.distributed import DataParallel, DistributedError, World, ZeroDataParallel
-from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
+from graphforge.distributed.stages import Stage, StageReplicas, TorchTransport
 from graphforge.distributed.tensor_parallel import TensorParallel
 from graphforge.pass_manager import parse_pipeline
 from graphforge.runtime import CheckpointState, Module
@@ -88,11 +88,11 @@ def train_staged(case: dict, world: World) -> None:
     their stages' accumulated gradients averaged across the replicas before the update."""
     stages, replicas = case["stages"], case.get("data", 1)
     mesh = world.mesh(tensor=world.size // (stages * replicas), pipeline=stages)
-    tensor, pipe, data = mesh.tensor, mesh.pipeline, mesh.data
+    tensor, pipe, data = mesh.tensor, mesh.stages, mesh.data
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         member = graphforge.compile(case["model"], member_pipeline(case["pipeline"], tensor.size, tensor.rank)).model
-    stage = PipelineStage(
+    stage = Stage(
         member,
         CheckpointState.from_program(member),
         TorchTransport(pipe),

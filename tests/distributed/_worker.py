@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from graphforge.distributed import DataParallel, World, ZeroDataParallel
-from graphforge.distributed.pipeline_parallel import PipelineStage, StageReplicas, TorchTransport
+from graphforge.distributed.stages import Stage, StageReplicas, TorchTransport
 from graphforge.runtime import CheckpointState, Module, Optimizer
 
 
@@ -26,7 +26,7 @@ def stage(case: dict, world: World) -> None:
     stages = case["stages"]
     replicas = StageReplicas(world, stages) if world.size > stages else None
     transport = TorchTransport(world, first=world.rank - world.rank % stages, stages=stages)
-    pipeline = PipelineStage(
+    pipeline = Stage(
         case["program"], state, transport, device=case.get("device", "cpu"), intra_op_threads=1, replicas=replicas
     )
     share = slice(world.rank // stages, None, world.size // stages)

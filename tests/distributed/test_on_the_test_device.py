@@ -26,7 +26,7 @@ pytest.importorskip("torch")
 import _launch
 
 import graphforge as gf
-from graphforge.distributed.pipeline_parallel import PipelineStage
+from graphforge.distributed.stages import Stage
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointState, Module, Optimizer
 
@@ -94,7 +94,7 @@ class _Queues:
 
 
 class _Member:
-    """One stage's end of ``_Queues``: the graphforge.distributed.pipeline_parallel.Transport protocol."""
+    """One stage's end of ``_Queues``: the graphforge.distributed.stages.Transport protocol."""
 
     def __init__(self, queues: _Queues, stage: int):
         self.queues, self.stage, self.stages = queues, stage, queues.stages
@@ -128,7 +128,7 @@ def test_two_stages_in_one_process_equal_the_microbatches_in_turn(tmp_path):
     pipeline = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2, clip_grad_norm=0.5, accumulate=true)"
     program = gf.compile(DIGITS, f"{pipeline}, pipeline(stages=2, microbatches=3)").model
     gf.save(program, tmp_path / "program.onnx")
-    micro = ProgramRoles.read(program).pipeline.microbatches
+    micro = ProgramRoles.read(program).stages.microbatches
     batches = _batches(np.random.default_rng(1), STEPS * micro, batch=8)
     step_batches = [[{n: batches[n][step * micro + i] for n in batches} for i in range(micro)] for step in range(STEPS)]
 
@@ -138,7 +138,7 @@ def test_two_stages_in_one_process_equal_the_microbatches_in_turn(tmp_path):
 
     def run_stage(s: int) -> None:
         try:
-            stage = PipelineStage(tmp_path / "program.onnx", CheckpointState.from_program(program), queues.member(s),
+            stage = Stage(tmp_path / "program.onnx", CheckpointState.from_program(program), queues.member(s),
                                   device=DEVICE)  # fmt: skip
             assert stage.runner.device.type == DEVICE
             losses = [stage.train_step(b).loss for b in step_batches]

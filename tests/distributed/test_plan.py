@@ -15,10 +15,10 @@ import pytest
 from _launch import REPO
 
 import graphforge.train
-from graphforge.analysis.plan import Hardware, Split, plan, splits
 from graphforge.pass_manager import parse_pipeline
+from graphforge.planning.configs import plan_config, write_planned
+from graphforge.planning.planner import Hardware, Split, plan, splits
 from graphforge.train.config import load_config
-from graphforge.train.planning import plan_config, write_planned
 
 pytest.importorskip("torch")
 th = runs.th  # the training helpers (tests/train), which _train_runs puts on the path
@@ -162,7 +162,11 @@ def test_the_config_it_writes_runs_under_torchrun(folder):
     assert done.returncode == 0, done.stderr
     tensor = load_config(folder / "tensor.toml")
     assert tensor.distributed.tensor == 2 and tensor.data.batch_size == 8
-    assert (folder / "tensor.toml").read_text().startswith("# planned by graphforge plan for 2 processes: D=1 T=2")
+    text = (folder / "tensor.toml").read_text()
+    assert text.startswith("# planned by graphforge plan for 2 processes: D=1 T=2")
+    # the header's command, as written, from the folder graphforge plan ran in
+    command = text.split("run (from the folder graphforge plan ran in): ")[1].splitlines()[0]
+    assert command == "torchrun --nproc-per-node=2 -m graphforge train tensor.toml"
     runs.launch(folder, folder / "tensor.toml", folder / "out", "--steps", "4")
     assert (folder / "out" / "checkpoints").is_dir()
 
@@ -171,16 +175,26 @@ def test_a_planned_accumulation_is_written_as_train_accumulate_and_trains(folder
     """A split that accumulates M batches a step is written as data.batch_size = a 1/M of the
     step's batch and train.accumulate = M (a config that accumulates already counts its
     accumulation in the step's batch), and graphforge train runs it."""
-    cfg = runs.config(folder, "accumulating.toml", {"data": {"batch_size": 4}, "train": {"accumulate": 2}})
+    # (the pipeline as a user spells it: arguments in their order, a default written out)
+    spelled = "loss(output=logits, kind=cross_entropy), autodiff, adamw(lr=0.05, weight_decay=0.01, accumulate=true)"
+    sections = {"data": {"batch_size": 4}, "train": {"accumulate": 2}, "model": {"pipeline": spelled}}
+    cfg = runs.config(folder, "accumulating.toml", sections)
     planned = plan_config(cfg, 1, Hardware(flops=1e9, memory=2**30))
     assert planned.batch == 8 and Split(1, 1, 1, 4) in {c.split for c in planned.candidates}
     write_planned(planned, Split(1, 1, 1, 4), folder / "accumulate4.toml", "planned: D=1 T=1 S=1 M=4")
     written = load_config(folder / "accumulate4.toml")
     assert (written.data.batch_size, written.train.accumulate) == (2, 4)
-    assert "accumulate=true" in written.model.pipeline
+    assert written.model.pipeline == spelled  # the user's text, as it was
     write_planned(planned, Split(1), folder / "whole.toml", "planned: D=1 T=1 S=1")
     whole = load_config(folder / "whole.toml")
     assert (whole.data.batch_size, whole.train.accumulate) == (8, 1)
+    recomputed = Split(1, recompute=0.0)
+    write_planned(planned, recomputed, folder / "recompute.toml", "planned: D=1 T=1 S=1 recompute")
+    added = load_config(folder / "recompute.toml").model.pipeline
+    assert added.startswith(f"{spelled}, recompute(budget=0.0")  # only what the planner adds is new
+    before, after = (cfg.read_text().splitlines(), (folder / "whole.toml").read_text().splitlines())
+    changed = {line for line in after if not line.startswith("#")} - set(before)
+    assert changed <= {"batch_size = 8"} and not any(line.startswith("accumulate") for line in after), changed
     result = graphforge.train.run(folder / "accumulate4.toml", steps=2, out=folder / "accumulated", quiet=True)
     assert result.step == 2
 
@@ -222,8 +236,11 @@ def test_groups_one_node_holds_take_its_link():
 def _memory_of(table: str, split: str) -> float:
     """The memory column of ``split``'s row, in bytes."""
     row = next(line for line in table.splitlines() if split in line)
-    cell = [c.strip() for c in row.split("│") if c.strip()][6]
-    number, unit = cell.split()
+    return _bytes([c.strip() for c in row.split("│") if c.strip()][6])
+
+
+def _bytes(text: str) -> float:
+    number, unit = text.split()
     return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
 
 
@@ -231,6 +248,8 @@ def test_what_it_cannot_plan_is_one_line(folder):
     cfg = runs.config(folder, "refused.toml", {"data": {"batch_size": 8}})
     done = _plan(cfg, "--processes", "2", "--memory-per-process", "10B", cwd=folder)
     assert done.returncode == 2 and "no split of 2 processes fits 10 B a process" in done.stderr
+    least = done.stderr.split("the least any needs is ")[1].split(" a process")[0]
+    assert _bytes(least) > 10 and "(D=" in done.stderr  # and which split needs that little
     done = _plan(cfg, "--processes", "2", "--memory-per-process", "lots", cwd=folder)
     assert done.returncode == 2 and "write a size, e.g. 16GiB" in done.stderr
     staged = runs.config(folder, "staged.toml", {"model": {"pipeline": f"{th.PIPELINE}, pipeline(stages=2)"}})

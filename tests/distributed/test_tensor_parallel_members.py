@@ -298,7 +298,7 @@ STAGED_TOLERANCE = 5e-5
 
 @pytest.mark.parametrize("name", ["llama"])
 def test_data_replicas_of_pipelines_of_tensor_groups_equal_one_process(name, tensor_by_stages):
-    """T × S × D = 2 × 2 × 2 (World.mesh(tensor=2, pipeline=2) over 8 processes: a pipeline's
+    """T × S × D = 2 × 2 × 2 (World.mesh(tensor=2, stages=2) over 8 processes: a pipeline's
     stages are the same member of two tensor groups, the replicas the same stage and member of
     two pipelines): each stage's segments are cut after its group's sums, each replica's
     pipeline takes half of the rows of each of a batch's 2 micro-batches, and each stage's

@@ -82,7 +82,7 @@ def test_each_stage_writes_its_own_tensors_and_the_checkpoint_reads_them_all(run
         folder / f"checkpoint-{STEPS:08d}.safetensors",
         folder / f"checkpoint-{STEPS:08d}.stage1-of-2.safetensors",
     )
-    role = ProgramRoles.read(runs / "stages" / "program.onnx").pipeline
+    role = ProgramRoles.read(runs / "stages" / "program.onnx").stages
     with safetensors.safe_open(str(main), framework="numpy") as f:
         first = set(f.keys())
     with safetensors.safe_open(str(shard), framework="numpy") as f:

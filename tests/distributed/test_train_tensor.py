@@ -25,7 +25,8 @@ from graphforge.pass_manager import parse_pipeline
 from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointState
 from graphforge.train.config import ConfigError, load_config
-from graphforge.train.loop import _tensor_stages, prepare
+from graphforge.train.setup import prepare
+from graphforge.train.topology import _tensor_stages
 
 pytest.importorskip("torch")
 sys.path.insert(0, str(REPO / "tests" / "train"))
@@ -124,7 +125,7 @@ STAGED = f"{th.PIPELINE.replace('lr=0.05', 'lr=0.05, accumulate=true')}, pipelin
 
 
 def test_tensor_groups_as_pipeline_stages_train_as_one_process(folder):
-    """T × S = 2 × 2 (World.mesh(tensor=2, pipeline=2): ranks 0, 1 stage 0's tensor group,
+    """T × S = 2 × 2 (World.mesh(tensor=2, stages=2): ranks 0, 1 stage 0's tensor group,
     2, 3 stage 1's): each process runs its stage of its member's program on every
     micro-batch; the checkpoint is every process's pieces of its stage (its slices, member 0
     the whole tensors too) listed by rank 0's file, and loads as the whole program's state,
@@ -168,4 +169,4 @@ def test_data_parallel_pipelines_of_tensor_groups_train_as_one_process_with_the_
         loaded.model.path, with_tensor_parallel(parse_pipeline(STAGED), TensorParallel())
     ).model
     with pytest.raises(ConfigError, match=r"runs on a multiple of 4 processes .* but 6 were started"):
-        _tensor_stages(loaded, program, SimpleNamespace(size=6, rank=0))
+        _tensor_stages(loaded, ProgramRoles.of_proto(program).stages, SimpleNamespace(size=6, rank=0))

@@ -8,9 +8,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
-from graphforge.analysis import topological_order
 from graphforge.analysis.cost import model_flops, parse_dims
 from graphforge.analysis.partition import balanced_cuts
+from graphforge.dag import topological_order
 from graphforge.errors import GraphforgeError, PassError
 from graphforge.graph import Model
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
@@ -24,19 +24,19 @@ from graphforge.placement.stages import (
     plan_stages,
     stage_costs,
 )
-from graphforge.program import PipelineRole, ProgramRoles
+from graphforge.program import ProgramRoles, StagesRole
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
-class PipelinePartition(Pass):
+class StagePartition(Pass):
     """Split the training program into ``stages`` pipeline stages run on as many processes,
     each step as ``microbatches`` micro-batches in the ``schedule`` "1f1b" or "gpipe"
     (graphforge/distributed/schedules.py).
 
     Each stage owns the parameters its forward reads, and their accumulation and update;
-    graphforge/stages.py derives every node's stage from the cuts recorded here, so one
+    graphforge/placement/stages.py derives every node's stage from the cuts recorded here, so one
     ``.onnx`` stays the whole artifact and one process still runs it as it is (the
     micro-batches one after another: ``train.accumulate``'s semantics, the gradients summed).
 
@@ -49,15 +49,15 @@ class PipelinePartition(Pass):
       slowest stage as fast as possible (graphforge/analysis/partition.py).
 
     The global gradient norm (and clipping by it) becomes one partial sum per stage, which
-    the stages gather before their updates. Recorded as ``graphforge.pipeline``, with each
+    the stages gather before their updates. Recorded as ``graphforge.stages``, with each
     stage's FLOPs, parameter, state and stash bytes, and the balanced ideal beside them.
     The program must accumulate gradients (``adamw(..., accumulate=true)``).
     """
 
     name = "pipeline"
     requires = (Fact.GRADIENT_BOUNDARY,)
-    refuses = (Fact.PIPELINE, Fact.ALLREDUCE, Fact.MIXED_PRECISION)
-    ensures = (Fact.PIPELINE,)
+    refuses = (Fact.STAGES, Fact.ALLREDUCE, Fact.MIXED_PRECISION)
+    ensures = (Fact.STAGES,)
 
     stages: int = 2
     microbatches: int = 4
@@ -110,7 +110,7 @@ class PipelinePartition(Pass):
             "optimum": optimum,
             "automatic_cuts": auto,
         }
-        role = PipelineRole(
+        role = StagesRole(
             self.stages,
             self.microbatches,
             self.schedule.lower(),
@@ -119,7 +119,7 @@ class PipelinePartition(Pass):
             tuple(tuple(plan.parameters(s)) for s in range(self.stages)),
             report,
         )
-        roles.set_json(model, roles.PIPELINE, role.to_json())
+        roles.set_json(model, roles.STAGES, role.to_json())
         shares = ", ".join(f"{c / total:.0%}" if total else "0%" for c in per_stage)
         note = f"{self.stages} stages after {', '.join(cuts) or '(none)'}; FLOPs {shares}"
         if max(per_stage) > optimum * 1.0001:
@@ -197,15 +197,13 @@ def _partial_norms(model: Model, cuts: list[str], stages: int) -> list[tuple[int
     for s in sorted({*groups, *slices}):
         terms = list(groups.get(s, []))
         if s in slices:  # the stage's slices' squares summed across its tensor group, once per stage
-            mine = gs.Variable(f"{roles.PIPELINE_PREFIX}norm/slices_stage{s}", dtype=np.float32, shape=[])
+            mine = gs.Variable(f"{roles.STAGES_PREFIX}norm/slices_stage{s}", dtype=np.float32, shape=[])
             graph.nodes.append(gs.Node("Sum", inputs=slices[s], outputs=[mine]))
             summed = gs.Variable(f"{mine.name}/{roles.TENSOR_PARALLEL_REDUCE_OP}_sum", dtype=np.float32, shape=[])
             graph.nodes.append(marker_call(roles.TENSOR_PARALLEL_REDUCE_OP, mine, summed, -1, attribute="group"))
             terms.append(summed)
-        out = gs.Variable(f"{roles.PIPELINE_PREFIX}norm/stage{s}", dtype=np.float32, shape=[])
-        graph.nodes.append(
-            gs.Node("Sum", name=f"{roles.PIPELINE_PREFIX}norm/Sum_stage{s}", inputs=terms, outputs=[out])
-        )
+        out = gs.Variable(f"{roles.STAGES_PREFIX}norm/stage{s}", dtype=np.float32, shape=[])
+        graph.nodes.append(gs.Node("Sum", name=f"{roles.STAGES_PREFIX}norm/Sum_stage{s}", inputs=terms, outputs=[out]))
         partials.append((s, out.name))
         inputs.append(out)
     if reduce is not None and sliced:  # the whole norm is the stages' partials now

@@ -70,7 +70,7 @@ def _reference(program: Path, batches: Path) -> tuple[list[float], dict[str, np.
     """One process, the micro-batches one after another: the oracle."""
     module = Module(program, device="cpu")
     optimizer = Optimizer(module)
-    micro = ProgramRoles.read(program).pipeline.microbatches
+    micro = ProgramRoles.read(program).stages.microbatches
     data = np.load(batches)
     losses = []
     for step in range(STEPS):

@@ -2,9 +2,9 @@
 program in the order a schedule's action list gives, with the activations and their
 gradients sent between neighbouring stages.
 
-The program says where the stages are (passes/pipeline_partition.py); graphforge/stages.py
+The program says where the stages are (passes/stage_partition.py); graphforge/placement/stages.py
 cuts it into each stage's forward, backward and update segments and names the tensors of
-every message. A :class:`PipelineStage` holds only its own stage's parameters and states
+every message. A :class:`Stage` holds only its own stage's parameters and states
 (on onnxruntime's device, in the runner's ping-pong buffers) and follows its action list
 (graphforge/distributed/schedules.py) step by step:
 
@@ -107,11 +107,11 @@ class StepResult:
     started_at: float = 0.0
 
 
-class PipelineStage(GroupMember):
+class Stage(GroupMember):
     """Stage ``transport.stage`` of a program the pipeline pass split::
 
         world = World.join()                                  # torchrun, one process per stage
-        stage = PipelineStage("program.onnx", state, TorchTransport(world))
+        stage = Stage("program.onnx", state, TorchTransport(world))
         for step_batches in batches:                          # M micro-batches per step
             result = stage.train_step(step_batches)           # every stage gets the loss
 
@@ -135,7 +135,7 @@ class PipelineStage(GroupMember):
     ):
         proto = program_proto(program)
         roles = ProgramRoles.of_proto(proto).require_training_program()
-        role = roles.pipeline
+        role = roles.stages
         if role is None:
             raise GraphforgeError(
                 "the program has no pipeline stages: compile it with the pipeline pass "
@@ -416,8 +416,8 @@ class StageReplicas:
         same stage and tensor-group member of every data replica, the mesh's data group."""
         replicas = cls.__new__(cls)
         data = mesh.data
-        replicas.world, replicas.stages = data, mesh.pipeline.size
-        replicas.count, replicas.index, replicas.stage = data.size, data.rank, mesh.pipeline.rank
+        replicas.world, replicas.stages = data, mesh.stages.size
+        replicas.count, replicas.index, replicas.stage = data.size, data.rank, mesh.stages.rank
         replicas.ranks = [data.global_of(r) for r in range(data.size)]
         replicas.group = data.group
         return replicas
@@ -466,7 +466,7 @@ class TorchTransport:
             )
         # with several pipelines side by side, each pipeline's collectives (the partial norms,
         # the loss) stay among its stages: every rank makes every pipeline's group, in order;
-        # a pipeline of a mesh (World.mesh(...).pipeline) is a group already
+        # a pipeline of a mesh (World.mesh(...).stages) is a group already
         self.group = world.group
         if world.ranks is None and self.stages < world.size:
             import torch.distributed as dist

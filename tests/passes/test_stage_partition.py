@@ -117,7 +117,7 @@ def test_a_tensor_alone_at_several_positions_is_one_cut_point():
 
 
 def _role(program: onnx.ModelProto):
-    return ProgramRoles.of_proto(program).pipeline
+    return ProgramRoles.of_proto(program).stages
 
 
 def test_the_role_records_stages_parameters_costs_and_partial_norms():
@@ -289,7 +289,7 @@ def _one_process(program, steps) -> tuple[Module, list[float]]:
 
 
 def _in_threads(program, steps):
-    from graphforge.distributed.pipeline_parallel import PipelineStage
+    from graphforge.distributed.stages import Stage
 
     role = _role(program)
     channels = _Channels(role.stages)
@@ -297,7 +297,7 @@ def _in_threads(program, steps):
 
     def run(stage):
         try:
-            pipeline = PipelineStage(program, CheckpointState.from_program(program), channels.transport(stage))
+            pipeline = Stage(program, CheckpointState.from_program(program), channels.transport(stage))
             losses = [pipeline.train_step(step).loss for step in steps]
             results[stage] = (losses, pipeline.tensors())
         except Exception as exc:  # reported below
