@@ -1,7 +1,7 @@
 """The inference model of a trained program: ``graphforge export PROGRAM --checkpoint CKPT -o OUT``.
 
 The program is pruned to its forward outputs (the ``prune`` pass, through
-graphforge/inference.py: loss, gradients and optimizer go, Dropout and BatchNorm switch to
+graphforge/runtime/inference.py: loss, gradients and optimizer go, Dropout and BatchNorm switch to
 inference) holding the checkpoint's trained parameters and buffers, and written atomically.
 """
 
@@ -18,7 +18,7 @@ from graphforge.graph import Model
 from graphforge.model_io import ModelSource, load, save
 from graphforge.runtime import CheckpointManager, CheckpointState
 from graphforge.runtime.inference import export_inference_model
-from graphforge.train.loop import CHECKPOINTS
+from graphforge.train.resume import CHECKPOINTS
 
 
 @dataclass(frozen=True)
