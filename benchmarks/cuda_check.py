@@ -270,11 +270,13 @@ def check(out: Path, *, trial: bool = False, budget: float = BUDGET_S, rows: str
     return report
 
 
-def prepare(bundler: Path) -> int:
+def prepare() -> int:
     """Make .gpu here, where pip reaches PyPI: the wheels the GPU image lacks, and the
     onnxruntime-gpu bundle for Hopper (the wheel for the image's Python, 3.12, pruned to sm_90
-    by ``bundler``, the workplace's ort_gpu_bundle.py; the wheel itself is not kept: the bundle
-    and the checkout must travel together in 64 MiB)."""
+    by benchmarks/gpu_bundle.py; the wheel itself is not kept: the bundle and the checkout
+    must travel together in 64 MiB)."""
+    from gpu_bundle import bundle  # (pyelftools, a dev dependency: the GPU image need not have it)
+
     WHEELS.mkdir(parents=True, exist_ok=True)
     download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
     subprocess.run([*download, "-d", str(WHEELS), *CARRIED], check=True)
@@ -282,16 +284,16 @@ def prepare(bundler: Path) -> int:
     if BUNDLE.exists():
         print(f"{BUNDLE.relative_to(REPO)} is there already")
         return 0
-    if not bundler.is_file():
-        print(f"no {bundler}: make {BUNDLE.relative_to(REPO)} by hand (see the module docstring)", file=sys.stderr)
-        return 1
     target = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64"]
     subprocess.run([*download, *target, "-d", str(GPU), ORT_GPU], check=True)
     (wheel,) = GPU.glob("onnxruntime_gpu-*.whl")
-    subprocess.run([sys.executable, str(bundler), str(wheel), str(BUNDLE)], check=True)
+    done = bundle(wheel, BUNDLE, arch=90)
     wheel.unlink()
-    print(f"{BUNDLE.relative_to(REPO)}: {BUNDLE.stat().st_size / 2**20:.1f} MiB")
-    return 0
+    print(
+        f"{BUNDLE.relative_to(REPO)}: {BUNDLE.stat().st_size / 2**20:.1f} MiB ({done.kept} sm_90 kernel images kept, "
+        f"{done.zeroed} others zeroed)"
+    )
+    return 0 if done.kept else 1
 
 
 def _now() -> str:
@@ -303,14 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "out" / "cuda-check", help="where the report goes")
     parser.add_argument("--trial", action="store_true", help="run every stage on the CPU (no GPU needed)")
     parser.add_argument("--prepare", action="store_true", help="make .gpu (wheels, onnxruntime-gpu bundle), then stop")
-    parser.add_argument(
-        "--bundler", type=Path, default=REPO.parent / "shared" / "gpu" / "ort_gpu_bundle.py", help="with --prepare"
-    )
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check")
     parser.add_argument("--rows", help="rows of the full CUDA benchmark to run alone (e.g. 2,3), without the tests")
     args = parser.parse_args(argv)
     if args.prepare:
-        return prepare(args.bundler)
+        return prepare()
     args.out.mkdir(parents=True, exist_ok=True)
     report = check(args.out, trial=args.trial, budget=args.budget, rows=args.rows)
     (args.out / "report.md").write_text(report.markdown())

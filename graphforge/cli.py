@@ -6,8 +6,11 @@ traceback and no output file (outputs are written atomically, after the work suc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
+import shlex
 import sys
 import textwrap
 import warnings
@@ -31,13 +34,13 @@ from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
 from graphforge.errors import GraphforgeError
-from graphforge.inspect_host_syncs import host_sync_lines
-from graphforge.inspect_memory import memory_tables
+from graphforge.inspection.host_syncs import host_sync_lines
+from graphforge.inspection.memory import memory_tables
 from graphforge.ir import FLOAT_TYPES, op_histogram
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
 from graphforge.placement.buckets import shard_layout
+from graphforge.planning.configs import default_hardware, plan_config, write_planned
 from graphforge.program import ProgramRoles
-from graphforge.train.planning import default_hardware, plan_config, write_planned
 
 app = typer.Typer(
     name="graphforge",
@@ -49,8 +52,50 @@ app = typer.Typer(
     # and label every flag <bool>, as if it took a value
     rich_markup_mode=None,
 )
+
+
+class _StdoutUntilClosed(io.TextIOBase):
+    """The current sys.stdout, until whoever reads it closes it (``graphforge train ... | head``):
+    from then on what is printed goes nowhere, so a closed output stops the printing, not the
+    work (a run still trains and saves its checkpoints). Says so once on stderr."""
+
+    def __init__(self) -> None:
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        if not self.reader_gone:
+            try:
+                sys.stdout.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_gone:
+            try:
+                sys.stdout.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        self.reader_gone = True
+        with contextlib.suppress(OSError, ValueError):  # the interpreter flushes stdout at exit: somewhere to write
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("graphforge: the output was closed; going on without printing", file=sys.stderr)
+
+    def isatty(self) -> bool:
+        return sys.stdout.isatty()
+
+    def fileno(self) -> int:
+        return sys.stdout.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(sys.stdout, "encoding", None) or "utf-8"
+
+
 # Piped output (CI logs, make demo under tee) gets a wide fixed width instead of 80 columns.
-out = Console(width=None if sys.stdout.isatty() else 160)
+out = Console(file=_StdoutUntilClosed(), width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
@@ -254,8 +299,8 @@ def inspect(
             highlight=False,
         )
 
-    if program_roles.pipeline is not None:
-        out.print(_stages_table(program_roles.pipeline))
+    if program_roles.stages is not None:
+        out.print(_stages_table(program_roles.stages))
     if processes:
         reduction = program_roles.allreduce
         if reduction is None or not reduction.zero:
@@ -677,7 +722,7 @@ def plan_command(
         raise UsageFailure(f"no split of {processes} processes could be predicted: {planned.candidates[0].reason}")
     dims_text = ", ".join(f"{k}={v}" for k, v in sorted(planned.dims.items()))
     table = Table(
-        title=f"{config.name} on {processes} process(es): global batch {planned.batch} ({dims_text}), "
+        title=f"{config.name} on {processes} process{'es' if processes != 1 else ''}: global batch {planned.batch} ({dims_text}), "
         f"{human_bytes(hardware.memory)} each, {hardware.flops / 1e9:g} GFLOP/s each, "
         f"{hardware.bandwidth / 1e9:g} GB/s and {hardware.latency * 1e6:g} µs a message"
         + (f" ({hardware.node_processes} a node, on its own link: {_link_text(hardware)})" if node_processes else ""),
@@ -700,13 +745,20 @@ def plan_command(
         others = ", ".join(str(c.split) for c in refused[3:])
         err.print(f"[yellow]not candidates either:[/] {escape(others)}", highlight=False, soft_wrap=True)
     best = next((c for c in predicted if c.prediction.fits), None)
+    counted = f"{processes} process{'es' if processes != 1 else ''}"
     if best is None:
-        raise UsageFailure(f"no split of {processes} processes fits {human_bytes(hardware.memory)} a process")
+        least = min(predicted, key=lambda c: c.prediction.memory)
+        raise UsageFailure(
+            f"no split of {counted} fits {human_bytes(hardware.memory)} a process; the least any needs is "
+            f"{human_bytes(least.prediction.memory)} a process ({least.split})"
+        )
     if output is not None:
+        train = f"graphforge train {shlex.quote(str(output))}"
+        launch = f"torchrun --nproc-per-node={processes} -m {train}" if processes > 1 else train
         note = (
-            f"planned by graphforge plan for {processes} processes: {best.split}, predicted "
+            f"planned by graphforge plan for {counted}: {best.split}, predicted "
             f"{best.prediction.step_s * 1e3:.2f} ms a step, {human_bytes(best.prediction.memory)} a process\n"
-            f"run: torchrun --nproc-per-node={processes} -m graphforge train {output.name}"
+            f"run (from the folder graphforge plan ran in): {launch}"
         )
         write_planned(planned, best.split, output, note)
         out.print(f"wrote [bold]{escape(str(output))}[/] ({best.split})", highlight=False)

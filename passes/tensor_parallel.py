@@ -4,6 +4,7 @@ forward program (Megatron-LM's column and row splits)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,13 +30,13 @@ from graphforge.passes.tensor_parallel_vocab import (
 )
 
 from graphforge import roles
-from graphforge.constants import is_left_out
 from graphforge.errors import PassError
-from graphforge.graph import Model, left_out_as
+from graphforge.graph import Model
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.placement.buckets import marker_call, marker_function
 from graphforge.program import TensorParallelRole, member_range
 from graphforge.shapes import infer_shapes
+from graphforge.stand_ins import is_left_out, left_out_as
 
 #: nodes the walk back from a row projection visits before it gives up on a block: a block is
 #: a few dozen nodes (an attention with its reshapes and rotary embedding about a hundred)
@@ -115,7 +116,7 @@ class TensorParallel(Pass):
         graph = model.graph
         graph.toposort()
         shapes = probe_shapes(model)
-        blocks, left = _blocks(graph, set(self.skip), shapes, self.size)
+        blocks, left, indivisible = _blocks(graph, set(self.skip), shapes, self.size)
         heads, embeddings = [], []
         if self.vocab:
             used = {id(p.node) for b in blocks for p in [*b.firsts, b.second]}
@@ -125,6 +126,10 @@ class TensorParallel(Pass):
                 # an LM head splits only under its cross-entropy, which the loss pass adds
                 left.insert(0, "the projection to the model's output: no loss reads it yet (an LM head splits only "
                             "under its cross-entropy: put tensor_parallel after the loss pass)")  # fmt: skip
+        if indivisible:  # (a head left whole with its block is no other layer)
+            named = {name for name, _ in indivisible}
+            others = blocks or embeddings or [h for h in heads if h.projection.node.name not in named]
+            _refuse_indivisible(indivisible, self.size, others=bool(others))
         if left:
             warnings.warn(
                 f"tensor_parallel: {len(left)} layer(s) stay whole on every member: {left[0]}"
@@ -253,9 +258,27 @@ class _Block:
         return "attention" if any(n.op in ("Softmax", "Attention") for n in self.between) else "mlp"
 
 
-def _blocks(graph: gs.Graph, skip: set[str], shapes, size: int) -> tuple[list[_Block], list[str]]:
-    """The blocks to split, and why each block that stays whole does."""
-    found, left, used = [], [], set()
+def _refuse_indivisible(indivisible: list[tuple[str, NotDivisible]], size: int, *, others: bool) -> None:
+    """Refuse a split the group's size does not divide, with a way out that works: leaving
+    those blocks whole where other layers still split, else a size that divides them all."""
+    names = ", ".join(repr(name) for name, _ in indivisible)
+    first = indivisible[0][1]
+    if others:
+        raise PassError(f"tensor_parallel: {first} (leave its block whole: skip=[{names}])")
+    common = math.gcd(*(exc.count for _, exc in indivisible))
+    sizes = [d for d in range(2, common + 1) if common % d == 0][:4]
+    way = (
+        f"use a group size that divides it: {' or '.join(f'size={d}' for d in sizes)}"
+        if sizes
+        else "no group size splits it evenly: train it without tensor parallelism"
+    )
+    raise PassError(f"tensor_parallel: {first}, and no other layer splits: {way}")
+
+
+def _blocks(graph: gs.Graph, skip: set[str], shapes, size: int):
+    """The blocks to split, why each block that stays whole does, and the blocks the group's
+    size does not divide (the node that ends each, and why)."""
+    found, left, used, indivisible = [], [], set(), []
     for node in graph.nodes:
         second = projection(node)
         if second is None or node.name in skip or id(node) in used:
@@ -263,14 +286,15 @@ def _blocks(graph: gs.Graph, skip: set[str], shapes, size: int) -> tuple[list[_B
         try:
             block = _block_before(second, skip, used, graph, shapes, size)
         except NotDivisible as exc:
-            raise PassError(f"tensor_parallel: {exc} (leave its block whole: skip=[{node.name!r}])") from None
+            indivisible.append((node.name, exc))
+            continue
         except Unsplittable as exc:
             left.append(f"the block ending at {node.op} node {node.name!r}: {exc}")
             continue
         if block is not None:
             found.append(block)
             used.update(id(p.node) for p in [*block.firsts, block.second])
-    return found, left
+    return found, left, indivisible
 
 
 def _block_before(second: Projection, skip: set[str], used: set[int], graph, shapes, size) -> _Block | None:
@@ -325,7 +349,7 @@ def _block_before(second: Projection, skip: set[str], used: set[int], graph, sha
             raise
         return None  # a residual or a head read whole: not a block, as a plain stack of layers is not
     if axes.indivisible:
-        raise NotDivisible(axes.indivisible[0])
+        raise NotDivisible(*axes.indivisible[0])
     return dataclasses.replace(block, axes=axes)
 
 

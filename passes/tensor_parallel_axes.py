@@ -51,7 +51,11 @@ class Unsplittable(Exception):
 
 
 class NotDivisible(Unsplittable):
-    """A size of the block (features, heads) that the group cannot split evenly."""
+    """A size of the block (features, heads) that the group cannot split evenly: ``count``."""
+
+    def __init__(self, message: str, count: int):
+        super().__init__(message)
+        self.count = count
 
 
 class NeedsSections(Exception):
@@ -114,8 +118,8 @@ class Axes:
     #: a tensor that is still a column projection's output features, elementwise: -> that output
     origin: dict[str, str] = field(default_factory=dict)
     edits: list[Edit] = field(default_factory=list)
-    #: sizes the group cannot split, said once the block is known to be one (NotDivisible)
-    indivisible: list[str] = field(default_factory=list)
+    #: sizes the group cannot split (what, the size), said once the block is known to be one (NotDivisible)
+    indivisible: list[tuple[str, int]] = field(default_factory=list)
 
     def start(self, output: gs.Tensor, sections: tuple[int, ...] | None) -> None:
         shape = self._shape(output, output.inputs[0])
@@ -201,10 +205,11 @@ class Axes:
             # dims before (the probe's may disagree: labels' dims are a dim of their own there)
             b = len(out) - 1
         if b is not None and out[b] % self.size:
-            self.indivisible.append(
+            self.indivisible.append((
                 f"{node.op} node {node.name!r} makes {out[b]} along the split axis ({shape} -> {out}: heads, or "
-                f"features), which {self.size} processes cannot split evenly"
-            )
+                f"features), which {self.size} processes cannot split evenly",
+                out[b],
+            ))  # fmt: skip
         if b is None:
             raise Unsplittable(
                 f"{node.op} node {node.name!r} reshapes the split axis ({shape} -> {out}) so that the members' parts "
@@ -368,7 +373,9 @@ class Axes:
     def _divisible(self, count: int, node: gs.Node | None, what: str) -> None:
         if count % self.size:
             where = f"node {node.name!r}" if node is not None else "a tensor"
-            self.indivisible.append(f"{where} has {count} {what}, which {self.size} processes cannot split evenly")
+            self.indivisible.append(
+                (f"{where} has {count} {what}, which {self.size} processes cannot split evenly", count)
+            )
 
     @staticmethod
     def _normal(axis: int, rank: int) -> int:

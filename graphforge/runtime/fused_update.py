@@ -1,8 +1,8 @@
 """A Module's update run by torch's fused multi-tensor kernels, on the runner's own buffers.
 
 The program's ONNX update is one small kernel per operation per parameter (about eleven for
-AdamW): on 2 CPU threads, GPT-2 2×256's update (14.5 M parameters) took 48 ms as onnxruntime
-runs it and 6.9 ms in ``torch._fused_adamw_``; on a GPU, thousands of launches against a few.
+AdamW): several times slower on the CPU than torch's fused kernel over the same tensors
+(docs/benchmarks.md, "Optimizer update"), and on a GPU thousands of launches against a few.
 ORTModule hands its optimizer to torch for the same reason. Here the kernels work on the very
 memory onnxruntime binds (DLPack views of the runner's OrtValues: parameters, optimizer states,
 and the gradient buffers segment 0 writes), so nothing is copied, and the ONNX update stays the
@@ -89,7 +89,7 @@ def refusal(module: Module, *, foreach: bool = True) -> str | None:
         return why
     if roles.allreduce is not None or module.reducer is not None:
         return "a data-parallel program: its update reads the reduced gradients"
-    if roles.pipeline is not None:
+    if roles.stages is not None:
         return "a pipeline program: each stage updates its own parameters"
     if not module.runner.in_place:
         return "the Module updates with two buffers (in_place=False)"

@@ -20,9 +20,9 @@ Matching is networkx's VF2 subgraph monomorphism over the graph's node DAG cut d
 pattern's op types, with edges labelled (output index, input index), one weakly connected
 component at a time. onnxscript's rewriter, the other candidate, needs the model converted to
 its IR and back (gs → proto → onnx_ir → proto → gs) and lives in the torch extra, not in
-graphforge's core dependencies. Measured by ``benchmarks/fusion_bench.py``'s ``engines()``, one
-ReLU-mask rule on a gradient program: GPT-2 small's (4,879 nodes) 2 ms against 2.1 s,
-GPT-2 2×256's (the Fusion section's note) 1 ms against 0.3-0.5 s (two runs).
+graphforge's core dependencies, and matching one rule took it a few hundred times
+longer on a gradient program (``benchmarks/fusion_bench.py``'s ``engines()``; docs/benchmarks.md,
+"Fusion").
 """
 
 from __future__ import annotations

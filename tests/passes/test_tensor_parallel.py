@@ -9,6 +9,7 @@ processes: tests/distributed/test_tensor_parallel_members.py."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -188,8 +189,14 @@ def test_a_dynamo_llama_and_a_bert_encoder_split_their_attention_and_mlps(tmp_pa
 
 
 def test_sizes_that_do_not_divide_and_models_without_a_block_are_refused_by_name(transformer_path):
-    with pytest.raises(PipelineError, match=r"node '.*' has 64 output features, which 3 processes cannot split"):
+    """Each refusal names the node and offers a way out that works: the test takes it."""
+    with pytest.raises(PipelineError, match=r"node '.*' has 64 output features, which 3 processes cannot split") as got:
         graphforge.compile(DIGITS, "tensor_parallel(size=3)")
+    # the digits' one block: leaving it whole would leave nothing to split, so sizes that divide it
+    offered = re.findall(r"size=(\d+)", str(got.value).split("no other layer splits")[1])
+    assert offered == ["2", "4", "8", "16"] and "skip=" not in str(got.value)
+    for size in offered:
+        graphforge.compile(DIGITS, f"tensor_parallel(size={size})")
     with pytest.raises(PipelineError, match="no layer to split"):
         graphforge.compile(models.linear_model(), "tensor_parallel(size=2)")
     model = onnx.load(DIGITS)
@@ -198,10 +205,12 @@ def test_sizes_that_do_not_divide_and_models_without_a_block_are_refused_by_name
         graphforge.compile(model, f'tensor_parallel(size=2, skip=["{first}"])')
     # GPT-2 with 2 heads on 4 members: refused at its reshape to heads, naming the block to skip
     gpt2 = onnx.load(transformer_path)
-    with pytest.raises(PipelineError, match=r"Reshape node '.*' makes 2 along the split axis .* skip=\['(.*)'\]"):
+    with pytest.raises(PipelineError, match=r"Reshape node '.*' makes 2 along the split axis .* skip=\[(.*)\]") as got:
         graphforge.compile(gpt2, "tensor_parallel(size=4)")
+    skip = re.search(r"skip=(\[.*\])", str(got.value)).group(1)
     c_proj = next(n.name for n in gpt2.graph.node if n.op_type == "Gemm" and "attn/c_proj" in n.name)
-    role = _role(graphforge.compile(gpt2, f'tensor_parallel(size=4, skip=["{c_proj}"])').model)
+    assert skip == f"[{c_proj!r}]"
+    role = _role(graphforge.compile(gpt2, f"tensor_parallel(size=4, skip={skip})").model)
     assert [b["kind"] for b in role["blocks"]] == ["mlp"]  # the attention stays whole on every member
 
 
