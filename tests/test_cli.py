@@ -573,10 +573,14 @@ def test_readme_tour_runs_as_written(readme_workspace):
     grad_outputs = [o.name for o in onnx.load(out / "demo_grad.onnx").graph.output]
     assert grad_outputs == ["logits", "loss", "fc1.weight_grad", "fc1.bias_grad", "fc2.weight_grad", "fc2.bias_grad"]
 
-    # the diff block compares the shipped model with the one the CLI block compiled: each
-    # command exits 1 (different, as diff(1))
+    # the diff block compiles what it compares (as the CLI block does), then compares the
+    # shipped model with it: each diff exits 1 (different, as diff(1))
     diff_block = next(b for b in blocks if "graphforge diff" in b)
-    setup, *commands = [line for line in diff_block.splitlines() if line.strip()]
+    lines = [line for line in diff_block.replace("\\\n", " ").splitlines() if line.strip()]
+    at = next(i for i, line in enumerate(lines) if line.startswith("A="))
+    ok(subprocess.run(["bash", "-euc", "\n".join(lines[:at])], cwd=readme_workspace, env=_env(),
+                      capture_output=True, text=True, timeout=300))  # fmt: skip
+    setup, commands = lines[at], lines[at + 1 :]
     for command in commands:
         proc = subprocess.run(["bash", "-uc", f"{setup}\n{command}"], cwd=readme_workspace, env=_env(),
                               capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import models
 import numpy as np
@@ -101,3 +102,23 @@ def test_an_optimizer_state_name_the_model_already_uses_is_one_clear_error():
     renamed = graphforge.compile(models.linear_model(), "loss(kind=mse, output=y), autodiff, adamw").model
     inputs = {i.name for i in renamed.graph.input}
     assert {"W.exp_avg", "W.exp_avg_sq", "b.exp_avg", "b.exp_avg_sq"} <= inputs
+
+
+def test_a_program_compiled_before_stages_were_named_so_reads_its_stages():
+    """Programs from before the role was renamed hold the stages under graphforge.pipeline:
+    they read as they did; one that holds both reads the current key."""
+    digits = str(Path(__file__).resolve().parents[1] / "examples" / "digits" / "model.onnx")
+    staged = graphforge.compile(
+        digits,
+        "loss(kind=cross_entropy, output=logits), autodiff, sgd(lr=0.1, accumulate=true), "
+        "pipeline(stages=2, microbatches=2)",
+    ).model
+    current = ProgramRoles.of_proto(staged).stages
+    assert current is not None and current.stages == 2
+    older = onnx.ModelProto()
+    older.CopyFrom(staged)
+    for entry in older.metadata_props:
+        if entry.key == roles.STAGES:
+            entry.key = roles.STAGES_BEFORE
+    assert ProgramRoles.of_proto(older).stages == current
+    assert roles.STAGES not in {e.key for e in older.metadata_props}

@@ -14,7 +14,7 @@ from onnx import TensorProto, numpy_helper
 
 import graphforge
 from graphforge import graph as gio
-from graphforge import payloads, verify
+from graphforge import stand_ins, verify
 from graphforge.errors import InvalidModelError
 from graphforge.graph import Model
 from graphforge.shapes import infer_shapes
@@ -112,7 +112,7 @@ def test_export_without_values_leaves_only_large_floats_out():
 
 
 def _rename(model: Model, name: str, new: str) -> None:
-    next(c for c in gio._constants(model.graph) if c.name == name).name = new
+    next(c for c in stand_ins.exported_constants(model.graph) if c.name == name).name = new
 
 
 def _drop_h(model: Model) -> None:  # H is read by an Identity whose output is a graph output
@@ -149,7 +149,8 @@ def test_an_export_written_over_its_source_is_the_plain_export_and_keeps_its_ten
     edit(model)
     plain = model.to_proto()
     main = list(source.graph.initializer)  # (a subgraph's own initializer stays in its body)
-    reads = {c.name: c._values.tensor for c in gio._constants(model.graph) if hasattr(c._values, "tensor")}
+    reads = {c.name: stand_ins.lazy_tensor(c) for c in stand_ins.exported_constants(model.graph)}
+    reads = {name: tensor for name, tensor in reads.items() if tensor is not None}
     reads = {name: tensor for name, tensor in reads.items() if any(tensor is t for t in main)}
     written = model.to_proto(over=source)
     assert written is source
@@ -349,14 +350,13 @@ def test_a_compile_measures_each_weight_read_from_the_source_once(monkeypatch):
     knows the values it took from there. A truncated weight is still refused, at the input."""
 
     measured = []
-    long_enough = payloads.long_enough
+    long_enough = stand_ins.long_enough
 
     def spy(tensor):
         measured.append(tensor.name)
         return long_enough(tensor)
 
-    for module in (payloads, gio):  # the payload-free copies and the Model's export both measure
-        monkeypatch.setattr(module, "long_enough", spy)
+    monkeypatch.setattr(stand_ins, "long_enough", spy)  # the payload-free copies and the Model's export measure
     pipeline = "loss(kind=mse, output=y), identity_elimination, autodiff(trainable=[W, b]), dce"
     graphforge.compile(mixed_model(), pipeline)
     assert sorted(measured) == ["H", "W"]
@@ -455,7 +455,7 @@ def test_a_model_without_its_weights_compiles_to_the_program_of_the_whole_one(wi
     whole = onnx.load(wide_gpt2)
     passes = graphforge.parse_pipeline(TRAINING)
     want = graphforge.PassManager(passes).run(whole).model
-    light = payloads.weights_left_out(whole)
+    light = stand_ins.weights_left_out(whole)
     assert any(is_stand_in(t) and len(t.dims) == 1 for t in light.graph.initializer)
     got = graphforge.PassManager(graphforge.parse_pipeline(TRAINING), shapes_only=True).run(light).model
     assert [n.op_type for n in got.graph.node] == [n.op_type for n in want.graph.node]
@@ -472,7 +472,7 @@ def test_weights_held_in_a_missing_file_are_left_out_and_anything_else_is_refuse
     graphforge.save(onnx.load(transformer_path), tmp_path / "model.onnx", external_data=True)
     (tmp_path / "model.onnx.data").unlink()  # a model larger than this machine: its graph alone
     graph_only = onnx.load(tmp_path / "model.onnx", load_external_data=False)
-    light = payloads.weights_left_out(graph_only)
+    light = stand_ins.weights_left_out(graph_only)
     assert [t.name for t in light.graph.initializer if is_stand_in(t)] == [
         t.name for t in graph_only.graph.initializer if t.data_location == TensorProto.EXTERNAL
     ]

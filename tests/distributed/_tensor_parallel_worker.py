@@ -87,7 +87,7 @@ def train_staged(case: dict, world: World) -> None:
     ``data`` = D, D such pipelines (T × S × D), each taking its 1/D of every micro-batch's rows,
     their stages' accumulated gradients averaged across the replicas before the update."""
     stages, replicas = case["stages"], case.get("data", 1)
-    mesh = world.mesh(tensor=world.size // (stages * replicas), pipeline=stages)
+    mesh = world.mesh(tensor=world.size // (stages * replicas), stages=stages)
     tensor, pipe, data = mesh.tensor, mesh.stages, mesh.data
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
