@@ -14,28 +14,29 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 #: the modules that take longest (seconds of their tests, 2 workers on 2 cores, measured with
-#: ``pytest -n 2 --dist loadscope --durations=0`` and summed by module): make test's workers
+#: ``pytest -n 2 --dist loadscope --durations=0`` and summed by module; 2026-11-29): make test's workers
 #: take whole modules in collection order (--no-loadscope-reorder), so these go first,
 #: longest first, and the last module a worker takes is a short one, not a 3-minute one that
 #: runs alone at the end
 LONGEST = {
-    "distributed/test_tensor_parallel_members.py": 217,
-    "autodiff/test_backend_conformance.py": 145,
-    "test_benchmarks_smoke.py": 114,
-    "passes/test_tensor_parallel.py": 100,
-    "test_cli.py": 97,
-    "distributed/test_train_distributed.py": 90,
-    "passes/test_recompute.py": 87,
-    "distributed/test_readme_data_parallel.py": 76,
-    "distributed/test_train_tensor.py": 70,
-    "distributed/test_plan.py": 70,
-    "distributed/test_stages.py": 63,
-    "analysis/test_memory.py": 59,
-    "distributed/test_train_zero.py": 58,
-    "distributed/test_zero.py": 57,
-    "distributed/test_data_parallel.py": 56,
-    "distributed/test_train_pipeline.py": 46,
-    "diff/test_diff_cli.py": 41,
+    "distributed/test_tensor_parallel_members.py": 102,
+    "test_benchmarks_smoke.py": 58,
+    "distributed/test_train_distributed.py": 49,
+    "distributed/test_stages.py": 45,
+    "autodiff/test_backend_conformance.py": 44,
+    "test_cli.py": 40,
+    "distributed/test_train_tensor.py": 40,
+    "analysis/test_memory.py": 35,
+    "distributed/test_readme_data_parallel.py": 34,
+    "distributed/test_zero.py": 30,
+    "distributed/test_train_zero.py": 27,
+    "passes/test_tensor_parallel.py": 26,
+    "distributed/test_data_parallel.py": 25,
+    "distributed/test_plan.py": 24,
+    "passes/test_recompute.py": 23,
+    "diff/test_diff_cli.py": 20,
+    "test_graph_io.py": 18,
+    "distributed/test_train_pipeline.py": 16,
 }
 
 

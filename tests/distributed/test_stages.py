@@ -138,7 +138,7 @@ def test_stages_equal_one_process_running_the_microbatches_in_turn(workspace, gr
 
 def test_a_dead_stage_ends_the_run_with_an_error_not_a_hang(workspace):
     started = time.monotonic()
-    finished = _run(workspace, ["gpt-2-1f1b"], die_at_step=2, timeout_s=20, timeout=120)
+    finished = _run(workspace, ["gpt-2-1f1b"], die_at_step=2, timeout_s=8, timeout=120)
     took = time.monotonic() - started
     by_rank = {f.rank: f for f in finished}
     assert by_rank[1].returncode == 17

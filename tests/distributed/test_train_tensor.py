@@ -59,6 +59,9 @@ def test_two_members_train_and_resume_as_one_process(folder):
     two = runs.launch(folder, cfg, folder / "two", "--steps", str(STEPS))
     assert "tensor-parallel on 2 processes (gloo)" in two.stdout
     assert "each process holds 1/2 of 9 carried tensors" in two.stdout
+    # what rank 0 prints is what it runs: the user's pipeline, its member's split spelled out
+    loss, rest = th.PIPELINE.split("), ", 1)
+    assert f'"{loss}), tensor_parallel(size=2, rank=0, vocab=true), {rest}"' in two.stdout
     names = sorted(p.name for p in (folder / "two" / "checkpoints").iterdir())
     assert names == [
         f"checkpoint-{s:08d}{part}.safetensors" for s in (4, 8) for part in ("", ".tensor0-of-2", ".tensor1-of-2")
