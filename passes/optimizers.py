@@ -388,14 +388,24 @@ class Adam(_Optimizer):
 
 @dataclass(frozen=True)
 class AdamW(_Optimizer):
-    """AdamW with decoupled weight decay (torch.optim.AdamW).
-    State: ``<param>.exp_avg``, ``<param>.exp_avg_sq``."""
+    """AdamW with decoupled weight decay. State: ``<param>.exp_avg``, ``<param>.exp_avg_sq``.
+
+    1. ``mode=torch`` (the default): torch.optim.AdamW. The weight decays first, then each
+       moment is bias-corrected: ``p -= lr / (1 - b1^t) · m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
+    2. ``mode=hf``: HuggingFace's AdamW, which onnxruntime-training's on-device AdamW
+       computes (its AdamWOptimizer, adam_mode 1): the correction is folded into the rate,
+       eps is added to the uncorrected ``sqrt(v)``, and the weight decays after the update,
+       from the updated weight: ``p -= lr · sqrt(1 - b2^t) / (1 - b1^t) · m / (sqrt(v) + eps)``,
+       then ``p -= lr · weight_decay · p``. What ``graphforge.artifacts``' OptimType.AdamW
+       writes, so a script written for onnxruntime-training computes its updates.
+    """
 
     name = "adamw"
     weight_decay: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    mode: Literal["torch", "hf"] = "torch"
     state_names = ("exp_avg", "exp_avg_sq")
 
     def __post_init__(self):
@@ -403,6 +413,8 @@ class AdamW(_Optimizer):
         _check_moments(self)
 
     def update(self, s, states):
+        if self.mode == "hf":
+            return _hf_adamw_update(self, s, states)
         b = s.b
         if not self.weight_decay:
             return _adam_update(self, s, s.param, s.grad, states)
@@ -412,6 +424,21 @@ class AdamW(_Optimizer):
         )
         param = b.mul(s.param, s.scalar(decay))
         return _adam_update(self, s, param, s.grad, states)
+
+
+def _hf_adamw_update(opt: AdamW, s: _Step, states):
+    """Case 2 of AdamW: moments as ``b · m + (1 - b) · g`` (not torch's lerp), the corrected
+    rate once for every parameter, the decay last."""
+    b = s.b
+    m = b.add(b.mul(states["exp_avg"], s.scalar(opt.beta1)), b.mul(s.grad, s.scalar(1 - opt.beta1)))
+    v = b.add(b.mul(states["exp_avg_sq"], s.scalar(opt.beta2)), b.mul(b.mul(s.grad, s.grad), s.scalar(1 - opt.beta2)))
+    bc1, bc2 = _bias_corrections(opt, s)
+    rate = s.once(("hf_rate", bc1.name), lambda: b.div(b.mul(s.lr, b.op("Sqrt", bc2)), bc1))
+    updated = b.sub(s.param, b.div(b.mul(m, s.scalar(rate)), b.add(b.op("Sqrt", v), s.scalar(opt.eps))))
+    if opt.weight_decay:
+        decay = s.once(("hf_decay", opt.weight_decay), lambda: b.mul(s.lr, b.constant(np.array(opt.weight_decay))))
+        updated = b.sub(updated, b.mul(updated, s.scalar(decay)))
+    return updated, {"exp_avg": m, "exp_avg_sq": v}
 
 
 def _check_moments(opt) -> None:

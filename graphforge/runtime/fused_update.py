@@ -53,7 +53,7 @@ from graphforge.runtime.runner import Runner
 KNOWN = {
     "sgd": {"momentum", "dampening", "nesterov"},
     "adam": {"beta1", "beta2", "eps"},
-    "adamw": {"beta1", "beta2", "eps"},
+    "adamw": {"beta1", "beta2", "eps", "mode"},
     "lamb": {"beta1", "beta2", "eps"},
 }
 #: what every optimizer pass records besides its own (passes/optimizers.py, _Optimizer)
@@ -109,6 +109,8 @@ def kernel_refusal(roles: ProgramRoles, *, foreach: bool = True) -> str | None:
     unknown = sorted(set(roles.hyperparameters) - KNOWN[kind] - COMMON)
     if unknown:
         return f"the {kind} update has settings the torch kernels do not take: {', '.join(unknown)}"
+    if roles.hyperparameters.get("mode", "torch") != "torch":
+        return f"torch's {kind} kernel computes torch's update, not mode={roles.hyperparameters['mode']}'s"
     try:
         import torch
     except ImportError:

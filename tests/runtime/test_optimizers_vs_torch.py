@@ -62,6 +62,36 @@ class TimmLamb(torch.optim.Optimizer):
                 p.sub_(update, alpha=group["lr"])
 
 
+class HuggingFaceAdamW(torch.optim.Optimizer):
+    """AdamW as HuggingFace's transformers.AdamW computed it (and onnxruntime-training's
+    AdamWOptimizer with adam_mode 1), written from its documented algorithm; independent of
+    graphforge's pass. Per parameter, with t the step:
+
+        m = beta1 m + (1 - beta1) g,  v = beta2 v + (1 - beta2) g²
+        p -= lr sqrt(1 - beta2^t) / (1 - beta1^t) · m / (sqrt(v) + eps)
+        p -= lr weight_decay p          (after the update, from the updated p)"""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            group["step"] = group.get("step", 0) + 1
+            rate = group["lr"] * math.sqrt(1 - beta2 ** group["step"]) / (1 - beta1 ** group["step"])
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                p.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-rate)
+                if group["weight_decay"]:
+                    p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+
+
 CASES = {
     "sgd": ("sgd(lr=0.05)", lambda p: torch.optim.SGD(p, lr=0.05)),
     "sgd_momentum_weight_decay": (
@@ -82,6 +112,10 @@ CASES = {
         lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), eps=1e-6),
     ),
     "adamw": ("adamw(lr=0.01, weight_decay=0.1)", lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
+    "adamw_hf": (  # onnxruntime-training's on-device AdamW (its defaults but the decay)
+        "adamw(lr=0.01, weight_decay=0.1, eps=1e-6, mode=hf)",
+        lambda p: HuggingFaceAdamW(p, lr=0.01, weight_decay=0.1),
+    ),
     "lamb": ("lamb(lr=0.01, weight_decay=0.01)", lambda p: TimmLamb(p, lr=0.01, weight_decay=0.01)),
     "lamb_betas_no_decay": (  # graphforge adapts every parameter: timm's always_adapt
         "lamb(lr=0.01, weight_decay=0, beta1=0.8, beta2=0.99)",

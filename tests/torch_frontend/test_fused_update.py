@@ -171,9 +171,11 @@ def test_a_transformers_updates_step_by_step():
 def test_programs_the_kernels_do_not_know_keep_their_onnx_update():
     base = graphforge.compile(models.tanh_mlp(), f"{LOSS}, adamw(lr=0.01)").model
     dp = graphforge.compile(models.tanh_mlp(), f"{LOSS}, adamw(lr=0.01), allreduce").model
+    hf = graphforge.compile(models.tanh_mlp(), f"{LOSS}, adamw(lr=0.01, mode=hf)").model
     two_buffers = graphforge.Module(base, device="cpu", in_place=False)
     cases = {
         graphforge.Module(dp, device="cpu"): "a data-parallel program",
+        graphforge.Module(hf, device="cpu"): "torch's adamw kernel computes torch's update, not mode=hf's",
         two_buffers: "the Module updates with two buffers (in_place=False)",
     }
     for module, reason in cases.items():
