@@ -18,6 +18,7 @@ from graphforge.errors import (
 )
 from graphforge.graph import Model
 from graphforge.model_io import load, save
+from graphforge.ondevice import artifacts  # `from graphforge import artifacts`, as from onnxruntime.training
 from graphforge.pass_infra import Pass, PassRegistry, PassResult
 from graphforge.pass_manager import CompileResult, PassManager, PassRecord, compile, default_registry, parse_pipeline
 from graphforge.program import ProgramRoles
@@ -59,6 +60,7 @@ __all__ = [
     "PipelineSpecError",
     "ProgramRoles",
     "__version__",
+    "artifacts",
     "available_providers",
     "compile",
     "create_session",

@@ -37,6 +37,7 @@ from graphforge.errors import GraphforgeError
 from graphforge.inspection.host_syncs import host_sync_lines
 from graphforge.inspection.memory import memory_tables
 from graphforge.ir import FLOAT_TYPES, op_histogram
+from graphforge.ondevice import artifacts as ondevice_artifacts
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
 from graphforge.placement.buckets import shard_layout
 from graphforge.planning.configs import default_hardware, plan_config, write_planned
@@ -635,6 +636,73 @@ def export_command(
     )
     out.print(
         f"wrote [bold]{escape(str(report.path))}[/] (outputs: {escape(', '.join(report.outputs))}) with {values}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+@app.command("artifacts")
+def artifacts_command(
+    model: Annotated[
+        Path,
+        typer.Argument(help="A forward model (with -p), or a training program (graphforge train's OUT/program.onnx)."),
+    ],
+    output_dir: Annotated[Path, typer.Option("--out", "-o", help="The artifact folder to write (made if missing).")],
+    pipeline: Annotated[
+        str | None,
+        typer.Option("--pipeline", "-p", help="Compile MODEL with this pipeline (its optimizer made to accumulate)."),
+    ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="The state to start from: a checkpoint file, or a run folder (its latest checkpoint)."),
+    ] = None,
+    output: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--output",
+            help="An output the training and eval models return after the loss (repeat; default: the forward outputs).",
+        ),
+    ] = None,
+    loss_only: Annotated[
+        bool, typer.Option("--loss-only", help="The training and eval models return the loss alone.")
+    ] = False,
+    prefix: Annotated[str, typer.Option("--prefix", help="Put before each file's name.")] = "",
+) -> None:
+    """Write on-device training artifacts (training, eval and optimizer models, the whole step,
+    an inference model, the checkpoint and manifest.json) for onnxruntime in any language:
+    graphforge's JavaScript runtime (js/) on onnxruntime-node and onnxruntime-web, or
+    graphforge.ondevice in Python."""
+    proto = graphforge.load(model)
+    roles = ProgramRoles.of_proto(proto)
+    if roles.is_training_program:
+        if pipeline is not None:
+            raise UsageFailure(f"{model} is a training program already: leave -p out (or give its forward model)")
+        program, how = proto, f"the training program {model}"
+    else:
+        if pipeline is None:
+            raise UsageFailure(f"{model} is a forward model: give -p PIPELINE (e.g. \"loss(kind=cross_entropy, "
+                               "output=logits), autodiff, adamw(lr=1e-3)\"), or a training program")  # fmt: skip
+        passes, text = ondevice_artifacts.accumulating(pipeline)
+        program = PassManager(passes).run(proto).model
+        how = f'{model} compiled with "{text}"'
+    state = None
+    if checkpoint is not None:
+        found = train.find_checkpoint(checkpoint)
+        state = graphforge.CheckpointState.load(found, program)
+        how += f", from {found} (step {state.step})"
+    extras = [] if loss_only else list(output) if output else list(ProgramRoles.of_proto(program).forward_outputs)
+    manifest = ondevice_artifacts.write_artifacts(program, output_dir, state=state, prefix=prefix, outputs=extras)
+    out.print(f"[bold]artifacts[/] {escape(how)} → {escape(str(output_dir))}", highlight=False, soft_wrap=True)
+    table = Table()
+    for column in ("model", "file", "inputs", "outputs"):
+        table.add_column(column)
+    for key, entry in manifest.models.items():
+        table.add_row(key, entry.file, str(len(entry.inputs)), str(len(entry.outputs)))
+    out.print(table)
+    accumulates = "accumulates gradients until lazyResetGrad" if manifest.accumulates else "does not accumulate"
+    out.print(
+        f"wrote {len(manifest.models) + 2} files into [bold]{escape(str(output_dir))}[/]: the training model "
+        f"{accumulates}; {manifest.optimizer}, default lr {manifest.default_lr:g}; state: {len(manifest.state)} tensors",
         highlight=False,
         soft_wrap=True,
     )

@@ -75,7 +75,7 @@ DISTRIBUTED = (  # the runtime's schedules over torch.distributed
 DRIVER = (("graphforge.pass_manager",),)
 TOOLS = (
     ("graphforge.torch", "graphforge.diff", "graphforge.inspection"),
-    ("graphforge.train", "graphforge.golden"),
+    ("graphforge.train", "graphforge.golden", "graphforge.ondevice"),
     ("graphforge.planning",),  # the planner: compiles candidates, reads the simulator, writes train configs
 )
 TOP = (("graphforge.cli", "graphforge.__main__", "graphforge"),)  # the CLI, and the package's public re-exports
@@ -99,6 +99,7 @@ FOLDERS = (
     "graphforge.inspection",
     "graphforge.train",
     "graphforge.golden",
+    "graphforge.ondevice",
     "graphforge.planning",
     "graphforge/ (the top: cli.py, __main__.py, __init__.py)",
 )
