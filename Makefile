@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 #: the test accuracy `make demo` must reach (README); its run reaches about 0.98
 DEMO_MIN_ACCURACY := 0.93
 
+JS_STAMP := js/node_modules/.installed
+
 .PHONY: install test demo lint bench conformance cuda-check clean
 
 $(STAMP): pyproject.toml
@@ -17,18 +19,25 @@ $(STAMP): pyproject.toml
 	@missing=""; \
 	command -v dot >/dev/null 2>&1 || missing="$$missing graphviz"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v node >/dev/null 2>&1 || missing="$$missing nodejs npm"; \
 	if [ -n "$$missing" ]; then \
 		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 			echo "installing system packages:$$missing"; \
 			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) \
 				|| echo "warning: apt-get could not install$$missing"; \
 		else \
-			echo "note: not installing$$missing (needs apt-get and root): diff pages use a pure-Python layout, the browser test skips"; \
+			echo "note: not installing$$missing (needs apt-get and root): diff pages use a pure-Python layout, the browser tests skip"; \
 		fi; \
 	fi
 	touch $(STAMP)
 
-install: $(STAMP)
+# The JavaScript runtime's packages (js/package-lock.json). onnxruntime-node's own install step
+# fetches CUDA libraries from outside the npm registry; its CPU build is in the package itself.
+$(JS_STAMP): js/package-lock.json $(STAMP)
+	cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund --loglevel=error
+	touch $(JS_STAMP)
+
+install: $(STAMP) $(JS_STAMP)
 
 # Two test processes on a 2-core machine (at most 4: each distributed test starts several
 # processes of its own); a module's tests stay in one process, so its fixtures are made once,
@@ -38,7 +47,7 @@ install: $(STAMP)
 # The 25 longest tests are listed at the end, for the next trim of the suite.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-test: $(STAMP)
+test: $(STAMP) $(JS_STAMP)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 	$(BIN)/graphforge golden check golden_models
 

@@ -1,0 +1,7 @@
+/** One error type for what graphforge's runtime refuses: its message names the file and the tensor. */
+export class OndeviceError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = 'OndeviceError';
+  }
+}

@@ -1,0 +1,242 @@
+"""graphforge's JavaScript runtime (js/) against graphforge in Python, on the same artifacts
+and batches: on onnxruntime-node, bit for bit where the two onnxruntime builds run the same
+kernels; on onnxruntime-web's wasm backend under Node, within what its kernels explain.
+Checkpoints cross between the two in both directions, and the JS unit tests (node --test) pass.
+
+The runtime is driven by js/test/driver/steps.mjs, one Node process per run; js/node_modules
+is what ``make install`` (npm ci) made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import graphforge
+from graphforge import CheckpointState, Module, Optimizer
+from graphforge.ondevice.artifacts import write_artifacts
+from graphforge.runtime import CosineSchedule
+from graphforge.runtime.dropout import run_key
+from graphforge.runtime.lr_schedules import make_schedule
+
+REPO = Path(__file__).resolve().parents[2]
+JS = REPO / "js"
+DRIVER = JS / "test" / "driver" / "steps.mjs"
+DIGITS = REPO / "examples" / "digits" / "model.onnx"
+DATA = np.load(REPO / "data" / "digits" / "train.npz")
+NODE = shutil.which("node")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime_installed():
+    if NODE is None:
+        pytest.fail("node is not on PATH: make install sets it up (Node.js 20 from the system's packages)")
+    if not (JS / "node_modules" / "onnxruntime-node").is_dir():
+        pytest.fail("js/node_modules is missing: make install runs npm ci in js/")
+
+
+def batches_file(folder: Path, batches: list[dict[str, np.ndarray]]) -> dict:
+    """The batches as the driver reads them: one file of their bytes, and where each tensor is."""
+    blob, steps = bytearray(), []
+    for batch in batches:
+        entries = []
+        for name, value in batch.items():
+            value = np.ascontiguousarray(value)
+            entries.append(
+                {
+                    "name": name,
+                    "dtype": value.dtype.name,
+                    "shape": list(value.shape),
+                    "offset": len(blob),
+                    "bytes": value.nbytes,
+                }
+            )
+            blob += value.tobytes()
+            blob += bytes(-len(blob) % 8)  # the next tensor aligned
+        steps.append(entries)
+    path = folder / "batches.bin"
+    path.write_bytes(bytes(blob))
+    return {"file": str(path), "steps": steps}
+
+
+def run_js(job: dict, timeout: float = 300) -> dict:
+    done = subprocess.run([NODE, str(DRIVER), json.dumps(job)], capture_output=True, text=True, timeout=timeout, cwd=JS)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def digits_batches(count: int, size: int = 28, start: int = 0) -> list[dict[str, np.ndarray]]:
+    return [
+        {
+            "images": DATA["images"][(start + i) * size : (start + i + 1) * size],
+            "labels": DATA["labels"][(start + i) * size : (start + i + 1) * size],
+        }
+        for i in range(count)
+    ]
+
+
+def python_steps(program, batches, steps, *, accumulate=1, state=None, schedule=None):
+    """graphforge's Module on the program (its ONNX update, as the artifacts hold it), the
+    loop a JS user writes: the losses, and the Module."""
+    module = Module(program, state or CheckpointState.from_program(program), device="cpu", update="onnx")
+    optimizer = Optimizer(module)
+    rates = schedule(optimizer) if schedule else None
+    losses, at = [], 0
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(accumulate):
+            total += float(module(*batches[at].values()))
+            at += 1
+        optimizer.step()
+        module.lazy_reset_grad()
+        losses.append(total / accumulate)
+        if rates:
+            rates.step()
+    return losses, module
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("js-digits")
+    program = graphforge.compile(
+        DIGITS, "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2, weight_decay=0.01, accumulate=true)"
+    ).model
+    write_artifacts(program, folder / "art", outputs=["logits"])
+    return folder, program
+
+
+def test_fifty_digits_steps_on_onnxruntime_node_equal_python_bit_for_bit(digits):
+    """50 AdamW steps: every loss and, through the checkpoint the JS runtime writes (which
+    graphforge in Python loads, CRCs checked), every carried tensor equal to the Module's."""
+    folder, program = digits
+    batches = digits_batches(50)
+    job = {"backend": "node", "artifacts": str(folder / "art"), "batches": batches_file(folder, batches), "steps": 50}
+    got = run_js({**job, "save": str(folder / "js.ckpt")})
+    want, module = python_steps(program, batches, 50)
+    assert got["losses"] == want and got["step"] == 50
+    saved = CheckpointState.load(folder / "js.ckpt", program)
+    assert saved.step == 50 and saved.learning_rate == pytest.approx(0.01)
+    for name, value in module.state.tensors.items():
+        assert np.array_equal(saved.tensors[name], value), name
+
+
+def test_accumulation_and_a_schedule_equal_python(digits):
+    """Two micro-batches a step (runTrainStep twice, then runOptimizerStep, lazyResetGrad),
+    the rate from a cosine schedule with warmup built in JS: the rates and losses of graphforge's."""
+    folder, program = digits
+    batches = digits_batches(24)
+    options = {"warmupSteps": 3, "totalSteps": 12, "baseLr": 0.02, "endLr": 0.001}
+    job = {"backend": "node", "artifacts": str(folder / "art"), "batches": batches_file(folder, batches), "steps": 12,
+           "accumulate": 2, "schedule": {"kind": "cosine", "options": options}}  # fmt: skip
+    got = run_js(job)
+
+    def cosine(optimizer):
+        return CosineSchedule(optimizer, base_lr=0.02, warmup_steps=3, total_steps=12, end_lr=0.001)
+
+    want, _ = python_steps(program, batches, 12, accumulate=2, schedule=cosine)
+    expected_rates = [cosine(None).lr_at(k) for k in range(12)]
+    assert got["learningRates"] == expected_rates
+    assert got["losses"] == want
+
+
+def test_a_checkpoint_crosses_between_python_and_javascript_both_ways(digits):
+    """Python trains 10 steps and saves; the JS runtime resumes for 10 more and saves; Python
+    resumes that for 10 more: the same as 30 uninterrupted steps in Python."""
+    folder, program = digits
+    batches = digits_batches(30)
+    first, module = python_steps(program, batches[:10], 10)
+    module.state.save(folder / "py10.ckpt")
+    job = {"backend": "node", "artifacts": str(folder / "art"), "batches": batches_file(folder, batches[10:20]),
+           "steps": 10, "resume": str(folder / "py10.ckpt"), "save": str(folder / "js20.ckpt")}  # fmt: skip
+    second = run_js(job)
+    resumed = CheckpointState.load(folder / "js20.ckpt", program)
+    assert resumed.step == 20
+    third, final = python_steps(program, batches[20:], 10, state=resumed)
+    whole, uninterrupted = python_steps(program, batches, 30)
+    assert first + second["losses"] + third == whole
+    for name, value in uninterrupted.state.tensors.items():
+        assert np.array_equal(final.state.tensors[name], value), name
+
+
+def test_a_cnn_with_batchnorm_and_a_small_gpt2_equal_python(tmp_path):
+    """A CNN whose BatchNorm trains (its statistics carried) and evaluates on them, and the
+    shipped 2-layer GPT-2: 10 steps on onnxruntime-node, the losses and the eval loss equal."""
+    torch = pytest.importorskip("torch")
+    from graphforge.torch import export_for_training
+
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
+    )
+    graphforge.save(export_for_training(net, (torch.zeros(2, 1, 8, 8),), input_names=["x"]), tmp_path / "cnn.onnx")
+    rng = np.random.default_rng(0)
+    cnn = [
+        {"x": rng.standard_normal((16, 1, 8, 8)).astype(np.float32), "labels": rng.integers(0, 10, 16)}
+        for _ in range(11)
+    ]
+    gpt2 = [{"input_ids": rng.integers(0, 128, (4, 16)), "labels": rng.integers(0, 128, (4, 16))} for _ in range(11)]
+    cases = {
+        "cnn": (tmp_path / "cnn.onnx", cnn, "sgd(lr=0.05, momentum=0.9, accumulate=true)"),
+        "gpt2": (REPO / "golden_models" / "gpt2_tiny" / "model.onnx", gpt2, "adamw(lr=1e-3, accumulate=true)"),
+    }
+    for name, (model, batches, optimizer) in cases.items():
+        program = graphforge.compile(model, f"loss(kind=cross_entropy, output=logits), autodiff, {optimizer}").model
+        write_artifacts(program, tmp_path / name)
+        job = {
+            "backend": "node",
+            "artifacts": str(tmp_path / name),
+            "batches": batches_file(tmp_path, batches),
+            "steps": 10,
+            "eval": 10,
+        }
+        got = run_js(job)
+        want, module = python_steps(program, batches, 10)
+        module.eval()
+        assert got["losses"] == want, name
+        assert got["evalLoss"] == float(module(*batches[10].values())), name
+
+
+def test_onnxruntime_web_wasm_under_node_trains_as_python(digits):
+    """The same runtime on onnxruntime-web (the wasm backend, in Node): 20 digits steps within
+    1e-5 of Python's losses (its kernels are another build of onnxruntime's CPU ones)."""
+    folder, program = digits
+    batches = digits_batches(20)
+    job = {"backend": "web", "artifacts": str(folder / "art"), "batches": batches_file(folder, batches), "steps": 20}
+    got = run_js(job)
+    want, _ = python_steps(program, batches, 20)
+    np.testing.assert_allclose(got["losses"], want, rtol=1e-5)
+
+
+def test_the_javascript_unit_tests_pass(tmp_path):
+    """node --test js/test/ with the fixtures its tests take from Python: two artifact sets (one
+    accumulating, one not), and the schedules' rates and dropout keys graphforge computes."""
+    pipeline = "loss(kind=cross_entropy, output=logits), autodiff, {}"
+    for name, optimizer in (("digits", "adamw(lr=1e-2, accumulate=true)"), ("plain", "sgd(lr=0.1)")):
+        write_artifacts(graphforge.compile(DIGITS, pipeline.format(optimizer)).model, tmp_path / name)
+    kinds = {
+        "constant": {"baseLr": 0.1, "warmupSteps": 3, "warmupStartFactor": 0.25},
+        "linear": {"baseLr": 0.1, "warmupSteps": 2, "totalSteps": 10, "endLr": 0.01},
+        "polynomial": {"baseLr": 0.1, "totalSteps": 10, "power": 2.0},
+        "cosine": {"baseLr": 0.1, "warmupSteps": 3, "totalSteps": 12, "endLr": 0.001},
+    }
+    schedules = []
+    for kind, options in kinds.items():
+        python = {"baseLr": "base_lr", "warmupSteps": "warmup_steps", "warmupStartFactor": "warmup_start_factor",
+                  "totalSteps": "total_steps", "endLr": "end_lr", "power": "power"}  # fmt: skip
+        schedule = make_schedule(kind, None, **{python[k]: v for k, v in options.items()})
+        schedules.append({"kind": kind, "options": options, "rates": [schedule.lr_at(k) for k in range(14)]})
+    keys = [
+        {"seed": s, "step": t, "micro": m, "replica": r, "key": run_key(s, t, m, r).tolist()}
+        for s, t, m, r in ((0, 0, 0, 0), (3, 17, 2, 1), (2**40, 123456, 7, 3))
+    ]
+    (tmp_path / "values.json").write_text(json.dumps({"schedules": schedules, "keys": keys}))
+    env = {**os.environ, "GRAPHFORGE_JS_FIXTURES": str(tmp_path)}
+    files = sorted(str(p.relative_to(JS)) for p in (JS / "test").glob("*.test.js"))
+    done = subprocess.run([NODE, "--test", *files], capture_output=True, text=True, timeout=300, cwd=JS, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "# skipped 0" in done.stdout and "# fail 0" in done.stdout
