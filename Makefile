@@ -8,7 +8,7 @@ DEMO_MIN_ACCURACY := 0.93
 
 JS_STAMP := js/node_modules/.installed
 
-.PHONY: install test demo lint bench conformance cuda-check clean
+.PHONY: install test demo web lint bench conformance cuda-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ demo: $(STAMP)
 	$(BIN)/graphforge train examples/digits/train.toml --out out/digits
 	$(BIN)/graphforge export out/digits/program.onnx --checkpoint out/digits -o out/digits/model.onnx
 	$(BIN)/python examples/digits/evaluate.py out/digits/model.onnx --min-accuracy $(DEMO_MIN_ACCURACY)
+
+# The page that trains the digits in a browser (examples/web/): writes out/web/ (the artifacts and
+# the data), then serves the repository on http://127.0.0.1:8000/examples/web/ until Ctrl-C.
+web: $(STAMP) $(JS_STAMP)
+	$(BIN)/python examples/web/serve.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check graphforge passes tests golden_models benchmarks

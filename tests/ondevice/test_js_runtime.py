@@ -244,5 +244,7 @@ def test_the_javascript_unit_tests_pass(tmp_path):
 
 def test_the_typescript_declarations_describe_the_runtime():
     """tsc (strict) checks src/index.d.ts and a typed use of it (js/test/usage.ts)."""
-    done = subprocess.run([str(JS / "node_modules" / ".bin" / "tsc"), "-p", str(JS)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(JS / "node_modules" / ".bin" / "tsc"), "-p", str(JS)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout[-3000:]

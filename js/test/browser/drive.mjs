@@ -1,0 +1,41 @@
+// Drive headless Chromium (the system's, through puppeteer-core) for the Python tests
+// (tests/ondevice/test_browser.py). One argument, a JSON job:
+//   {chromium, profile, harness: {name: url}, page: url, screenshot, timeoutMs}
+// Prints one JSON line: each harness run's window.result, the page's window.graphforge after
+// training, and after a reload (resumed from IndexedDB).
+import puppeteer from 'puppeteer-core';
+
+const job = JSON.parse(process.argv[2]);
+const timeout = job.timeoutMs ?? 180_000;
+const browser = await puppeteer.launch({
+  executablePath: job.chromium,
+  headless: true,
+  args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
+    '--disable-component-update', '--disable-sync', `--user-data-dir=${job.profile}`],
+});
+const out = { harness: {}, console: [] };
+try {
+  const page = await browser.newPage();
+  page.on('console', (message) => message.type() === 'error' && out.console.push(message.text()));
+  page.on('pageerror', (error) => out.console.push(String(error)));
+  for (const [name, url] of Object.entries(job.harness ?? {})) {
+    await page.goto(url);
+    await page.waitForFunction('window.result !== null && window.result !== undefined', { timeout });
+    out.harness[name] = await page.evaluate(() => window.result);
+  }
+  if (job.page) {
+    await page.setViewport({ width: 800, height: 640 });
+    await page.goto(`${job.page}?autostart=1&fresh=1${job.query ?? ''}`);
+    await page.waitForFunction('window.graphforge && (window.graphforge.done || window.graphforge.error)', { timeout });
+    out.trained = await page.evaluate(() => ({ ...window.graphforge, losses: window.graphforge.losses.length }));
+    out.status = await page.$eval('#status', (element) => element.textContent);
+    if (job.screenshot) await page.screenshot({ path: job.screenshot });
+    await page.goto(job.page);
+    await page.waitForFunction('window.graphforge && (window.graphforge.resumedAt !== null || window.graphforge.error)', { timeout });
+    out.reloaded = await page.evaluate(() => ({ resumedAt: window.graphforge.resumedAt, accuracy: window.graphforge.accuracy, error: window.graphforge.error }));
+    out.reloadedStatus = await page.$eval('#status', (element) => element.textContent);
+  }
+} finally {
+  await browser.close();
+}
+console.log(JSON.stringify(out));

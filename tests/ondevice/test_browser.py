@@ -1,0 +1,119 @@
+"""graphforge's JavaScript runtime in a real browser: headless Chromium (the system's, driven
+by puppeteer-core) on pages served from 127.0.0.1 (examples/web/serve.py's server).
+
+1. The runtime's harness (js/test/browser/harness.html), on onnxruntime-web's wasm backend:
+   the digits MLP and a CNN with BatchNorm, 20 steps each within 1e-5 of graphforge in Python.
+2. The page (examples/web/): it trains the digits to the test accuracy make demo promises,
+   draws the loss curve (the screenshot holds it), keeps its checkpoint in IndexedDB, and a
+   reload resumes from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_js_runtime import DATA, DIGITS, JS, NODE, REPO, batches_file, digits_batches, python_steps
+
+import graphforge
+from graphforge.ondevice.artifacts import write_artifacts
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVE = JS / "test" / "browser" / "drive.mjs"
+#: the accuracy make demo promises (examples/digits/evaluate.py)
+MIN_ACCURACY = 0.93
+
+
+def _serve_module():
+    spec = importlib.util.spec_from_file_location("web_serve", REPO / "examples" / "web" / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """A root of js/ and examples/ (linked) and out/web (made here), served on 127.0.0.1."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium here: make install installs it where apt-get and root allow")
+    if NODE is None or not (JS / "node_modules" / "puppeteer-core").is_dir():
+        pytest.fail("node or js/node_modules is missing: make install sets them up")
+    root = tmp_path_factory.mktemp("site")
+    for name in ("js", "examples"):
+        (root / name).symlink_to(REPO / name)
+    serve = _serve_module()
+    serve.prepare(root / "out" / "web")
+    httpd = serve.server(0, root)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def drive(job: dict, tmp_path: Path) -> dict:
+    job = {"chromium": CHROMIUM, "profile": str(tmp_path / "profile"), **job}
+    done = subprocess.run([NODE, str(DRIVE), json.dumps(job)], capture_output=True, text=True, timeout=420, cwd=JS)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_runtime_in_chromium_and_the_page_that_trains_the_digits(site, tmp_path):
+    root, url = site
+    torch = pytest.importorskip("torch")
+    from graphforge.torch import export_for_training
+
+    # the harness's two models, their batches and Python's losses
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
+    )
+    graphforge.save(export_for_training(net, (torch.zeros(2, 1, 8, 8),), input_names=["x"]), tmp_path / "cnn.onnx")
+    rng = np.random.default_rng(0)
+    cnn = [
+        {"x": rng.standard_normal((16, 1, 8, 8)).astype(np.float32), "labels": rng.integers(0, 10, 16)}
+        for _ in range(20)
+    ]
+    cases = {
+        "digits": (DIGITS, digits_batches(20), "adamw(lr=1e-2, accumulate=true)"),
+        "cnn": (tmp_path / "cnn.onnx", cnn, "sgd(lr=0.05, momentum=0.9, accumulate=true)"),
+    }
+    harness, expected = {}, {}
+    for name, (model, batches, optimizer) in cases.items():
+        program = graphforge.compile(model, f"loss(kind=cross_entropy, output=logits), autodiff, {optimizer}").model
+        folder = root / "out" / name
+        write_artifacts(program, folder / "artifacts")
+        index = batches_file(folder, batches)
+        index["url"] = f"/out/{name}/batches.bin"
+        job = {"artifacts": f"/out/{name}/artifacts/", "batches": index, "steps": 20}
+        (folder / "job.json").write_text(json.dumps(job))
+        harness[name] = f"{url}/js/test/browser/harness.html?job=/out/{name}/job.json"
+        expected[name], _ = python_steps(program, batches, 20)
+    screenshot = tmp_path / "page.png"
+    got = drive({"harness": harness, "page": f"{url}/examples/web/", "screenshot": str(screenshot)}, tmp_path)
+
+    for name, losses in expected.items():
+        result = got["harness"][name]
+        assert result["done"], result.get("error")
+        np.testing.assert_allclose(result["losses"], losses, rtol=1e-5, err_msg=name)
+
+    trained = got["trained"]
+    assert trained["error"] is None, (trained["error"], got["console"])
+    assert trained["done"] and trained["step"] == 15 * 45 and trained["losses"] == 675
+    assert trained["accuracy"] >= MIN_ACCURACY, got["status"]
+    assert [a["step"] for a in trained["accuracies"]] == [45 * e for e in range(1, 16)]
+    # the screenshot holds the chart: the loss curve's blue and the accuracy points' orange
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(screenshot).convert("RGB")).reshape(-1, 3).astype(int)
+    blue = np.sum((abs(pixels[:, 0] - 0x1F) < 40) & (abs(pixels[:, 1] - 0x6F) < 40) & (pixels[:, 2] > 200))
+    orange = np.sum((pixels[:, 0] > 200) & (abs(pixels[:, 1] - 0x62) < 40) & (pixels[:, 2] < 60))
+    assert blue > 500 and orange > 100, (blue, orange)
+    # a reload resumes from the checkpoint IndexedDB kept, which is the run's last
+    assert got["reloaded"] == {"resumedAt": 675, "accuracy": trained["accuracy"], "error": None}, got["reloadedStatus"]
+    assert "resumed at step 675" in got["reloadedStatus"]
