@@ -62,7 +62,7 @@ class Handler(SimpleHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         super().end_headers()
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server's name)
+    def log_message(self, format: str, *args) -> None:
         pass
 
 

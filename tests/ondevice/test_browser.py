@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_js_runtime import DATA, DIGITS, JS, NODE, REPO, batches_file, digits_batches, python_steps
+from test_js_runtime import DIGITS, JS, NODE, REPO, batches_file, digits_batches, python_steps
 
 import graphforge
 from graphforge.ondevice.artifacts import write_artifacts
