@@ -66,8 +66,8 @@ web: $(STAMP) $(JS_STAMP)
 	$(BIN)/python examples/web/serve.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check graphforge passes tests golden_models benchmarks
-	$(BIN)/ruff format --check graphforge passes tests golden_models benchmarks
+	$(BIN)/ruff check graphforge passes tests golden_models benchmarks examples
+	$(BIN)/ruff format --check graphforge passes tests golden_models benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

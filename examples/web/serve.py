@@ -18,6 +18,7 @@ import json
 import sys
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -53,7 +54,7 @@ def prepare(out: Path = OUT) -> Path:
 class Handler(SimpleHTTPRequestHandler):
     """The repository's files, with the MIME types ES modules and wasm need, cross-origin isolated."""
 
-    extensions_map = {**SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript", ".js": "text/javascript",
+    extensions_map: ClassVar[dict[str, str]] = {**SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript", ".js": "text/javascript",
                       ".wasm": "application/wasm", ".json": "application/json", ".onnx": "application/octet-stream"}  # fmt: skip
 
     def end_headers(self) -> None:
