@@ -1,7 +1,7 @@
 // Train an artifact folder for the Python tests (tests/ondevice/test_js_runtime.py), which
 // hold what it computes against graphforge in Python. One argument: a JSON job
 //   {backend: "node" | "web", artifacts, batches: {file, tensors: [{name, dtype, shape, offset, bytes}] per step},
-//    steps, accumulate, schedule, resume, save, eval, threads}
+//    steps, accumulate, schedule, resume, save, eval, threads, gradientsOnly}
 // It prints one JSON line: the loss of each step (mean over its micro-batches), the eval
 // loss, and the session's step and learning rate; ``save`` is where it writes its checkpoint.
 import { readFileSync } from 'node:fs';
@@ -30,6 +30,7 @@ const losses = [];
 const learningRates = [];
 let next = 0;
 const started = performance.now();
+if (job.gradientsOnly) await session.runTrainStep(batch(next++)); // the accumulators then hold one batch's gradients
 for (let step = 0; step < job.steps; step++) {
   learningRates.push(session.getLearningRate());
   if (job.fused) {
