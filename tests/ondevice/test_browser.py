@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_js_runtime import DIGITS, JS, NODE, REPO, batches_file, digits_batches, python_steps
+from test_js_runtime import DIGITS, JS, NODE, REPO, batches_file, cnn_case, digits_batches, python_steps
 
 import graphforge
 from graphforge.ondevice.artifacts import write_artifacts
@@ -66,22 +66,10 @@ def drive(job: dict, tmp_path: Path) -> dict:
 
 def test_the_runtime_in_chromium_and_the_page_that_trains_the_digits(site, tmp_path):
     root, url = site
-    torch = pytest.importorskip("torch")
-    from graphforge.torch import export_for_training
-
-    # the harness's two models, their batches and Python's losses
-    net = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
-    )
-    graphforge.save(export_for_training(net, (torch.zeros(2, 1, 8, 8),), input_names=["x"]), tmp_path / "cnn.onnx")
-    rng = np.random.default_rng(0)
-    cnn = [
-        {"x": rng.standard_normal((16, 1, 8, 8)).astype(np.float32), "labels": rng.integers(0, 10, 16)}
-        for _ in range(20)
-    ]
+    cnn_path, cnn = cnn_case(tmp_path, 20)
     cases = {
         "digits": (DIGITS, digits_batches(20), "adamw(lr=1e-2, accumulate=true)"),
-        "cnn": (tmp_path / "cnn.onnx", cnn, "sgd(lr=0.05, momentum=0.9, accumulate=true)"),
+        "cnn": (cnn_path, cnn, "sgd(lr=0.05, momentum=0.9, accumulate=true)"),
     }
     harness, expected = {}, {}
     for name, (model, batches, optimizer) in cases.items():

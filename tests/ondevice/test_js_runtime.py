@@ -82,6 +82,25 @@ def digits_batches(count: int, size: int = 28, start: int = 0) -> list[dict[str,
     ]
 
 
+def cnn_case(folder: Path, count: int) -> tuple[Path, list[dict[str, np.ndarray]]]:
+    """A small CNN whose BatchNorm trains (exported from torch for training) and ``count``
+    batches of 16 random 8×8 images."""
+    torch = pytest.importorskip("torch")
+    from graphforge.torch import export_for_training
+
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
+    )
+    path = folder / "cnn.onnx"
+    graphforge.save(export_for_training(net, (torch.zeros(2, 1, 8, 8),), input_names=["x"]), path)
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": rng.standard_normal((16, 1, 8, 8)).astype(np.float32), "labels": rng.integers(0, 10, 16)}
+        for _ in range(count)
+    ]
+    return path, batches
+
+
 def python_steps(program, batches, steps, *, accumulate=1, state=None, schedule=None):
     """graphforge's Module on the program (its ONNX update, as the artifacts hold it), the
     loop a JS user writes: the losses, and the Module."""
@@ -168,21 +187,11 @@ def test_a_checkpoint_crosses_between_python_and_javascript_both_ways(digits):
 def test_a_cnn_with_batchnorm_and_a_small_gpt2_equal_python(tmp_path):
     """A CNN whose BatchNorm trains (its statistics carried) and evaluates on them, and the
     shipped 2-layer GPT-2: 10 steps on onnxruntime-node, the losses and the eval loss equal."""
-    torch = pytest.importorskip("torch")
-    from graphforge.torch import export_for_training
-
-    net = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
-    )
-    graphforge.save(export_for_training(net, (torch.zeros(2, 1, 8, 8),), input_names=["x"]), tmp_path / "cnn.onnx")
+    cnn_path, cnn = cnn_case(tmp_path, 11)
     rng = np.random.default_rng(0)
-    cnn = [
-        {"x": rng.standard_normal((16, 1, 8, 8)).astype(np.float32), "labels": rng.integers(0, 10, 16)}
-        for _ in range(11)
-    ]
     gpt2 = [{"input_ids": rng.integers(0, 128, (4, 16)), "labels": rng.integers(0, 128, (4, 16))} for _ in range(11)]
     cases = {
-        "cnn": (tmp_path / "cnn.onnx", cnn, "sgd(lr=0.05, momentum=0.9, accumulate=true)"),
+        "cnn": (cnn_path, cnn, "sgd(lr=0.05, momentum=0.9, accumulate=true)"),
         "gpt2": (REPO / "golden_models" / "gpt2_tiny" / "model.onnx", gpt2, "adamw(lr=1e-3, accumulate=true)"),
     }
     for name, (model, batches, optimizer) in cases.items():
@@ -202,15 +211,23 @@ def test_a_cnn_with_batchnorm_and_a_small_gpt2_equal_python(tmp_path):
         assert got["evalLoss"] == float(module(*batches[10].values())), name
 
 
-def test_onnxruntime_web_wasm_under_node_trains_as_python(digits):
-    """The same runtime on onnxruntime-web (the wasm backend, in Node): 20 digits steps within
-    1e-5 of Python's losses (its kernels are another build of onnxruntime's CPU ones)."""
+def test_onnxruntime_web_wasm_under_node_trains_as_python(digits, tmp_path):
+    """The same runtime on onnxruntime-web (the wasm backend, in Node): 20 steps of the digits MLP
+    and of the BatchNorm CNN within 1e-5 of Python's losses (its kernels are another build of
+    onnxruntime's CPU ones)."""
     folder, program = digits
-    batches = digits_batches(20)
-    job = {"backend": "web", "artifacts": str(folder / "art"), "batches": batches_file(folder, batches), "steps": 20}
-    got = run_js(job)
-    want, _ = python_steps(program, batches, 20)
-    np.testing.assert_allclose(got["losses"], want, rtol=1e-5)
+    cnn_path, cnn = cnn_case(tmp_path, 20)
+    pipeline = "loss(kind=cross_entropy, output=logits), autodiff, sgd(lr=0.05, momentum=0.9, accumulate=true)"
+    cnn_program = graphforge.compile(cnn_path, pipeline).model
+    write_artifacts(cnn_program, tmp_path / "cnn")
+    for artifacts, model, batches in (
+        (folder / "art", program, digits_batches(20)),
+        (tmp_path / "cnn", cnn_program, cnn),
+    ):
+        job = {"backend": "web", "artifacts": str(artifacts), "batches": batches_file(tmp_path, batches), "steps": 20}
+        got = run_js(job)
+        want, _ = python_steps(model, batches, 20)
+        np.testing.assert_allclose(got["losses"], want, rtol=1e-5, err_msg=str(artifacts))
 
 
 def test_the_javascript_unit_tests_pass(tmp_path):
