@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 DEMO_MIN_ACCURACY := 0.93
 
 JS_STAMP := js/node_modules/.installed
+BENCH_JS_STAMP := benchmarks/js/node_modules/.installed
 
 .PHONY: install test demo web lint bench conformance cuda-check clean
 
@@ -37,7 +38,12 @@ $(JS_STAMP): js/package-lock.json $(STAMP)
 	cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund --loglevel=error
 	touch $(JS_STAMP)
 
-install: $(STAMP) $(JS_STAMP)
+# TensorFlow.js, the peer of the on-device benchmark (benchmarks/js/package-lock.json)
+$(BENCH_JS_STAMP): benchmarks/js/package-lock.json $(JS_STAMP)
+	cd benchmarks/js && npm ci --no-audit --no-fund --loglevel=error
+	touch $(BENCH_JS_STAMP)
+
+install: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
 
 # Two test processes on a 2-core machine (at most 4: each distributed test starts several
 # processes of its own); a module's tests stay in one process, so its fixtures are made once,
@@ -47,7 +53,7 @@ install: $(STAMP) $(JS_STAMP)
 # The 25 longest tests are listed at the end, for the next trim of the suite.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-test: $(STAMP) $(JS_STAMP)
+test: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 	$(BIN)/graphforge golden check golden_models
 
@@ -69,7 +75,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check graphforge passes tests golden_models benchmarks examples
 	$(BIN)/ruff format --check graphforge passes tests golden_models benchmarks examples
 
-bench: $(STAMP)
+bench: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
 	$(BIN)/python benchmarks/run.py
 
 # The GPU check (benchmarks/cuda_check.py): on a lent GPU machine, with .gpu/ made beforehand
@@ -87,4 +93,4 @@ conformance: $(STAMP)
 	$(BIN)/python tests/autodiff/conformance.py
 
 clean:
-	rm -rf $(VENV) out build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) out build dist *.egg-info .pytest_cache js/node_modules benchmarks/js/node_modules

@@ -9,6 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -147,3 +148,44 @@ def test_update_benchmark_reports_every_optimizer(tmp_path):
         assert f"| MLP 8-4-3 | {kind} | " in report
     assert "adamw: torch._fused_adamw_" in report and "lamb: torch's foreach kernels" in report
     assert "| — (none) |" in report  # torch.optim has no LAMB
+
+
+@pytest.mark.slow
+def test_ondevice_benchmark_trains_alike_on_every_side(tmp_path):
+    """Every side of the on-device benchmark (Node, Chromium, Python, TensorFlow.js) trains the
+    digits MLP from the same weights to the same losses, and the report has every column; and
+    TensorFlow.js, given the CNN's weights permuted to its channels-last layout, computes the
+    CNN's losses as graphforge does."""
+    sys.path.insert(0, str(BENCH.parent))
+    import ondevice_bench as ob
+
+    if ob.unavailable():
+        pytest.skip(ob.unavailable())
+    results = ob.benchmark(quick=True, cache=tmp_path)
+    row = results["rows"]["digits/1"]
+    runnable = [s for s in ob.SIDES if ob._missing(s) is None]
+    want = row["python"]["losses"]
+    for side in runnable:
+        assert "error" not in row[side.key], (side.key, row[side.key])
+        np.testing.assert_allclose(row[side.key]["losses"], want, rtol=1e-4, err_msg=side.key)
+        assert row[side.key]["peakMiB"] > 10
+    for side in (s for s in runnable if s.where == "chromium"):
+        assert row[side.key]["isolated"] and row[side.key]["downloadedBytes"] > 100_000
+    report = ob.report(results)
+    header = next(line for line in report.splitlines() if line.startswith("| model | threads | graphforge JS"))
+    digits = next(line for line in report.splitlines() if line.startswith("| digits MLP 64-64-10 | 1 | "))
+    assert digits.count("|") == header.count("|") and "—" not in digits.split("|")[3]
+    assert "Goal: ≥ 1.5× TensorFlow.js" in report and "Where a step of graphforge's runtime goes" in report
+
+    # a CNN small enough for TensorFlow.js's cpu backend, its last feature map 2×2 over 3 channels
+    tiny = ob.Spec(
+        "cnn",
+        "CNN 16×16",
+        {"kind": "cnn", "input": [16, 16, 1], "convs": [{"filters": 2, "kernel": 3}, {"filters": 3, "kernel": 3}]},
+        (1, 16, 16),
+    )
+    sides = [s for s in ob.SIDES if s.key in ("gf-node", "tfjs-cpu-node")]
+    timing = {"warmup": 3, "blocks": 1, "blockSeconds": 0}
+    row = ob.benchmark(cache=tmp_path, specs=[tiny], sides=sides, counts=[1], timing=timing)["rows"]["cnn/1"]
+    if ob._missing(sides[1]) is None:
+        np.testing.assert_allclose(row["tfjs-cpu-node"]["losses"], row["gf-node"]["losses"], rtol=1e-4)
