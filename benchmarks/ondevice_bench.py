@@ -29,16 +29,23 @@ Sides, each in its own process (Node, Python, or a fresh headless Chromium per s
 
 Every step awaits its loss (a training loop that logs it), and each side's threads are the
 row's (onnxruntime's intra-op threads, the wasm thread pools; TensorFlow.js's cpu backend has
-one thread only). Time: warm-up steps, then blocks of steps; the median block's time a step.
-Memory: each process's peak resident memory (Node's ``maxRSS``, Python's ``VmHWM``, the
+one thread only). Time: warm-up steps (5, and 3 s at least: V8 compiles a large wasm module's
+optimized code in the background, which took seconds for onnxruntime-web's), then 5 blocks of
+about 0.6 s; the median block's time a step.
+Memory: each process's peak resident memory (Node's ``maxRSS``, Python's ``ru_maxrss``, the
 largest Chromium renderer's ``VmHWM``). Size: what a page downloads for the side (the
 libraries and their wasm, measured in Chromium), and the packages installed for Node/Python.
-The runtime's own share of a graphforge step: the whole-step model run bare (its state fed,
-outputs fetched, nothing carried), with outputs onnxruntime allocates and into outputs
-allocated once.
+Where a graphforge step goes: the whole-step model run bare (its state fed, nothing carried),
+fetching every output, fetching into outputs allocated once, and fetching the loss alone;
+the first less the last is the cost of handing the carried tensors to JavaScript, the step
+less the first the runtime's own.
 
     .venv/bin/python benchmarks/ondevice_bench.py     # prints the markdown section
     .venv/bin/python benchmarks/run.py ondevice       # writes it into docs/benchmarks.md
+    .venv/bin/python benchmarks/run.py ondevice --quick   # the digits at one thread, into out/
+
+The section ends with benchmarks/wasm_kernels.py's subsection: where onnxruntime-web's wasm
+kernels and the native ones part ways on a transformer's training step.
 """
 
 from __future__ import annotations
@@ -280,13 +287,15 @@ def _python_child(job: dict) -> dict:
     module = graphforge.Module(
         job["program"], device="cpu", intra_op_threads=job["threads"], inter_op_threads=1, update="onnx"
     )
-    losses, last = [], 0.0
-    for i in range(job["warmup"]):
+    losses, last, step, begun = [], 0.0, 0, time.perf_counter()
+    while step < job["warmup"] or time.perf_counter() - begun < job.get("warmupSeconds", 0):
         started = time.perf_counter()
-        losses.append(float(module.train_step(*batches[i % len(batches)])))
+        loss = float(module.train_step(*batches[step % len(batches)]))
+        losses += [loss][: 5 - len(losses)]
         last = time.perf_counter() - started
+        step += 1
     count = max(1, round(job["blockSeconds"] / max(last, 1e-6)))
-    blocks, step = [], job["warmup"]
+    blocks = []
     for _ in range(job["blocks"]):
         started = time.perf_counter()
         for _ in range(count):
@@ -439,7 +448,9 @@ def benchmark(
     sides = sides or SIDES
     counts = counts or ([1] if quick or _threads() == 1 else [1, _threads()])
     timing = timing or (
-        {"warmup": 3, "blocks": 1, "blockSeconds": 0.05} if quick else {"warmup": 5, "blocks": 5, "blockSeconds": 0.6}
+        {"warmup": 3, "blocks": 1, "blockSeconds": 0.05}
+        if quick
+        else {"warmup": 5, "warmupSeconds": 3, "blocks": 5, "blockSeconds": 0.6}
     )
     site = _site(cache)
     httpd = _serve(site) if any(s.where == "chromium" for s in sides) and CHROMIUM else None
@@ -661,8 +672,9 @@ def report(results: dict) -> str:
         "(the same computation, the carried tensors left in onnxruntime); ms, and Python's whole step beside:",
         "",
         "| model | threads | runtime | runStep | bare run, every output | into preallocated outputs | loss only "
-        "| handing the carried tensors to JS | the runtime's own | Python's Module.train_step |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| handing the carried tensors to JS | the rest (the runtime's own) | V8 collecting garbage, in the step "
+        "| Python's Module.train_step |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key, row in rows.items():
         model, threads = key.split("/")
@@ -676,6 +688,7 @@ def report(results: dict) -> str:
                 f"| {results['specs'][model]} | {threads} | {labels[side].label.removeprefix('graphforge JS, ')} | {step:.3g} "
                 f"| {bare['all']:.3g} | {bare['into']:.3g} | {bare['lossOnly']:.3g} "
                 f"| {max(bare['all'] - bare['lossOnly'], 0) / step:.0%} | {max(step - bare['all'], 0) / step:.0%} "
+                f"| {_share(ours.get('gcMsPerStep'), step)} "
                 f"| {'—' if python is None else f'{python:.3g}'} |"
             )
     met_tfjs = [v for v in verdicts_tfjs if v[3] >= GOAL_TFJS]
@@ -718,14 +731,17 @@ def _findings(results: dict, verdicts_python: list) -> list[str]:
             f"the carried tensors left in onnxruntime, takes {bare['lossOnly']:.3g} ms, Python's whole step "
             f"{_ms(row['python']):.3g} ms; handing the carried tensors ({results['carried'][key] / 2**20:.1f} MiB: the "
             f"parameters and Adam's two moments) to JavaScript takes {bare['all'] - bare['lossOnly']:.3g} ms of the "
-            f"{step:.3g} ms step."
+            f"{step:.3g} ms step, and V8 collecting the buffers it let go of "
+            f"{row['gf-node'].get('gcMsPerStep', float('nan')):.3g} ms."
         )
     if out:
         out.append(
             "- Why: onnxruntime-node hands every output to JavaScript as a copy in a new ArrayBuffer. Outputs "
             "allocated beforehand are no way around it: onnxruntime writes into them and the binding copies them "
             "once more (the preallocated column is no faster), and its IO binding keeps outputs inside onnxruntime "
-            "for GPU buffers only. So the runtime does not preallocate. Python's Module keeps the carried tensors in "
+            "for GPU buffers only. So the runtime does not preallocate. Each step then lets go of the last step's "
+            "carried tensors, and V8 frees memory held outside its heap in full mark-compact collections, run for "
+            "that memory's pressure every few steps (`node --trace-gc`). Python's Module keeps the carried tensors in "
             "onnxruntime between steps and updates them in place through IO binding. Where a model's carried "
             "tensors are small beside its compute (the digits MLP, the CNN) the JS step equals Python's or beats it."
         )
@@ -746,23 +762,23 @@ def _findings(results: dict, verdicts_python: list) -> list[str]:
                 "pass's MatMuls take an operand transposed, which its wasm backend runs far slower."
             )
             break
-    threads = {
-        k: r.get("threads")
-        for row in rows.values()
-        for k, r in row.items()
-        if k.startswith("tfjs-wasm") and "threads" in r
-    }
-    if threads:
+    asked = max(results["counts"])
+    browser = rows.get(f"{next(iter(results['specs']))}/{asked}", {}).get("tfjs-wasm-chromium", {})
+    if asked > 1 and "threads" in browser:
         out.append(
-            "- TensorFlow.js's wasm threads, as it reports them: "
-            + ", ".join(f"{SIDE_LABELS[k]} {n}" for k, n in sorted(threads.items()))
-            + " (at the most threads the run asked for; in Node it starts no thread pool)."
+            f"- TensorFlow.js's wasm backend in Chromium, asked for {asked} threads (`setThreadsCount`), reports "
+            f"{browser['threads']} (`getThreadsCount`), its threaded build loaded in a cross-origin isolated page "
+            f"(multithread support: {str(browser.get('multithread')).lower()}); in Node it has no threaded build."
         )
     out.append(
         "- tfjs-node (TensorFlow's C library under TensorFlow.js) is not here: its install script downloads "
         "libtensorflow from storage.googleapis.com, which this machine cannot reach."
     )
     return out
+
+
+def _share(part: float | None, whole: float) -> str:
+    return "—" if part is None else f"{part / whole:.0%}"
 
 
 def _mib(size: int) -> str:
@@ -774,9 +790,19 @@ def _x(ratio: float | None) -> str:
 
 
 def run(quick: bool = False) -> str:
-    return report(benchmark(quick))
+    """The section: the table and its profile, and (not quick) where the wasm build's kernels
+    part ways from the native ones on transformers (wasm_kernels.py)."""
+    text = report(benchmark(quick))
+    if quick:
+        return text
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import wasm_kernels
+
+    return text + "\n" + wasm_kernels.section()
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--child":
-    print(json.dumps(_python_child(json.loads(sys.argv[2]))))
-    sys.exit(0)
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(json.dumps(_python_child(json.loads(sys.argv[2]))))
+    else:
+        print(run(quick="--quick" in sys.argv))

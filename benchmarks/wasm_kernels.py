@@ -180,10 +180,8 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--doc", type=Path, help="also write the section into this file")
-    args = parser.parse_args(argv)
+def section() -> str:
+    """The measurements and their report (a subsection of ondevice_bench.py's)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         rows = []
@@ -191,7 +189,14 @@ def main(argv: list[str] | None = None) -> int:
             sub = folder / str(len(rows))
             sub.mkdir()
             rows.append(measure(label, model, sub))
-    text = report(rows)
+    return report(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--doc", type=Path, help="also write the section into this file")
+    args = parser.parse_args(argv)
+    text = section()
     print(text)
     if args.doc:
         args.doc.write_text(text)

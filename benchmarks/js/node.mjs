@@ -3,6 +3,7 @@
 // and the process's peak resident memory.
 import { readFile } from 'node:fs/promises';
 import { createRequire } from 'node:module';
+import { PerformanceObserver } from 'node:perf_hooks';
 import { measure } from './sides.mjs';
 
 const job = JSON.parse(process.argv[2]);
@@ -12,7 +13,11 @@ const load = async (file) => {
   const bytes = await readFile(file);
   return bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength);
 };
-const libraries = { load };
+let collecting = 0;
+new PerformanceObserver((list) => {
+  for (const entry of list.getEntries()) collecting += entry.duration;
+}).observe({ entryTypes: ['gc'] });
+const libraries = { load, gcClock: () => collecting };
 if (job.side === 'tfjs') {
   libraries.tf = await import('@tensorflow/tfjs');
   if (job.backend === 'wasm') libraries.tfWasm = await import('@tensorflow/tfjs-backend-wasm');

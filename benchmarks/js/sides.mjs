@@ -4,9 +4,11 @@
 // The libraries come in from the caller (node.mjs or page.mjs), as does `load`, which reads a
 // file (Node) or fetches a URL (browser) and gives its bytes.
 //
+// In Node, `gcClock` gives the milliseconds V8 has spent collecting garbage so far.
+//
 // A job: {side: "graphforge" | "tfjs", backend, threads, artifacts, model: {kind, ...},
 //         weights: {file, tensors: [{name, shape, offset}]}, batches: {file, steps: [...]},
-//         warmup, steps, blocks}
+//         warmup, warmupSeconds, blocks, blockSeconds}
 import { TrainingSession } from '../../js/src/index.js';
 
 const ARRAYS = { float32: Float32Array, int64: BigInt64Array, uint8: Uint8Array, int32: Int32Array };
@@ -15,29 +17,39 @@ function slice(bytes, t) {
   return bytes.slice(t.offset, t.offset + t.bytes);
 }
 
-/** The milliseconds a step of each timed block, and the losses of the warm-up steps, for
- * ``step(i)``: ``warmup`` steps, then ``blocks`` blocks each of as many steps as take about
- * ``blockSeconds`` (at least one), going by the warm-up's last step. */
-async function timed(job, step) {
+/** The milliseconds a step of each timed block, and the losses of the first steps, for
+ * ``step(i)``: warm-up steps (``warmup`` of them, and for ``warmupSeconds`` at least: V8
+ * compiles a large wasm module's optimized code in the background for seconds), then
+ * ``blocks`` blocks each of as many steps as take about ``blockSeconds`` (at least one), going
+ * by the warm-up's last step. */
+async function timed(job, step, gcClock = null) {
   const losses = [];
   let last = 0;
-  for (let i = 0; i < job.warmup; i++) {
+  let next = 0;
+  const begun = performance.now();
+  while (next < job.warmup || performance.now() - begun < (job.warmupSeconds ?? 0) * 1000) {
     const started = performance.now();
-    losses.push(await step(i));
+    const loss = await step(next++);
+    if (losses.length < 5) losses.push(loss);
     last = performance.now() - started;
   }
   const count = Math.max(1, Math.round((job.blockSeconds * 1000) / Math.max(last, 1e-3)));
   const blocks = [];
-  let next = job.warmup;
+  const collected = gcClock?.();
   for (let b = 0; b < job.blocks; b++) {
     const started = performance.now();
     for (let i = 0; i < count; i++) await step(next++);
     blocks.push((performance.now() - started) / count);
   }
-  return { blocks, losses, steps: next };
+  const result = { blocks, losses, steps: next };
+  if (gcClock) {
+    await new Promise((resolve) => setTimeout(resolve, 0)); // the last collections' entries
+    result.gcMsPerStep = (gcClock() - collected) / (count * job.blocks);
+  }
+  return result;
 }
 
-async function graphforge(job, { ort, load }) {
+async function graphforge(job, { ort, load, gcClock }) {
   const options =
     job.backend === 'web'
       ? { executionProviders: ['wasm'] }
@@ -49,7 +61,7 @@ async function graphforge(job, { ort, load }) {
   );
   const session = await TrainingSession.create({ ort, artifacts: job.artifacts }, options);
   const loss = session.manifest.loss;
-  const result = await timed(job, async (i) => Number((await session.runStep(batches[i % batches.length]))[loss].data[0]));
+  const result = await timed(job, async (i) => Number((await session.runStep(batches[i % batches.length]))[loss].data[0]), gcClock);
   result.bare = await bare(job, session, batches, ort);
   await session.release();
   return result;
@@ -132,6 +144,7 @@ async function tfjs(job, { tf, tfWasm, load, wasmPaths }) {
   result.backend = tf.getBackend();
   if (job.backend === 'wasm') {
     result.threads = tfWasm.getThreadsCount();
+    result.multithread = await tf.env().getAsync('WASM_HAS_MULTITHREAD_SUPPORT');
     result.matmul = await matmulRates(tf);
   }
   return result;

@@ -186,10 +186,11 @@ def test_a_checkpoint_crosses_between_python_and_javascript_both_ways(digits):
 
 def test_a_cnn_with_batchnorm_and_a_small_gpt2_equal_python(tmp_path):
     """A CNN whose BatchNorm trains (its statistics carried) and evaluates on them, and the
-    shipped 2-layer GPT-2: 10 steps on onnxruntime-node, the losses and the eval loss equal."""
-    cnn_path, cnn = cnn_case(tmp_path, 11)
+    shipped 2-layer GPT-2: 50 steps on onnxruntime-node, the losses, the eval loss and every
+    carried tensor (through the checkpoint the JS runtime writes) equal to Python's."""
+    cnn_path, cnn = cnn_case(tmp_path, 51)
     rng = np.random.default_rng(0)
-    gpt2 = [{"input_ids": rng.integers(0, 128, (4, 16)), "labels": rng.integers(0, 128, (4, 16))} for _ in range(11)]
+    gpt2 = [{"input_ids": rng.integers(0, 128, (4, 16)), "labels": rng.integers(0, 128, (4, 16))} for _ in range(51)]
     cases = {
         "cnn": (cnn_path, cnn, "sgd(lr=0.05, momentum=0.9, accumulate=true)"),
         "gpt2": (REPO / "golden_models" / "gpt2_tiny" / "model.onnx", gpt2, "adamw(lr=1e-3, accumulate=true)"),
@@ -201,14 +202,18 @@ def test_a_cnn_with_batchnorm_and_a_small_gpt2_equal_python(tmp_path):
             "backend": "node",
             "artifacts": str(tmp_path / name),
             "batches": batches_file(tmp_path, batches),
-            "steps": 10,
-            "eval": 10,
+            "steps": 50,
+            "eval": 50,
+            "save": str(tmp_path / f"{name}.ckpt"),
         }
         got = run_js(job)
-        want, module = python_steps(program, batches, 10)
-        module.eval()
+        want, module = python_steps(program, batches, 50)
         assert got["losses"] == want, name
-        assert got["evalLoss"] == float(module(*batches[10].values())), name
+        saved = CheckpointState.load(tmp_path / f"{name}.ckpt", program)
+        for tensor, value in module.state.tensors.items():
+            assert np.array_equal(saved.tensors[tensor], value), (name, tensor)
+        module.eval()
+        assert got["evalLoss"] == float(module(*batches[50].values())), name
 
 
 def test_onnxruntime_web_wasm_under_node_trains_as_python(digits, tmp_path):
