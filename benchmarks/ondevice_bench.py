@@ -67,9 +67,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-TITLE = "Training on device"
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "ondevice"))  # the file format the JS drivers read
+
+from _tensor_file import write_tensors  # noqa: E402
+
+TITLE = "Training on device"
 HERE = Path(__file__).resolve().parent / "js"
 NODE = shutil.which("node")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -208,29 +211,6 @@ def _batches(spec: Spec, rng) -> list[dict[str, np.ndarray]]:
     ]
 
 
-def _blob(path: Path, groups: list[list[tuple[str, np.ndarray]]]) -> list[list[dict]]:
-    """Write the arrays into one file (8-byte aligned); where each is."""
-    blob, index = bytearray(), []
-    for group in groups:
-        entries = []
-        for name, value in group:
-            value = np.ascontiguousarray(value)
-            entries.append(
-                {
-                    "name": name,
-                    "dtype": value.dtype.name,
-                    "shape": list(value.shape),
-                    "offset": len(blob),
-                    "bytes": value.nbytes,
-                }
-            )
-            blob += value.tobytes()
-            blob += bytes(-len(blob) % 8)
-        index.append(entries)
-    path.write_bytes(bytes(blob))
-    return index
-
-
 def prepare(spec: Spec, folder: Path) -> dict:
     """The model, its program and artifacts, TensorFlow.js's weights and the batches, in ``folder``;
     the job's common part."""
@@ -251,8 +231,8 @@ def prepare(spec: Spec, folder: Path) -> dict:
     write_artifacts(program, folder / "artifacts")
     batches = _batches(spec, rng)
     np.savez(folder / "batches.npz", **{f"{k}{i}": v for i, b in enumerate(batches) for k, v in b.items()})
-    weights = _blob(folder / "weights.bin", [[(f"w{i}", w) for i, w in enumerate(tf_weights)]])[0]
-    steps = _blob(folder / "batches.bin", [list(b.items()) for b in batches])
+    weights = write_tensors(folder / "weights.bin", [[(f"w{i}", w) for i, w in enumerate(tf_weights)]])[0]
+    steps = write_tensors(folder / "batches.bin", [list(b.items()) for b in batches])
     return {
         "artifacts": str(folder / "artifacts"),
         "model": {**spec.layers, "classes": 10},

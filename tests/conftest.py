@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: runs alone at the end
 LONGEST = {
     "distributed/test_tensor_parallel_members.py": 102,
-    "test_benchmarks_smoke.py": 58,
+    "test_benchmarks_smoke.py": 77,
     "distributed/test_train_distributed.py": 49,
     "distributed/test_stages.py": 45,
     "autodiff/test_backend_conformance.py": 44,

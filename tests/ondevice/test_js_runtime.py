@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _tensor_file import write_tensors
 
 import graphforge
 from graphforge import CheckpointState, Module, Optimizer
@@ -44,26 +45,8 @@ def runtime_installed():
 
 def batches_file(folder: Path, batches: list[dict[str, np.ndarray]]) -> dict:
     """The batches as the driver reads them: one file of their bytes, and where each tensor is."""
-    blob, steps = bytearray(), []
-    for batch in batches:
-        entries = []
-        for name, value in batch.items():
-            value = np.ascontiguousarray(value)
-            entries.append(
-                {
-                    "name": name,
-                    "dtype": value.dtype.name,
-                    "shape": list(value.shape),
-                    "offset": len(blob),
-                    "bytes": value.nbytes,
-                }
-            )
-            blob += value.tobytes()
-            blob += bytes(-len(blob) % 8)  # the next tensor aligned
-        steps.append(entries)
     path = folder / "batches.bin"
-    path.write_bytes(bytes(blob))
-    return {"file": str(path), "steps": steps}
+    return {"file": str(path), "steps": write_tensors(path, (batch.items() for batch in batches))}
 
 
 def run_js(job: dict, timeout: float = 300) -> dict:
