@@ -52,15 +52,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +67,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "ondevice"))  # the file format the JS drivers read
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import train_bench as tb  # noqa: E402
 from _tensor_file import write_tensors  # noqa: E402
 
 TITLE = "Training on device"
@@ -89,13 +89,11 @@ class Spec:
     #: how TensorFlow.js builds it (benchmarks/js/sides.mjs)
     layers: dict
     input_shape: tuple[int, ...]
-    input_dtype: str = "float32"
     batches: int = 4
-    extra: dict = field(default_factory=dict)
 
 
 SPECS = [
-    Spec("digits", "digits MLP 64-64-10", {"kind": "mlp", "sizes": [64, 64, 10], "scale": 1 / 16}, (8, 8), "uint8"),
+    Spec("digits", "digits MLP 64-64-10", {"kind": "mlp", "sizes": [64, 64, 10], "scale": 1 / 16}, (8, 8)),
     Spec("mlp", "MLP 784-1024-1024-10", {"kind": "mlp", "sizes": [784, 1024, 1024, 10]}, (784,)),
     Spec(
         "cnn",
@@ -228,9 +226,8 @@ def prepare(spec: Spec, folder: Path) -> dict:
     )
     program = graphforge.compile(model, PIPELINE).model
     graphforge.save(program, folder / "program.onnx")
-    write_artifacts(program, folder / "artifacts")
+    manifest = write_artifacts(program, folder / "artifacts")
     batches = _batches(spec, rng)
-    np.savez(folder / "batches.npz", **{f"{k}{i}": v for i, b in enumerate(batches) for k, v in b.items()})
     weights = write_tensors(folder / "weights.bin", [[(f"w{i}", w) for i, w in enumerate(tf_weights)]])[0]
     steps = write_tensors(folder / "batches.bin", [list(b.items()) for b in batches])
     return {
@@ -240,8 +237,8 @@ def prepare(spec: Spec, folder: Path) -> dict:
         "batches": {"file": str(folder / "batches.bin"), "steps": steps},
         "lr": LR,
         "program": str(folder / "program.onnx"),
-        "npz": str(folder / "batches.npz"),
-        "inputs": list(batches[0]),
+        # the parameters and the optimizer's state, which every step carries
+        "carriedBytes": sum(int(np.prod(e.shape, dtype=np.int64)) * np.dtype(e.dtype).itemsize for e in manifest.state),
     }
 
 
@@ -261,9 +258,11 @@ def _python_child(job: dict) -> dict:
     """graphforge's Module in this (fresh) process, timed as sides.mjs times the JS sides."""
     import graphforge
 
-    data = np.load(job["npz"])
-    names = job["inputs"]
-    batches = [[data[f"{n}{i}"] for n in names] for i in range(len(data.files) // len(names))]
+    raw = Path(job["batches"]["file"]).read_bytes()
+    batches = [
+        [np.frombuffer(raw, t["dtype"], int(np.prod(t["shape"])), t["offset"]).reshape(t["shape"]) for t in step]
+        for step in job["batches"]["steps"]
+    ]
     module = graphforge.Module(
         job["program"], device="cpu", intra_op_threads=job["threads"], inter_op_threads=1, update="onnx"
     )
@@ -282,16 +281,7 @@ def _python_child(job: dict) -> dict:
             float(module.train_step(*batches[step % len(batches)]))
             step += 1
         blocks.append((time.perf_counter() - started) * 1e3 / count)
-    return {"blocks": blocks, "losses": losses, "peakMiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def _python(job: dict, timeout: float) -> dict:
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=timeout
-    )
-    if done.returncode != 0:
-        raise RuntimeError(_first_error(done.stderr))
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"blocks": blocks, "losses": losses, "peakMiB": tb._peak_mib()}
 
 
 def _chromium(job: dict, site: Path, port: int, timeout: float) -> dict:
@@ -323,7 +313,8 @@ def _chromium(job: dict, site: Path, port: int, timeout: float) -> dict:
         raise RuntimeError(_first_error(done.stderr))
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if "error" in result:
-        raise RuntimeError(_first_error(result["error"]))
+        console = "; ".join(result.get("console", []))
+        raise RuntimeError(_first_error(result["error"]) + (f" (console: {console[:300]})" if console else ""))
     return result
 
 
@@ -361,13 +352,6 @@ SIDES = [
     Side("tfjs-wasm-chromium", "TF.js wasm, Chromium", "chromium", "tfjs", "wasm"),
     Side("tfjs-cpu-chromium", "TF.js cpu, Chromium", "chromium", "tfjs", "cpu", threaded=False),
 ]
-
-
-SIDE_LABELS = {s.key: s.label for s in SIDES}
-
-
-def _threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _missing(side: Side) -> str | None:
@@ -426,7 +410,7 @@ def benchmark(
     the sizes on disk."""
     specs = specs or ([SPECS[0]] if quick else SPECS)
     sides = sides or SIDES
-    counts = counts or ([1] if quick or _threads() == 1 else [1, _threads()])
+    counts = counts or ([1] if quick or tb.usable_cores() == 1 else [1, tb.usable_cores()])
     timing = timing or (
         {"warmup": 3, "blocks": 1, "blockSeconds": 0.05}
         if quick
@@ -438,7 +422,7 @@ def benchmark(
     try:
         for spec in specs:
             common = prepare(spec, site / "run" / spec.key)
-            results.setdefault("carried", {})[spec.key] = _carried_bytes(Path(common["artifacts"]))
+            results.setdefault("carried", {})[spec.key] = common.pop("carriedBytes")
             for threads in counts:
                 row = results["rows"].setdefault(f"{spec.key}/{threads}", {})
                 for side in sides:
@@ -461,7 +445,7 @@ def benchmark(
                     started = time.perf_counter()
                     try:
                         if side.where == "python":
-                            row[side.key] = _python(job, timeout)
+                            row[side.key] = tb.run_child(__file__, job, timeout=timeout)
                         elif side.where == "node":
                             row[side.key] = _node(job, timeout)
                         else:
@@ -480,14 +464,6 @@ def benchmark(
             httpd.server_close()
     results["sizes"] = sizes()
     return results
-
-
-def _carried_bytes(artifacts: Path) -> int:
-    """Bytes of the tensors a step carries (the parameters and the optimizer's state)."""
-    from graphforge.ondevice.manifest import Manifest
-
-    manifest = Manifest.read(artifacts)
-    return sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in manifest.state)
 
 
 def _ms(result: dict) -> float | None:
@@ -552,15 +528,11 @@ NODE_PEERS = ("tfjs-wasm-node", "tfjs-cpu-node")
 CHROMIUM_PEERS = ("tfjs-wasm-chromium", "tfjs-cpu-chromium")
 
 
-def _best(row: dict, keys: tuple[str, ...]) -> tuple[float | None, str | None]:
-    timed = [(_ms(row[k]), k) for k in keys if k in row and _ms(row[k]) is not None]
-    return min(timed) if timed else (None, None)
-
-
 def _ratio(row: dict, ours: str, peers: tuple[str, ...]) -> float | None:
+    """How many times as fast ``ours`` is as the fastest of ``peers`` that ran."""
     mine = _ms(row.get(ours, {}))
-    theirs, _ = _best(row, peers)
-    return None if mine is None or theirs is None else theirs / mine
+    theirs = [ms for k in peers if (ms := _ms(row.get(k, {}))) is not None]
+    return None if mine is None or not theirs else min(theirs) / mine
 
 
 def report(results: dict) -> str:
@@ -584,8 +556,8 @@ def report(results: dict) -> str:
 
     lines = [
         f"Samples a second (batch {BATCH}: 64 × steps a second), median of the timed blocks; each side in its own "
-        "process, the same weights, batches and Adam, the losses of the first steps the same on every side "
-        "(listed below). Threads: the row's, for every side that takes them.",
+        f"process, the same weights, batches and Adam; {_agreement(rows)} "
+        "Threads: the row's, for every side that takes them.",
         "",
         "| model | threads | "
         + " | ".join(s.label for s in present)
@@ -605,14 +577,14 @@ def report(results: dict) -> str:
             if r is not None
         ]
         if js_py is not None:
-            verdicts_python.append((results["specs"][model], threads, js_py))
+            verdicts_python.append((model, threads, js_py))
         lines.append(
             f"| {results['specs'][model]} | {threads} | "
             + " | ".join(cell(row.get(s.key, {"error": "not run"})) for s in present)
             + f" | {_x(node_ratio)} | {_x(web_ratio)} | {_x(js_py)} |"
         )
     lines += ["", *[f"{mark} {text}" for text, n in notes.items() for mark in [f"[{n}]"]]]
-    lines += ["", "First losses (the same computation on every side):", ""]
+    lines += ["", "First losses:", ""]
     for key, row in rows.items():
         model, threads = key.split("/")
         if threads != "1":
@@ -687,7 +659,9 @@ def report(results: dict) -> str:
         f"Goal: the JS step on onnxruntime-node within {GOAL_PYTHON}× of Python's: met in {len(met_python)} of {len(verdicts_python)}"
         + (
             "; missed: "
-            + ", ".join(f"{m} at {t} thread(s) ({r:.2f}×)" for m, t, r in verdicts_python if r > GOAL_PYTHON)
+            + ", ".join(
+                f"{results['specs'][m]} at {t} thread(s) ({r:.2f}×)" for m, t, r in verdicts_python if r > GOAL_PYTHON
+            )
             if len(met_python) < len(verdicts_python)
             else ""
         )
@@ -697,14 +671,29 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _agreement(rows: dict) -> str:
+    """How far each side's first losses are from graphforge's in Python, at worst."""
+    worst = [
+        abs(a - b) / abs(b)
+        for row in rows.values()
+        if "losses" in row.get("python", {})
+        for r in row.values()
+        if "losses" in r
+        for a, b in zip(r["losses"][:3], row["python"]["losses"][:3], strict=False)
+    ]
+    if not worst:
+        return "no side's losses to compare."
+    return f"the first losses of every side within {max(worst):.1e} (relative) of Python's (listed below)."
+
+
 def _findings(results: dict, verdicts_python: list) -> list[str]:
     """What the profile says about the misses, and what TensorFlow.js's own runs say."""
     rows, out = results["rows"], []
-    for label, threads, ratio in verdicts_python:
+    preallocated_helps = False
+    for key, threads, ratio in verdicts_python:
         if ratio <= GOAL_PYTHON:
             continue
-        key = next(k for k, v in results["specs"].items() if v == label)
-        row = rows[f"{key}/{threads}"]
+        label, row = results["specs"][key], rows[f"{key}/{threads}"]
         bare, step = row["gf-node"]["bare"], _ms(row["gf-node"])
         out.append(
             f"- {label}, {threads} thread(s), JS {ratio:.2f}× Python's step: onnxruntime-node's run of the step, "
@@ -714,16 +703,29 @@ def _findings(results: dict, verdicts_python: list) -> list[str]:
             f"{step:.3g} ms step, and V8 collecting the buffers it let go of "
             f"{row['gf-node'].get('gcMsPerStep', float('nan')):.3g} ms."
         )
+        preallocated_helps |= bare["into"] < 0.9 * bare["all"]
     if out:
+        met = [results["specs"][k] for k in dict.fromkeys(k for k, _, r in verdicts_python if r <= GOAL_PYTHON)]
         out.append(
-            "- Why: onnxruntime-node hands every output to JavaScript as a copy in a new ArrayBuffer. Outputs "
-            "allocated beforehand are no way around it: onnxruntime writes into them and the binding copies them "
-            "once more (the preallocated column is no faster), and its IO binding keeps outputs inside onnxruntime "
-            "for GPU buffers only. So the runtime does not preallocate. Each step then lets go of the last step's "
-            "carried tensors, and V8 frees memory held outside its heap in full mark-compact collections, run for "
-            "that memory's pressure every few steps (`node --trace-gc`). Python's Module keeps the carried tensors in "
-            "onnxruntime between steps and updates them in place through IO binding. Where a model's carried "
-            "tensors are small beside its compute (the digits MLP, the CNN) the JS step equals Python's or beats it."
+            "- Why: onnxruntime-node hands every output to JavaScript as a copy in a new ArrayBuffer, and its IO "
+            "binding keeps outputs inside onnxruntime for GPU buffers only. "
+            + (
+                "Outputs allocated beforehand saved time on these rows (the preallocated column): the runtime "
+                "could fetch into them. "
+                if preallocated_helps
+                else "Outputs allocated beforehand are no way around it: onnxruntime writes into them and the binding "
+                "copies them once more (the preallocated column is no faster on these rows), so the runtime does "
+                "not preallocate. "
+            )
+            + "Each step then lets go of the last step's carried tensors, which V8 frees in full mark-compact "
+            "collections (the collection column). Python's Module keeps the carried tensors in onnxruntime between "
+            "steps and updates them in place through IO binding."
+            + (
+                f" Where a model's carried tensors are small beside its compute ({', '.join(met)}) the JS step is "
+                f"within {GOAL_PYTHON}× of Python's."
+                if met
+                else ""
+            )
         )
     errors = {
         r["error"]
@@ -736,10 +738,12 @@ def _findings(results: dict, verdicts_python: list) -> list[str]:
     for row in rows.values():
         probe = next((r for k, r in row.items() if k == "tfjs-wasm-node" and "matmul" in r), None)
         if probe:
-            rates = ", ".join(f"{name} {rate:.1f}" for name, rate in probe["matmul"].items())
+            matmul = probe["matmul"]
+            rates = ", ".join(f"{name} {rate:.1f}" for name, rate in matmul.items())
+            slowest = min(r for name, r in matmul.items() if name != "plain")
             out.append(
                 f"- TensorFlow.js's wasm MatMul, [64, 1024] × [1024, 1024], GFLOP/s in Node: {rates}. A backward "
-                "pass's MatMuls take an operand transposed, which its wasm backend runs far slower."
+                f"pass's MatMuls take an operand transposed: up to {matmul['plain'] / slowest:.0f}× slower there."
             )
             break
     asked = max(results["counts"])
@@ -751,8 +755,9 @@ def _findings(results: dict, verdicts_python: list) -> list[str]:
             f"(multithread support: {str(browser.get('multithread')).lower()}); in Node it has no threaded build."
         )
     out.append(
-        "- tfjs-node (TensorFlow's C library under TensorFlow.js) is not here: its install script downloads "
-        "libtensorflow from storage.googleapis.com, which this machine cannot reach."
+        "- tfjs-node (TensorFlow's C library under TensorFlow.js) is not a side: its install script downloads "
+        "libtensorflow from storage.googleapis.com, outside the npm registry, which the machines this project runs "
+        "on cannot reach (`npm install @tensorflow/tfjs-node` failed with ENOTFOUND there, 2026-11-29)."
     )
     return out
 
@@ -782,7 +787,4 @@ def run(quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(_python_child(json.loads(sys.argv[2]))))
-    else:
-        print(run(quick="--quick" in sys.argv))
+    tb.child_main(_python_child, run)

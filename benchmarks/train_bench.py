@@ -385,6 +385,11 @@ def _node_flops(node, shapes: dict[str, list[int]]) -> float:
     return 2.0 * math.prod(y) * a[-1]  # MatMul: every output element is a K-long dot product
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def gemm_rate(threads: int, n: int = 2048, reps: int = 8) -> float:
     """FLOP/s of a float32 n x n matmul at ``threads`` threads (torch; the best of ``reps``)."""
     import torch
@@ -1008,7 +1013,7 @@ def benchmark(
     quiet_wait_s: float = QUIET_WAIT_S,
 ) -> str:
     """Measure ``specs`` on ``sides`` at the usable core count (files under ``cache``); the markdown report."""
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = usable_cores()
     ort_python, why_not = ort_training_python() if "onnxruntime-training" in sides else (None, "")
     rate = gemm_rate(threads, gemm_n)
     print(f"  GEMM rate at {threads} threads: {rate / 1e9:.0f} GFLOP/s", flush=True)

@@ -16,7 +16,6 @@ usable cores as threads on every side; the full step (``train_step``) with each 
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -37,10 +36,6 @@ UPDATES = {
     # non-finite steps (torch's side: GradScaler around the same fused AdamW)
     "adamw, float16": "adamw(lr=1e-3, weight_decay=0.01), mixed_precision(dtype=float16, provider=cpu)",
 }
-
-
-def _threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _median_ms(step, count: int) -> float:
@@ -81,7 +76,7 @@ def measure(spec, kind: str, folder: Path, steps: int) -> dict:
     import graphforge
     from graphforge.torch import use_fused_update
 
-    threads = _threads()
+    threads = tb.usable_cores()
     torch.set_num_threads(threads)
     model, _, batches, _ = tb.prepare(spec, folder)
     program = graphforge.compile(
@@ -123,7 +118,7 @@ def benchmark(quick: bool = False, *, cache: Path = CACHE) -> list[tuple[str, st
 
 def report(rows: list[tuple[str, str, dict]]) -> str:
     lines = [
-        f"{_threads()} CPU threads on every side; the update alone (its gradients from one real step), then the "
+        f"{tb.usable_cores()} CPU threads on every side; the update alone (its gradients from one real step), then the "
         "whole train_step with each graphforge update. Medians.",
         "",
         "| model | optimizer | parameters | ONNX update ms | fused update ms | ONNX / fused | torch.optim ms "

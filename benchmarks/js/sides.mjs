@@ -41,7 +41,7 @@ async function timed(job, step, gcClock = null) {
     for (let i = 0; i < count; i++) await step(next++);
     blocks.push((performance.now() - started) / count);
   }
-  const result = { blocks, losses, steps: next };
+  const result = { blocks, losses };
   if (gcClock) {
     await new Promise((resolve) => setTimeout(resolve, 0)); // the last collections' entries
     result.gcMsPerStep = (gcClock() - collected) / (count * job.blocks);
@@ -141,7 +141,6 @@ async function tfjs(job, { tf, tfWasm, load, wasmPaths }) {
     loss.dispose();
     return value;
   });
-  result.backend = tf.getBackend();
   if (job.backend === 'wasm') {
     result.threads = tfWasm.getThreadsCount();
     result.multithread = await tf.env().getAsync('WASM_HAS_MULTITHREAD_SUPPORT');
