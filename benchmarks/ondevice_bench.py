@@ -313,8 +313,7 @@ def _chromium(job: dict, site: Path, port: int, timeout: float) -> dict:
         raise RuntimeError(_first_error(done.stderr))
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if "error" in result:
-        console = "; ".join(result.get("console", []))
-        raise RuntimeError(_first_error(result["error"]) + (f" (console: {console[:300]})" if console else ""))
+        raise RuntimeError(_first_error(result["error"]))
     return result
 
 

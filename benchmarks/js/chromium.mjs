@@ -45,14 +45,11 @@ const browser = await puppeteer.launch({
 let out;
 try {
   const page = await browser.newPage();
-  const console = [];
-  page.on('console', (message) => ['error', 'warn'].includes(message.type()) && console.push(message.text()));
   await page.goto(job.url);
   await page.waitForFunction('window.result !== null && window.result !== undefined', { timeout: job.timeoutMs, polling: 200 });
   out = await page.evaluate(() => window.result);
   const renderers = peaks(browser.process().pid).filter((p) => p.cmdline.includes('--type=renderer'));
   out.peakMiB = Math.max(0, ...renderers.map((p) => p.mib));
-  out.console = console;
 } finally {
   await browser.close();
 }

@@ -29,6 +29,7 @@ from graphforge.model_io import load, save
 from graphforge.ondevice.manifest import Manifest, ManifestError, ModelEntry
 from graphforge.placement.lean import lean_model
 from graphforge.runtime.checkpoint import CheckpointState as _State
+from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dropout import run_key
 from graphforge.runtime.sessions import create_session
 
@@ -141,7 +142,8 @@ class Module:
         self._manifest = _manifest_beside(path, lambda m: m.model("training").file == path.name)
         self._folder, self.state, self.training = path.parent, state, True
         state._bind(self._manifest)
-        self._device = device
+        # resolved now: a device that does not work here is refused before any session is made
+        self._providers = resolve_device(device).providers
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._entries = {"training": self._manifest.model("training")}
         if eval_model_uri is not None:
@@ -199,7 +201,7 @@ class Module:
     def _session(self, key: str) -> ort.InferenceSession:
         if key not in self._sessions:
             path = self._folder / self._manifest.model(key).file
-            self._sessions[key] = create_session(path, providers=_providers(self._device), options=self._options)
+            self._sessions[key] = create_session(path, providers=self._providers, options=self._options)
         return self._sessions[key]
 
     def train(self, mode: bool = True) -> Module:
@@ -337,13 +339,6 @@ def _manifest_beside(path: Path, chooses) -> Manifest:
         if chooses(manifest):
             return Manifest.read(path.parent, prefix)
     raise ManifestError(f"{path}: no manifest.json beside it names it (write the artifacts with graphforge)")
-
-
-def _providers(device: str) -> list[str]:
-    kind = device.split(":")[0]
-    if kind not in ("cpu", "cuda"):
-        raise GraphforgeError(f"device {device!r}: use cpu or cuda")
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if kind == "cuda" else ["CPUExecutionProvider"]
 
 
 __all__ = ["CheckpointState", "LinearLRScheduler", "Module", "Optimizer", "Parameter", "Parameters"]
