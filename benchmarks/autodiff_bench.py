@@ -31,7 +31,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import warnings
@@ -44,10 +43,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphforge
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers
+
 TITLE = "Autodiff"
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench"
+CACHE = helpers.CACHE_ROOT
 ORT_VENV = REPO / ".bench-venv-ort-training"
 ORT_REQUIREMENTS = ["onnxruntime-training==1.19.2", "onnx<=1.17", "numpy<2"]
 ORT_TIMEOUT_S = 600
@@ -55,7 +57,6 @@ ORT_TIMEOUT_S = 600
 #: (label, layers or None for GPT-2, runs); quick mode keeps the first two
 SYNTHETIC = [("ladder 1k", 100, 5), ("ladder 10k", 1000, 3), ("ladder 100k", 10000, 1)]
 GPT2_RUNS = 3
-GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 
 
 # --------------------------------------------------------------------------- models
@@ -93,52 +94,6 @@ def ladder(layers: int, width: int = 16, groups: int = 8) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
-
-
-def gpt2_small(path: Path) -> Path:
-    """Export GPT-2 small with its loss to ``path`` unless it is already there."""
-    if path.exists():
-        return path
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(**GPT2_SMALL, attn_implementation="eager", use_cache=False, bos_token_id=0, eos_token_id=0)
-    inner = GPT2LMHeadModel(config)
-    with torch.no_grad():  # the exporter merges equal initializers (zero biases): make them differ
-        for p in inner.parameters():
-            if p.dim() == 1:
-                p.add_(0.05 * torch.randn(p.shape))
-
-    class WithLoss(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids, labels):
-            mask = torch.ones_like(input_ids)  # transformers 5.x traces a dynamic length only with a mask
-            logits = self.inner(input_ids=input_ids, attention_mask=mask).logits
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    ids = torch.randint(0, GPT2_SMALL["vocab_size"], (2, 16))
-    axes = {"input_ids": {0: "batch", 1: "seq"}, "labels": {0: "batch", 1: "seq"}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial.onnx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            WithLoss().eval(),
-            (ids, ids),
-            str(partial),
-            dynamo=False,
-            do_constant_folding=False,
-            opset_version=17,
-            input_names=["input_ids", "labels"],
-            output_names=["loss"],
-            dynamic_axes=axes,
-        )
-    partial.replace(path)
-    return path
 
 
 # --------------------------------------------------------------------------- measuring graphforge
@@ -379,26 +334,15 @@ def run(quick: bool = False) -> str:
         rows.append(measure(label, model, path, runs, python, why_not))
     if not quick:
         start = time.perf_counter()
-        path = gpt2_small(CACHE / "gpt2-small-loss.onnx")
+        path = helpers.export_gpt2(CACHE / "gpt2-small-loss.onnx", helpers.GPT2_SMALL, with_loss=True)
         print(f"  GPT-2 small ready in {time.perf_counter() - start:.0f} s ({path})", flush=True)
         model = onnx.load(path)
         rows.append(measure("GPT-2 small", model, path, GPT2_RUNS, python, why_not))
         training = [time_training_compile(model, GPT2_RUNS), time_training_compile(path, GPT2_RUNS)]
         for form in training:
             print(f"  GPT-2 small, {TRAINING_PIPELINE}, from {form.source}: {form.seconds:.2f} s", flush=True)
-    ort_version = _ort_training_version(python)
+    ort_version = helpers.ort_training_version(python)
     return report(rows, ort_version, why_not, None if quick else training)
-
-
-def _ort_training_version(python: str | None) -> str:
-    if python is None:
-        return "not installed"
-    proc = subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('onnxruntime-training'))"],
-        capture_output=True,
-        text=True,
-    )
-    return proc.stdout.strip() or "unknown"
 
 
 def _us(seconds: float, nodes: int) -> str:
@@ -457,7 +401,7 @@ def report(rows: list[Row], ort_version: str, why_not: str, training: list[Train
             f"{form.seconds - sum(form.passes.values()) - form.checks_s:.2f} s. "
             f"The issue's goal, under {TRAINING_COMPILE_GOAL_S:.0f} s: {met}."
         ]
-    cpu = _cpu_name()
+    cpu = helpers.cpu_name()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines += [
         "",
@@ -479,13 +423,3 @@ def report(rows: list[Row], ort_version: str, why_not: str, training: list[Train
 
 def _round(values: list[float]) -> list[float]:
     return [round(v, 3) for v in values]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -33,7 +33,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, replace
@@ -43,10 +42,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402  (the models, their export and the optimizer settings)
 
 TITLE = "CUDA"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "cuda"
+CACHE = helpers.cache("cuda")
 TIMEOUT_S = 600
 MIB = 2**20
 #: $GRAPHFORGE_BENCH_DEVICE=cpu runs the same measurement on the CPU (to try the script out)
@@ -339,16 +339,9 @@ def run(quick: bool = False) -> str:
         "",
         *notes,
         "",
-        f"graphforge {graphforge.__version__}, onnxruntime {_version('onnxruntime')}, torch {_version('torch')}.",
+        f"graphforge {graphforge.__version__}, onnxruntime {helpers.version('onnxruntime')}, torch {helpers.version('torch')}.",
     ]
     return "\n".join(body)
-
-
-def _version(package: str) -> str:
-    try:
-        return __import__(package).__version__
-    except ImportError:
-        return "absent"
 
 
 def _device_name() -> str:

@@ -25,9 +25,7 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import onnx
@@ -38,60 +36,17 @@ from graphforge.diff import diff_models
 from graphforge.diff.html import render_html
 from graphforge.diff.rename import rename_all
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers
+
 TITLE = "Diff"
 
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "diff"
-GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+CACHE = helpers.cache("diff")
 #: --quick: a 2-layer model of the same width
-GPT2_QUICK = {**GPT2_SMALL, "n_layer": 2}
+GPT2_QUICK = {**helpers.GPT2_SMALL, "n_layer": 2}
 RUNS = 5
 #: the target the issue sets for the full-size pair
 TARGET_S = 2.0
-
-
-def export_gpt2(path: Path, config: dict) -> Path:
-    """GPT-2 (input_ids -> logits) exported to ``path`` unless it is already there."""
-    if path.exists():
-        return path
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    inner = GPT2LMHeadModel(
-        GPT2Config(**config, attn_implementation="eager", use_cache=False, bos_token_id=0, eos_token_id=0)
-    )
-    with torch.no_grad():  # the exporter merges equal initializers (zero biases): make every one random
-        for p in inner.parameters():
-            if p.dim() == 1:
-                p.add_(0.05 * torch.randn(p.shape))
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids):
-            mask = torch.ones_like(input_ids)  # transformers 5.x traces a dynamic length only with a mask
-            return self.inner(input_ids=input_ids, attention_mask=mask).logits
-
-    ids = torch.randint(0, config["vocab_size"], (2, 16))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial.onnx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            Logits().eval(),
-            (ids,),
-            str(partial),
-            dynamo=False,
-            do_constant_folding=False,
-            opset_version=17,
-            input_names=["input_ids"],
-            output_names=["logits"],
-            dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}},
-        )
-    partial.replace(path)
-    return path
 
 
 def renamed_with_one_change(source: Path, path: Path) -> tuple[Path, str]:
@@ -163,10 +118,10 @@ def measure(a: Path, b: Path, changed: str, runs: int, weights_changed: int = 0)
 
 def run(quick: bool = False) -> str:
     config, label = (
-        (GPT2_QUICK, "GPT-2 2-layer (768 wide)") if quick else (GPT2_SMALL, "GPT-2 small (12 layers, 768 wide)")
+        (GPT2_QUICK, "GPT-2 2-layer (768 wide)") if quick else (helpers.GPT2_SMALL, "GPT-2 small (12 layers, 768 wide)")
     )
     stem = f"gpt2_{config['n_layer']}x{config['n_embd']}"
-    a = export_gpt2(CACHE / f"{stem}.onnx", config)
+    a = helpers.export_gpt2(CACHE / f"{stem}.onnx", config)
     b, changed = renamed_with_one_change(a, CACHE / f"{stem}.renamed.onnx")
     c, perturbed = with_every_weight_changed(b, CACHE / f"{stem}.renamed.perturbed.onnx")
     diff_models(a, b)  # warm-up: imports, and the files into the page cache
@@ -200,7 +155,7 @@ def run(quick: bool = False) -> str:
     lines += [
         "",
         f"Medians {' and '.join(f'{m:.2f} s' for m in medians)}: {verdict} the {TARGET_S:.0f} s target. "
-        f"Machine: {_cpu_name()}, {_cores()} cores usable; Python {platform.python_version()}; "
+        f"Machine: {helpers.cpu_name()}, {helpers.usable_cores()} cores usable; Python {platform.python_version()}; "
         f"graphforge {graphforge.__version__}, onnx {onnx.__version__}.",
     ]
     for name, row in rows:
@@ -210,22 +165,6 @@ def run(quick: bool = False) -> str:
         )
     lines.append("Standalone: `.venv/bin/python benchmarks/diff_bench.py` prints this section.")
     return "\n".join(lines) + "\n"
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -42,10 +41,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402  (the model, its export and the optimizer settings)
 
 TITLE = "Data-parallel training"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "dp"
+CACHE = helpers.cache("dp")
 GOAL = 1.2  # the issue's: graphforge DP samples/s at least this many times torch DDP's
 PER_RANK = 8
 #: (label, side, processes, threads per process, overlap)
@@ -80,9 +80,7 @@ def worker_main(job: dict) -> int:
     share = slice(rank or 0, None, 2)  # every process takes its 8 of each global batch of 16
     batches = [(data["x"][i][share], data["y"][i].reshape(16, -1)[share].reshape(-1)) for i in range(len(data["x"]))]
     step, extra = (_graphforge if job["side"] == "graphforge" else _torch)(job, world)
-    losses = [float(step(*batches[i % len(batches)])) for i in range(CHECK_STEPS)]
-    for i in range(job["warmup"]):
-        step(*batches[i % len(batches)])
+    losses = helpers.checked_then_warm(step, batches, CHECK_STEPS, job["warmup"])
     result = {"losses": losses, **_timed(step, batches, job["steps"], world, extra)}
     if world is not None:
         world.barrier("the end of the benchmark")
@@ -96,12 +94,7 @@ def _timed(step, batches, steps: int, world, extra) -> dict:
     if world is not None:
         world.barrier("the start of the timed steps")
     before = extra["exposed"]() if "exposed" in extra else 0.0
-    times = []
-    for i in range(steps):
-        started = time.perf_counter()
-        step(*batches[i % len(batches)])
-        times.append(time.perf_counter() - started)
-    result = {"step_s": times}
+    result = {"step_s": helpers.timed_steps(step, batches, steps)}
     if "exposed" in extra:
         result["exposed_s"] = (extra["exposed"]() - before) / steps
     if "unsynced" in extra:  # DDP: the same steps without the reduction
@@ -306,8 +299,8 @@ def report(measured: dict) -> str:
     lines = [
         f"GPT-2 {spec.config['n_layer']}×{spec.config['n_embd']}, vocab {spec.config['vocab_size']:,}, "
         f"sequence {spec.config['seq']}, batch {PER_RANK} per process, AdamW; "
-        f"{measured['gradient_mib']:.0f} MiB of gradients per step; {tb._cpu_name()}, {os.cpu_count()} cores; "
-        f"torch {_version('torch')}, onnxruntime {_version('onnxruntime')}.",
+        f"{measured['gradient_mib']:.0f} MiB of gradients per step; {helpers.cpu_name()}, {os.cpu_count()} cores; "
+        f"torch {helpers.version('torch')}, onnxruntime {helpers.version('onnxruntime')}.",
         "",
         "| run | processes × threads | step (median, IQR) | samples/s | exposed allreduce per step |",
         "| --- | --- | --- | --- | --- |",
@@ -347,12 +340,6 @@ def report(measured: dict) -> str:
         "parallelism beside DDP's, at equal settings.",
     ]
     return "\n".join(lines) + "\n"
-
-
-def _version(name: str) -> str:
-    import importlib
-
-    return importlib.import_module(name).__version__
 
 
 if __name__ == "__main__":

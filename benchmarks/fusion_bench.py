@@ -24,10 +24,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402
 
 TITLE = "Fusion"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "fusion"
+CACHE = helpers.cache("fusion")
 THREADS = 2
 RESNET = replace(tb.RESNET18, steps=6)
 FULL = [tb.FULL[1], RESNET, tb.FULL[2]]

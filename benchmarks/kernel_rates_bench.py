@@ -30,6 +30,9 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers
+
 TITLE = "Kernel rates (the planner's CPU defaults)"
 MATMUL = (512, 256, 8192)  # M, K, N
 ELEMENTS = 8 * 2**20
@@ -106,9 +109,6 @@ def measure() -> dict:
 
 
 def report(measured: dict) -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import train_bench as tb
-
     from graphforge.planning.configs import CPU_FLOPS_PER_CORE, CPU_MEMORY_BANDWIDTH
 
     cores = measured["cores"]
@@ -120,7 +120,7 @@ def report(measured: dict) -> str:
     per_core = measured["matmul"]["1 thread"]
     shared = max(measured["mul"].values())
     return "\n".join([
-        f"{tb._cpu_name()}, {cores} cores; onnxruntime sessions of the single op (graphforge's "
+        f"{helpers.cpu_name()}, {cores} cores; onnxruntime sessions of the single op (graphforge's "
         f"create_session), median of {REPEATS} runs after a warm-up.",
         "",
         "| kernel | threads | rate |",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,10 +24,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402  (the models, their export and the optimizer settings)
 
 TITLE = "Memory"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "memory"
+CACHE = helpers.cache("memory")
 STEPS = 6  # the first step makes the sessions and fills the arena; the peak is over all
 TIMEOUT_S = 1200
 MIB = 2**20

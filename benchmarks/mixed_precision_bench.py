@@ -16,17 +16,17 @@ import json
 import os
 import re
 import sys
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import cuda_bench  # noqa: E402  (the child that measures one side on a device)
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402
 
 TITLE = "Mixed precision (CPU)"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "mixed-precision"
+CACHE = helpers.cache("mixed-precision")
 FULL = [replace(tb.FULL[2], steps=20)]
 QUICK = [tb.QUICK[2]]
 
@@ -104,8 +104,8 @@ def section(intro: str, body: str) -> str:
     import graphforge
 
     versions = (
-        f"graphforge {graphforge.__version__}, onnxruntime {cuda_bench._version('onnxruntime')}, "
-        f"torch {cuda_bench._version('torch')}."
+        f"graphforge {graphforge.__version__}, onnxruntime {helpers.version('onnxruntime')}, "
+        f"torch {helpers.version('torch')}."
     )
     return "\n".join([intro, "", body, "", versions])
 

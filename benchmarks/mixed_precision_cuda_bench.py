@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import cuda_bench  # noqa: E402
+import helpers  # noqa: E402  (what the benchmarks share)
 import mixed_precision_bench as mp  # noqa: E402
 import train_bench as tb  # noqa: E402
 
 TITLE = "Mixed precision (CUDA)"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "mixed-precision-cuda"
+CACHE = helpers.cache("mixed-precision-cuda")
 FULL = [
     replace(tb.FULL[2], steps=50),
     tb.Spec("gpt2", "GPT-2 small 12×768, vocab 50257", 8, tb.GPT2_SMALL, steps=30, warmup=tb.CHECK_STEPS + 1),

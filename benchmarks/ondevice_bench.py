@@ -68,7 +68,7 @@ from onnx import TensorProto, helper, numpy_helper
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "ondevice"))  # the file format the JS drivers read
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402
 from _tensor_file import write_tensors  # noqa: E402
 
@@ -76,7 +76,7 @@ TITLE = "Training on device"
 HERE = Path(__file__).resolve().parent / "js"
 NODE = shutil.which("node")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "ondevice"
+CACHE = helpers.cache("ondevice")
 BATCH = 64
 LR = 1e-3
 PIPELINE = f"loss(kind=cross_entropy, output=logits), autodiff, adamw(lr={LR}, weight_decay=0)"
@@ -409,7 +409,7 @@ def benchmark(
     the sizes on disk."""
     specs = specs or ([SPECS[0]] if quick else SPECS)
     sides = sides or SIDES
-    counts = counts or ([1] if quick or tb.usable_cores() == 1 else [1, tb.usable_cores()])
+    counts = counts or ([1] if quick or helpers.usable_cores() == 1 else [1, helpers.usable_cores()])
     timing = timing or (
         {"warmup": 3, "blocks": 1, "blockSeconds": 0.05}
         if quick

@@ -29,11 +29,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dp_bench  # noqa: E402  (starting the ranks of a run)
+import helpers  # noqa: E402  (what the benchmarks share)
 import tp_bench  # noqa: E402  (the model, its batches and the workers)
 import train_bench as tb  # noqa: E402
 
 TITLE = "Planning splits"
-CACHE = tp_bench.CACHE.parent / "plan"
+CACHE = helpers.cache("plan")
 #: the issue's goals: predictions within 25% of the measured steps, the pick within 10% of the fastest
 ERROR_GOAL = 0.25
 PICK_GOAL = 0.10
@@ -115,7 +116,7 @@ def report(measured: dict) -> str:
     lines = [
         f"GPT-2 {c['n_layer']}×{c['n_embd']}, vocab {c['vocab_size']:,}, sequence {c['seq']}, global batch "
         f"{tp_bench.BATCH}, AdamW; N processes on {os.cpu_count()} cores (each its share of them); "
-        f"{tb._cpu_name()}; planner defaults for this machine (graphforge.planning.planner, "
+        f"{helpers.cpu_name()}; planner defaults for this machine (graphforge.planning.planner, "
         "graphforge.planning.configs).",
         "",
         "| processes | split | predicted step (compute + tensor sums + gradients) | measured step | error |",

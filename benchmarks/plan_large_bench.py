@@ -17,14 +17,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers
+
 TITLE = "Plans for large models"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "plan-large"
+CACHE = helpers.cache("plan-large")
 PIPELINE = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=3e-4, weight_decay=0.1)"
 
 #: H100 SXM 80 GB (assumed, not measured): TF32's 495 TFLOP/s dense peak at 40% sustained;

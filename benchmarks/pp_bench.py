@@ -35,7 +35,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +42,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dp_bench as dp  # noqa: E402  (its launcher of rank processes)
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402  (the GPT-2 builder, export and optimizer settings)
 
 TITLE = "Pipeline-parallel training"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "pp"
+CACHE = helpers.cache("pp")
 MICRO = 4  # sequences per micro-batch
 STAGES = 2
 RUN_TIMEOUT_S = 900
@@ -219,8 +219,8 @@ def report(measured: dict) -> str:
 
     lines = [
         f"2 stages × 1 thread (2 processes, gloo on loopback), micro-batches of {MICRO} sequences; "
-        f"{tb._cpu_name()}, {os.cpu_count()} cores; torch {_version('torch')}, onnxruntime "
-        f"{_version('onnxruntime')}.",
+        f"{helpers.cpu_name()}, {os.cpu_count()} cores; torch {helpers.version('torch')}, onnxruntime "
+        f"{helpers.version('onnxruntime')}.",
         "",
     ]
     for label, result in measured.items():
@@ -265,11 +265,6 @@ def report(measured: dict) -> str:
         "relative to it, and as stages get more (the line above).",
     ]
     return "\n".join(lines) + "\n"
-
-
-def _version(name: str) -> str:
-    module = __import__(name)
-    return getattr(module, "__version__", "?")
 
 
 if __name__ == "__main__":

@@ -26,10 +26,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402  (the models, their export and the optimizer settings)
 
 TITLE = "PyTorch front end"
-CACHE = tb.CACHE.parent / "torch_frontend"
+CACHE = helpers.cache("torch_frontend")
 THREADS = 2
 WARMUP = 3
 STEPS = {"mlp": 100, "cnn": 60, "gpt2": 15}

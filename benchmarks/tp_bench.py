@@ -35,8 +35,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -45,10 +43,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dp_bench  # noqa: E402  (starting the ranks of a run)
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402  (the model, its export and the optimizer settings)
 
 TITLE = "Tensor-parallel training"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "tp"
+CACHE = helpers.cache("tp")
 GOAL = 1.2  # the issue's: graphforge's samples/s at least this many times torch's tensor-parallel, at equal T
 BATCH = 8
 CHECK_STEPS = 3
@@ -84,17 +83,11 @@ def worker_main(job: dict) -> int:
     data = np.load(job["batches"])
     batches = [(data["x"][i], data["y"][i]) for i in range(len(data["x"]))]
     step, extra = (_torch if job["side"] == "torch" else _graphforge)(job, world)
-    losses = [float(step(*batches[i % len(batches)])) for i in range(CHECK_STEPS)]
-    for i in range(job["warmup"]):
-        step(*batches[i % len(batches)])
+    losses = helpers.checked_then_warm(step, batches, CHECK_STEPS, job["warmup"])
     if world is not None:
         world.barrier("the start of the timed steps")
     before = extra["bytes"]() if "bytes" in extra else 0
-    times = []
-    for i in range(job["steps"]):
-        started = time.perf_counter()
-        step(*batches[i % len(batches)])
-        times.append(time.perf_counter() - started)
+    times = helpers.timed_steps(step, batches, job["steps"])
     result = {
         "losses": losses,
         "step_s": times,
@@ -264,8 +257,8 @@ def report(measured: dict) -> str:
     c = spec.config
     lines = [
         f"GPT-2 {c['n_layer']}×{c['n_embd']}, vocab {c['vocab_size']:,}, sequence {c['seq']}, batch {BATCH} (every "
-        f"member takes it whole), AdamW; split: each block's attention by heads and its MLP (column, then row); {tb._cpu_name()}, "
-        f"{os.cpu_count()} cores; torch {dp_bench._version('torch')}, onnxruntime {dp_bench._version('onnxruntime')}.",
+        f"member takes it whole), AdamW; split: each block's attention by heads and its MLP (column, then row); {helpers.cpu_name()}, "
+        f"{os.cpu_count()} cores; torch {helpers.version('torch')}, onnxruntime {helpers.version('onnxruntime')}.",
         "",
         "| run | processes × threads | step (median, IQR) | samples/s | parameters per process "
         "| peak memory (member 0) | summed per step (member 0) |",

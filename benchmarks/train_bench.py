@@ -74,10 +74,13 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers
+
 TITLE = "Training step"
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "train"
+CACHE = helpers.cache("train")
 ORT_VENV = REPO / ".bench-venv-ort-training"
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -383,11 +386,6 @@ def _node_flops(node, shapes: dict[str, list[int]]) -> float:
         k = a[0] if attrs.get("transA", 0) else a[1]
         return 2.0 * math.prod(y) * k
     return 2.0 * math.prod(y) * a[-1]  # MatMul: every output element is a K-long dot product
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def gemm_rate(threads: int, n: int = 2048, reps: int = 8) -> float:
@@ -1013,26 +1011,15 @@ def benchmark(
     quiet_wait_s: float = QUIET_WAIT_S,
 ) -> str:
     """Measure ``specs`` on ``sides`` at the usable core count (files under ``cache``); the markdown report."""
-    threads = usable_cores()
+    threads = helpers.usable_cores()
     ort_python, why_not = ort_training_python() if "onnxruntime-training" in sides else (None, "")
     rate = gemm_rate(threads, gemm_n)
     print(f"  GEMM rate at {threads} threads: {rate / 1e9:.0f} GFLOP/s", flush=True)
     load = os.getloadavg()
     results = [measure(spec, threads, sides, ort_python, why_not, cache, quiet_wait_s) for spec in specs]
     rate = max(rate, gemm_rate(threads, gemm_n))  # the bound takes the better of two measurements
-    version = _ort_training_version(ort_python)
+    version = helpers.ort_training_version(ort_python)
     return report(results, threads, rate, gemm_n, quick, load, os.getloadavg(), version)
-
-
-def _ort_training_version(python: str | None) -> str:
-    if python is None:
-        return "(not installed)"
-    proc = subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('onnxruntime-training'))"],
-        capture_output=True,
-        text=True,
-    )
-    return proc.stdout.strip() or "(unknown version)"
 
 
 # --------------------------------------------------------------------------- the report
@@ -1177,7 +1164,7 @@ def report(
     lines += [f"- {_loss_check(r)}" for r in results]
     lines += ["", "Notes:", "", *notes, ""]
     lines.append(
-        f"Machine: {_cpu_name()}, {threads} cores usable, GEMM rate {rate / 1e9:.0f} GFLOP/s (torch float32 "
+        f"Machine: {helpers.cpu_name()}, {threads} cores usable, GEMM rate {rate / 1e9:.0f} GFLOP/s (torch float32 "
         f"{gemm_n}², {threads} threads); load average {load[0]:.2f} before, {load_after[0]:.2f} after. Python "
         f"{platform.python_version()}; graphforge {graphforge.__version__}, onnx {onnx.__version__}, onnxruntime "
         f"{onnxruntime.__version__}, torch {torch.__version__}; onnxruntime-training {ort_version} in "
@@ -1215,16 +1202,6 @@ def _where_time_goes(results: list[Result], top: int = 6) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | --- |",
         *rows,
     ]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

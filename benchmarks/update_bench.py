@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers
 import train_bench as tb
 
 TITLE = "Optimizer update"
-CACHE = tb.CACHE.parent / "update"
+CACHE = helpers.cache("update")
 UPDATES = {
     "adamw": "adamw(lr=1e-3, weight_decay=0.01)",
     "sgd": "sgd(lr=1e-2, momentum=0.9)",
@@ -76,7 +77,7 @@ def measure(spec, kind: str, folder: Path, steps: int) -> dict:
     import graphforge
     from graphforge.torch import use_fused_update
 
-    threads = tb.usable_cores()
+    threads = helpers.usable_cores()
     torch.set_num_threads(threads)
     model, _, batches, _ = tb.prepare(spec, folder)
     program = graphforge.compile(
@@ -118,7 +119,7 @@ def benchmark(quick: bool = False, *, cache: Path = CACHE) -> list[tuple[str, st
 
 def report(rows: list[tuple[str, str, dict]]) -> str:
     lines = [
-        f"{tb.usable_cores()} CPU threads on every side; the update alone (its gradients from one real step), then the "
+        f"{helpers.usable_cores()} CPU threads on every side; the update alone (its gradients from one real step), then the "
         "whole train_step with each graphforge update. Medians.",
         "",
         "| model | optimizer | parameters | ONNX update ms | fused update ms | ONNX / fused | torch.optim ms "

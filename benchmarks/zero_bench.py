@@ -22,8 +22,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,10 +30,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dp_bench  # noqa: E402  (its launcher)
+import helpers  # noqa: E402  (what the benchmarks share)
 import train_bench as tb  # noqa: E402  (the model, its export and the optimizer settings)
 
 TITLE = "Sharded optimizer states (ZeRO)"
-CACHE = Path(tempfile.gettempdir()) / "graphforge-bench" / "zero"
+CACHE = helpers.cache("zero")
 PER_RANK = 8
 PROCESSES = 2
 GOAL = 1.2  # graphforge's samples/s at least this many times torch's at equal sharding
@@ -71,16 +70,10 @@ def worker_main(job: dict) -> int:
         for i in range(len(data["x"]))
     ]
     step, extra = (_graphforge if job["side"] == "graphforge" else _torch)(job, world)
-    losses = [float(step(*batches[i % len(batches)])) for i in range(3)]
-    for i in range(job["warmup"]):
-        step(*batches[i % len(batches)])
+    losses = helpers.checked_then_warm(step, batches, 3, job["warmup"])
     world.barrier("the start of the timed steps")
     before = extra["exposed"]() if "exposed" in extra else 0.0
-    times = []
-    for i in range(job["steps"]):
-        started = time.perf_counter()
-        step(*batches[i % len(batches)])
-        times.append(time.perf_counter() - started)
+    times = helpers.timed_steps(step, batches, job["steps"])
     result = {
         "losses": losses,
         "step_s": times,
@@ -259,8 +252,8 @@ def report(measured: dict) -> str:
         "",
         f"GPT-2 {spec.config['n_layer']}×{spec.config['n_embd']}, vocab {spec.config['vocab_size']:,}, "
         f"sequence {spec.config['seq']}, batch {PER_RANK} per process, AdamW; {PROCESSES} processes × 1 thread "
-        f"(gloo); {tb._cpu_name()}, {os.cpu_count()} cores; torch {dp_bench._version('torch')}, "
-        f"onnxruntime {dp_bench._version('onnxruntime')}. Per process: optimizer state held, peak RSS (the "
+        f"(gloo); {helpers.cpu_name()}, {os.cpu_count()} cores; torch {helpers.version('torch')}, "
+        f"onnxruntime {helpers.version('onnxruntime')}. Per process: optimizer state held, peak RSS (the "
         "larger of the two processes'); exposed: the step's wait for reductions and gathers.",
         "",
         "| run | step (median) | samples/s | optimizer state | peak RSS | exposed communication |",
