@@ -47,6 +47,10 @@ class TrainerOptions:
 
     def refused(self, key: str, topology: str, why: str) -> ConfigError:
         """The error refusing ``train.<key>``'s value on ``topology`` ("a pipeline stage"), for ``why``."""
-        value = getattr(self.train, key)
-        shown = json.dumps(value) if isinstance(value, str) else repr(value)
-        return ConfigError(f"{self.where}: train.{key} = {shown} is not available for {topology}: {why}")
+        return refusal(self.where, key, getattr(self.train, key), topology, why)
+
+
+def refusal(where: str, key: str, value: Any, topology: str, why: str) -> ConfigError:
+    """The one error of a [train] key's value that ``topology`` cannot honour (TrainerOptions.refused's)."""
+    shown = json.dumps(value) if isinstance(value, str) else repr(value)
+    return ConfigError(f"{where}: train.{key} = {shown} is not available for {topology}: {why}")
