@@ -97,7 +97,7 @@ class Trainer:
         device = options.train.device
         if topology.world is not None and device is not None and ":" in device:
             return {
-                "device": "each process of a torchrun run takes its own device (cuda:LOCAL_RANK on a GPU): "
+                "device": "each process of a torchrun run takes its own device (cuda:LOCAL_RANK on a GPU); "
                 f'name its type alone ("{device.split(":")[0]}")'
             }
         return {}
@@ -105,7 +105,9 @@ class Trainer:
     @classmethod
     def check(cls, options: TrainerOptions, topology: Topology) -> None:
         """Raise the ConfigError of the first option this topology refuses."""
-        for key, why in cls.refusals(options, topology).items():
+        refused = cls.refusals(options, topology)
+        if refused:
+            key, why = next(iter(refused.items()))
             raise options.refused(key, cls.topology_name, why)
 
     def resume(self, state: CheckpointState) -> CheckpointState:
