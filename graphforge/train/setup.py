@@ -150,7 +150,9 @@ def _check_accumulation(config: Config, program_roles: ProgramRoles) -> None:
         )
 
 
-def _open_data(config: Config, topology: Topology, program_roles: ProgramRoles, notes: Notes):
+def _open_data(
+    config: Config, topology: Topology, program_roles: ProgramRoles, notes: Notes
+) -> tuple[Source, Source | None]:
     """This process's share of the training data, and the evaluation data (None without)."""
     data, inputs = config.data, list(program_roles.batch_inputs)
 
@@ -174,7 +176,13 @@ def _open_data(config: Config, topology: Topology, program_roles: ProgramRoles, 
 
 
 def _starting_point(
-    config: Config, out: Path, program, program_roles, train: Source, total_steps: int, notes
+    config: Config,
+    out: Path,
+    program: onnx.ModelProto,
+    program_roles: ProgramRoles,
+    train: Source,
+    total_steps: int,
+    notes: Notes,
 ) -> _Start:
     """The state to start from (resume.py), with the schedule and the settings it fixes."""
     state, resumed_from = resume.starting_state(config, out, program)
@@ -191,7 +199,15 @@ def _starting_point(
     return _Start(state, resumed_from, schedule_options, settings, changed)
 
 
-def _agreed(config: Config, program, options: TrainerOptions, start: _Start, train, eval_source, total_steps) -> dict:
+def _agreed(
+    config: Config,
+    program: onnx.ModelProto,
+    options: TrainerOptions,
+    start: _Start,
+    train: Source,
+    eval_source: Source | None,
+    total_steps: int,
+) -> dict:
     """What every rank of a run must have the same of before it trains."""
     return {
         "program (sha256)": digest(copy_without_initializers(program).SerializeToString(deterministic=True)),
