@@ -57,6 +57,7 @@ from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_dtype
 from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
 from graphforge.runtime.runner import BoundSession, Runner, SegmentRun, to_numpy
+from graphforge.runtime.training import DROPOUT_MODES
 
 #: the most dims a tensor of a message may have (the header's room per tensor)
 MAX_RANK = 8
@@ -117,8 +118,10 @@ class Stage(GroupMember):
 
     ``state``: the program's CheckpointState (every stage reads its own tensors from it;
     :meth:`tensors` gives them back). ``schedule``: the program's unless given ("gpipe",
-    "1f1b"). Dropout masks are seeded as Module's, per micro-batch, so a pipelined step
-    draws exactly the masks of one process running the same micro-batches.
+    "1f1b"). ``dropout``: as Module's; "seeded" (default) seeds the masks per micro-batch, so
+    a pipelined step draws exactly the masks of one process running the same micro-batches;
+    "onnxruntime" keeps onnxruntime's own Dropout (each segment's mask output carries the
+    forward's mask to the backward, as it does in one process).
     """
 
     def __init__(
@@ -132,7 +135,10 @@ class Stage(GroupMember):
         schedule: str | None = None,
         timed: bool = False,
         replicas: StageReplicas | None = None,
+        dropout: str = "seeded",
     ):
+        if dropout not in DROPOUT_MODES:
+            raise GraphforgeError(f"dropout={dropout!r}: use one of {', '.join(map(repr, DROPOUT_MODES))}")
         proto = program_proto(program)
         roles = ProgramRoles.of_proto(proto).require_training_program()
         role = roles.stages
@@ -156,7 +162,9 @@ class Stage(GroupMember):
         runner_device = resolve_device(device)
         carried_inputs = {c.input for c in roles.carried}
         shift = "div" if runner_device.type == "cuda" else "bitshift"
-        train_program, seeded = seeded_dropout(proto, shift, bound=carried_inputs)
+        train_program, seeded = (
+            seeded_dropout(proto, shift, bound=carried_inputs) if dropout == "seeded" else (proto, 0)
+        )
         self._key = KEY_INPUT if seeded else None
         self.parts: StageSegments = stage_segments(train_program, self.stage)
         specs = [roles.carried_spec(name) for name in self.parts.carried]

@@ -187,7 +187,11 @@ class TrainConfig:
     (torch's fused kernels over the same buffers, graphforge/runtime/fused_update.py; an
     error where the program's update is not one they run) or "auto" (torch's where they can,
     else the program's; the run says which). A run with [profile] keeps the program's update,
-    which the trace then shows."""
+    which the trace then shows. Under torchrun ``device`` names a type ("cpu", "cuda"): each
+    process takes its own (cuda:LOCAL_RANK). Every topology honours each key or refuses the
+    value in one line (graphforge/train/trainers/options.py): a data-parallel replica and a
+    pipeline stage run the program's own update (update = "torch" refused), ZeRO torch's
+    kernels over its shard (update = "onnx" refused)."""
 
     steps: int | None = field(default=None, metadata=accepts("int", minimum=1))
     epochs: int | None = field(default=None, metadata=accepts("int", minimum=1))

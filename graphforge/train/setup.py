@@ -1,6 +1,7 @@
 """Everything checked before a run trains: ``prepare`` reads the model, compiles it, places this
-process (graphforge/train/topology.py), opens the data, finds the state to start or resume from
-and builds the trainer. It writes nothing, so a bad config leaves no file behind."""
+process (graphforge/train/topology.py), opens the data, finds the state to start or resume from,
+builds the trainer's options (``trainer_options``) and the trainer. It writes nothing, so a bad
+config leaves no file behind."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from graphforge.train.config import Config, shown
 from graphforge.train.data import Conformer, Source, open_source
 from graphforge.train.topology import check_tensor_parallel, place, threads_per_process
 from graphforge.train.trainers import Trainer
+from graphforge.train.trainers.base import Topology
+from graphforge.train.trainers.options import TrainerOptions
 
 
 @dataclass
@@ -60,92 +63,24 @@ def prepare(config: Config, world: World | None = None) -> Setup:
     """Check the config against the model, data and checkpoints, and build this process's
     trainer; writes nothing. With a ``world``, this process is one rank of a run torchrun
     started (graphforge/train/topology.py says which part it plays)."""
-    where = config.where
     out = config.out if config.out is not None else Path("runs") / (config.source.stem if config.source else "train")
-    tensor = config.distributed.tensor if world is not None else 1
-    if tensor > 1:
-        check_tensor_parallel(config, world)
-    program, compiled_from = compile_program(config, tensor)
-    topology = place(config, world, program, compiled_from, lambda rank: compile_program(config, tensor, rank))
+    topology = _placed(config, world)
     config, program = topology.config, topology.program
     program_roles = ProgramRoles.of_proto(program)
-    if config.train.accumulate > 1 and not program_roles.accumulates:
-        raise ConfigError(
-            f"{where}: train.accumulate = {config.train.accumulate} needs a program compiled with accumulate=true "
-            "(e.g. adamw(lr=1e-3, accumulate=true) in model.pipeline)"
-        )
-    notes = topology.notes
-
-    def note(text: str) -> None:
-        if text not in notes:
-            notes.append(text)
-
-    data, inputs = config.data, list(program_roles.batch_inputs)
-
-    def source(location, key: str, *, batch_size: int, train: bool) -> Source:
-        return open_source(
-            location,
-            Conformer(inputs, f"{where}: {key}", note),
-            names=data.inputs,
-            batch_size=batch_size,
-            shuffle=data.shuffle if train else False,
-            seed=data.seed,
-            drop_last=data.drop_last if train else False,
-            shard=topology.shard if train else topology.eval_shard,
-            pad=train,
-        )
-
-    train = source(data.train, "data.train", batch_size=data.batch_size, train=True)
-    eval_source = None
-    if data.eval is not None:
-        eval_source = source(data.eval, "data.eval", batch_size=config.eval.batch_size or data.batch_size, train=False)
+    _check_accumulation(config, program_roles)
+    notes = Notes(topology.notes)
+    train, eval_source = _open_data(config, topology, program_roles, notes)
     total_steps = _total_steps(config, train)
-    eval_output = _eval_output(config, program_roles, topology.own if topology.mesh is not None else None, note)
+    eval_output = _eval_output(config, program_roles, topology.own if topology.mesh is not None else None, notes.add)
     if config.profile is not None and config.profile.start > total_steps:
         raise ConfigError(
-            f"{where}: profile.start = {config.profile.start} is past the run's last step ({total_steps})"
+            f"{config.where}: profile.start = {config.profile.start} is past the run's last step ({total_steps})"
         )
-
-    state, resumed_from = resume.starting_state(config, out, program)
-    schedule_options = resume.schedule_options(config, program_roles, total_steps)
-    settings = resume.run_settings(config, train, schedule_options)
-    changed = {}
-    if resumed_from is not None:
-        resume.check_resumable(state, resumed_from)
-        changed = resume.changed_settings(config, state, settings, resumed_from)
-        for key, (old, new) in changed.items():
-            note(
-                f"resuming with {key} = {resume.setting(new)} instead of the checkpoint's {resume.setting(old)} (allowed)"
-            )
-    device = config.train.device if world is None else world.device
+    start = _starting_point(config, out, program, program_roles, train, total_steps, notes)
+    options = trainer_options(config, world)
     if world is not None:
-        world.agree(
-            "program and config",
-            {
-                "program (sha256)": digest(copy_without_initializers(program).SerializeToString(deterministic=True)),
-                **settings,
-                "total steps": total_steps,
-                "starting step": state.step,
-                "resumed from": resumed_from.name if resumed_from is not None else None,
-                "train samples": getattr(train, "samples", None),
-                "eval samples": getattr(eval_source, "samples", None),
-                "eval.every": config.eval.every,
-                "checkpoint.every": config.checkpoint.every,
-                "train.device": _device_type(config, device),
-            },
-        )
-    threads = threads_per_process() if world is not None and world.device == "cpu" else None
-    try:
-        trainer = topology.kind(topology, state, device=device, threads=threads)
-    except DeviceError as exc:
-        raise ConfigError(f"{where}: train.device: {exc}") from None
-    if resumed_from is not None and resume.world_size(state) != trainer.replicas:
-        note(
-            f"resuming a checkpoint of {resume.world_size(state)} process(es) on {trainer.replicas}: the global batch "
-            "changes with it, and the data goes on from the first sample not consumed yet"
-        )
-    for text in trainer.notes:
-        note(text)
+        world.agree("program and config", _agreed(config, program, options, start, train, eval_source, total_steps))
+    trainer = _trainer(topology, start, options, notes)
     return Setup(
         config=config,
         out=out,
@@ -157,12 +92,153 @@ def prepare(config: Config, world: World | None = None) -> Setup:
         eval_output=eval_output,
         labels=program_roles.labels,
         total_steps=total_steps,
-        resumed_from=resumed_from,
-        schedule_options=schedule_options,
+        resumed_from=start.resumed_from,
+        schedule_options=start.schedule_options,
         notes=notes,
-        settings=settings,
-        changed=changed,
+        settings=start.settings,
+        changed=start.changed,
     )
+
+
+def trainer_options(config: Config, world: World | None) -> TrainerOptions:
+    """What every trainer is asked to do (TrainerOptions), from ``config`` as its topology runs
+    it: the [train] keys, and this process's device and threads (under torchrun the rank's
+    device, of the type train.device names: loop.join joined the world on it)."""
+    return TrainerOptions(
+        train=config.train,
+        device=config.train.device if world is None else world.device,
+        threads=threads_per_process() if world is not None and world.device == "cpu" else None,
+        profiled=config.profile is not None,
+        where=config.where,
+    )
+
+
+class Notes(list):
+    """The lines a run prints under its data line, each once."""
+
+    def add(self, text: str) -> None:
+        if text not in self:
+            self.append(text)
+
+
+@dataclass
+class _Start:
+    """Where a run starts: the state (a fresh one, or the checkpoint's), the schedule, and the
+    settings saved with every checkpoint (and those changed since the one resumed from)."""
+
+    state: CheckpointState
+    resumed_from: Path | None
+    schedule_options: dict
+    settings: dict
+    changed: dict
+
+
+def _placed(config: Config, world: World | None) -> Topology:
+    """The program compiled, and this process placed in the run (topology.place)."""
+    tensor = config.distributed.tensor if world is not None else 1
+    if tensor > 1:
+        check_tensor_parallel(config, world)
+    program, compiled_from = compile_program(config, tensor)
+    return place(config, world, program, compiled_from, lambda rank: compile_program(config, tensor, rank))
+
+
+def _check_accumulation(config: Config, program_roles: ProgramRoles) -> None:
+    if config.train.accumulate > 1 and not program_roles.accumulates:
+        raise ConfigError(
+            f"{config.where}: train.accumulate = {config.train.accumulate} needs a program compiled with "
+            "accumulate=true (e.g. adamw(lr=1e-3, accumulate=true) in model.pipeline)"
+        )
+
+
+def _open_data(
+    config: Config, topology: Topology, program_roles: ProgramRoles, notes: Notes
+) -> tuple[Source, Source | None]:
+    """This process's share of the training data, and the evaluation data (None without)."""
+    data, inputs = config.data, list(program_roles.batch_inputs)
+
+    def source(location, key: str, *, batch_size: int, train: bool) -> Source:
+        return open_source(
+            location,
+            Conformer(inputs, f"{config.where}: {key}", notes.add),
+            names=data.inputs,
+            batch_size=batch_size,
+            shuffle=data.shuffle if train else False,
+            seed=data.seed,
+            drop_last=data.drop_last if train else False,
+            shard=topology.shard if train else topology.eval_shard,
+            pad=train,
+        )
+
+    train = source(data.train, "data.train", batch_size=data.batch_size, train=True)
+    if data.eval is None:
+        return train, None
+    return train, source(data.eval, "data.eval", batch_size=config.eval.batch_size or data.batch_size, train=False)
+
+
+def _starting_point(
+    config: Config,
+    out: Path,
+    program: onnx.ModelProto,
+    program_roles: ProgramRoles,
+    train: Source,
+    total_steps: int,
+    notes: Notes,
+) -> _Start:
+    """The state to start from (resume.py), with the schedule and the settings it fixes."""
+    state, resumed_from = resume.starting_state(config, out, program)
+    schedule_options = resume.schedule_options(config, program_roles, total_steps)
+    settings = resume.run_settings(config, train, schedule_options)
+    changed = {}
+    if resumed_from is not None:
+        resume.check_resumable(state, resumed_from)
+        changed = resume.changed_settings(config, state, settings, resumed_from)
+        for key, (old, new) in changed.items():
+            notes.add(
+                f"resuming with {key} = {resume.setting(new)} instead of the checkpoint's {resume.setting(old)} (allowed)"
+            )
+    return _Start(state, resumed_from, schedule_options, settings, changed)
+
+
+def _agreed(
+    config: Config,
+    program: onnx.ModelProto,
+    options: TrainerOptions,
+    start: _Start,
+    train: Source,
+    eval_source: Source | None,
+    total_steps: int,
+) -> dict:
+    """What every rank of a run must have the same of before it trains."""
+    return {
+        "program (sha256)": digest(copy_without_initializers(program).SerializeToString(deterministic=True)),
+        **options.agreed(),
+        **start.settings,
+        "total steps": total_steps,
+        "starting step": start.state.step,
+        "resumed from": start.resumed_from.name if start.resumed_from is not None else None,
+        "train samples": getattr(train, "samples", None),
+        "eval samples": getattr(eval_source, "samples", None),
+        "eval.every": config.eval.every,
+        "checkpoint.every": config.checkpoint.every,
+        "train.device": _device_type(config, options.device),
+    }
+
+
+def _trainer(topology: Topology, start: _Start, options: TrainerOptions, notes: Notes) -> Trainer:
+    """This process's trainer, once its topology takes every option (Trainer.check)."""
+    topology.kind.check(options, topology)
+    try:
+        trainer = topology.kind(topology, start.state, options)
+    except DeviceError as exc:
+        raise ConfigError(f"{options.where}: train.device: {exc}") from None
+    if start.resumed_from is not None and resume.world_size(start.state) != trainer.replicas:
+        notes.add(
+            f"resuming a checkpoint of {resume.world_size(start.state)} process(es) on {trainer.replicas}: the "
+            "global batch changes with it, and the data goes on from the first sample not consumed yet"
+        )
+    for text in trainer.notes:
+        notes.add(text)
+    return trainer
 
 
 def _device_type(config: Config, device: str | None) -> str:

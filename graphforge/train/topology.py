@@ -32,6 +32,7 @@ from graphforge.train.trainers import (
     ZeroTrainer,
 )
 from graphforge.train.trainers.base import Topology
+from graphforge.train.trainers.options import refusal
 
 
 def place(
@@ -153,10 +154,9 @@ def _stages_config(config: Config, staged: StagesRole, world: World | None) -> C
     process per stage."""
     where, micro = config.where, staged.microbatches
     if config.train.accumulate not in (1, micro):
-        raise ConfigError(
-            f"{where}: train.accumulate = {config.train.accumulate}, but the program's pipeline runs "
-            f"{micro} micro-batches per step; leave train.accumulate out"
-        )
+        kind = OneProcess if world is None else TensorStageTrainer if config.distributed.tensor > 1 else StageTrainer
+        why = f"the program's pipeline runs {micro} micro-batches per step; leave train.accumulate out"
+        raise refusal(where, "accumulate", config.train.accumulate, kind.topology_name, why)
     if world is not None and world.size % staged.stages:
         raise ConfigError(
             f"{where}: the program has {staged.stages} pipeline stages, but {world.size} processes were started; "

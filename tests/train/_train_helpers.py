@@ -50,6 +50,25 @@ def classifier(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def with_dropout(folder: Path, ratio: float = 0.3) -> Path:
+    """``folder``'s model.onnx (the classifier) with Dropout(ratio, training) after the hidden layer."""
+    model = onnx.load(folder / "model.onnx")
+    graph = model.graph
+    tanh = next(n for n in graph.node if n.op_type == "Tanh")
+    tanh.output[0] = "h_full"
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(ratio, np.float32), "ratio"),
+            numpy_helper.from_array(np.array(True), "train"),
+        ]
+    )
+    graph.node.insert(
+        list(graph.node).index(tanh) + 1, helper.make_node("Dropout", ["h_full", "ratio", "train"], ["h"])
+    )
+    onnx.save(model, folder / "model.onnx")
+    return folder
+
+
 def samples(count: int, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     mixing = np.random.default_rng(99).standard_normal((N_IN, CLASSES))

@@ -252,30 +252,10 @@ def test_ctrl_c_while_starting_is_one_line_and_status_130(tmp_path, monkeypatch,
 # --------------------------------------------------------------------------- dropout
 
 
-def _dropout_classifier(folder):
-    """The helpers' classifier with Dropout(0.3, training) after the hidden layer."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    th.workspace(folder)
-    model = onnx.load(folder / "model.onnx")
-    graph = model.graph
-    tanh = next(n for n in graph.node if n.op_type == "Tanh")
-    tanh.output[0] = "h_full"
-    graph.initializer.extend(
-        [numpy_helper.from_array(np.array(0.3, np.float32), "ratio"), numpy_helper.from_array(np.array(True), "train")]
-    )
-    graph.node.insert(
-        list(graph.node).index(tanh) + 1, helper.make_node("Dropout", ["h_full", "ratio", "train"], ["h"])
-    )
-    onnx.save(model, folder / "model.onnx")
-    return folder
-
-
 def test_dropout_runs_repeat_and_resume_bit_identically(tmp_path):
     runs = {}
     for name, steps in (("a", [8]), ("b", [8]), ("resumed", [4, 8])):
-        folder = _dropout_classifier(tmp_path / name)
+        folder = th.with_dropout(th.workspace(tmp_path / name))
         document = th.base_config(data={"eval": None}, train={"steps": steps[0]}, checkpoint={"every": 4})
         for count in steps:
             result = graphforge.train.run(

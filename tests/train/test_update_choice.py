@@ -46,7 +46,9 @@ def test_torch_for_an_update_it_does_not_run_is_refused(tmp_path):
     """A profile traces the update as onnxruntime runs it."""
     folder = th.workspace(tmp_path / "ws")
     profile = {"profile": {"start": 2, "steps": 1}, "data": {"eval": None}}
-    with pytest.raises(ConfigError, match=r'train.update = "torch": \[profile\] traces the update'):
+    with pytest.raises(
+        ConfigError, match=r'train.update = "torch" is not available for one process: \[profile\] traces the update'
+    ):
         graphforge.train.run(_config(folder, "torch", **profile), out=folder / "out", quiet=True)
     done = th.cli("train", _config(folder, "auto", **profile), "--out", folder / "auto", cwd=folder)
     assert done.returncode == 0, done.stderr

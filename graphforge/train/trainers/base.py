@@ -14,6 +14,7 @@ from graphforge.distributed import Mesh, World
 from graphforge.runtime import CheckpointManager, CheckpointState
 from graphforge.train.config import Config
 from graphforge.train.data import ALL, Shard, Source
+from graphforge.train.trainers.options import TrainerOptions
 
 
 @dataclass
@@ -22,6 +23,8 @@ class Topology:
     it is, what it runs and which share of the data it reads."""
 
     kind: type[Trainer]
+    #: the config as this topology runs it (a pipeline's micro-batches as train.accumulate),
+    #: which setup.py builds the trainer's options from; trainers read their options only
     config: Config
     #: the whole program: what OUT/program.onnx and every checkpoint hold
     program: onnx.ModelProto
@@ -36,6 +39,11 @@ class Topology:
     #: ZeRO's stage over the data-parallel replicas (0: none)
     zero: int = 0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def overlap(self) -> bool:
+        """[distributed] overlap: reduce each gradient bucket while backward computes the next."""
+        return self.config.distributed.overlap
 
 
 class NotFinite(Exception):
@@ -63,14 +71,17 @@ class Trainer:
     properties), steps, evaluates and saves through this surface only.
 
     ``engine`` is what runs the program (a Module, or a pipeline Stage); ``optimizer`` is what
-    the learning-rate schedule sets the rate of."""
+    the learning-rate schedule sets the rate of. ``options`` (TrainerOptions) is what the run
+    asks of it: it honours each, or ``refusals`` names the ones it cannot before it is made."""
 
     #: the run line's words for it ("data-parallel on 4 processes (gloo)"), "" for one process
     describe_as: ClassVar[str] = ""
+    #: what its refusals call it ("a pipeline stage")
+    topology_name: ClassVar[str] = "one process"
 
-    def __init__(self, topology: Topology, state: CheckpointState):
+    def __init__(self, topology: Topology, state: CheckpointState, options: TrainerOptions):
         self.topology = topology
-        self.config = topology.config
+        self.options = options
         self.world = topology.world
         self.mesh = topology.mesh
         self.notes: list[str] = []
@@ -78,6 +89,26 @@ class Trainer:
         self.state = self.resume(state)
 
     # ------------------------------------------------------------------ what each trainer is
+
+    @classmethod
+    def refusals(cls, options: TrainerOptions, topology: Topology) -> dict[str, str]:
+        """The options this topology cannot honour, by [train] key: why not (checked before the
+        trainer is made; a trainer that learns of one only as it is made raises ``options.refused``)."""
+        device = options.train.device
+        if topology.world is not None and device is not None and ":" in device:
+            return {
+                "device": "each process of a torchrun run takes its own device (cuda:LOCAL_RANK on a GPU); "
+                f'name its type alone ("{device.split(":")[0]}")'
+            }
+        return {}
+
+    @classmethod
+    def check(cls, options: TrainerOptions, topology: Topology) -> None:
+        """Raise the ConfigError of the first option this topology refuses."""
+        refused = cls.refusals(options, topology)
+        if refused:
+            key, why = next(iter(refused.items()))
+            raise options.refused(key, cls.topology_name, why)
 
     def resume(self, state: CheckpointState) -> CheckpointState:
         """This process's part of ``state``, the whole program's (a fresh one, or a checkpoint's)."""
@@ -91,7 +122,7 @@ class Trainer:
     @property
     def microbatches(self) -> int:
         """How many batches one step reads."""
-        return self.config.train.accumulate
+        return self.options.train.accumulate
 
     def step(self, batches: list[dict[str, np.ndarray]]) -> float:
         """One optimizer step over ``batches``: their mean loss. Raises NotFinite, the step undone."""

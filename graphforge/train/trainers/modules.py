@@ -10,37 +10,58 @@ import numpy as np
 from graphforge.analysis.size import human_bytes
 from graphforge.distributed import DataParallel, ZeroDataParallel
 from graphforge.distributed.tensor_parallel import TensorParallel, member_state
-from graphforge.errors import ConfigError
 from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optimizer
 from graphforge.runtime.fused_update import FusedUpdate, Refused, use_fused_update
 from graphforge.train.data import Source
 from graphforge.train.evaluation import evaluate
 from graphforge.train.trainers.base import Topology, Trainer, check_finite
+from graphforge.train.trainers.options import TrainerOptions
 
 
 class ModuleTrainer(Trainer):
     """A Module over this process's program; ``module(...)`` for each micro-batch and an
-    optimizer step when a step accumulates, else one ``train_step``."""
+    optimizer step when a step accumulates, else one ``train_step``. ``train.update`` picks its
+    update where its topology leaves a choice (``refusals``: not ZeRO's, not a replica's)."""
 
-    #: whether the optimizer states are sharded across the data-parallel replicas (ZeRO)
-    sharded = False
-
-    def __init__(self, topology: Topology, state: CheckpointState, *, device: str | None, threads: int | None):
-        super().__init__(topology, state)
-        config = topology.config
+    def __init__(self, topology: Topology, state: CheckpointState, options: TrainerOptions):
+        super().__init__(topology, state, options)
         self.module = self.engine = Module(
             topology.own,
             self.state,
-            device=device,
-            dropout=config.train.dropout,
-            intra_op_threads=threads,
+            device=options.device,
+            dropout=options.train.dropout,
+            intra_op_threads=options.threads,
             shard_optimizer_states=self.sharded,
             update="onnx",  # train.update is chosen below, once the Module is data-parallel or not
         )
         self.connect()
-        if not self.sharded and config.train.update != "onnx":
+        if not self.sharded and options.train.update != "onnx":
             self._choose_update()
         self.optimizer = Optimizer(self.module)
+
+    @classmethod
+    def refusals(cls, options: TrainerOptions, topology: Topology) -> dict[str, str]:
+        refused = super().refusals(options, topology)
+        update = options.train.update
+        if cls.shards_states(topology) and update == "onnx":
+            refused["update"] = "each process updates its shard of the optimizer states in torch's kernels"
+        elif cls.replicated(topology) and not cls.shards_states(topology) and update == "torch":
+            refused["update"] = "the program's ONNX update reads the gradients reduced across the replicas"
+        return refused
+
+    @classmethod
+    def replicated(cls, topology: Topology) -> bool:
+        """Whether the Module is one of data-parallel replicas (its gradients reduced across them)."""
+        return False
+
+    @classmethod
+    def shards_states(cls, topology: Topology) -> bool:
+        """Whether the optimizer states are sharded across the data-parallel replicas (ZeRO)."""
+        return False
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards_states(self.topology)
 
     def connect(self) -> None:
         """Join the process groups this trainer's Module takes part in (a collective)."""
@@ -48,15 +69,15 @@ class ModuleTrainer(Trainer):
     def _choose_update(self) -> None:
         """train.update: torch's fused kernels where they compute the program's update ("auto"),
         or those kernels or an error ("torch"). A profile traces the update as onnxruntime runs it."""
-        config, module = self.config, self.module
-        profiled = "[profile] traces the update as onnxruntime runs it" if config.profile is not None else None
-        if config.train.update == "torch":
+        options, module = self.options, self.module
+        profiled = "[profile] traces the update as onnxruntime runs it" if options.profiled else None
+        if options.train.update == "torch":
             try:
                 if profiled is not None:
                     raise Refused(profiled)
                 kernel = FusedUpdate(module, foreach=True)
             except Refused as exc:
-                raise ConfigError(f'{config.where}: train.update = "torch": {exc.why}') from None
+                raise options.refused("update", self.topology_name, exc.why) from None
             module.use_update_kernel(kernel)
             self.notes.append(f"update: {kernel.description}")
         else:
@@ -101,12 +122,18 @@ class DataParallelTrainer(ModuleTrainer):
     across the replicas (DataParallel) before each update. Rank 0 writes the checkpoints: every
     replica holds the same state."""
 
+    topology_name = "a data-parallel process"
+
+    @classmethod
+    def replicated(cls, topology: Topology) -> bool:
+        return True
+
     @property
     def replicas(self) -> int:
         return self.world.size
 
     def connect(self) -> None:
-        DataParallel(self.module, self.world, overlap=self.config.distributed.overlap)
+        DataParallel(self.module, self.world, overlap=self.topology.overlap)
 
     def save(self, checkpoints: CheckpointManager) -> Path:
         step = int(self.state.step)
@@ -122,11 +149,15 @@ class ZeroTrainer(DataParallelTrainer):
     """A data-parallel replica that holds its shard of the optimizer states (ZeRO) and runs its
     shard of the update in torch's kernels; each writes its shard of a checkpoint."""
 
-    sharded = True
+    topology_name = "a ZeRO process"
+
+    @classmethod
+    def shards_states(cls, topology: Topology) -> bool:
+        return True
 
     def connect(self) -> None:
         stage = self.topology.zero
-        run = ZeroDataParallel(self.module, self.world, stage=stage, overlap=self.config.distributed.overlap)
+        run = ZeroDataParallel(self.module, self.world, stage=stage, overlap=self.topology.overlap)
         self.notes.append(
             f"zero: stage {stage}, this process holds {human_bytes(run.state_bytes())} of optimizer state "
             f"(1/{self.world.size}); its shard of the update runs in torch's kernels"
@@ -145,9 +176,15 @@ class TensorGroupTrainer(ModuleTrainer):
     A checkpoint is the first group's members' slices beside rank 0's file, which loads as
     the whole program's state."""
 
-    @property
-    def sharded(self) -> bool:
-        return self.mesh.data.size > 1 and bool(self.topology.zero)
+    topology_name = "a tensor group's member"
+
+    @classmethod
+    def replicated(cls, topology: Topology) -> bool:
+        return topology.mesh.data.size > 1
+
+    @classmethod
+    def shards_states(cls, topology: Topology) -> bool:
+        return topology.mesh.data.size > 1 and bool(topology.zero)
 
     @property
     def replicas(self) -> int:
@@ -161,7 +198,7 @@ class TensorGroupTrainer(ModuleTrainer):
         self.group = TensorParallel(self.module, mesh.tensor)
         self.notes.append(f"tensor-parallel: each process holds 1/{tensor} of {len(self.group.axes)} carried tensors")
         if mesh.data.size > 1:
-            overlap = self.config.distributed.overlap
+            overlap = self.topology.overlap
             if self.sharded:
                 ZeroDataParallel(self.module, mesh.data, stage=self.topology.zero, overlap=overlap)
             else:

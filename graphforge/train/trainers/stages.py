@@ -14,6 +14,11 @@ from graphforge.runtime import CheckpointManager, CheckpointState, Module
 from graphforge.train.data import Source
 from graphforge.train.evaluation import evaluate
 from graphforge.train.trainers.base import Topology, Trainer, all_finite, check_finite
+from graphforge.train.trainers.options import TrainerOptions
+
+#: why a stage's update is the program's own: torch's kernels run a whole program's update
+#: (graphforge/runtime/fused_update.py), and a stage runs its part of it
+STAGE_UPDATE = "each stage updates its own parameters"
 
 
 class StageTrainer(Trainer):
@@ -23,16 +28,32 @@ class StageTrainer(Trainer):
     evaluates with every stage's parameters gathered. A checkpoint is each stage's tensors in
     a shard of its own, listed by rank 0's file, which loads whole."""
 
-    def __init__(self, topology: Topology, state: CheckpointState, *, device: str | None, threads: int | None):
-        super().__init__(topology, state)
-        self.stage = self.optimizer = self.engine = self._make_stage(topology, device, threads)
+    topology_name = "a pipeline stage"
+
+    def __init__(self, topology: Topology, state: CheckpointState, options: TrainerOptions):
+        super().__init__(topology, state, options)
+        self.stage = self.optimizer = self.engine = self._make_stage(topology)
+        if options.train.update == "auto":
+            self.notes.append(f"update: the program's ONNX update ({STAGE_UPDATE})")
         self._eval_module: Module | None = None  # rank 0's evaluation copy of the whole program
 
-    def _make_stage(self, topology: Topology, device, threads) -> Stage:
+    @classmethod
+    def refusals(cls, options: TrainerOptions, topology: Topology) -> dict[str, str]:
+        refused = super().refusals(options, topology)
+        if options.train.update == "torch":
+            refused["update"] = f"{STAGE_UPDATE} in the program's ONNX update segments"
+        return refused
+
+    def _stage_options(self) -> dict:
+        """What the Stage takes of the options."""
+        options = self.options
+        return {"device": options.device, "intra_op_threads": options.threads, "dropout": options.train.dropout}
+
+    def _make_stage(self, topology: Topology) -> Stage:
         world, stages = self.world, ProgramRoles.of_proto(topology.own).stages.stages
         replicas = StageReplicas(world, stages) if world.size > stages else None
         transport = TorchTransport(world, first=world.rank - world.rank % stages, stages=stages)
-        return Stage(topology.own, self.state, transport, device=device, intra_op_threads=threads, replicas=replicas)
+        return Stage(topology.own, self.state, transport, replicas=replicas, **self._stage_options())
 
     @property
     def replicas(self) -> int:
@@ -61,7 +82,7 @@ class StageTrainer(Trainer):
         if self._eval_module is None:
             snapshot = self.state.copy()
             snapshot.tensors.update(gathered)
-            program, dropout = self.topology.program, self.config.train.dropout
+            program, dropout = self.topology.program, self.options.train.dropout
             self._eval_module = Module(program, snapshot, device=self.stage.device, dropout=dropout, update="onnx")
         else:
             self._eval_module.runner.write_tensors(gathered)
@@ -113,13 +134,12 @@ class TensorStageTrainer(StageTrainer):
     def resume(self, state: CheckpointState) -> CheckpointState:
         return member_state(state, self.topology.own)  # (the run's state: the stage advances its step)
 
-    def _make_stage(self, topology: Topology, device, threads) -> Stage:
+    topology_name = "a pipeline stage of tensor groups"
+
+    def _make_stage(self, topology: Topology) -> Stage:
         mesh = self.mesh
         replicas = StageReplicas.of_mesh(mesh) if mesh.data.size > 1 else None
-        stage = Stage(
-            topology.own, self.state, TorchTransport(mesh.stages), device=device, intra_op_threads=threads,
-            replicas=replicas,
-        )  # fmt: skip
+        stage = Stage(topology.own, self.state, TorchTransport(mesh.stages), replicas=replicas, **self._stage_options())
         self.group = TensorParallel(stage, mesh.tensor)
         replicated = f" × {mesh.data.size} data-parallel replicas of it" if mesh.data.size > 1 else ""
         tensor = mesh.tensor.size
