@@ -7,10 +7,8 @@ traceback and no output file (outputs are written atomically, after the work suc
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
-import shlex
 import sys
 import textwrap
 import warnings
@@ -26,7 +24,6 @@ from rich.table import Table
 import graphforge
 from graphforge import golden, train
 from graphforge.analysis.cost import parse_dims
-from graphforge.analysis.size import human_bytes
 from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
@@ -37,6 +34,7 @@ from graphforge.inspection.summary import print_summary, tied_initializer_warnin
 from graphforge.ondevice import artifacts as ondevice_artifacts
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
 from graphforge.planning.configs import default_hardware, plan_config, write_planned
+from graphforge.planning.report import best_fit, predicted, refusals, run_note, splits_table
 from graphforge.program import ProgramRoles
 
 app = typer.Typer(
@@ -554,6 +552,54 @@ def artifacts_command(
     )
 
 
+# graphforge plan's machine: each option replaces a default of planning.configs.default_hardware
+PlanFlops = Annotated[
+    float | None,
+    typer.Option(
+        "--flops",
+        min=1,
+        help="Sustained FLOP/s of one process on training programs (default: this machine's cores shared "
+        "among the processes, at a rate measured here for onnxruntime on the CPU).",
+    ),
+]
+PlanMemoryBandwidth = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-bandwidth",
+        min=1,
+        help="Bytes/s a process's kernels stream through its memory (default: this machine's, shared among "
+        "the processes, as measured here for onnxruntime's elementwise kernels).",
+    ),
+]
+PlanBandwidth = Annotated[
+    float | None,
+    typer.Option("--bandwidth", min=1, help="Bytes/s a process moves on a link (default: gloo on loopback here)."),
+]
+PlanLatency = Annotated[
+    float | None,
+    typer.Option("--latency", min=0, help="Seconds per collective or message (default: gloo on loopback here)."),
+]
+PlanOverhead = Annotated[
+    float | None,
+    typer.Option("--overhead", min=0, help="Seconds each onnxruntime run costs besides its kernels (default: CPU)."),
+]
+PlanNodeProcesses = Annotated[
+    int,
+    typer.Option(
+        "--node-processes",
+        min=0,
+        help="Processes per node, whose groups take the node's own link (--node-bandwidth, --node-latency); "
+        "0: all on one link.",
+    ),
+]
+PlanNodeBandwidth = Annotated[
+    float | None, typer.Option("--node-bandwidth", min=1, help="Bytes/s on the node's own link (NVLink, say).")
+]
+PlanNodeLatency = Annotated[
+    float | None, typer.Option("--node-latency", min=0, help="Seconds per message on the node's own link.")
+]
+
+
 @app.command("plan")
 def plan_command(
     config: Annotated[Path, typer.Argument(help="The training config (TOML) whose split to plan.")],
@@ -561,53 +607,14 @@ def plan_command(
     memory: Annotated[
         str, typer.Option("--memory-per-process", help="Memory each process may hold, e.g. 16GiB, 512MiB, 80GB.")
     ],
-    flops: Annotated[
-        float | None,
-        typer.Option(
-            "--flops",
-            min=1,
-            help="Sustained FLOP/s of one process on training programs (default: this machine's cores shared "
-            "among the processes, at a rate measured here for onnxruntime on the CPU).",
-        ),
-    ] = None,
-    memory_bandwidth: Annotated[
-        float | None,
-        typer.Option(
-            "--memory-bandwidth",
-            min=1,
-            help="Bytes/s a process's kernels stream through its memory (default: this machine's, shared among "
-            "the processes, as measured here for onnxruntime's elementwise kernels).",
-        ),
-    ] = None,
-    bandwidth: Annotated[
-        float | None,
-        typer.Option("--bandwidth", min=1, help="Bytes/s a process moves on a link (default: gloo on loopback here)."),
-    ] = None,
-    latency: Annotated[
-        float | None,
-        typer.Option("--latency", min=0, help="Seconds per collective or message (default: gloo on loopback here)."),
-    ] = None,
-    overhead: Annotated[
-        float | None,
-        typer.Option(
-            "--overhead", min=0, help="Seconds each onnxruntime run costs besides its kernels (default: CPU)."
-        ),
-    ] = None,
-    node_processes: Annotated[
-        int,
-        typer.Option(
-            "--node-processes",
-            min=0,
-            help="Processes per node, whose groups take the node's own link (--node-bandwidth, --node-latency); "
-            "0: all on one link.",
-        ),
-    ] = 0,
-    node_bandwidth: Annotated[
-        float | None, typer.Option("--node-bandwidth", min=1, help="Bytes/s on the node's own link (NVLink, say).")
-    ] = None,
-    node_latency: Annotated[
-        float | None, typer.Option("--node-latency", min=0, help="Seconds per message on the node's own link.")
-    ] = None,
+    flops: PlanFlops = None,
+    memory_bandwidth: PlanMemoryBandwidth = None,
+    bandwidth: PlanBandwidth = None,
+    latency: PlanLatency = None,
+    overhead: PlanOverhead = None,
+    node_processes: PlanNodeProcesses = 0,
+    node_bandwidth: PlanNodeBandwidth = None,
+    node_latency: PlanNodeLatency = None,
     dims: Annotated[
         list[str] | None,
         typer.Option("--dims", help="Sizes of symbolic dims other than the batch (seq=64); default: data.train's."),
@@ -622,65 +629,19 @@ def plan_command(
     config with the fastest one that fits (-o) for graphforge train under torchrun."""
     hardware = default_hardware(
         processes, _parse_bytes(memory), flops=flops, memory_bandwidth=memory_bandwidth, bandwidth=bandwidth,
-        latency=latency, overhead=overhead,
+        latency=latency, overhead=overhead, node_processes=node_processes, node_bandwidth=node_bandwidth,
+        node_latency=node_latency,
     )  # fmt: skip
-    if node_processes:
-        hardware = dataclasses.replace(
-            hardware, node_processes=node_processes, node_bandwidth=node_bandwidth, node_latency=node_latency
-        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a block left whole for some T: the table says what each split holds
         planned = plan_config(config, processes, hardware, parse_dims(dims or []))
-    predicted = [c for c in planned.candidates if c.prediction is not None]
-    if not predicted:
-        raise UsageFailure(f"no split of {processes} processes could be predicted: {planned.candidates[0].reason}")
-    dims_text = ", ".join(f"{k}={v}" for k, v in sorted(planned.dims.items()))
-    table = Table(
-        title=f"{config.name} on {processes} process{'es' if processes != 1 else ''}: global batch {planned.batch} ({dims_text}), "
-        f"{human_bytes(hardware.memory)} each, {hardware.flops / 1e9:g} GFLOP/s each, "
-        f"{hardware.bandwidth / 1e9:g} GB/s and {hardware.latency * 1e6:g} µs a message"
-        + (f" ({hardware.node_processes} a node, on its own link: {_link_text(hardware)})" if node_processes else ""),
-        title_justify="left",
-    )
-    for column in ("split", "step", "compute", "tensor sums", "gradients", "bubble", "memory", "fits"):
-        table.add_column(column, justify="left" if column == "split" else "right")
-    for candidate in predicted[:top]:
-        p = candidate.prediction
-        table.add_row(
-            str(candidate.split), f"{p.step_s * 1e3:.2f} ms", f"{p.compute_s * 1e3:.2f} ms",
-            f"{p.tensor_s * 1e3:.2f} ms", f"{p.data_s * 1e3:.2f} ms", f"{p.bubble:.0%}",
-            human_bytes(p.memory), "yes" if p.fits else "no",
-        )  # fmt: skip
-    out.print(table)
-    refused = [c for c in planned.candidates if c.prediction is None]
-    for candidate in refused[:3]:
-        err.print(f"[yellow]not a candidate:[/] {escape(candidate.reason)}", highlight=False, soft_wrap=True)
-    if len(refused) > 3:
-        others = ", ".join(str(c.split) for c in refused[3:])
-        err.print(f"[yellow]not candidates either:[/] {escape(others)}", highlight=False, soft_wrap=True)
-    best = next((c for c in predicted if c.prediction.fits), None)
-    counted = f"{processes} process{'es' if processes != 1 else ''}"
-    if best is None:
-        least = min(predicted, key=lambda c: c.prediction.memory)
-        raise UsageFailure(
-            f"no split of {counted} fits {human_bytes(hardware.memory)} a process; the least any needs is "
-            f"{human_bytes(least.prediction.memory)} a process ({least.split})"
-        )
+    out.print(splits_table(planned, predicted(planned)[:top], config.name))
+    for label, text in refusals(planned):
+        err.print(f"[yellow]{label}:[/] {escape(text)}", highlight=False, soft_wrap=True)
+    best = best_fit(planned)
     if output is not None:
-        train = f"graphforge train {shlex.quote(str(output))}"
-        launch = f"torchrun --nproc-per-node={processes} -m {train}" if processes > 1 else train
-        note = (
-            f"planned by graphforge plan for {counted}: {best.split}, predicted "
-            f"{best.prediction.step_s * 1e3:.2f} ms a step, {human_bytes(best.prediction.memory)} a process\n"
-            f"run (from the folder graphforge plan ran in): {launch}"
-        )
-        write_planned(planned, best.split, output, note)
+        write_planned(planned, best.split, output, run_note(planned, best, output))
         out.print(f"wrote [bold]{escape(str(output))}[/] ({best.split})", highlight=False)
-
-
-def _link_text(hardware) -> str:
-    bandwidth, latency = hardware.link(hardware.node_processes)
-    return f"{bandwidth / 1e9:g} GB/s and {latency * 1e6:g} µs a message"
 
 
 def _parse_bytes(text: str) -> int:
