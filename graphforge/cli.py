@@ -7,40 +7,34 @@ traceback and no output file (outputs are written atomically, after the work suc
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
-import shlex
 import sys
 import textwrap
 import warnings
-from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
 import click
-import numpy as np
-import onnx
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 import graphforge
-from graphforge import golden, roles, train
+from graphforge import golden, train
 from graphforge.analysis.cost import parse_dims
-from graphforge.analysis.size import human_bytes
 from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
 from graphforge.errors import GraphforgeError
 from graphforge.inspection.host_syncs import host_sync_lines
 from graphforge.inspection.memory import memory_tables
-from graphforge.ir import FLOAT_TYPES, op_histogram
+from graphforge.inspection.summary import print_summary, tied_initializer_warnings
 from graphforge.ondevice import artifacts as ondevice_artifacts
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
-from graphforge.placement.buckets import shard_layout
 from graphforge.planning.configs import default_hardware, plan_config, write_planned
+from graphforge.planning.report import best_fit, predicted, refusals, run_note, splits_table
 from graphforge.program import ProgramRoles
 
 app = typer.Typer(
@@ -246,167 +240,17 @@ def inspect(
     ] = False,
 ) -> None:
     """Describe MODEL: inputs, outputs, parameters and their size, op histogram, opsets."""
+    proto = graphforge.load(model, load_external_data=False)  # dims and types are all it shows
     if host_syncs:
-        proto = graphforge.load(model, load_external_data=False)
         for line in host_sync_lines(proto, parse_dims(dim or []), in_place=not two_buffers):
             out.print(escape(line), highlight=False, soft_wrap=True)
-        return
-    if memory:
-        proto = graphforge.load(model, load_external_data=False)
+    elif memory:
         for part in memory_tables(proto, parse_dims(dim or []), in_place=not two_buffers):
             out.print(part, highlight=False, soft_wrap=True)
-        return
-    proto = graphforge.load(model, load_external_data=False)  # dims and types are all it shows
-    graph = proto.graph
-    out.print(
-        f"[bold]{escape(str(model))}[/]  IR {proto.ir_version}, "
-        + escape(f"producer {proto.producer_name or '?'} {proto.producer_version}")
-    )
-    out.print("opsets: " + ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import), markup=False)
-    init_names = {t.name for t in graph.initializer}
-    io = Table(title="inputs and outputs", title_justify="left")
-    for column in ("kind", "name", "dtype", "shape"):
-        io.add_column(column)
-    for kind, values in (("input", [v for v in graph.input if v.name not in init_names]), ("output", graph.output)):
-        for v in values:
-            io.add_row(kind, escape(v.name), *_type_and_shape(v.type))
-    out.print(io)
-
-    program_roles = ProgramRoles.of_proto(proto)
-    metadata = program_roles.metadata
-    # a compiled program says which initializers are parameters; otherwise every float one is
-    recorded = program_roles.parameters if roles.PARAMETERS in metadata else None
-    title = "parameters" if recorded is not None else "parameters (floating-point initializers)"
-    params = Table(title=title, title_justify="left")
-    for column, justify in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("elements", "right")):
-        params.add_column(column, justify=justify)  # type: ignore[arg-type]
-    total_elems = total_bytes = 0
-    for t in graph.initializer:
-        # by ONNX type, not NumPy's: bfloat16 and float8 are no np.floating, yet are parameters
-        if t.data_type not in FLOAT_TYPES or (recorded is not None and t.name not in recorded):
-            continue
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-        count = int(np.prod(t.dims, dtype=np.int64))
-        total_elems += count
-        total_bytes += count * dtype.itemsize // (2 if t.data_type == onnx.TensorProto.FLOAT4E2M1 else 1)
-        params.add_row(escape(t.name), str(dtype), escape(str(list(t.dims))), f"{count:,}")
-    out.print(params)
-    out.print(f"{total_elems:,} parameters, {total_bytes / 2**20:.2f} MiB")
-    graphforge_roles = {k: v for k, v in metadata.items() if k.startswith("graphforge.")}
-    if graphforge_roles:
-        out.print(
-            "roles: "
-            + ", ".join(f"{k.removeprefix('graphforge.')}={_brief(v)}" for k, v in sorted(graphforge_roles.items())),
-            highlight=False,
-        )
-
-    if program_roles.stages is not None:
-        out.print(_stages_table(program_roles.stages))
-    if processes:
-        reduction = program_roles.allreduce
-        if reduction is None or not reduction.zero:
-            raise GraphforgeError(f"{model}: --processes needs a program compiled with the zero pass")
-        out.print(_shards_table(reduction, program_roles, processes))
-
-    # the golden summaries' count: subgraphs and local functions included, domain::op outside ai.onnx
-    histogram = Counter(op_histogram(proto))
-    ops = Table(title=f"ops ({histogram.total()} nodes)", title_justify="left")
-    ops.add_column("op")
-    ops.add_column("count", justify="right")
-    for op, count in histogram.most_common():
-        ops.add_row(escape(op), str(count))
-    out.print(ops)
-    for warning in tied_initializer_warnings(proto):
-        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
-
-
-def _shards_table(reduction, program_roles: ProgramRoles, processes: int) -> Table:
-    """The zero pass's shards on ``processes`` processes: the pieces of parameters each owns."""
-    sizes = {p: int(np.prod(program_roles.carried_spec(p).shape)) for b in reduction.buckets for p in b}
-    table = Table(
-        title=f"zero stage {reduction.zero}: shards on {processes} processes ({len(reduction.buckets)} buckets)",
-        title_justify="left",
-    )
-    for column, justify in (("process", "right"), ("bucket", "right"), ("parameter", "left"), ("elements", "left")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    for rank, pieces in enumerate(shard_layout(reduction.buckets, sizes, processes)):
-        for bucket, name, start, stop in pieces:
-            whole = "" if (start, stop) == (0, sizes[name]) else f" of {sizes[name]:,}"
-            table.add_row(str(rank), str(bucket), escape(name), f"{start:,}..{stop:,}{whole}")
-    return table
-
-
-def _stages_table(role) -> Table:
-    """The pipeline pass's stages: where each ends, its parameters, and what it costs."""
-    costs = role.costs
-    flops = [f + u for f, u in zip(costs.get("flops", []), costs.get("update_flops", []), strict=False)]
-    total = sum(flops) or 1.0
-    table = Table(
-        title=f"pipeline: {role.stages} stages × {role.microbatches} micro-batches, {role.schedule}",
-        title_justify="left",
-    )
-    for column, justify in (
-        ("stage", "right"),
-        ("ends with", "left"),
-        ("parameters", "right"),
-        ("FLOPs share", "right"),
-        ("parameters' size", "right"),
-        ("states, accumulators", "right"),
-        ("stash per micro-batch", "right"),
-    ):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    for s in range(role.stages):
-
-        def size(key: str, s: int = s) -> str:
-            values = costs.get(key, [])
-            return human_bytes(values[s]) if s < len(values) else "?"
-
-        table.add_row(
-            str(s),
-            escape(role.cuts[s]) if s < len(role.cuts) else "(the rest)",
-            str(len(role.parameters[s])) if s < len(role.parameters) else "?",
-            f"{flops[s] / total:.0%}" if s < len(flops) else "?",
-            size("parameter_bytes"),
-            size("state_bytes"),
-            size("stash_bytes"),
-        )
-    return table
-
-
-def _brief(value: str, limit: int = 60) -> str:
-    return escape(value if len(value) <= limit else value[: limit - 1] + "…")
-
-
-def tied_initializer_warnings(proto: onnx.ModelProto) -> list[str]:
-    """Floating-point initializers reached through Identity nodes under another name.
-
-    The TorchScript exporter merges initializers with equal values (fresh LayerNorm weights
-    are all ones) and re-exposes them through Identity: training would silently tie them.
-    """
-    init_names = {t.name for t in proto.graph.initializer if t.data_type in FLOAT_TYPES}  # parameters only
-    aliases: dict[str, list[str]] = {}
-    for node in proto.graph.node:
-        if node.op_type == "Identity" and node.input and node.input[0] in init_names:
-            aliases.setdefault(node.input[0], []).extend(node.output)
-    return [
-        f"initializer {name!r} is also read as {', '.join(map(repr, names))} through Identity: "
-        "these parameters are tied (the exporter may have merged equal initial values)"
-        for name, names in aliases.items()
-    ]
-
-
-def _type_and_shape(type_proto: onnx.TypeProto) -> tuple[str, str]:
-    if not type_proto.HasField("tensor_type"):
-        return type_proto.WhichOneof("value") or "?", ""
-    tt = type_proto.tensor_type
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name if tt.elem_type else "?"
-    if not tt.HasField("shape"):
-        return dtype, "unknown"
-    dims = [
-        d.dim_param if d.HasField("dim_param") else str(d.dim_value) if d.HasField("dim_value") else "?"
-        for d in tt.shape.dim
-    ]
-    return dtype, escape("[" + ", ".join(dims) + "]")
+    else:
+        print_summary(proto, str(model), out, processes=processes)
+        for warning in tied_initializer_warnings(proto):
+            err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
 
 
 @app.command("passes")
@@ -708,6 +552,54 @@ def artifacts_command(
     )
 
 
+# graphforge plan's machine: each option replaces a default of planning.configs.default_hardware
+PlanFlops = Annotated[
+    float | None,
+    typer.Option(
+        "--flops",
+        min=1,
+        help="Sustained FLOP/s of one process on training programs (default: this machine's cores shared "
+        "among the processes, at a rate measured here for onnxruntime on the CPU).",
+    ),
+]
+PlanMemoryBandwidth = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-bandwidth",
+        min=1,
+        help="Bytes/s a process's kernels stream through its memory (default: this machine's, shared among "
+        "the processes, as measured here for onnxruntime's elementwise kernels).",
+    ),
+]
+PlanBandwidth = Annotated[
+    float | None,
+    typer.Option("--bandwidth", min=1, help="Bytes/s a process moves on a link (default: gloo on loopback here)."),
+]
+PlanLatency = Annotated[
+    float | None,
+    typer.Option("--latency", min=0, help="Seconds per collective or message (default: gloo on loopback here)."),
+]
+PlanOverhead = Annotated[
+    float | None,
+    typer.Option("--overhead", min=0, help="Seconds each onnxruntime run costs besides its kernels (default: CPU)."),
+]
+PlanNodeProcesses = Annotated[
+    int,
+    typer.Option(
+        "--node-processes",
+        min=0,
+        help="Processes per node, whose groups take the node's own link (--node-bandwidth, --node-latency); "
+        "0: all on one link.",
+    ),
+]
+PlanNodeBandwidth = Annotated[
+    float | None, typer.Option("--node-bandwidth", min=1, help="Bytes/s on the node's own link (NVLink, say).")
+]
+PlanNodeLatency = Annotated[
+    float | None, typer.Option("--node-latency", min=0, help="Seconds per message on the node's own link.")
+]
+
+
 @app.command("plan")
 def plan_command(
     config: Annotated[Path, typer.Argument(help="The training config (TOML) whose split to plan.")],
@@ -715,53 +607,14 @@ def plan_command(
     memory: Annotated[
         str, typer.Option("--memory-per-process", help="Memory each process may hold, e.g. 16GiB, 512MiB, 80GB.")
     ],
-    flops: Annotated[
-        float | None,
-        typer.Option(
-            "--flops",
-            min=1,
-            help="Sustained FLOP/s of one process on training programs (default: this machine's cores shared "
-            "among the processes, at a rate measured here for onnxruntime on the CPU).",
-        ),
-    ] = None,
-    memory_bandwidth: Annotated[
-        float | None,
-        typer.Option(
-            "--memory-bandwidth",
-            min=1,
-            help="Bytes/s a process's kernels stream through its memory (default: this machine's, shared among "
-            "the processes, as measured here for onnxruntime's elementwise kernels).",
-        ),
-    ] = None,
-    bandwidth: Annotated[
-        float | None,
-        typer.Option("--bandwidth", min=1, help="Bytes/s a process moves on a link (default: gloo on loopback here)."),
-    ] = None,
-    latency: Annotated[
-        float | None,
-        typer.Option("--latency", min=0, help="Seconds per collective or message (default: gloo on loopback here)."),
-    ] = None,
-    overhead: Annotated[
-        float | None,
-        typer.Option(
-            "--overhead", min=0, help="Seconds each onnxruntime run costs besides its kernels (default: CPU)."
-        ),
-    ] = None,
-    node_processes: Annotated[
-        int,
-        typer.Option(
-            "--node-processes",
-            min=0,
-            help="Processes per node, whose groups take the node's own link (--node-bandwidth, --node-latency); "
-            "0: all on one link.",
-        ),
-    ] = 0,
-    node_bandwidth: Annotated[
-        float | None, typer.Option("--node-bandwidth", min=1, help="Bytes/s on the node's own link (NVLink, say).")
-    ] = None,
-    node_latency: Annotated[
-        float | None, typer.Option("--node-latency", min=0, help="Seconds per message on the node's own link.")
-    ] = None,
+    flops: PlanFlops = None,
+    memory_bandwidth: PlanMemoryBandwidth = None,
+    bandwidth: PlanBandwidth = None,
+    latency: PlanLatency = None,
+    overhead: PlanOverhead = None,
+    node_processes: PlanNodeProcesses = 0,
+    node_bandwidth: PlanNodeBandwidth = None,
+    node_latency: PlanNodeLatency = None,
     dims: Annotated[
         list[str] | None,
         typer.Option("--dims", help="Sizes of symbolic dims other than the batch (seq=64); default: data.train's."),
@@ -776,65 +629,19 @@ def plan_command(
     config with the fastest one that fits (-o) for graphforge train under torchrun."""
     hardware = default_hardware(
         processes, _parse_bytes(memory), flops=flops, memory_bandwidth=memory_bandwidth, bandwidth=bandwidth,
-        latency=latency, overhead=overhead,
+        latency=latency, overhead=overhead, node_processes=node_processes, node_bandwidth=node_bandwidth,
+        node_latency=node_latency,
     )  # fmt: skip
-    if node_processes:
-        hardware = dataclasses.replace(
-            hardware, node_processes=node_processes, node_bandwidth=node_bandwidth, node_latency=node_latency
-        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a block left whole for some T: the table says what each split holds
         planned = plan_config(config, processes, hardware, parse_dims(dims or []))
-    predicted = [c for c in planned.candidates if c.prediction is not None]
-    if not predicted:
-        raise UsageFailure(f"no split of {processes} processes could be predicted: {planned.candidates[0].reason}")
-    dims_text = ", ".join(f"{k}={v}" for k, v in sorted(planned.dims.items()))
-    table = Table(
-        title=f"{config.name} on {processes} process{'es' if processes != 1 else ''}: global batch {planned.batch} ({dims_text}), "
-        f"{human_bytes(hardware.memory)} each, {hardware.flops / 1e9:g} GFLOP/s each, "
-        f"{hardware.bandwidth / 1e9:g} GB/s and {hardware.latency * 1e6:g} µs a message"
-        + (f" ({hardware.node_processes} a node, on its own link: {_link_text(hardware)})" if node_processes else ""),
-        title_justify="left",
-    )
-    for column in ("split", "step", "compute", "tensor sums", "gradients", "bubble", "memory", "fits"):
-        table.add_column(column, justify="left" if column == "split" else "right")
-    for candidate in predicted[:top]:
-        p = candidate.prediction
-        table.add_row(
-            str(candidate.split), f"{p.step_s * 1e3:.2f} ms", f"{p.compute_s * 1e3:.2f} ms",
-            f"{p.tensor_s * 1e3:.2f} ms", f"{p.data_s * 1e3:.2f} ms", f"{p.bubble:.0%}",
-            human_bytes(p.memory), "yes" if p.fits else "no",
-        )  # fmt: skip
-    out.print(table)
-    refused = [c for c in planned.candidates if c.prediction is None]
-    for candidate in refused[:3]:
-        err.print(f"[yellow]not a candidate:[/] {escape(candidate.reason)}", highlight=False, soft_wrap=True)
-    if len(refused) > 3:
-        others = ", ".join(str(c.split) for c in refused[3:])
-        err.print(f"[yellow]not candidates either:[/] {escape(others)}", highlight=False, soft_wrap=True)
-    best = next((c for c in predicted if c.prediction.fits), None)
-    counted = f"{processes} process{'es' if processes != 1 else ''}"
-    if best is None:
-        least = min(predicted, key=lambda c: c.prediction.memory)
-        raise UsageFailure(
-            f"no split of {counted} fits {human_bytes(hardware.memory)} a process; the least any needs is "
-            f"{human_bytes(least.prediction.memory)} a process ({least.split})"
-        )
+    out.print(splits_table(planned, predicted(planned)[:top], config.name))
+    for label, text in refusals(planned):
+        err.print(f"[yellow]{label}:[/] {escape(text)}", highlight=False, soft_wrap=True)
+    best = best_fit(planned)
     if output is not None:
-        train = f"graphforge train {shlex.quote(str(output))}"
-        launch = f"torchrun --nproc-per-node={processes} -m {train}" if processes > 1 else train
-        note = (
-            f"planned by graphforge plan for {counted}: {best.split}, predicted "
-            f"{best.prediction.step_s * 1e3:.2f} ms a step, {human_bytes(best.prediction.memory)} a process\n"
-            f"run (from the folder graphforge plan ran in): {launch}"
-        )
-        write_planned(planned, best.split, output, note)
+        write_planned(planned, best.split, output, run_note(planned, best, output))
         out.print(f"wrote [bold]{escape(str(output))}[/] ({best.split})", highlight=False)
-
-
-def _link_text(hardware) -> str:
-    bandwidth, latency = hardware.link(hardware.node_processes)
-    return f"{bandwidth / 1e9:g} GB/s and {latency * 1e6:g} µs a message"
 
 
 def _parse_bytes(text: str) -> int:

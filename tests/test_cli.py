@@ -14,14 +14,17 @@ from importlib.metadata import version
 from pathlib import Path
 
 import models
+import numpy as np
 import onnx
 import pytest
 from _tracebacks import assert_no_traceback
 from onnx import helper
 
 import graphforge
+from graphforge.analysis.size import human_bytes
 from graphforge.pass_infra import PassRegistry
 from graphforge.pass_manager import default_registry
+from graphforge.program import ProgramRoles
 
 REPO = Path(__file__).resolve().parent.parent
 #: the console script installed beside the interpreter running the tests
@@ -503,6 +506,25 @@ def test_inspect_counts_every_floating_point_initializer(tmp_path):
     assert ["w_f16", "float16", "[4]", "4"] in rows
     assert not any(row[0] == "index" for row in rows)
     assert "10 parameters, 0.00 MiB" in proc.stdout.splitlines()
+
+
+def test_inspect_shows_a_pipeline_programs_stages(tmp_path):
+    """Each stage's parameters and their bytes, counted here from the initializers; its optimizer
+    states and gradient accumulators (AdamW's two moments and one accumulator: three times as
+    many); its share of the FLOPs, all stages' adding to 100%."""
+    optimizer = "adamw(lr=1e-2, accumulate=true)"
+    pipeline = f"loss(kind=cross_entropy, output=logits), autodiff, {optimizer}, pipeline(stages=2, microbatches=4)"
+    program = graphforge.compile(REPO / "examples" / "digits" / "model.onnx", pipeline).model
+    path = graphforge.save(program, tmp_path / "staged.onnx")
+    proc = ok(graphforge_cli("inspect", path, cwd=tmp_path))
+    assert "pipeline: 2 stages × 4 micro-batches, 1f1b" in proc.stdout
+    sizes = {t.name: 4 * int(np.prod(t.dims)) for t in program.graph.initializer}
+    stages = ProgramRoles.of_proto(program).stages
+    rows = [row for row in table_rows(proc.stdout) if len(row) == 7 and row[0].isdigit()]
+    assert [row[:3] for row in rows] == [["0", stages.cuts[0], "2"], ["1", "(the rest)", "2"]]
+    for row, names in zip(rows, stages.parameters, strict=True):
+        assert row[4:6] == [human_bytes(sum(sizes[n] for n in names)), human_bytes(3 * sum(sizes[n] for n in names))]
+    assert sum(int(row[3].rstrip("%")) for row in rows) in (99, 100, 101)  # each share rounded
 
 
 def test_passes_lists_every_registered_pass_with_its_parameters(tmp_path):

@@ -1,5 +1,6 @@
-"""The layers DESIGN.md draws, checked on the import graph of the source itself, and by
-importing each layer alone in a fresh interpreter.
+"""The layers docs/architecture.md draws in its layer table (LAYERS here; a test below holds
+the two alike), checked on the import graph of the source itself, and by importing each layer
+alone in a fresh interpreter.
 
 Every ``import`` of graphforge/ and passes/ (imported as graphforge.passes) is read with
 ``ast``, at module level and inside functions alike, leaving out ``if TYPE_CHECKING:``
@@ -225,15 +226,16 @@ def test_no_layer_reaches_a_layer_above_it(imports):
     """Directly or through others: passes never reach the runtime (nor the PassManager, the
     train loop, golden, diff or the CLI); the runtime never reaches train, golden or diff; and
     inside a layer no module reaches a sub-layer above its own (constants.py, say, may read the
-    graph views of analysis/dag.py, never the cost model)."""
+    graph views of dag.py, never the cost model)."""
     _, _, graph = imports
     wrong = _arrows_up(graph)
     assert not wrong, "imports that reach a higher layer:\n" + "\n".join(wrong[:20])
 
 
 def test_an_arrow_back_up_inside_the_core_is_caught():
-    """The order is what the test holds: one arrow from a lower sub-layer of the core to a
-    higher one (the kind constants.py -> analysis once was) is reported, through its path."""
+    """The order is what the test holds: one arrow from a lower sub-layer to a higher one
+    (dag.py importing the cost model) is reported with each path through it (constants.py,
+    which reads dag.py, reaches the cost model too)."""
     graph = nx.DiGraph([("graphforge.constants", "graphforge.dag")])
     assert not _arrows_up(graph)
     graph.add_edge("graphforge.dag", "graphforge.analysis.cost")
@@ -266,7 +268,7 @@ def _arrows_up_by_folder(edges) -> list[str]:
 def test_no_folder_imports_a_folder_above_it(imports):
     """The import map drawn by folder: each folder reaches only itself and the folders before
     it in FOLDERS (the planner, a tool, reads the distributed simulator from above it; the
-    analyses below placement no longer reach the runtime through it)."""
+    analyses, below placement, reach neither placement nor the runtime)."""
     modules, _, graph = imports
     assert {_folder(m) for m in modules} <= set(FOLDERS), "a folder missing from FOLDERS"
     wrong = _arrows_up_by_folder(graph.edges)
@@ -292,20 +294,20 @@ def test_folders_and_layers_agree(imports):
 
 
 def test_an_arrow_back_up_between_folders_is_caught():
-    """A module of a lower folder importing one of a higher folder (analysis/plan.py importing
-    distributed/ once was) is reported by folder."""
+    """A module of a lower folder importing one of a higher folder (an analysis reading the
+    distributed schedule simulator) is reported by folder; one importing a lower folder is not."""
     edges = [
         ("graphforge.analysis.cost", "graphforge.graph"),
-        ("graphforge.analysis.plan", "graphforge.distributed.simulate"),
+        ("graphforge.analysis.timing", "graphforge.distributed.simulate"),
     ]
     assert _arrows_up_by_folder(edges) == [
-        "graphforge.analysis -> graphforge.distributed (graphforge.analysis.plan imports graphforge.distributed.simulate)"
+        "graphforge.analysis -> graphforge.distributed (graphforge.analysis.timing imports graphforge.distributed.simulate)"
     ]
 
 
 def test_no_import_cycles(annotations_too):
     """Not even through an import for annotations alone: a circle is two modules that each
-    need the other to be read (graph and roles, diff's result and text were)."""
+    need the other to be read."""
     cycles = list(nx.simple_cycles(annotations_too))
     assert not cycles, f"import cycles: {cycles[:5]}"
 

@@ -63,13 +63,22 @@ class ConfigPlan:
     batch_dims: frozenset[str] = frozenset()
 
 
-def default_hardware(processes: int, memory: int, **given: float | None) -> Hardware:
+def default_hardware(
+    processes: int,
+    memory: int,
+    *,
+    node_processes: int = 0,
+    node_bandwidth: float | None = None,
+    node_latency: float | None = None,
+    **given: float | None,
+) -> Hardware:
     """This machine as N processes share it: each its share of the cores (graphforge train
     gives each process cores / N threads; more processes than cores take turns) at
     CPU_FLOPS_PER_CORE each, the memory's CPU_MEMORY_BANDWIDTH shared among them, and gloo on
     loopback, whose bandwidth and latency the turns stretch as they stretch the compute (4
     processes on 2 cores: 0.55 GB/s measured, where 2 have 1.0). ``given``: flops,
-    memory_bandwidth, bandwidth, latency, overhead that replace the defaults."""
+    memory_bandwidth, bandwidth, latency, overhead that replace the defaults; ``node_*``: the
+    processes a node holds and their own link (Hardware's)."""
     cores = os.cpu_count() or 1
     turns = max(1.0, processes / cores)
     defaults = {
@@ -80,7 +89,8 @@ def default_hardware(processes: int, memory: int, **given: float | None) -> Hard
         "overhead": CPU_RUN_OVERHEAD,
     }
     chosen = {k: (given.get(k) if given.get(k) is not None else v) for k, v in defaults.items()}
-    return Hardware(memory=memory, **chosen)
+    node = {"node_processes": node_processes, "node_bandwidth": node_bandwidth, "node_latency": node_latency}
+    return Hardware(memory=memory, **chosen, **node)
 
 
 def plan_config(path: str | Path, processes: int, hardware: Hardware, dims: Mapping[str, int] | None = None):

@@ -299,95 +299,135 @@ class _Programs:
         return PassManager([last], shapes_only=True).run(before).model
 
 
-def _predict(split, programs, batch, batch_dims, dims, hardware: Hardware) -> Prediction:
-    per_replica = batch // split.data
-    micro = per_replica // split.microbatches
-    run_dims = {**dims, **dict.fromkeys(batch_dims, micro)}
-    program = programs.get(split, run_dims)
-    program_roles = ProgramRoles.of_proto(program)
-    if split.tensor > 1 and program_roles.optimizer == "lamb":
-        raise GraphforgeError(f"{split}: LAMB does not run tensor-parallel yet (its trust ratio takes whole norms)")
-    model = programs.measured(program, "model", {}, measure=lambda: Model.from_proto(program))
-    rate = hardware.flops
-    costs_of = lambda: model_costs(model, run_dims)  # noqa: E731
-    by_node = programs.measured(program, "costs", run_dims, measure=costs_of)
-    flops = sum(f for f, _ in by_node.values())
-    seconds = _seconds(by_node.values(), hardware)
+@dataclass(frozen=True)
+class _Program:
+    """A split's program as its prediction reads it: at the dims of its runs (a micro-batch),
+    its nodes' (FLOPs, bytes), and the bytes of its parameters and optimizer states."""
+
+    proto: onnx.ModelProto
+    roles: ProgramRoles
+    model: Model
+    dims: dict[str, int]
+    by_node: dict[int, tuple[float, float]]
+    parameter_bytes: int
+    state_bytes: int
+
+    @classmethod
+    def read(cls, split: Split, programs: _Programs, dims: dict[str, int]) -> _Program:
+        proto = programs.get(split, dims)
+        program_roles = ProgramRoles.of_proto(proto)
+        if split.tensor > 1 and program_roles.optimizer == "lamb":
+            raise GraphforgeError(f"{split}: LAMB does not run tensor-parallel yet (its trust ratio takes whole norms)")
+        model = programs.measured(proto, "model", {}, measure=lambda: Model.from_proto(proto))
+        by_node = programs.measured(proto, "costs", dims, measure=lambda: model_costs(model, dims))
+        parameter_bytes = sum(_bytes(c) for c in program_roles.carried if c.role == "parameter")
+        state_bytes = sum(_bytes(c) for c in program_roles.carried if c.role == "optimizer")
+        return cls(proto, program_roles, model, dims, by_node, parameter_bytes, state_bytes)
+
+
+def _predict(
+    split: Split, programs: _Programs, batch: int, batch_dims: set[str], dims: Mapping[str, int], hardware: Hardware
+) -> Prediction:
+    """``split``'s step: its compute (a pipeline's through the schedule simulator), its tensor
+    group's sums, its replicas' gradient reduction, and the memory of its largest process."""
+    micro = batch // split.data // split.microbatches
+    program = _Program.read(split, programs, {**dims, **dict.fromkeys(batch_dims, micro)})
     # the mesh's ranks are ordered data, pipeline, tensor: a tensor group is T consecutive
-    # ranks, a pipeline T × S, the data-parallel replicas all of them
-    tensor_link = hardware.link(split.tensor)
-    stage_link = hardware.link(split.tensor * split.stages)
-    data_link = hardware.link(split.processes)
-    parameters = [c for c in program_roles.carried if c.role == "parameter"]
-    states = [c for c in program_roles.carried if c.role == "optimizer"]
-    parameter_bytes = sum(_bytes(c) for c in parameters)
-    state_bytes = sum(_bytes(c) for c in states)
-    bubble = 0.0
+    # ranks, a pipeline T × S, the data-parallel replicas all of them (each part's hardware.link)
     phase: dict[int, str] = {}  # each node's phase, where accumulation without stages needs it
     if split.stages > 1:
-        role = program_roles.stages
-        costs = role.costs
-        stretch = seconds / (flops / rate) if flops else 1.0  # (what memory adds, spread evenly)
-        # a backward is about twice its forward
-        forward = [stretch * f / 3 / rate + hardware.overhead for f in costs["flops"]]
-        backward = [stretch * 2 * f / 3 / rate + hardware.overhead for f in costs["flops"]]
-        tensors = model.graph.tensors()
-        sends = max((tensor_bytes(tensors[c], run_dims) for c in role.cuts if c in tensors), default=0)
-        bandwidth, latency = stage_link
-        comm = latency + sends / bandwidth  # a stage's activations out, its gradients back
-        schedule = make_schedule(role.schedule, split.stages, split.microbatches)
-        simulation = simulate(schedule, Costs(forward, backward, comm))
-        compute = simulation.makespan + stretch * max(costs["update_flops"]) / rate + hardware.overhead
-        bubble = simulation.bubble
-        stage = max(range(split.stages), key=lambda k: costs["parameter_bytes"][k] + costs["state_bytes"][k])
-        memory = (
-            2 * costs["parameter_bytes"][stage]  # the parameters and their accumulated gradients
-            + costs["state_bytes"][stage]
-            + costs["stash_bytes"][stage] * max(simulation.peak_stash)
-        )
-        gradient_bytes = costs["parameter_bytes"][stage]
+        compute, bubble, memory, gradient_bytes = _staged_step(split, program, hardware)
     else:
-        # a forward/backward run (cut after each tensor sum) per micro-batch, at a 1/M of the
-        # replica's batch; then the update, and each data-parallel bucket's segment
-        update = 0.0
-        if split.microbatches > 1:
-            phase = programs.measured(program, "phases", {}, measure=lambda: phases(model))
-            update = _seconds([c for i, c in by_node.items() if phase.get(i) == UPDATE], hardware)
-        backward_runs = 1 + sum(_is_reduce(n) for n in model.graph.nodes)
-        other_runs = 1 + (math.ceil(parameter_bytes / BUCKET_BYTES) if split.data > 1 else 0)
-        compute = split.microbatches * (seconds - update + backward_runs * hardware.overhead)
-        compute += update + other_runs * hardware.overhead
-        in_place = split.data == 1
-        memory = programs.measured(
-            program,
-            "peak",
-            run_dims,
-            in_place,
-            measure=lambda: step_memory(program, dims=run_dims, in_place=in_place).peak,
-        )
-        if split.zero:
-            memory -= int(state_bytes * (1 - 1 / split.data))
-        if split.zero >= 2:
-            memory -= int(parameter_bytes * (1 - 1 / split.data))
-        gradient_bytes = parameter_bytes
-    tensor_s = 0.0
-    if split.tensor > 1:
-        tensors = model.graph.tensors()
-        bandwidth, latency = tensor_link
-        # a member sums its stage's share (about 1/S of the program's) once per micro-batch;
-        # accumulating without stages, the update's sums (the global norm's) once a step
-        runs = split.microbatches / split.stages
-        for node in model.graph.nodes:
-            if _is_reduce(node):
-                size = tensor_bytes(tensors[node.outputs[0].name], run_dims)
-                once = latency + 2 * (split.tensor - 1) / split.tensor * size / bandwidth
-                tensor_s += once * (1 if phase.get(id(node)) == UPDATE else runs)
-    data_s = 0.0
-    if split.data > 1:
-        buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))
-        bandwidth, latency = data_link
-        data_s = buckets * latency + 2 * (split.data - 1) / split.data * gradient_bytes / bandwidth
+        compute, memory, phase = _replica_step(split, programs, program, hardware)
+        bubble, gradient_bytes = 0.0, program.parameter_bytes
+    tensor_s = _tensor_sums(split, program, phase, hardware)
+    data_s = _gradient_reduction(split, gradient_bytes, hardware)
     return Prediction(split, compute, tensor_s, data_s, bubble, int(memory), memory <= hardware.memory)
+
+
+def _staged_step(split: Split, program: _Program, hardware: Hardware) -> tuple[float, float, float, float]:
+    """A pipeline's step (compute, bubble, memory, the gradients' bytes its largest stage
+    reduces): each stage's forward and backward per micro-batch through the schedule
+    simulator, then the update; the memory of the stage holding the most."""
+    costs = program.roles.stages.costs
+    rate = hardware.flops
+    flops = sum(f for f, _ in program.by_node.values())
+    seconds = _seconds(program.by_node.values(), hardware)
+    stretch = seconds / (flops / rate) if flops else 1.0  # (what memory adds, spread evenly)
+    # a backward is about twice its forward
+    forward = [stretch * f / 3 / rate + hardware.overhead for f in costs["flops"]]
+    backward = [stretch * 2 * f / 3 / rate + hardware.overhead for f in costs["flops"]]
+    tensors = program.model.graph.tensors()
+    cuts = program.roles.stages.cuts
+    sends = max((tensor_bytes(tensors[c], program.dims) for c in cuts if c in tensors), default=0)
+    bandwidth, latency = hardware.link(split.tensor * split.stages)
+    comm = latency + sends / bandwidth  # a stage's activations out, its gradients back
+    schedule = make_schedule(program.roles.stages.schedule, split.stages, split.microbatches)
+    simulation = simulate(schedule, Costs(forward, backward, comm))
+    compute = simulation.makespan + stretch * max(costs["update_flops"]) / rate + hardware.overhead
+    stage = max(range(split.stages), key=lambda k: costs["parameter_bytes"][k] + costs["state_bytes"][k])
+    memory = (
+        2 * costs["parameter_bytes"][stage]  # the parameters and their accumulated gradients
+        + costs["state_bytes"][stage]
+        + costs["stash_bytes"][stage] * max(simulation.peak_stash)
+    )
+    return compute, simulation.bubble, memory, costs["parameter_bytes"][stage]
+
+
+def _replica_step(
+    split: Split, programs: _Programs, program: _Program, hardware: Hardware
+) -> tuple[float, float, dict[int, str]]:
+    """A step without stages (compute, memory, each node's phase where it accumulates): a
+    forward/backward run (cut after each tensor sum) per micro-batch, at a 1/M of the
+    replica's batch; then the update, and each data-parallel bucket's segment. Its memory is
+    the step's peak, less ZeRO's shards."""
+    by_node, model = program.by_node, program.model
+    seconds = _seconds(by_node.values(), hardware)
+    update = 0.0
+    phase: dict[int, str] = {}
+    if split.microbatches > 1:
+        phase = programs.measured(program.proto, "phases", {}, measure=lambda: phases(model))
+        update = _seconds([c for i, c in by_node.items() if phase.get(i) == UPDATE], hardware)
+    backward_runs = 1 + sum(_is_reduce(n) for n in model.graph.nodes)
+    other_runs = 1 + (math.ceil(program.parameter_bytes / BUCKET_BYTES) if split.data > 1 else 0)
+    compute = split.microbatches * (seconds - update + backward_runs * hardware.overhead)
+    compute += update + other_runs * hardware.overhead
+    in_place = split.data == 1
+    peak = lambda: step_memory(program.proto, dims=program.dims, in_place=in_place).peak  # noqa: E731
+    memory = programs.measured(program.proto, "peak", program.dims, in_place, measure=peak)
+    if split.zero:
+        memory -= int(program.state_bytes * (1 - 1 / split.data))
+    if split.zero >= 2:
+        memory -= int(program.parameter_bytes * (1 - 1 / split.data))
+    return compute, memory, phase
+
+
+def _tensor_sums(split: Split, program: _Program, phase: dict[int, str], hardware: Hardware) -> float:
+    """Seconds a tensor-group member spends in its sums a step: each TensorParallelReduce
+    and TensorParallelMax a ring all-reduce, once per micro-batch of its stage's share (about
+    1/S of the program's); accumulating without stages, the update's (the global norm's)
+    once a step."""
+    if split.tensor == 1:
+        return 0.0
+    tensors = program.model.graph.tensors()
+    bandwidth, latency = hardware.link(split.tensor)
+    runs = split.microbatches / split.stages
+    total = 0.0
+    for node in program.model.graph.nodes:
+        if _is_reduce(node):
+            size = tensor_bytes(tensors[node.outputs[0].name], program.dims)
+            once = latency + 2 * (split.tensor - 1) / split.tensor * size / bandwidth
+            total += once * (1 if phase.get(id(node)) == UPDATE else runs)
+    return total
+
+
+def _gradient_reduction(split: Split, gradient_bytes: float, hardware: Hardware) -> float:
+    """Seconds the replicas' gradient all-reduce takes a step, in BUCKET_BYTES buckets."""
+    if split.data == 1:
+        return 0.0
+    buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))
+    bandwidth, latency = hardware.link(split.processes)
+    return buckets * latency + 2 * (split.data - 1) / split.data * gradient_bytes / bandwidth
 
 
 def _seconds(pairs, hardware: Hardware) -> float:
