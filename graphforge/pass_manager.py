@@ -69,7 +69,7 @@ class PassManager:
     dump_on_change: with dump_dir, write only the applications that changed the model
         (and ``000_input.onnx``, the model the first change is compared with).
     bisect_limit: run only the first N pass applications; the rest are reported as skipped.
-    shapes_only: the model's weights may be stand-ins (``payloads.weights_left_out``), compiled
+    shapes_only: the model's weights may be stand-ins (``stand_ins.weights_left_out``), compiled
         for their names, types and shapes alone, as the planner compiles a split's program; the
         result has stand-ins too: it is read (costs, memory), never run.
 
