@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
+from onnx import numpy_helper
 
 from graphforge.analysis.dims import bind_inputs, completed
 from graphforge.analysis.size import nbytes
+from graphforge.constants import CONSTANT_ELEMENTS, evaluate, shape_value
 from graphforge.errors import InvalidModelError
 from graphforge.ir import ALIASING_OPS, node_reads
 from graphforge.payloads import copy_without_initializers
@@ -253,8 +253,6 @@ _SHAPE_OPS = frozenset(
         "Reshape", "Min", "Max", "Neg", "Abs", "ReduceProd", "Identity", "Constant",
     }
 )  # fmt: skip
-#: a folded value larger than this many elements is left to shape inference
-_SHAPE_VALUE_MAX = 4096
 
 
 def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -270,7 +268,8 @@ def _fold_shape_values(proto: onnx.ModelProto, inferred: onnx.ModelProto) -> int
     are now concrete (``Shape`` of a tensor of known shape, and what is computed from such
     values: a Range of positions, a Reshape's target) by initializers of their values, which
     ONNX's inference then reads (its data propagation stops at Range, for one); returns how
-    many nodes went. Values are computed with onnx's reference evaluator, one node at a time."""
+    many nodes went. A value larger than CONSTANT_ELEMENTS is left to shape inference. Values
+    are computed one node at a time by graphforge.constants (its reference evaluator)."""
     known_shapes = {
         v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
         for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
@@ -279,18 +278,13 @@ def _fold_shape_values(proto: onnx.ModelProto, inferred: onnx.ModelProto) -> int
     values = {
         t.name: numpy_helper.to_array(t)
         for t in proto.graph.initializer
-        if not is_stand_in(t) and t.data_type != onnx.TensorProto.FLOAT and math.prod(t.dims) <= _SHAPE_VALUE_MAX
+        if not is_stand_in(t) and t.data_type != onnx.TensorProto.FLOAT and math.prod(t.dims) <= CONSTANT_ELEMENTS
     }
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
     kept, folded = [], {}
     for node in proto.graph.node:
-        value = None
-        if node.domain in ("", "ai.onnx") and node.op_type in _SHAPE_OPS and len(node.output) == 1:
-            if node.op_type == "Shape" and node.input[0] in known_shapes:
-                value = _evaluate(node, {node.input[0]: np.zeros(known_shapes[node.input[0]], np.int8)}, opset)
-            elif node.op_type != "Shape" and all(not name or name in values for name in node.input):
-                value = _evaluate(node, {name: values[name] for name in node.input if name}, opset)
-        if value is not None and value.size <= _SHAPE_VALUE_MAX and value.dtype != np.float32:
+        value = _shape_op_value(node, known_shapes, values, opset)
+        if value is not None and value.size <= CONSTANT_ELEMENTS and value.dtype != np.float32:
             values[node.output[0]] = folded[node.output[0]] = value
         else:
             kept.append(node)
@@ -301,21 +295,21 @@ def _fold_shape_values(proto: onnx.ModelProto, inferred: onnx.ModelProto) -> int
     return len(folded)
 
 
-def _evaluate(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> np.ndarray | None:
-    graph = helper.make_graph(
-        [node],
-        "fold",
-        [
-            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-            for n, v in inputs.items()
-        ],
-        [helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    try:
-        return np.asarray(ReferenceEvaluator(model).run(None, inputs)[0])
-    except Exception:  # an op the reference evaluator cannot run here: left to shape inference
+def _shape_op_value(
+    node: onnx.NodeProto, known_shapes: Mapping[str, list[int]], values: Mapping[str, np.ndarray], opset: int
+) -> np.ndarray | None:
+    """The value of a node of _SHAPE_OPS with one output: a Shape of a tensor whose shape is
+    in ``known_shapes``, any other when ``values`` holds every input it reads; else None."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in _SHAPE_OPS or len(node.output) != 1:
         return None
+    if node.op_type == "Shape":
+        if node.input[0] not in known_shapes:
+            return None
+        attributes = {a.name: a.i for a in node.attribute if a.name in ("start", "end")}
+        return shape_value("Shape", known_shapes[node.input[0]], attributes.get("start", 0), attributes.get("end"))
+    if not all(not name or name in values for name in node.input):
+        return None
+    return evaluate([node], {name: values[name] for name in node.input if name}, node.output[0], opset)
 
 
 @dataclass(frozen=True)

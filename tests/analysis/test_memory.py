@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from graphforge.analysis.memory import CATEGORIES, MAY_IN_PLACE, dims_of, execution_order, predict
+from graphforge.analysis.memory import CATEGORIES, MAY_IN_PLACE, dims_of, execution_order, predict, tensor_sizes
 from graphforge.placement.step_memory import step_memory
 
 pytest.importorskip("torch")
@@ -89,6 +89,43 @@ def test_liveness_frees_after_the_last_reader_and_views_share_a_buffer():
     assert [sum(t.values()) for t in report.timeline] == [1024, 1024, 1024, 2048]
     assert report.peak == 2048 + 1024 + 16  # the input x and the shape constant persist
     assert set(report.breakdown()) == set(CATEGORIES)
+
+
+def test_shape_values_are_folded_where_onnx_inference_stops():
+    """positions = Range(0, Shape(x)[1], 1): ONNX's data propagation stops at Range, so the
+    sizes of what reads it are known only once the memory model has folded the values (with
+    graphforge.constants' evaluator) and inferred the shapes again. The oracle: onnxruntime's
+    outputs at the same dims."""
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Shape", ["x"], ["s"]),
+                helper.make_node("Shape", ["x"], ["tail"], start=-1),
+                helper.make_node("Gather", ["s", "one"], ["n"], axis=0),
+                helper.make_node("Range", ["zero", "n", "one"], ["positions"]),
+                helper.make_node("Cast", ["positions"], ["p"], to=TensorProto.FLOAT),
+                helper.make_node("Add", ["x", "p"], ["y"]),
+                helper.make_node("Concat", ["tail", "tail"], ["square"], axis=0),
+                helper.make_node("Reshape", ["p", "tail"], ["again"]),
+                helper.make_node("ConstantOfShape", ["square"], ["grid"]),
+            ],
+            "positions",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("p", "y", "again", "grid")],
+            [
+                helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+                helper.make_tensor("one", TensorProto.INT64, [], [1]),
+            ],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,
+    )
+    dims = {"batch": 3, "seq": 5}
+    sizes = tensor_sizes(model, dims)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    outputs = session.run(names, {"x": np.zeros((3, 5), np.float32)})
+    assert {n: sizes.get(n) for n in names} == {n: o.nbytes for n, o in zip(names, outputs, strict=True)}
 
 
 #: ops onnxruntime's CPU kernels do not run in place (each a second buffer), probed beside MAY_IN_PLACE
