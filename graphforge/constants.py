@@ -1,10 +1,14 @@
 """The value of a constant tensor, in one place: an initializer, a Constant node's output, or a
 small expression over constants (exporters compute axes and shapes that way), evaluated.
 
-Passes ask here instead of reading ``gs.Constant.values`` or Constant attributes themselves.
+Passes ask here instead of reading ``gs.Constant.values`` or Constant attributes themselves;
+the memory model folds the shape values of a model's protos with the same evaluator
+(``evaluate``) and the same reading of a static shape (``shape_value``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -123,7 +127,15 @@ def _known_value(x: gs.Tensor) -> np.ndarray | None:
         shape = shape[node.attrs.get("start", 0) : node.attrs.get("end", len(shape))]
     if not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
         return None
-    return np.array([int(d) for d in shape], np.int64) if node.op == "Shape" else np.array(np.prod(shape), np.int64)
+    return shape_value(node.op, shape)
+
+
+def shape_value(op: str, shape: Sequence[int], start: int = 0, end: int | None = None) -> np.ndarray:
+    """What ``Shape`` (its ``start`` and ``end`` attributes: Python's slice, which clamps as
+    ONNX does) or ``Size`` gives for a tensor of the static ``shape``."""
+    if op == "Size":
+        return np.array(np.prod(shape), np.int64)
+    return np.array([int(d) for d in shape[start:end]], np.int64)
 
 
 def _too_big(shape) -> bool:
@@ -136,12 +148,21 @@ def _evaluate(nodes: list[gs.Node], leaves: dict[str, np.ndarray], t: gs.Tensor,
     if t.name in leaves:
         return leaves[t.name]
     order = [nodes[i] for i in topological_order(gs.Graph(nodes=nodes))]
+    return evaluate([OnnxExporter.export_node(n) for n in order], leaves, t.name, opset)
+
+
+def evaluate(
+    nodes: Sequence[onnx.NodeProto], values: Mapping[str, np.ndarray], output: str, opset: int
+) -> np.ndarray | None:
+    """The value of ``output`` that ``nodes`` (ai.onnx, in an order they can run in) compute
+    from ``values`` (each tensor they read, by name), with onnx's reference evaluator at
+    ai.onnx ``opset``; None when the evaluator cannot run them (an op it lacks, say)."""
     graph = helper.make_graph(
-        [OnnxExporter.export_node(n) for n in order],
+        list(nodes),
         "constant",
         [],
-        [helper.make_value_info(t.name, onnx.TypeProto())],
-        [numpy_helper.from_array(value, name) for name, value in leaves.items()],
+        [helper.make_value_info(output, onnx.TypeProto())],
+        [numpy_helper.from_array(value, name) for name, value in values.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     try:

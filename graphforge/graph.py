@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from graphforge.ir import (
-    FLOAT_TYPES,
     TORCH_FOLDED,
     TORCH_KINDS,
     TORCH_PADDING_ROWS,
@@ -31,17 +30,15 @@ from graphforge.ir import (
     torch_training_batchnorms,
 )
 from graphforge.model_io import load
-from graphforge.payloads import EXTERNAL_DATA_THRESHOLD
 from graphforge.roles import metadata_of
 from graphforge.stand_ins import (
     can_leave_out,
     exported_constants,
     is_stand_in,
     lazy_tensor,
-    stand_in,
+    stand_ins_for_export,
     store_values,
-    stored_values,
-    take_values,
+    take_back_values,
     without_values,
 )
 
@@ -116,7 +113,7 @@ class Model:
             input_order=[v.name for v in proto.graph.input],
         )
         if values_from is not None:
-            _take_values(model.graph, values_from.graph)
+            take_back_values(model.graph, values_from.graph)
         _type_empty_constant_lists(model.graph)
         return model
 
@@ -133,7 +130,7 @@ class Model:
         export is written over it, and the initializers the model still reads from it stay
         where they are instead of being copied (a model's weights, once more in memory). The
         result is the one a plain export gives, and is ``over`` itself."""
-        with _values_left_out(self.graph, values=values) as left_out:
+        with stand_ins_for_export(self.graph, values=values) as left_out:
             proto = gs.export_onnx(self.graph, do_type_check=False)
         _hoist_subgraph_initializers(proto.graph)
         if values and over is not None and _write_over(proto, left_out, over):
@@ -218,62 +215,6 @@ def _hoist_subgraph_initializers(graph: onnx.GraphProto) -> None:
             g.initializer.extend(kept)
 
 
-def _stand_in_for(constant: gs.Constant, values: bool) -> onnx.TensorProto | None:
-    """The stand-in an export writes for ``constant``, or None to export it as it is.
-
-    With ``values`` (the stand-in is filled afterwards): every constant still read from a
-    TensorProto, so the export never touches that TensorProto (onnx-graphsurgeon's renames
-    it), and every large NumPy one. Without: the large floating-point ones (``can_leave_out``)."""
-    tensor = lazy_tensor(constant)
-    if tensor is not None:
-        if values or can_leave_out(tensor):
-            return stand_in(constant.name, tensor.data_type, tensor.dims)
-        return None
-    array = stored_values(constant)
-    if not isinstance(array, np.ndarray) or array.nbytes < EXTERNAL_DATA_THRESHOLD:
-        return None
-    data_type = dtype_to_onnx(constant.export_dtype)
-    if not values and data_type not in FLOAT_TYPES:
-        return None
-    return stand_in(constant.name, data_type, array.shape)
-
-
-@contextlib.contextmanager
-def _values_left_out(graph: gs.Graph, *, values: bool) -> Iterator[dict[str, gs.Constant]]:
-    """While exporting, the main graph's constants that ``_stand_in_for`` picks hold their
-    stand-ins; yields them by name, and gives them their values back on exit."""
-    swapped: list[tuple[gs.Constant, object]] = []
-    private: list[tuple[gs.Constant, object]] = []
-    try:
-        # onnx-graphsurgeon sets the name of a TensorProto it exports from to the constant's,
-        # which would change the source model (its bytes, perhaps the caller's own ModelProto)
-        # behind the caller's back: a constant renamed since, and a tensor attribute (a
-        # Constant's value, ConstantOfShape's) still read from the source, are exported from a copy
-        def export_from_copy(constant: gs.Constant, tensor: onnx.TensorProto) -> None:
-            copy = onnx.TensorProto()
-            copy.CopyFrom(tensor)
-            private.append((constant, stored_values(constant)))
-            store_values(constant, copy)
-
-        for constant in exported_constants(graph):
-            stand_in = _stand_in_for(constant, values)
-            if stand_in is not None:
-                swapped.append((constant, stored_values(constant)))
-                store_values(constant, stand_in)
-            elif (tensor := lazy_tensor(constant)) is not None and tensor.name != constant.name:
-                export_from_copy(constant, tensor)
-        for g in all_graphs(graph):
-            for node in g.nodes:
-                for value in node.attrs.values():
-                    tensor = lazy_tensor(value) if isinstance(value, gs.Constant) else None
-                    if tensor is not None:
-                        export_from_copy(value, tensor)
-        yield {constant.name: constant for constant, _ in swapped}
-    finally:
-        for constant, original in [*swapped, *private]:
-            store_values(constant, original)
-
-
 def _put_values_back(graph: onnx.GraphProto, left_out: dict[str, gs.Constant]) -> None:
     """Fill the stand-ins of an export with the constants' values: one copy each."""
     if not left_out:
@@ -350,16 +291,3 @@ def _write_over(exported: onnx.ModelProto, left_out: dict[str, gs.Constant], tar
             target.ClearField(name)
     target.MergeFrom(exported)
     return True
-
-
-def _take_values(graph: gs.Graph, source: gs.Graph) -> None:
-    """Give ``graph``'s stand-in constants the values of ``source``'s constants of the same name."""
-    originals = {constant.name: constant for constant in exported_constants(source)}
-    for constant in exported_constants(graph):
-        lazy = lazy_tensor(constant)
-        if lazy is None or not is_stand_in(lazy):
-            continue
-        original = originals.get(constant.name)
-        if original is None:
-            raise ValueError(f"the values of constant {constant.name!r} were left out, and the source lacks them")
-        take_values(constant, original)

@@ -131,7 +131,7 @@ def refuse_unresolved_external_data(proto: onnx.ModelProto, *, where: str, stand
 
     Such a model has no folder to read them from (onnxruntime would read them relative to
     the current directory, unchecked), so it must be loaded from its path instead.
-    ``stand_ins``: weights left out on purpose (``payloads.weights_left_out``) are allowed.
+    ``stand_ins``: weights left out on purpose (``stand_ins.weights_left_out``) are allowed.
     """
     for tensor in all_tensors(proto):
         if external_data_helper.uses_external_data(tensor) and not (stand_ins and is_stand_in(tensor)):

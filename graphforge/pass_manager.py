@@ -69,7 +69,7 @@ class PassManager:
     dump_on_change: with dump_dir, write only the applications that changed the model
         (and ``000_input.onnx``, the model the first change is compared with).
     bisect_limit: run only the first N pass applications; the rest are reported as skipped.
-    shapes_only: the model's weights may be stand-ins (``payloads.weights_left_out``), compiled
+    shapes_only: the model's weights may be stand-ins (``stand_ins.weights_left_out``), compiled
         for their names, types and shapes alone, as the planner compiles a split's program; the
         result has stand-ins too: it is read (costs, memory), never run.
 
@@ -201,26 +201,8 @@ class PassManager:
         onnxruntime check, and a later pass application may change the model again), and
         its op histogram, counted on the export (a pass that changed nothing keeps it)."""
         record.nodes_before = record.nodes_after = sum(before.values())
-        label = f"pass {record.position} ({pass_.spec()})"
         start = time.perf_counter()
-        try:
-            _check_conditions(pass_, model)
-            with gc_paused():  # a pass adds thousands of graph objects (see gc_paused)
-                result = pass_.run(model)
-            if not isinstance(result, PassResult) or not isinstance(result.model, Model):
-                raise TypeError(f"run() must return PassResult(model, changed), got {type(result).__name__}")
-            missing = [fact.what for fact in pass_.ensures if not fact.holds(result.model)]
-            if missing:
-                raise TypeError(f"its result does not record {', '.join(missing)}, which the pass declares it ensures")
-        except Exception as exc:
-            dumped = self._dump_failure(proto, record, "failed-input")
-            detail = str(exc) if isinstance(exc, GraphforgeError) else f"internal error {type(exc).__name__}: {exc}"
-            raise PipelineError(
-                f"{label} failed: {detail}" + (f" [its input model is in {dumped}]" if dumped else ""),
-                position=record.position,
-                pass_name=pass_.name,
-                dumped_to=dumped,
-            ) from exc
+        result = self._run_pass(pass_, model, proto, record)
         record.seconds = time.perf_counter() - start
         record.changed = result.changed
         record.note = result.note
@@ -233,42 +215,78 @@ class PassManager:
         # and the checker read only their types and shapes), which also shows it exports.
         whole = last or self.dump_dir is not None or self.verify_with_ort
         start = time.perf_counter()
-        try:
-            with gc_paused():
-                new_proto = model.to_proto(values=whole, over=spare if last else None)
-                after = op_histogram(new_proto)
-        except Exception as exc:  # the pass left a graph onnx-graphsurgeon cannot export
-            dumped = self._dump_failure(proto, record, "failed-input")
-            raise PipelineError(
-                f"{label} failed: its output cannot be exported to ONNX ({type(exc).__name__}: {exc})"
-                + (f" [its input model is in {dumped}]" if dumped else ""),
-                position=record.position,
-                pass_name=pass_.name,
-                dumped_to=dumped,
-            ) from exc
+        new_proto, after = self._export_change(pass_, model, proto, record, whole=whole, over=spare if last else None)
         record.nodes_after = sum(after.values())
-        record.delta = {
-            op: after.get(op, 0) - before.get(op, 0)
-            for op in sorted(set(before) | set(after))
-            if after.get(op, 0) != before.get(op, 0)
-        }
+        record.delta = _op_delta(before, after)
         if self.verify:
-            try:
-                with gc_paused():
-                    self._verify(new_proto, f"the output of {label}", values_from=model)
-            except GraphforgeError as exc:
-                dumped = self._dump_failure(proto, record, "failed-input")
-                self._dump_failure(new_proto, record, "invalid-output")
-                raise PipelineError(
-                    str(exc) + (f" [its input model is in {dumped}]" if dumped else ""),
-                    position=record.position,
-                    pass_name=pass_.name,
-                    dumped_to=dumped,
-                ) from exc
+            self._verify_change(pass_, model, proto, new_proto, record)
         record.verify_seconds = time.perf_counter() - start
         if self.dump_dir is not None:
             record.dumped_to = self._dump(new_proto, record)
         return model, new_proto if whole else None, after
+
+    def _run_pass(self, pass_: Pass, model: Model, proto: onnx.ModelProto | None, record: PassRecord) -> PassResult:
+        """``pass_.run(model)``, held to what the pass declares; a failure is a PipelineError
+        naming the pass (with the input model dumped, ``proto``, where there is a dump folder)."""
+        try:
+            _check_conditions(pass_, model)
+            with gc_paused():  # a pass adds thousands of graph objects (see gc_paused)
+                result = pass_.run(model)
+            if not isinstance(result, PassResult) or not isinstance(result.model, Model):
+                raise TypeError(f"run() must return PassResult(model, changed), got {type(result).__name__}")
+            missing = [fact.what for fact in pass_.ensures if not fact.holds(result.model)]
+            if missing:
+                raise TypeError(f"its result does not record {', '.join(missing)}, which the pass declares it ensures")
+        except Exception as exc:
+            detail = str(exc) if isinstance(exc, GraphforgeError) else f"internal error {type(exc).__name__}: {exc}"
+            raise self._failure(pass_, proto, record, f"{_label(pass_, record)} failed: {detail}") from exc
+        return result
+
+    def _export_change(
+        self,
+        pass_: Pass,
+        model: Model,
+        proto: onnx.ModelProto | None,
+        record: PassRecord,
+        *,
+        whole: bool,
+        over: onnx.ModelProto | None,
+    ) -> tuple[onnx.ModelProto, dict[str, int]]:
+        """``model``, changed by ``pass_``, exported (``Model.to_proto``), and its op histogram;
+        a graph that does not export is the pass's failure."""
+        try:
+            with gc_paused():
+                exported = model.to_proto(values=whole, over=over)
+                return exported, op_histogram(exported)
+        except Exception as exc:  # the pass left a graph onnx-graphsurgeon cannot export
+            message = (
+                f"{_label(pass_, record)} failed: its output cannot be exported to ONNX ({type(exc).__name__}: {exc})"
+            )
+            raise self._failure(pass_, proto, record, message) from exc
+
+    def _verify_change(
+        self, pass_: Pass, model: Model, proto: onnx.ModelProto | None, new_proto: onnx.ModelProto, record: PassRecord
+    ) -> None:
+        """Verify ``new_proto``, ``model``'s export after ``pass_`` changed it: an invalid one is
+        the pass's failure, and is dumped beside its input where there is a dump folder."""
+        try:
+            with gc_paused():
+                self._verify(new_proto, f"the output of {_label(pass_, record)}", values_from=model)
+        except GraphforgeError as exc:
+            failure = self._failure(pass_, proto, record, str(exc))
+            self._dump_failure(new_proto, record, "invalid-output")
+            raise failure from exc
+
+    def _failure(self, pass_: Pass, proto: onnx.ModelProto | None, record: PassRecord, message: str) -> PipelineError:
+        """The PipelineError of a failed pass application, its input model ``proto`` dumped
+        (where there is a dump folder) and named in the message."""
+        dumped = self._dump_failure(proto, record, "failed-input")
+        return PipelineError(
+            message + (f" [its input model is in {dumped}]" if dumped else ""),
+            position=record.position,
+            pass_name=pass_.name,
+            dumped_to=dumped,
+        )
 
     def _verify(self, proto: onnx.ModelProto, where: str, *, values_from: Model | None = None) -> None:
         """The checker, then (``verify_with_ort``, which always has the whole model) onnxruntime."""
@@ -285,6 +303,20 @@ class PassManager:
     def _dump_failure(self, proto: onnx.ModelProto | None, record: PassRecord, what: str) -> str | None:
         # with a dump folder every model is exported whole, so ``proto`` is there
         return self._dump(proto, record, f".{what}") if self.dump_dir is not None and proto is not None else None
+
+
+def _label(pass_: Pass, record: PassRecord) -> str:
+    """How messages name a pass application: its position in the pipeline and its text."""
+    return f"pass {record.position} ({pass_.spec()})"
+
+
+def _op_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """How many nodes of each op type came (positive) or went (negative), by op type, sorted."""
+    return {
+        op: after.get(op, 0) - before.get(op, 0)
+        for op in sorted(set(before) | set(after))
+        if after.get(op, 0) != before.get(op, 0)
+    }
 
 
 def _check_conditions(pass_: Pass, model: Model) -> None:

@@ -13,16 +13,20 @@ onnx-graphsurgeon keeps a constant's values in a private field (a NumPy array, o
 reference to the TensorProto they were read from). This module is the one place that reads
 or writes that field: graph.py's imports and exports, constant folding and CSE go through
 ``stored_values`` and ``store_values``, and a constant whose values are a stand-in
-(``is_left_out``: a model compiled for its shapes alone) is made and reshaped here.
+(``is_left_out``: a model compiled for its shapes alone) is made and reshaped here. Which
+constants an export of a graph writes as stand-ins (``export_stand_in``), and how they get
+their values back, is decided here too; graph.py only runs the export.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Iterator, Sequence
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from graphforge.ir import FLOAT_TYPES, all_graphs
@@ -233,3 +237,76 @@ def mark_lengths_checked(graph: gs.Graph) -> None:
     for constant in exported_constants(graph):
         if lazy_tensor(constant) is not None:
             _mark_length_checked(constant)
+
+
+# --------------------------------------------------------------------------- stand-ins while a graph is exported
+
+
+def export_stand_in(constant: gs.Constant, values: bool) -> onnx.TensorProto | None:
+    """The stand-in an export writes for ``constant``, or None to export it as it is.
+
+    With ``values`` (the stand-in is filled afterwards): every constant still read from a
+    TensorProto, so the export never touches that TensorProto (onnx-graphsurgeon's renames
+    it), and every large NumPy one. Without: the large floating-point ones (``can_leave_out``)."""
+    tensor = lazy_tensor(constant)
+    if tensor is not None:
+        if values or can_leave_out(tensor):
+            return stand_in(constant.name, tensor.data_type, tensor.dims)
+        return None
+    array = stored_values(constant)
+    if not isinstance(array, np.ndarray) or array.nbytes < EXTERNAL_DATA_THRESHOLD:
+        return None
+    data_type = dtype_to_onnx(constant.export_dtype)
+    if not values and data_type not in FLOAT_TYPES:
+        return None
+    return stand_in(constant.name, data_type, array.shape)
+
+
+@contextlib.contextmanager
+def stand_ins_for_export(graph: gs.Graph, *, values: bool) -> Iterator[dict[str, gs.Constant]]:
+    """While exporting, the main graph's constants that ``export_stand_in`` picks hold their
+    stand-ins; yields them by name, and gives them their values back on exit."""
+    swapped: list[tuple[gs.Constant, object]] = []
+    private: list[tuple[gs.Constant, object]] = []
+    try:
+        # onnx-graphsurgeon sets the name of a TensorProto it exports from to the constant's,
+        # which would change the source model (its bytes, perhaps the caller's own ModelProto)
+        # behind the caller's back: a constant renamed since, and a tensor attribute (a
+        # Constant's value, ConstantOfShape's) still read from the source, are exported from a copy
+        def export_from_copy(constant: gs.Constant, tensor: onnx.TensorProto) -> None:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(tensor)
+            private.append((constant, stored_values(constant)))
+            store_values(constant, copy)
+
+        for constant in exported_constants(graph):
+            replacement = export_stand_in(constant, values)
+            if replacement is not None:
+                swapped.append((constant, stored_values(constant)))
+                store_values(constant, replacement)
+            elif (tensor := lazy_tensor(constant)) is not None and tensor.name != constant.name:
+                export_from_copy(constant, tensor)
+        for g in all_graphs(graph):
+            for node in g.nodes:
+                for value in node.attrs.values():
+                    tensor = lazy_tensor(value) if isinstance(value, gs.Constant) else None
+                    if tensor is not None:
+                        export_from_copy(value, tensor)
+        yield {constant.name: constant for constant, _ in swapped}
+    finally:
+        for constant, original in [*swapped, *private]:
+            store_values(constant, original)
+
+
+def take_back_values(graph: gs.Graph, source: gs.Graph) -> None:
+    """Give ``graph``'s stand-in constants (an import of an export without values) the values
+    of ``source``'s constants of the same name."""
+    originals = {constant.name: constant for constant in exported_constants(source)}
+    for constant in exported_constants(graph):
+        lazy = lazy_tensor(constant)
+        if lazy is None or not is_stand_in(lazy):
+            continue
+        original = originals.get(constant.name)
+        if original is None:
+            raise ValueError(f"the values of constant {constant.name!r} were left out, and the source lacks them")
+        take_values(constant, original)

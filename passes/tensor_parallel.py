@@ -116,6 +116,35 @@ class TensorParallel(Pass):
         graph = model.graph
         graph.toposort()
         shapes = probe_shapes(model)
+        blocks, heads, embeddings = self._layers(model, shapes)
+        copy_fn = marker_function(graph, roles.TENSOR_PARALLEL_COPY_OP, attribute="group")
+        reduce_fn = marker_function(graph, roles.TENSOR_PARALLEL_REDUCE_OP, attribute="group")
+        split, sections, recorded = _split_blocks(graph, blocks)
+        vocab_split, vocab_recorded = _split_vocabulary(graph, embeddings, heads, self.rank, self.size, len(blocks))
+        split.update(vocab_split)
+        recorded += vocab_recorded
+        graph.functions.extend([copy_fn, reduce_fn])
+        if heads:
+            graph.functions.append(marker_function(graph, roles.TENSOR_PARALLEL_MAX_OP, attribute="group"))
+        graph.toposort()
+        uneven = _uneven(embeddings, heads, self.size)
+        role = TensorParallelRole(self.size, split, tuple(recorded), self.rank, sections, uneven)
+        if self.rank is not None:
+            _member_program(model, role, blocks, heads, embeddings, shapes)
+        roles.set_json(model, roles.TENSOR_PARALLEL, role.to_json())
+        member = "" if self.rank is None else f" (the program of member {self.rank})"
+        kinds = sorted({b["kind"] for b in recorded})
+        return PassResult(
+            model,
+            True,
+            note=f"{len(recorded)} layer(s) ({', '.join(kinds)}) split across {self.size} processes{member}",
+        )
+
+    def _layers(self, model: Model, shapes) -> tuple[list[_Block], list, list]:
+        """The blocks, LM heads and token embeddings to split (cases 3 and 5): refused where
+        the group's size does not divide one and nothing else splits, or where nothing does;
+        the layers that stay whole said once in a warning."""
+        graph = model.graph
         blocks, left, indivisible = _blocks(graph, set(self.skip), shapes, self.size)
         heads, embeddings = [], []
         if self.vocab:
@@ -134,7 +163,7 @@ class TensorParallel(Pass):
             warnings.warn(
                 f"tensor_parallel: {len(left)} layer(s) stay whole on every member: {left[0]}"
                 + (f" (and {len(left) - 1} more)" if len(left) > 1 else ""),
-                stacklevel=2,
+                stacklevel=3,  # the caller of run
             )
         if not blocks and not heads and not embeddings:
             reason = f": {left[0]}" if left else ""
@@ -143,72 +172,88 @@ class TensorParallel(Pass):
                 "parameter whose input is computed from other such projections, read by nothing else; a token "
                 f"embedding; an LM head under a cross-entropy){reason}"
             )
-        split: dict[str, int] = {}
-        sections: dict[str, tuple[int, ...]] = {}
-        recorded = []
-        copy_fn = marker_function(graph, roles.TENSOR_PARALLEL_COPY_OP, attribute="group")
-        reduce_fn = marker_function(graph, roles.TENSOR_PARALLEL_REDUCE_OP, attribute="group")
-        for index, block in enumerate(blocks):
-            column = []
-            for first in block.firsts:
-                cut = block.axes.sections[first.end.outputs[0].name]
-                split[first.weight.name] = 1 - first.axis_in
-                column.append(first.weight.name)
+        return blocks, heads, embeddings
+
+
+def _split_blocks(
+    graph: gs.Graph, blocks: Sequence[_Block]
+) -> tuple[dict[str, int], dict[str, tuple[int, ...]], list[dict]]:
+    """Mark each block's input for the copy (f) and its output for the reduction (g), block i
+    in group i (cases 1 and 2). Returns each split parameter's axis, the sections of a fused
+    projection's parameters, and what the role records of each block."""
+    split: dict[str, int] = {}
+    sections: dict[str, tuple[int, ...]] = {}
+    recorded = []
+    for index, block in enumerate(blocks):
+        column = []
+        for first in block.firsts:
+            cut = block.axes.sections[first.end.outputs[0].name]
+            split[first.weight.name] = 1 - first.axis_in
+            column.append(first.weight.name)
+            if first.bias is not None:
+                split[first.bias.name] = 0
+                column.append(first.bias.name)
+            if len(cut) > 1:
+                sections[first.weight.name] = cut
                 if first.bias is not None:
-                    split[first.bias.name] = 0
-                    column.append(first.bias.name)
-                if len(cut) > 1:
-                    sections[first.weight.name] = cut
-                    if first.bias is not None:
-                        sections[first.bias.name] = cut
-            split[block.second.weight.name] = block.second.axis_in
-            copied = _copy_inputs(graph, [p.node for p in block.firsts], index)
-            reduced = _reduce_output(graph, block.second, index)
-            recorded.append(
-                {"column": column, "row": [block.second.weight.name], "copy": copied, "reduce": reduced,
-                 "kind": block.kind}
-            )  # fmt: skip
-        group = len(blocks)
-        for embedding in embeddings:
-            split[embedding.table.name] = 0
-            summed = split_embedding(graph, embedding, self.rank, self.size, group)
-            recorded.append({"column": [embedding.table.name], "row": [], "copy": [], "reduce": [summed],
-                             "kind": "embedding"})  # fmt: skip
-            group += 1
-        for head in heads:
-            split.update(head_split(head))
-            copied = _copy_inputs(graph, [head.projection.node], group)
-            reduced = split_loss(graph, head, self.rank, self.size, group)
-            # the model's outputs among the logits (a member's: its slice along the vocabulary)
-            outputs = {t.name: head.axes.axis[t.name] for t in graph.outputs if t.name in head.axes.axis}
-            recorded.append({"column": list(head_split(head)), "row": [], "copy": copied, "reduce": reduced,
-                             "kind": "vocabulary", "outputs": outputs})  # fmt: skip
-            group += 1
-        graph.functions.extend([copy_fn, reduce_fn])
-        if heads:
-            graph.functions.append(marker_function(graph, roles.TENSOR_PARALLEL_MAX_OP, attribute="group"))
-        graph.toposort()
-        uneven = {e.table.name: e.table.shape[0] for e in embeddings if e.table.shape[0] % self.size}
-        for head in heads:
-            if head.vocabulary % self.size:
-                uneven.update(dict.fromkeys(head_split(head), head.vocabulary))
-        role = TensorParallelRole(self.size, split, tuple(recorded), self.rank, sections, uneven)
-        if self.rank is not None:
-            for axes in [*(b.axes for b in blocks), *(h.axes for h in heads)]:
-                for edit in axes.edits:
-                    edit(graph, self.size, self.rank)
-            graph.toposort()
-            _keep_slices(model, role, {id(b.second.node) for b in blocks} | kept_shapes(heads, embeddings))
-            _own_dropout_streams(blocks, self.rank)
-            _check_member_shapes(model, blocks, heads, shapes, self.size, self.rank)
-        roles.set_json(model, roles.TENSOR_PARALLEL, role.to_json())
-        member = "" if self.rank is None else f" (the program of member {self.rank})"
-        kinds = sorted({b["kind"] for b in recorded})
-        return PassResult(
-            model,
-            True,
-            note=f"{len(recorded)} layer(s) ({', '.join(kinds)}) split across {self.size} processes{member}",
-        )
+                    sections[first.bias.name] = cut
+        split[block.second.weight.name] = block.second.axis_in
+        copied = _copy_inputs(graph, [p.node for p in block.firsts], index)
+        reduced = _reduce_output(graph, block.second, index)
+        recorded.append(
+            {"column": column, "row": [block.second.weight.name], "copy": copied, "reduce": reduced,
+             "kind": block.kind}
+        )  # fmt: skip
+    return split, sections, recorded
+
+
+def _split_vocabulary(
+    graph: gs.Graph, embeddings: Sequence, heads: Sequence, rank: int | None, size: int, group: int
+) -> tuple[dict[str, int], list[dict]]:
+    """Split the token embeddings, then the LM heads with their cross-entropy, along the
+    vocabulary (case 5), in groups from ``group`` on. Returns each split parameter's axis,
+    and what the role records of each layer."""
+    split: dict[str, int] = {}
+    recorded = []
+    for embedding in embeddings:
+        split[embedding.table.name] = 0
+        summed = split_embedding(graph, embedding, rank, size, group)
+        recorded.append({"column": [embedding.table.name], "row": [], "copy": [], "reduce": [summed],
+                         "kind": "embedding"})  # fmt: skip
+        group += 1
+    for head in heads:
+        split.update(head_split(head))
+        copied = _copy_inputs(graph, [head.projection.node], group)
+        reduced = split_loss(graph, head, rank, size, group)
+        # the model's outputs among the logits (a member's: its slice along the vocabulary)
+        outputs = {t.name: head.axes.axis[t.name] for t in graph.outputs if t.name in head.axes.axis}
+        recorded.append({"column": list(head_split(head)), "row": [], "copy": copied, "reduce": reduced,
+                         "kind": "vocabulary", "outputs": outputs})  # fmt: skip
+        group += 1
+    return split, recorded
+
+
+def _uneven(embeddings: Sequence, heads: Sequence, size: int) -> dict[str, int]:
+    """The split parameters whose vocabulary ``size`` does not divide -> its whole size."""
+    uneven = {e.table.name: e.table.shape[0] for e in embeddings if e.table.shape[0] % size}
+    for head in heads:
+        if head.vocabulary % size:
+            uneven.update(dict.fromkeys(head_split(head), head.vocabulary))
+    return uneven
+
+
+def _member_program(model: Model, role: TensorParallelRole, blocks, heads, embeddings, shapes) -> None:
+    """Make ``model`` (the whole model, marked) the program of member ``role.rank`` (case 4):
+    its reshapes' and splits' sizes, its slices of the split parameters, its own dropout
+    streams; its shapes checked against the whole model's on the probe (``shapes``)."""
+    graph = model.graph
+    for axes in [*(b.axes for b in blocks), *(h.axes for h in heads)]:
+        for edit in axes.edits:
+            edit(graph, role.size, role.rank)
+    graph.toposort()
+    _keep_slices(model, role, {id(b.second.node) for b in blocks} | kept_shapes(heads, embeddings))
+    _own_dropout_streams(blocks, role.rank)
+    _check_member_shapes(model, blocks, heads, shapes, role.size, role.rank)
 
 
 def _output_projection(graph: gs.Graph, used: set[int]) -> bool:

@@ -168,6 +168,46 @@ def test_from_proto_takes_the_values_back_shared_not_copied():
     assert fields(back.to_proto()) == fields(model.to_proto())
 
 
+def _read_from_a_tensor(name: str, array: np.ndarray) -> gs.Constant:
+    """A constant whose values are still read from a TensorProto, as an import leaves it."""
+    constant = gs.Constant(name, np.zeros(1, np.float32))
+    stand_ins.store_values(constant, numpy_helper.from_array(array, name))
+    return constant
+
+
+#: constants of each kind -> (a stand-in in an export with values, in one without)
+EXPORTED_AS = {
+    "read, large float": (lambda: _read_from_a_tensor("a", np.ones(512, np.float32)), True, True),
+    "read, large integer": (lambda: _read_from_a_tensor("b", np.ones(512, np.int64)), True, False),
+    "read, small float": (lambda: _read_from_a_tensor("c", np.ones(4, np.float32)), True, False),
+    "NumPy, large float": (lambda: gs.Constant("d", np.ones((16, 32), np.float16)), True, True),
+    "NumPy, large integer": (lambda: gs.Constant("e", np.ones(512, np.int32)), True, False),
+    "NumPy, small float": (lambda: gs.Constant("f", np.ones(4, np.float32)), False, False),
+}
+
+
+@pytest.mark.parametrize("values", [True, False], ids=["with values", "without"])
+@pytest.mark.parametrize("kind", sorted(EXPORTED_AS))
+def test_which_constants_an_export_writes_as_stand_ins(kind, values):
+    """With values, every constant read from a TensorProto (the export never touches it) and
+    every large NumPy one; without, the large floating-point ones alone."""
+    make, with_values, without = EXPORTED_AS[kind]
+    constant = make()
+    stand_in = stand_ins.export_stand_in(constant, values)
+    assert (stand_in is not None) == (with_values if values else without)
+    if stand_in is not None:
+        assert is_stand_in(stand_in) and stand_in.name == constant.name
+        assert list(stand_in.dims) == list(constant.shape) and not stand_in.HasField("raw_data")
+
+
+def test_a_stand_in_whose_source_lacks_its_values_is_refused():
+    model = Model.from_proto(mixed_model())
+    light = Model.from_proto(model.to_proto(values=False))
+    _rename(model, "W", "W_elsewhere")
+    with pytest.raises(ValueError, match="'W' were left out, and the source lacks them"):
+        stand_ins.take_back_values(light.graph, model.graph)
+
+
 # --------------------------------------------------------------------------- shape inference
 
 

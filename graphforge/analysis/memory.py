@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
+from onnx import numpy_helper
 
 from graphforge.analysis.dims import bind_inputs, completed
 from graphforge.analysis.size import nbytes
+from graphforge.constants import CONSTANT_ELEMENTS, evaluate, shape_value
 from graphforge.errors import InvalidModelError
 from graphforge.ir import ALIASING_OPS, node_reads
 from graphforge.payloads import copy_without_initializers
@@ -253,8 +253,6 @@ _SHAPE_OPS = frozenset(
         "Reshape", "Min", "Max", "Neg", "Abs", "ReduceProd", "Identity", "Constant",
     }
 )  # fmt: skip
-#: a folded value larger than this many elements is left to shape inference
-_SHAPE_VALUE_MAX = 4096
 
 
 def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -270,7 +268,8 @@ def _fold_shape_values(proto: onnx.ModelProto, inferred: onnx.ModelProto) -> int
     are now concrete (``Shape`` of a tensor of known shape, and what is computed from such
     values: a Range of positions, a Reshape's target) by initializers of their values, which
     ONNX's inference then reads (its data propagation stops at Range, for one); returns how
-    many nodes went. Values are computed with onnx's reference evaluator, one node at a time."""
+    many nodes went. A value larger than CONSTANT_ELEMENTS is left to shape inference. Values
+    are computed one node at a time by graphforge.constants (its reference evaluator)."""
     known_shapes = {
         v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
         for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
@@ -279,18 +278,13 @@ def _fold_shape_values(proto: onnx.ModelProto, inferred: onnx.ModelProto) -> int
     values = {
         t.name: numpy_helper.to_array(t)
         for t in proto.graph.initializer
-        if not is_stand_in(t) and t.data_type != onnx.TensorProto.FLOAT and math.prod(t.dims) <= _SHAPE_VALUE_MAX
+        if not is_stand_in(t) and t.data_type != onnx.TensorProto.FLOAT and math.prod(t.dims) <= CONSTANT_ELEMENTS
     }
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
     kept, folded = [], {}
     for node in proto.graph.node:
-        value = None
-        if node.domain in ("", "ai.onnx") and node.op_type in _SHAPE_OPS and len(node.output) == 1:
-            if node.op_type == "Shape" and node.input[0] in known_shapes:
-                value = _evaluate(node, {node.input[0]: np.zeros(known_shapes[node.input[0]], np.int8)}, opset)
-            elif node.op_type != "Shape" and all(not name or name in values for name in node.input):
-                value = _evaluate(node, {name: values[name] for name in node.input if name}, opset)
-        if value is not None and value.size <= _SHAPE_VALUE_MAX and value.dtype != np.float32:
+        value = _shape_op_value(node, known_shapes, values, opset)
+        if value is not None and value.size <= CONSTANT_ELEMENTS and value.dtype != np.float32:
             values[node.output[0]] = folded[node.output[0]] = value
         else:
             kept.append(node)
@@ -301,21 +295,21 @@ def _fold_shape_values(proto: onnx.ModelProto, inferred: onnx.ModelProto) -> int
     return len(folded)
 
 
-def _evaluate(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> np.ndarray | None:
-    graph = helper.make_graph(
-        [node],
-        "fold",
-        [
-            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-            for n, v in inputs.items()
-        ],
-        [helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    try:
-        return np.asarray(ReferenceEvaluator(model).run(None, inputs)[0])
-    except Exception:  # an op the reference evaluator cannot run here: left to shape inference
+def _shape_op_value(
+    node: onnx.NodeProto, known_shapes: Mapping[str, list[int]], values: Mapping[str, np.ndarray], opset: int
+) -> np.ndarray | None:
+    """The value of a node of _SHAPE_OPS with one output: a Shape of a tensor whose shape is
+    in ``known_shapes``, any other when ``values`` holds every input it reads; else None."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in _SHAPE_OPS or len(node.output) != 1:
         return None
+    if node.op_type == "Shape":
+        if node.input[0] not in known_shapes:
+            return None
+        attributes = {a.name: a.i for a in node.attribute if a.name in ("start", "end")}
+        return shape_value("Shape", known_shapes[node.input[0]], attributes.get("start", 0), attributes.get("end"))
+    if not all(not name or name in values for name in node.input):
+        return None
+    return evaluate([node], {name: values[name] for name in node.input if name}, node.output[0], opset)
 
 
 @dataclass(frozen=True)
@@ -382,110 +376,15 @@ def predict(
     types = dict(types) if types is not None else tensor_types(model, dims)
     sizes = {name: size for name, (size, _) in types.items() if size is not None}
     elem = {name: code for name, (_, code) in types.items()}
-    slots = dict(slots or {})
-    by_input = {spec.input: spec for spec in carried}
-    by_output = {spec.output: spec for spec in carried}
-    initializers = {t.name for t in graph.initializer}
-    gradient_like = _gradient_names(model)
-
-    persistent = dict.fromkeys(CATEGORIES, 0)
-    for spec in carried:
-        size = nbytes(spec.shape, np.dtype(spec.dtype)) or 0
-        persistent[_CARRIED_CATEGORY.get(spec.role, "parameters")] += size * slots.get(spec.input, 2)
-    for name in initializers - set(by_input):
-        persistent["constants"] += sizes.get(name, 0)
-    for value in graph.input:
-        if value.name not in by_input and value.name not in initializers and value.name not in external:
-            persistent["inputs"] += sizes.get(value.name, 0)
-
+    persistent = persistent_bytes(graph, carried, dict(slots or {}), external, sizes)
+    # what the run writes into buffers it does not allocate: the carried tensors' and the caller's
+    held = {spec.output for spec in carried} | set(external)
     order = execution_order(graph)
-    position = {index: step for step, index in enumerate(order)}
-    phase = [_phase(node) for node in graph.node]
-    outputs = {o.name for o in graph.output}
-
-    # pass 1: the last step that reads each tensor, and who reads it
-    reads_at: dict[str, int] = dict.fromkeys(outputs, len(order))  # a graph output lives to the end
-    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    folded = set()  # Shape and Size nodes that are constants in a specialized session
-    if specialized:
-        folded = {
-            i
-            for i, node in enumerate(graph.node)
-            if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and node.input[0] in sizes
-        }
-    for index in order:
-        for name in node_reads(graph.node[index]) if index not in folded else ():
-            reads_at[name] = max(reads_at.get(name, -1), position[index])
-            readers[name].append(graph.node[index])
-    # pass 2: whose buffer each tensor is (a view's is its input's; an in-place result's its
-    # input's, when that input is a buffer of this run read for the last time), and the
-    # last step that reads each buffer
-    owner: dict[str, str] = {}
-    last_read: dict[str, int] = {}
-    read_in_backward: set[str] = set()
-    transient: set[str] = set()  # buffers this run allocates
-    for index in order:
-        node, step = graph.node[index], position[index]
-        reads = node_reads(node) if index not in folded else set()
-        for name in reads:
-            root = owner.get(name, name)
-            if phase[index] in ("grad", "optim"):
-                read_in_backward.add(root)
-        reuse = _reusable_input(node, owner, last_read, transient, sizes, outputs, step)
-        if _aliases(node) or _same_type_cast(node, elem) or _fused_into_matmul(node, readers, outputs):
-            reuse = owner.get(node.input[0], node.input[0])
-        for out in node.output:
-            if not out:
-                continue
-            if reuse is not None and out == node.output[0]:
-                owner[out] = reuse
-            else:
-                owner[out] = out
-                if out not in by_output and out not in external:
-                    transient.add(out)
-            root = owner[out]
-            last_read[root] = max(last_read.get(root, step), reads_at.get(out, step))
-        for name in reads:
-            root = owner.get(name, name)
-            last_read[root] = max(last_read.get(root, -1), step)
-
-    end = len(order)
-    allocations: dict[str, tuple[int, int, str, int]] = {}  # root -> (start, stop, category, bytes)
-    unknown = []
-    for index in order:
-        node = graph.node[index]
-        for out in node.output:
-            if not out or owner.get(out) != out:
-                continue
-            if out in by_output or out in external:  # written into the runtime's buffer
-                continue
-            size = sizes.get(out)
-            if size is None:
-                unknown.append(out)
-                size = 0
-            aliases_out = any(owner.get(o) == out for o in outputs)
-            stop = end if out in outputs or aliases_out else last_read.get(out, position[index])
-            allocations[out] = (
-                position[index],
-                stop,
-                _category(out, phase[index], gradient_like, read_in_backward),
-                size,
-            )
-
-    # a sweep over starts and stops: live bytes after each step, per category
-    delta = [dict.fromkeys(CATEGORIES, 0) for _ in range(end + 2)]
-    for start, stop, category, size in allocations.values():
-        delta[start][category] += size
-        delta[min(stop, end) + 1][category] -= size
-    live = dict.fromkeys(CATEGORIES, 0)
-    timeline, peak_step, peak_transient = [], -1, 0
-    for step in range(max(end, 1)):
-        for category in CATEGORIES:
-            live[category] += delta[step][category]
-        timeline.append(dict(live))
-        total = sum(live.values())
-        if total > peak_transient or peak_step < 0:
-            peak_step, peak_transient = step, total
+    folded = _folded_shape_reads(graph, sizes) if specialized else set()
+    reads = last_reads(graph, order, folded)
+    buffers = buffer_owners(graph, order, folded, reads, sizes, elem, held)
+    allocations, unknown = transient_allocations(graph, order, buffers, sizes, held, _gradient_names(model))
+    timeline, peak_step, peak_transient = live_bytes(allocations, len(order))
     at_peak = sorted(
         (
             LiveTensor(name, size, category)
@@ -503,8 +402,172 @@ def predict(
         peak_node=names[peak_step] if names else None,
         at_peak=at_peak,
         unknown=unknown,
-        allocations=[(start, min(stop, end), size) for start, stop, _, size in allocations.values() if size],
+        allocations=[(start, min(stop, len(order)), size) for start, stop, _, size in allocations.values() if size],
     )
+
+
+def persistent_bytes(
+    graph: onnx.GraphProto,
+    carried: Sequence[CarriedSpec],
+    slots: Mapping[str, int],
+    external: Sequence[str],
+    sizes: Mapping[str, int],
+) -> dict[str, int]:
+    """Bytes per category (every one of CATEGORIES) of what outlives the run: the carried
+    tensors' buffers (``slots`` each, default 2), the model's other constants, and the batch
+    inputs that are not ``external``."""
+    by_input = {spec.input for spec in carried}
+    initializers = {t.name for t in graph.initializer}
+    persistent = dict.fromkeys(CATEGORIES, 0)
+    for spec in carried:
+        size = nbytes(spec.shape, np.dtype(spec.dtype)) or 0
+        persistent[_CARRIED_CATEGORY.get(spec.role, "parameters")] += size * slots.get(spec.input, 2)
+    for name in initializers - by_input:
+        persistent["constants"] += sizes.get(name, 0)
+    for value in graph.input:
+        if value.name not in by_input and value.name not in initializers and value.name not in external:
+            persistent["inputs"] += sizes.get(value.name, 0)
+    return persistent
+
+
+def _folded_shape_reads(graph: onnx.GraphProto, sizes: Mapping[str, int]) -> set[int]:
+    """The Shape and Size nodes a session specialized to the run's dims makes constants: they
+    read nothing (their input's shape is known)."""
+    return {
+        i
+        for i, node in enumerate(graph.node)
+        if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and node.input[0] in sizes
+    }
+
+
+@dataclass
+class Reads:
+    """Who reads each tensor in a run, in execution order (``last_reads``)."""
+
+    #: the last step that reads each tensor (a graph output: the step after the last)
+    last: dict[str, int]
+    #: the nodes that read each tensor, in execution order
+    readers: dict[str, list[onnx.NodeProto]]
+
+
+def last_reads(graph: onnx.GraphProto, order: Sequence[int], folded: set[int]) -> Reads:
+    """Who reads each tensor of ``graph`` run in ``order`` (``folded``: nodes that read nothing)."""
+    last: dict[str, int] = dict.fromkeys((o.name for o in graph.output), len(order))  # outputs live to the end
+    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for step, index in enumerate(order):
+        for name in node_reads(graph.node[index]) if index not in folded else ():
+            last[name] = max(last.get(name, -1), step)
+            readers[name].append(graph.node[index])
+    return Reads(last, readers)
+
+
+@dataclass
+class Buffers:
+    """Whose buffer each tensor of a run is, and how long each buffer lives (``buffer_owners``)."""
+
+    #: tensor -> the tensor whose buffer holds it (itself, its input's for a view or an in-place result)
+    owner: dict[str, str]
+    #: buffer -> the last step that reads it
+    last_read: dict[str, int]
+    #: buffers the backward or the optimizer read
+    read_in_backward: set[str]
+
+
+def buffer_owners(
+    graph: onnx.GraphProto,
+    order: Sequence[int],
+    folded: set[int],
+    reads: Reads,
+    sizes: Mapping[str, int],
+    elem: Mapping[str, int],
+    held: set[str],
+) -> Buffers:
+    """Whose buffer each tensor is: a view's is its input's (ALIASING_OPS, a Cast to its own
+    type, a Transpose fused into its MatMuls), an in-place result's its input's when that
+    input is a buffer of this run read for the last time (MAY_IN_PLACE); every other tensor
+    has its own, allocated by the run unless it is ``held`` elsewhere. And the last step that
+    reads each buffer, through any tensor it holds."""
+    outputs = {o.name for o in graph.output}
+    owner: dict[str, str] = {}
+    last_read: dict[str, int] = {}
+    read_in_backward: set[str] = set()
+    transient: set[str] = set()  # buffers this run allocates
+    for step, index in enumerate(order):
+        node = graph.node[index]
+        read = node_reads(node) if index not in folded else set()
+        if _phase(node) in ("grad", "optim"):
+            read_in_backward.update(owner.get(name, name) for name in read)
+        reuse = _reusable_input(node, owner, last_read, transient, sizes, outputs, step)
+        if _aliases(node) or _same_type_cast(node, elem) or _fused_into_matmul(node, reads.readers, outputs):
+            reuse = owner.get(node.input[0], node.input[0])
+        for out in node.output:
+            if not out:
+                continue
+            if reuse is not None and out == node.output[0]:
+                owner[out] = reuse
+            else:
+                owner[out] = out
+                if out not in held:
+                    transient.add(out)
+            root = owner[out]
+            last_read[root] = max(last_read.get(root, step), reads.last.get(out, step))
+        for name in read:
+            root = owner.get(name, name)
+            last_read[root] = max(last_read.get(root, -1), step)
+    return Buffers(owner, last_read, read_in_backward)
+
+
+def transient_allocations(
+    graph: onnx.GraphProto,
+    order: Sequence[int],
+    buffers: Buffers,
+    sizes: Mapping[str, int],
+    held: set[str],
+    gradients: set[str],
+) -> tuple[dict[str, tuple[int, int, str, int]], list[str]]:
+    """Each buffer the run allocates, by its tensor: (the step it is made at, the last step it
+    lives, its category, bytes); a graph output, or a buffer one is a view of, lives to the end.
+    And the tensors whose size is unknown (counted as 0)."""
+    outputs = {o.name for o in graph.output}
+    owner, end = buffers.owner, len(order)
+    allocations: dict[str, tuple[int, int, str, int]] = {}
+    unknown = []
+    for step, index in enumerate(order):
+        node = graph.node[index]
+        for out in node.output:
+            if not out or owner.get(out) != out or out in held:  # (held: written into another's buffer)
+                continue
+            size = sizes.get(out)
+            if size is None:
+                unknown.append(out)
+                size = 0
+            aliases_out = any(owner.get(o) == out for o in outputs)
+            stop = end if out in outputs or aliases_out else buffers.last_read.get(out, step)
+            category = _category(out, _phase(node), gradients, buffers.read_in_backward)
+            allocations[out] = (step, stop, category, size)
+    return allocations, unknown
+
+
+def live_bytes(
+    allocations: Mapping[str, tuple[int, int, str, int]], steps: int
+) -> tuple[list[dict[str, int]], int, int]:
+    """A sweep over ``allocations``' starts and stops (``transient_allocations``): the bytes
+    live after each of ``steps`` steps, per category; the first step where their sum peaks,
+    and that sum."""
+    delta = [dict.fromkeys(CATEGORIES, 0) for _ in range(steps + 2)]
+    for start, stop, category, size in allocations.values():
+        delta[start][category] += size
+        delta[min(stop, steps) + 1][category] -= size
+    live = dict.fromkeys(CATEGORIES, 0)
+    timeline, peak_step, peak_transient = [], -1, 0
+    for step in range(max(steps, 1)):
+        for category in CATEGORIES:
+            live[category] += delta[step][category]
+        timeline.append(dict(live))
+        total = sum(live.values())
+        if total > peak_transient or peak_step < 0:
+            peak_step, peak_transient = step, total
+    return timeline, peak_step, peak_transient
 
 
 #: onnxruntime's BFC arena (core/framework/bfc_arena.cc), as configured by default: every

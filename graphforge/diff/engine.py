@@ -399,57 +399,18 @@ def node_groups(va: GraphView, vb: GraphView, pairs: Mapping[int, int]) -> list[
     is one group (-2 +1), and a node recomputed as ``recompute::<node>/...`` groups the copies
     with the node they copy (anchors matched on both sides: 1 -> n).
     """
-    b2a = {b: a for a, b in pairs.items()}
+    matched_b = set(pairs.values())
     removed = [i for i in va.order if i not in pairs]
-    added = [i for i in vb.order if i not in b2a]
-    sets = _LabelledSets()
-    first: dict[tuple[str, str | None], tuple[str, int]] = {}  # origin -> its first node, in order
-    for side, members, view in (("a", removed, va), ("b", added, vb)):
-        for i in members:
-            origin = node_origin(view.nodes[i].name)
-            sets.add((side, i), origin)
-            if origin is not None:
-                sets.union(first.setdefault(origin, (side, i)), (side, i))
-    keys = list(first)
-    names_a, names_b = _first_by_name(va), _first_by_name(vb)
-    anchors: dict[tuple[str, str | None], tuple[int | None, int | None]] = {}
-    for key in keys:
-        origin = key[1]
-        anchor_a = names_a.get(origin) if origin else None
-        anchor_b = names_b.get(origin) if origin else None
-        anchors[key] = (anchor_a, anchor_b)
-        # an origin node that is gone (fused away) is part of the n:m group itself
-        if anchor_a is not None and anchor_a not in pairs:
-            sets.add(("a", anchor_a), key)
-            sets.union(first[key], ("a", anchor_a))
-        if anchor_b is not None and anchor_b not in b2a:
-            sets.add(("b", anchor_b), key)
-            sets.union(first[key], ("b", anchor_b))
+    added = [i for i in vb.order if i not in matched_b]
+    sets, anchors = _origin_sets(va, vb, pairs, removed, added)
     for u, v in _region_links(va, vb, pairs, removed, added):
         sets.union(u, v)
-
-    order_a = {i: k for k, i in enumerate(va.order)}
-    order_b = {i: k for k, i in enumerate(vb.order)}
-    members: dict[tuple, tuple[list[int], list[int]]] = {}
-    for item in [*(("a", i) for i in removed), *(("b", i) for i in added)]:
-        entry = members.setdefault(sets.find(item), ([], []))
-        entry[0 if item[0] == "a" else 1].append(item[1])
-    by_key: dict[tuple[str, str | None], tuple[list[int], list[int]]] = {}
-    regions = []
-    for root, (members_a, members_b) in members.items():
-        members_a.sort(key=order_a.__getitem__)
-        members_b.sort(key=order_b.__getitem__)
-        key = sets.labels.get(root)
-        if key is not None:
-            by_key[key] = (members_a, members_b)
-        elif len(members_a) + len(members_b) >= 2:
-            regions.append((members_a, members_b))
+    by_key, regions = _set_members(sets, va, vb, removed, added)
     groups = []
-    for key in keys:
+    for key, (anchor_a, anchor_b) in anchors.items():
         if key not in by_key:
             continue  # its only node was an anchor found in another origin's set
         members_a, members_b = by_key[key]
-        anchor_a, anchor_b = anchors[key]
         groups.append(
             NodeGroup(
                 "origin",
@@ -461,12 +422,74 @@ def node_groups(va: GraphView, vb: GraphView, pairs: Mapping[int, int]) -> list[
                 None if anchor_b is None else _ref(vb.nodes[anchor_b]),
             )
         )
-    regions.sort(key=lambda c: (order_a[c[0][0]] if c[0] else len(order_a), order_b[c[1][0]] if c[1] else 0))
     groups += [
         NodeGroup("region", None, None, [_ref(va.nodes[i]) for i in a], [_ref(vb.nodes[i]) for i in b])
         for a, b in regions
     ]
     return groups
+
+
+#: an origin as node_groups labels its set: (the role of the pass that generated it, the node)
+_Origin = tuple[str, str | None]
+
+
+def _origin_sets(
+    va: GraphView, vb: GraphView, pairs: Mapping[int, int], removed: list[int], added: list[int]
+) -> tuple[_LabelledSets, dict[_Origin, tuple[int | None, int | None]]]:
+    """Case 1 of ``node_groups``: the unmatched nodes (``removed`` from ``va``, ``added`` in
+    ``vb``), each in a set of its own but for those of one origin, which share one, labelled
+    with the origin; and each origin, in the order first met, with the node it names on each
+    side (its anchor, None where there is none), which joins its set where it is unmatched."""
+    matched_b = set(pairs.values())
+    sets = _LabelledSets()
+    first: dict[_Origin, tuple[str, int]] = {}  # origin -> its first node, in order
+    for side, members, view in (("a", removed, va), ("b", added, vb)):
+        for i in members:
+            origin = node_origin(view.nodes[i].name)
+            sets.add((side, i), origin)
+            if origin is not None:
+                sets.union(first.setdefault(origin, (side, i)), (side, i))
+    names_a, names_b = _first_by_name(va), _first_by_name(vb)
+    anchors: dict[_Origin, tuple[int | None, int | None]] = {}
+    for key in first:
+        origin = key[1]
+        anchor_a = names_a.get(origin) if origin else None
+        anchor_b = names_b.get(origin) if origin else None
+        anchors[key] = (anchor_a, anchor_b)
+        # an origin node that is gone (fused away) is part of the n:m group itself
+        if anchor_a is not None and anchor_a not in pairs:
+            sets.add(("a", anchor_a), key)
+            sets.union(first[key], ("a", anchor_a))
+        if anchor_b is not None and anchor_b not in matched_b:
+            sets.add(("b", anchor_b), key)
+            sets.union(first[key], ("b", anchor_b))
+    return sets, anchors
+
+
+def _set_members(
+    sets: _LabelledSets, va: GraphView, vb: GraphView, removed: list[int], added: list[int]
+) -> tuple[dict[_Origin, tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
+    """The unmatched nodes of each set of ``sets``, each side's in file order: by origin for the
+    labelled sets; and the unlabelled sets of two nodes or more (regions), in file order of
+    their first node."""
+    order_a = {i: k for k, i in enumerate(va.order)}
+    order_b = {i: k for k, i in enumerate(vb.order)}
+    members: dict[tuple, tuple[list[int], list[int]]] = {}
+    for item in [*(("a", i) for i in removed), *(("b", i) for i in added)]:
+        entry = members.setdefault(sets.find(item), ([], []))
+        entry[0 if item[0] == "a" else 1].append(item[1])
+    by_key: dict[_Origin, tuple[list[int], list[int]]] = {}
+    regions = []
+    for root, (members_a, members_b) in members.items():
+        members_a.sort(key=order_a.__getitem__)
+        members_b.sort(key=order_b.__getitem__)
+        key = sets.labels.get(root)
+        if key is not None:
+            by_key[key] = (members_a, members_b)
+        elif len(members_a) + len(members_b) >= 2:
+            regions.append((members_a, members_b))
+    regions.sort(key=lambda c: (order_a[c[0][0]] if c[0] else len(order_a), order_b[c[1][0]] if c[1] else 0))
+    return by_key, regions
 
 
 class _LabelledSets:

@@ -27,7 +27,7 @@ stages read, an update that reads another stage's tensor) is refused with the na
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -389,73 +389,19 @@ def stage_segments(model: Model | onnx.ModelProto, stage: int) -> StageSegments:
     if not 0 <= stage < role.stages:
         raise StageError(f"stage {stage} does not exist: the program has {role.stages} stages")
     plan = plan_stages(model, role.cuts, role.partial_norms)
-    ov = _overridable(model)
     forward_in, backward_in = messages(plan)
-    graph = model.graph
-    tensors = graph.tensors()
+    tensors = model.graph.tensors()
     own_carried = [c.input for c in program.carried if plan.carried_stage[c.input] == stage]
-    carried_outputs = {c.output for c in program.carried if c.input in set(own_carried)}
-    wanted_outputs = {program.loss, program.grad_norm} - {None}
     send_forward = forward_in[stage + 1] if stage + 1 < plan.stages else []
     send_backward = backward_in[stage - 1] if stage > 0 else []
     partial = next((name for s, name in role.partial_norms if s == stage), None)
-
-    groups = {p: plan.members(stage, p) for p in (FORWARD, BACKWARD)}
-    # every stage with parameters reports the global gradient norm (it gathers the partials anyway)
-    has_update = any(plan.stage[id(n)] == stage and plan.phase[id(n)] == UPDATE for n in plan.nodes)
-    groups[UPDATE] = plan.members(stage, UPDATE, [program.grad_norm] if has_update and program.grad_norm else [])
-    if partial is not None:  # the update in two: this stage's partial norm, then the rest
-        producer = {id(t): n for n in groups[UPDATE] for t in n.outputs}
-        before: set[int] = set()
-        stack = [producer[id(tensors[partial])]]
-        while stack:
-            n = stack.pop()
-            if id(n) not in before:
-                before.add(id(n))
-                stack.extend(producer[id(t)] for t in _reads(n, ov) if id(t) in producer)
-        parts = [[n for n in groups[UPDATE] if id(n) in before], [n for n in groups[UPDATE] if id(n) not in before]]
-    else:
-        parts = [groups[UPDATE]]
-    ordered = [("forward", groups[FORWARD]), ("backward", groups[BACKWARD])]
-    ordered += [(f"update{i if len(parts) > 1 else ''}", nodes) for i, nodes in enumerate(parts)]
-
-    # what later pieces of this stage, or other stages, read from each piece
-    later_reads: list[set[str]] = []
-    for i in range(len(ordered)):
-        names = {t.name for _, nodes in ordered[i + 1 :] for n in nodes for t in _reads(n, ov)}
-        later_reads.append(names)
+    # what the stage's pieces write for others than its later pieces: the messages, the
+    # carried tensors' new values, the loss, the gradient norm and the stage's partial norm
     leaving = set(send_forward) | set(send_backward)
-    segments = []
-    for i, (label, nodes) in enumerate(ordered):
-        made = {t.name for n in nodes for t in n.outputs}
-        inputs = list(dict.fromkeys(t.name for n in nodes for t in _reads(n, ov) if t.name not in made))
-        outputs = [
-            t.name
-            for n in nodes
-            for t in n.outputs
-            if t.name in later_reads[i]
-            or t.name in leaving
-            or t.name in carried_outputs
-            or t.name in wanted_outputs
-            or t.name == partial
-        ]
-        outputs = list(dict.fromkeys(outputs))
-        for name in outputs + inputs:
-            if tensors[name].dtype is None:
-                raise StageError(f"tensor {name!r} crosses between stage {stage}'s segments but its type is unknown")
-        variables = [tensors[n] for n in inputs if not isinstance(tensors[n], gs.Constant)]  # the rest: restored below
-        proto = segment_model(model, nodes, variables, [tensors[n] for n in outputs], f"stage{stage}_{label}")
-        restore_initializer_inputs(proto, model)
-        segments.append(
-            Segment(
-                index=i,
-                model=proto,
-                inputs=[v.name for v in proto.graph.input],
-                outputs=outputs,
-                receives=[n for n in inputs if n in tensors and tensors[n].inputs],
-                sends=[n for n in outputs if n in later_reads[i] or n in leaving],
-            )
-        )
+    kept = {c.output for c in program.carried if c.input in set(own_carried)}
+    kept |= {program.loss, program.grad_norm, partial} - {None}
+    pieces = _stage_pieces(plan, stage, program.grad_norm, partial, tensors)
+    segments = [_piece_segment(model, tensors, pieces, i, stage, leaving, kept) for i in range(len(pieces))]
     return StageSegments(
         stage=stage,
         forward=segments[0],
@@ -472,6 +418,68 @@ def stage_segments(model: Model | onnx.ModelProto, stage: int) -> StageSegments:
             for n in [*forward_in[stage], *send_forward, *backward_in[stage], *send_backward]
         },
         partial_norm=partial,
+    )
+
+
+def _stage_pieces(
+    plan: StagePlan, stage: int, grad_norm: str | None, partial: str | None, tensors: Mapping[str, gs.Tensor]
+) -> list[tuple[str, list[gs.Node]]]:
+    """Stage ``stage``'s pieces, in the order they run, each labelled: its forward, its
+    backward, and its update, in two around its ``partial`` gradient norm when it has one
+    (the nodes that norm is computed from, then the rest)."""
+    ov = _overridable(plan.model)
+    groups = {p: plan.members(stage, p) for p in (FORWARD, BACKWARD)}
+    # every stage with parameters reports the global gradient norm (it gathers the partials anyway)
+    has_update = any(plan.stage[id(n)] == stage and plan.phase[id(n)] == UPDATE for n in plan.nodes)
+    groups[UPDATE] = plan.members(stage, UPDATE, [grad_norm] if has_update and grad_norm else [])
+    if partial is not None:  # the update in two: this stage's partial norm, then the rest
+        producer = {id(t): n for n in groups[UPDATE] for t in n.outputs}
+        before: set[int] = set()
+        stack = [producer[id(tensors[partial])]]
+        while stack:
+            n = stack.pop()
+            if id(n) not in before:
+                before.add(id(n))
+                stack.extend(producer[id(t)] for t in _reads(n, ov) if id(t) in producer)
+        parts = [[n for n in groups[UPDATE] if id(n) in before], [n for n in groups[UPDATE] if id(n) not in before]]
+    else:
+        parts = [groups[UPDATE]]
+    ordered = [("forward", groups[FORWARD]), ("backward", groups[BACKWARD])]
+    return ordered + [(f"update{i if len(parts) > 1 else ''}", nodes) for i, nodes in enumerate(parts)]
+
+
+def _piece_segment(
+    model: Model,
+    tensors: Mapping[str, gs.Tensor],
+    pieces: Sequence[tuple[str, list[gs.Node]]],
+    i: int,
+    stage: int,
+    leaving: set[str],
+    kept: set[str],
+) -> Segment:
+    """The segment of piece ``i`` of stage ``stage``'s ``pieces`` (``_stage_pieces``): it reads
+    what the piece reads and does not make; it writes what later pieces read, what
+    ``leaving`` names (sent to other stages) and what ``kept`` names."""
+    ov = _overridable(model)
+    label, nodes = pieces[i]
+    later_reads = {t.name for _, later in pieces[i + 1 :] for n in later for t in _reads(n, ov)}
+    made = {t.name for n in nodes for t in n.outputs}
+    inputs = list(dict.fromkeys(t.name for n in nodes for t in _reads(n, ov) if t.name not in made))
+    outputs = [t.name for n in nodes for t in n.outputs if t.name in later_reads or t.name in leaving or t.name in kept]
+    outputs = list(dict.fromkeys(outputs))
+    for tensor in outputs + inputs:
+        if tensors[tensor].dtype is None:
+            raise StageError(f"tensor {tensor!r} crosses between stage {stage}'s segments but its type is unknown")
+    variables = [tensors[n] for n in inputs if not isinstance(tensors[n], gs.Constant)]  # the rest: restored below
+    proto = segment_model(model, nodes, variables, [tensors[n] for n in outputs], f"stage{stage}_{label}")
+    restore_initializer_inputs(proto, model)
+    return Segment(
+        index=i,
+        model=proto,
+        inputs=[v.name for v in proto.graph.input],
+        outputs=outputs,
+        receives=[n for n in inputs if n in tensors and tensors[n].inputs],
+        sends=[n for n in outputs if n in later_reads or n in leaving],
     )
 
 

@@ -36,7 +36,7 @@ def eval_model(
     input of the same name (an initializer holding the program's value), so a runtime
     can bind the current training values without copying them into the model.
     ``verify=False``: no check of the result, for a runtime that binds values the program
-    leaves out (``graph.without_values``): onnxruntime checks the model it loads.
+    leaves out (``stand_ins.without_values``): onnxruntime checks the model it loads.
     ``keep_markers``: graphforge's marker calls stay (prune's option), for a runtime that
     runs the collectives they stand for.
     """
@@ -127,7 +127,7 @@ def _set_values(model: Model, values: Mapping[str, np.ndarray]) -> None:
         updates.append((tensor, array))
     for tensor, array in updates:
         tensor.values = array
-        tensor.data_location = None  # it may have been a stand-in (graph.without_values): the values are here now
+        tensor.data_location = None  # it may have been a stand-in (stand_ins.without_values): the values are here now
 
 
 def _dtype_name(dtype) -> str:

@@ -54,7 +54,7 @@ from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.model_io import ModelSource, save
 from graphforge.placement.step import IN_PLACE_ROLES, StepSplit, fused_outputs, segment_outputs, split_program
-from graphforge.program import ProgramRoles, program_proto
+from graphforge.program import CarriedSpec, ProgramRoles, program_proto
 from graphforge.runtime.chain import Chains, GroupMember
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.devices import resolve_device
@@ -185,10 +185,8 @@ class Module(GroupMember):
         update: str = "auto",
         capture: bool | None = None,
     ):
-        if dropout not in DROPOUT_MODES:
-            raise GraphforgeError(f"dropout={dropout!r}: use one of {', '.join(map(repr, DROPOUT_MODES))}")
-        if update not in UPDATES:
-            raise GraphforgeError(f"update={update!r}: use one of {', '.join(map(repr, UPDATES))}")
+        _check_choice("dropout", dropout, DROPOUT_MODES)
+        _check_choice("update", update, UPDATES)
         self._program = program_proto(program)
         self.roles = ProgramRoles.of_proto(self._program).require_training_program()
         roles = self.roles
@@ -202,26 +200,10 @@ class Module(GroupMember):
         # types and shapes only (else a second copy of every weight, for good)
         self._program = without_values(self._program, {s.input for s in roles.carried})
         device_ = resolve_device(device)
-        # what training runs: the program with reproducible dropout masks (eval and export use
-        # the program), without the initial values of the carried tensors, which are always bound
-        self._train_program, seeded = (
-            seeded_dropout(
-                self._program,
-                "div" if device_.type == "cuda" else "bitshift",
-                bound={spec.input for spec in roles.carried},
-            )
-            if dropout == "seeded"
-            else (self._program, 0)
-        )
-        self._key_input = KEY_INPUT if seeded else None
+        self._train_program, self._key_input = _training_program(self._program, roles, device_.type, dropout)
         self.input_names = roles.batch_input_names()
         self.output_names = list(roles.forward_outputs)
-        # a sharded update keeps the optimizer's states per parameter; the loss scale's scalars stay
-        held = [
-            s
-            for s in roles.carried
-            if not (shard_optimizer_states and s.role == "optimizer" and s.input not in roles.loss_scale_states)
-        ]
+        held = _held(roles, shard_optimizer_states)
         self.runner = Runner(
             held,
             device_,
@@ -812,6 +794,35 @@ class Module(GroupMember):
             seed = int(state.seeds.get("dropout", 0))
             scalars[self._key_input] = run_key(seed, state.step, state.micro_batch, self.replica)
         return scalars
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise GraphforgeError(f"{name}={value!r}: use one of {', '.join(map(repr, choices))}")
+
+
+def _training_program(
+    program: onnx.ModelProto, roles: ProgramRoles, device_type: str, dropout: str
+) -> tuple[onnx.ModelProto, str | None]:
+    """What training runs: ``program`` with reproducible dropout masks (``dropout="seeded"``;
+    eval and export use the program), without the initial values of the carried tensors,
+    which are always bound; and the input of the masks' key, if they have one."""
+    if dropout != "seeded":
+        return program, None
+    seeded_program, seeded = seeded_dropout(
+        program, "div" if device_type == "cuda" else "bitshift", bound={spec.input for spec in roles.carried}
+    )
+    return seeded_program, KEY_INPUT if seeded else None
+
+
+def _held(roles: ProgramRoles, shard_optimizer_states: bool) -> list[CarriedSpec]:
+    """The carried tensors a Module's runner holds: all of them, but for a sharded update,
+    which keeps the optimizer's states per parameter elsewhere (the loss scale's scalars stay)."""
+    return [
+        s
+        for s in roles.carried
+        if not (shard_optimizer_states and s.role == "optimizer" and s.input not in roles.loss_scale_states)
+    ]
 
 
 class Optimizer:

@@ -77,6 +77,48 @@ def export_for_training(
     TorchScript has no ``rms_norm`` or ``logcumsumexp``, for instance, and dynamo cannot trace
     some Python control flow that TorchScript's tracer unrolls. The dynamo exporter writes a
     training-mode BatchNorm in inference mode; it is put back in training mode here."""
+    inputs, input_names, output_names, dynamic_axes = _export_arguments(
+        exporter, example_inputs, input_names, output_names, dynamic_axes
+    )
+    tensors = _named_tensors(module)
+    # everything the forward may change comes back after: integer buffers too (BatchNorm's count)
+    every = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    saved = {name: t.detach().clone() for name, t in every.items()}
+    was_training = module.training
+    placeholders = _placeholders(tensors)
+    try:
+        with torch.no_grad():
+            for name, value in placeholders.items():
+                tensors[name].copy_(value)
+        model = _run_exporter(exporter, module, inputs, input_names, output_names, dynamic_axes, opset, training)
+        # the TorchScript export ran the forward in training mode, which moved BatchNorm's
+        # running statistics on from their placeholders: those moved values are what it wrote
+        moved = {name: t.detach().clone() for name, t in tensors.items()}
+    except GraphforgeError:
+        raise
+    except Exception as exc:
+        raise _export_failure(exporter, exc) from exc
+    finally:
+        with torch.no_grad():
+            for name, value in saved.items():
+                every[name].copy_(value)
+        module.train(was_training)
+    _restore_values(model, [placeholders, moved], saved)
+    if exporter == "dynamo" and training:
+        _batch_norm_in_training_mode(model, {n for n, _ in module.named_buffers()})
+    onnx.helper.set_model_props(model, _torch_metadata(model, module, placeholders))
+    return model
+
+
+def _export_arguments(
+    exporter: str,
+    example_inputs: Sequence[torch.Tensor] | torch.Tensor,
+    input_names: Sequence[str] | None,
+    output_names: Sequence[str],
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None,
+) -> tuple[tuple[torch.Tensor, ...], list[str], list[str], Mapping[str, Mapping[int, str]]]:
+    """``export_for_training``'s arguments checked, with their defaults filled in: the inputs
+    as a tuple, the input and output names as lists, the dynamic axes."""
     if exporter not in EXPORTERS:
         raise GraphforgeError(f"exporter must be one of {', '.join(map(repr, EXPORTERS))}, got {exporter!r}")
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
@@ -89,56 +131,56 @@ def export_for_training(
         raise GraphforgeError(f"{len(inputs)} example input(s) but {len(input_names)} input name(s): {input_names}")
     if dynamic_axes is None:
         dynamic_axes = {name: {0: "batch"} for name in [*input_names, *output_names]}
+    return inputs, input_names, output_names, dynamic_axes
 
-    tensors = _named_tensors(module)
-    # everything the forward may change comes back after: integer buffers too (BatchNorm's count)
-    every = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    saved = {name: t.detach().clone() for name, t in every.items()}
-    was_training = module.training
-    placeholders = _placeholders(tensors)
-    try:
-        with torch.no_grad():
-            for name, value in placeholders.items():
-                tensors[name].copy_(value)
-        axes = {k: dict(v) for k, v in dynamic_axes.items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporters' deprecation and tracer warnings
-            if exporter == "dynamo":
-                model = _export_dynamo(module.train(training), inputs, input_names, output_names, axes, opset)
-            else:
-                buffer = io.BytesIO()
-                torch.onnx.export(
-                    module.train(training),
-                    inputs,
-                    buffer,
-                    dynamo=False,
-                    do_constant_folding=False,
-                    training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
-                    opset_version=opset,
-                    input_names=input_names,
-                    output_names=output_names,
-                    dynamic_axes=axes,
-                )
-                model = onnx.load_from_string(buffer.getvalue())
-        # the TorchScript export ran the forward in training mode, which moved BatchNorm's
-        # running statistics on from their placeholders: those moved values are what it wrote
-        moved = {name: t.detach().clone() for name, t in tensors.items()}
-    except GraphforgeError:
-        raise
-    except Exception as exc:
-        cause = _root_cause(exc) if exporter == "dynamo" else exc
-        text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).split())
-        text = text if len(text) <= 400 else text[:400] + " ..."
-        how = "torch.onnx.export" if exporter == "torchscript" else "torch.onnx.export(dynamo=True)"
-        raise GraphforgeError(f"{how} failed: {type(cause).__name__}: {text}") from exc
-    finally:
-        with torch.no_grad():
-            for name, value in saved.items():
-                every[name].copy_(value)
-        module.train(was_training)
-    _restore_values(model, [placeholders, moved], saved)
-    if exporter == "dynamo" and training:
-        _batch_norm_in_training_mode(model, {n for n, _ in module.named_buffers()})
+
+def _run_exporter(
+    exporter: str,
+    module: torch.nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_axes: Mapping[str, Mapping[int, str]],
+    opset: int,
+    training: bool,
+) -> onnx.ModelProto:
+    """``module`` put in training mode (or not) and exported by torch's ``exporter``, quietly."""
+    axes = {k: dict(v) for k, v in dynamic_axes.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporters' deprecation and tracer warnings
+        if exporter == "dynamo":
+            return _export_dynamo(module.train(training), inputs, input_names, output_names, axes, opset)
+        buffer = io.BytesIO()
+        torch.onnx.export(
+            module.train(training),
+            inputs,
+            buffer,
+            dynamo=False,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
+            opset_version=opset,
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_axes=axes,
+        )
+        return onnx.load_from_string(buffer.getvalue())
+
+
+def _export_failure(exporter: str, exc: Exception) -> GraphforgeError:
+    """One line naming the export that failed and why (the dynamo exporter's innermost cause)."""
+    cause = _root_cause(exc) if exporter == "dynamo" else exc
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).split())
+    text = text if len(text) <= 400 else text[:400] + " ..."
+    how = "torch.onnx.export" if exporter == "torchscript" else "torch.onnx.export(dynamo=True)"
+    return GraphforgeError(f"{how} failed: {type(cause).__name__}: {text}")
+
+
+def _torch_metadata(
+    model: onnx.ModelProto, module: torch.nn.Module, placeholders: Mapping[str, torch.Tensor]
+) -> dict[str, str]:
+    """``model``'s metadata with what torch says of its initializers: which are parameters and
+    which buffers (of those given ``placeholders``), which parameters torch does not train, and
+    the padding rows of its embeddings' lookups."""
     parameters = dict(module.named_parameters())
     present = {t.name for t in model.graph.initializer}
     kinds = {name: "PARAMETER" if name in parameters else "BUFFER" for name in placeholders if name in present}
@@ -149,8 +191,7 @@ def export_for_training(
     padding = _padding_rows(model, module)
     if padding:
         props[TORCH_PADDING_ROWS] = json.dumps(padding, sort_keys=True)
-    onnx.helper.set_model_props(model, props)
-    return model
+    return props
 
 
 def _padding_rows(model: onnx.ModelProto, module: torch.nn.Module) -> dict[str, int]:

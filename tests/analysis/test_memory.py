@@ -15,7 +15,17 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from graphforge.analysis.memory import CATEGORIES, MAY_IN_PLACE, dims_of, execution_order, predict
+from graphforge.analysis.memory import (
+    CATEGORIES,
+    MAY_IN_PLACE,
+    buffer_owners,
+    dims_of,
+    execution_order,
+    last_reads,
+    live_bytes,
+    predict,
+    tensor_sizes,
+)
 from graphforge.placement.step_memory import step_memory
 
 pytest.importorskip("torch")
@@ -65,8 +75,8 @@ def test_execution_order_is_onnxruntimes(seed, tmp_path):
     assert profiled == [model.graph.node[i].name for i in execution_order(model.graph)]
 
 
-def test_liveness_frees_after_the_last_reader_and_views_share_a_buffer():
-    model = helper.make_model(
+def _chain_model() -> onnx.ModelProto:
+    return helper.make_model(
         helper.make_graph(
             [
                 helper.make_node("Relu", ["x"], ["a"], name="relu"),
@@ -82,13 +92,87 @@ def test_liveness_frees_after_the_last_reader_and_views_share_a_buffer():
         opset_imports=[helper.make_opsetid("", 17)],
         ir_version=8,
     )
-    report = predict(model)
+
+
+def test_liveness_frees_after_the_last_reader_and_views_share_a_buffer():
+    report = predict(_chain_model())
     assert report.order == ["relu", "view", "sigmoid", "abs"]
     # a's buffer (its view's too) is b's: Sigmoid writes over the input it reads last
     # (onnxruntime's MayInplace); y, a graph output, gets a buffer of its own
     assert [sum(t.values()) for t in report.timeline] == [1024, 1024, 1024, 2048]
     assert report.peak == 2048 + 1024 + 16  # the input x and the shape constant persist
     assert set(report.breakdown()) == set(CATEGORIES)
+
+
+def test_buffer_owners_follow_views_and_in_place_results():
+    """Relu writes a buffer of the run (it cannot write over x, the caller's input); Reshape's
+    result is a view of it; Sigmoid, reading it for the last time, writes over it; Abs is not
+    in place (onnxruntime gives it a buffer of its own)."""
+    model = _chain_model()
+    graph, order = model.graph, execution_order(model.graph)
+    sizes = {name: 1024 for name in ("x", "a", "view", "b", "y")}
+    reads = last_reads(graph, order, set())
+    assert reads.last == {"x": 0, "a": 1, "shape": 1, "view": 2, "b": 3, "y": 4}  # y, an output: to the end
+    buffers = buffer_owners(graph, order, set(), reads, sizes, {}, held=set())
+    assert buffers.owner == {"a": "a", "view": "a", "b": "a", "y": "y"}
+    assert buffers.last_read == {"x": 0, "a": 3, "shape": 1, "y": 4}
+    # a result the caller holds is no buffer of the run: Sigmoid cannot write over it
+    held = buffer_owners(graph, order, set(), reads, sizes, {}, held={"a"})
+    assert held.owner == {"a": "a", "view": "a", "b": "b", "y": "y"}
+
+
+def test_live_bytes_sweeps_the_allocations():
+    allocations = {  # (made at, last step it lives, category, bytes)
+        "a": (0, 1, "temporaries", 10),
+        "g": (1, 2, "gradients", 5),
+        "c": (2, 2, "temporaries", 7),
+        "late": (2, 9, "saved activations", 1),  # lives past the last step: to the end
+    }
+    timeline, peak_step, peak = live_bytes(allocations, 3)
+    assert [(t["temporaries"], t["gradients"], t["saved activations"]) for t in timeline] == [
+        (10, 0, 0),
+        (10, 5, 0),
+        (7, 5, 1),
+    ]
+    assert (peak_step, peak) == (1, 15)
+    assert live_bytes({}, 0) == ([dict.fromkeys(CATEGORIES, 0)], 0, 0)
+
+
+def test_shape_values_are_folded_where_onnx_inference_stops():
+    """positions = Range(0, Shape(x)[1], 1): ONNX's data propagation stops at Range, so the
+    sizes of what reads it are known only once the memory model has folded the values (with
+    graphforge.constants' evaluator) and inferred the shapes again. The oracle: onnxruntime's
+    outputs at the same dims."""
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Shape", ["x"], ["s"]),
+                helper.make_node("Shape", ["x"], ["tail"], start=-1),
+                helper.make_node("Gather", ["s", "one"], ["n"], axis=0),
+                helper.make_node("Range", ["zero", "n", "one"], ["positions"]),
+                helper.make_node("Cast", ["positions"], ["p"], to=TensorProto.FLOAT),
+                helper.make_node("Add", ["x", "p"], ["y"]),
+                helper.make_node("Concat", ["tail", "tail"], ["square"], axis=0),
+                helper.make_node("Reshape", ["p", "tail"], ["again"]),
+                helper.make_node("ConstantOfShape", ["square"], ["grid"]),
+            ],
+            "positions",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("p", "y", "again", "grid")],
+            [
+                helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+                helper.make_tensor("one", TensorProto.INT64, [], [1]),
+            ],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,
+    )
+    dims = {"batch": 3, "seq": 5}
+    sizes = tensor_sizes(model, dims)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    outputs = session.run(names, {"x": np.zeros((3, 5), np.float32)})
+    assert {n: sizes.get(n) for n in names} == {n: o.nbytes for n, o in zip(names, outputs, strict=True)}
 
 
 #: ops onnxruntime's CPU kernels do not run in place (each a second buffer), probed beside MAY_IN_PLACE
