@@ -43,7 +43,7 @@ def site(tmp_path_factory):
     if CHROMIUM is None:
         pytest.skip("no Chromium here: make install installs it where apt-get and root allow")
     if NODE is None or not (JS / "node_modules" / "puppeteer-core").is_dir():
-        pytest.fail("node or js/node_modules is missing: make install sets them up")
+        pytest.fail("node or puppeteer-core is missing: run make install first (it runs npm ci in js/)")
     root = tmp_path_factory.mktemp("site")
     for name in ("js", "examples"):
         (root / name).symlink_to(REPO / name)
