@@ -12,23 +12,24 @@ import { fileURLToPath } from 'node:url';
 const JS = fileURLToPath(new URL('..', import.meta.url));
 const REPO = join(JS, '..');
 
-/** Stop with one line saying what is missing and how to get it. */
-function missing(what) {
-  console.error(`npm test: ${what}: run make install first (at the repository's root)`);
+/** Stop with one line saying what is missing and how to get it.
+ * @param {string} what @param {string} how what make install does that gives it */
+function missing(what, how) {
+  console.error(`${what} is missing: run make install first (${how})`);
   process.exit(2);
 }
 
 try {
   createRequire(import.meta.url).resolve('onnxruntime-node');
 } catch {
-  missing('onnxruntime-node is missing (it runs npm ci in js/)');
+  missing('onnxruntime-node', 'it runs npm ci in js/');
 }
 
 let fixtures = process.env.GRAPHFORGE_JS_FIXTURES;
 let made = null;
 if (!fixtures) {
   const python = process.env.PYTHON ?? join(REPO, '.venv', 'bin', 'python');
-  if (!existsSync(python)) missing(`the fixtures come from graphforge in Python, and ${python} is missing (it makes .venv; or set PYTHON)`);
+  if (!existsSync(python)) missing(`${python}, whose graphforge makes the tests' fixtures,`, 'it makes .venv; or set PYTHON');
   made = fixtures = mkdtempSync(join(tmpdir(), 'graphforge-js-fixtures-'));
   console.log(`making the fixtures with ${python} (tests/ondevice/js_fixtures.py) in ${fixtures}`);
   const done = spawnSync(python, [join(REPO, 'tests', 'ondevice', 'js_fixtures.py'), fixtures], { stdio: 'inherit' });
