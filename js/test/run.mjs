@@ -29,7 +29,7 @@ let fixtures = process.env.GRAPHFORGE_JS_FIXTURES;
 let made = null;
 if (!fixtures) {
   const python = process.env.PYTHON ?? join(REPO, '.venv', 'bin', 'python');
-  if (!existsSync(python)) missing(`${python}, whose graphforge makes the tests' fixtures,`, 'it makes .venv; or set PYTHON');
+  if (!existsSync(python)) missing(`${python} (the Python whose graphforge makes the tests' fixtures)`, 'it makes .venv; or set PYTHON to another');
   made = fixtures = mkdtempSync(join(tmpdir(), 'graphforge-js-fixtures-'));
   console.log(`making the fixtures with ${python} (tests/ondevice/js_fixtures.py) in ${fixtures}`);
   const done = spawnSync(python, [join(REPO, 'tests', 'ondevice', 'js_fixtures.py'), fixtures], { stdio: 'inherit' });

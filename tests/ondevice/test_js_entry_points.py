@@ -58,6 +58,15 @@ def test_every_entry_point_says_to_run_make_install_without_onnxruntime_node(tmp
     for name, argv in entry_points.items():
         done = subprocess.run([NODE, *argv], capture_output=True, text=True, timeout=60, cwd=copy, env=env)
         assert (done.returncode, done.stderr) == (2, HINT + "\n"), name
+    # npm test where onnxruntime-node is, but not the Python that makes its fixtures
+    env = {**env, "PYTHON": str(tmp_path / "no-python")}
+    env.pop("GRAPHFORGE_JS_FIXTURES", None)
+    done = subprocess.run([NODE, "test/run.mjs"], capture_output=True, text=True, timeout=60, cwd=JS, env=env)
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"{tmp_path / 'no-python'} (the Python whose graphforge makes the tests' fixtures) is missing: "
+        "run make install first (it makes .venv; or set PYTHON to another)\n",
+    )
 
 
 def test_the_package_readme_shows_the_example_as_it_is():
