@@ -54,6 +54,7 @@ install: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
+	cd js && npm run --silent typecheck
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 	$(BIN)/graphforge golden check golden_models
 

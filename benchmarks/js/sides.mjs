@@ -9,7 +9,7 @@
 // A job: {side: "graphforge" | "tfjs", backend, threads, artifacts, model: {kind, ...},
 //         weights: {file, tensors: [{name, shape, offset}]}, batches: {file, steps: [...]},
 //         warmup, warmupSeconds, blocks, blockSeconds}
-import { TrainingSession } from '../../js/src/index.js';
+import { TrainingSession, runKey } from '../../js/src/index.js';
 
 const ARRAYS = { float32: Float32Array, int64: BigInt64Array, uint8: Uint8Array, int32: Int32Array };
 
@@ -62,31 +62,45 @@ async function graphforge(job, { ort, load, gcClock }) {
   const session = await TrainingSession.create({ ort, artifacts: job.artifacts }, options);
   const loss = session.manifest.loss;
   const result = await timed(job, async (i) => Number((await session.runStep(batches[i % batches.length]))[loss].data[0]), gcClock);
-  result.bare = await bare(job, session, batches, ort);
+  result.bare = await bare(job, session, batches, { ort, load, options });
   await session.release();
   return result;
 }
 
-/** The whole-step model run bare, its state fed and nothing carried: fetching every output
- * (what a step does), fetching them into outputs allocated once, and fetching the loss alone
- * (the run computes the same; the carried tensors stay in onnxruntime). The first two less
- * the third is what handing the carried tensors to JavaScript costs; the step less the first
- * is what the runtime adds. */
-async function bare(job, session, batches, ort) {
+/** The whole-step model run bare, in a session of its own with the same options, the
+ * session's state fed and nothing carried: fetching every output (what a step does), fetching
+ * them into outputs allocated once, and fetching the loss alone (the run computes the same; the
+ * carried tensors stay in onnxruntime). The first two less the third is what handing the
+ * carried tensors to JavaScript costs; the step less the first is what the runtime adds. */
+async function bare(job, session, batches, { ort, load, options }) {
   const entry = session.manifest.models.train_step;
-  const model = await session.session('train_step');
-  const feeds = session.feedsFor('train_step', entry, batches[0]);
+  const model = await ort.InferenceSession.create(new Uint8Array(await load(`${job.artifacts.replace(/\/?$/, '/')}${entry.file}`)), options);
+  const state = session.checkpointState;
+  // each input as the manifest's role says (docs/ondevice-manifest.md), the batch the first one
+  const scalars = {
+    reset: () => new ort.Tensor('bool', Uint8Array.of(1), []),
+    lr: () => new ort.Tensor('float32', Float32Array.of(session.getLearningRate()), []),
+    step: () => new ort.Tensor('int64', BigInt64Array.of(BigInt(state.step)), []),
+    dropout_key: () => new ort.Tensor('uint32', runKey(state.seeds.dropout ?? session.manifest.dropout?.seed ?? 0, state.step, 0), [2]),
+  };
+  const feeds = {};
+  for (const port of entry.inputs) {
+    const t = port.role === 'state' ? state.tensor(port.state) : null;
+    feeds[port.name] = t ? new ort.Tensor(t.dtype, t.data, t.shape) : port.role in scalars ? scalars[port.role]() : batches[0][port.name];
+  }
   const into = {};
   for (const port of entry.outputs) {
     const t = port.state ? session.checkpointState.tensor(port.state) : null;
     into[port.name] = t ? new ort.Tensor(t.dtype, new t.data.constructor(t.data.length), t.shape) : null;
   }
   const time = async (run) => (await timed({ ...job, blocks: 1 }, async () => (await run(), 0))).blocks[0];
-  return {
+  const result = {
     all: await time(() => model.run(feeds)),
     into: await time(() => model.run(feeds, into)),
     lossOnly: await time(() => model.run(feeds, [session.manifest.loss])),
   };
+  await model.release();
+  return result;
 }
 
 // ------------------------------------------------------------------ TensorFlow.js

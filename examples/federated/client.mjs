@@ -7,7 +7,14 @@ import { createRequire } from 'node:module';
 import { TrainingSession } from '../../js/src/index.js';
 
 // onnxruntime-node as js/ installed it (make install's npm ci)
-const ort = createRequire(new URL('../../js/package.json', import.meta.url))('onnxruntime-node');
+const ort = (() => {
+  try {
+    return createRequire(new URL('../../js/package.json', import.meta.url))('onnxruntime-node');
+  } catch {
+    console.error('onnxruntime-node is missing: run make install first (it runs npm ci in js/)');
+    process.exit(2);
+  }
+})();
 
 const [server, name, ...flags] = process.argv.slice(2);
 const misbehave = flags.find((f) => f.startsWith('--send='))?.slice('--send='.length);

@@ -4,19 +4,19 @@ each training on its own quarter of the digits; prints the averaged model's test
     .venv/bin/python examples/federated/run.py [--rounds 10] [--misbehaving]
 
 ``--misbehaving`` adds two clients whose buffers the server refuses each round (one of the
-wrong size, one holding a NaN), naming them; the rounds go on with the others.
+wrong size, one holding a NaN), naming them; the rounds go on with the others. It prints each
+round and each refusal once; out/federated/result.json holds the same.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from server import REPO, Federation, serve
+from server import REPO, Federation, serve, summary
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,8 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "out" / "federated")
     args = parser.parse_args(argv)
     node = shutil.which("node")
-    if node is None or not (REPO / "js" / "node_modules" / "onnxruntime-node").is_dir():
-        print("node and js/node_modules are needed: run make install first", file=sys.stderr)
+    if node is None:
+        print(
+            "node is missing: run make install first (it installs Node.js where apt-get and root allow)",
+            file=sys.stderr,
+        )
+        return 2
+    if not (REPO / "js" / "node_modules" / "onnxruntime-node").is_dir():
+        print("onnxruntime-node is missing: run make install first (it runs npm ci in js/)", file=sys.stderr)
         return 2
     honest = [str(k) for k in range(args.clients)]
     misbehaving = {"wrong-size": "wrong-size", "not-finite": "not-finite"} if args.misbehaving else {}
@@ -52,15 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if not finished or any(codes):
         print(f"the federation did not finish (clients exited with {codes})", file=sys.stderr)
         return 1
-    result = federation.finish(args.out)
-    for entry in result["log"]:
-        refused = "; ".join(f"{client}: {why}" for client, why in sorted(entry["refused"].items()))
-        print(
-            f"round {entry['round']}: averaged {entry['averaged']} updates"
-            + (f" (refused: {refused})" if refused else "")
-        )
-    print(f"test accuracy of the averaged model: {result['accuracy']:.4f} (written to {args.out})")
-    print(json.dumps(result))
+    print("\n".join(summary(federation.finish(args.out), args.out)))
     return 0
 
 

@@ -10,7 +10,8 @@ is open; the round in X-Round), trains on its shard, and POSTs /update?client=ID
 parameters. A buffer of the wrong size, or holding a value that is not finite, is refused by
 name (400) and the round goes on without it; a round closes once every participant answered.
 At the end the server writes the averaged model with graphforge's checkpoint and export API
-(out/federated/: the checkpoint, and the inference model) and scores it on the test split.
+(out/federated/: the checkpoint, and the inference model), scores it on the test split, writes
+what happened each round to result.json and prints it in a few lines.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from graphforge.runtime.inference import export_inference_model
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "examples" / "digits" / "model.onnx"
+#: what finish() writes beside the averaged model: the accuracy and each round's log
+RESULT = "result.json"
 PIPELINE = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2, weight_decay=0.01, accumulate=true)"
 
 
@@ -100,7 +103,8 @@ class Federation:
         self.lock.notify_all()
 
     def finish(self, out: Path) -> dict:
-        """The averaged model: its checkpoint and inference model in ``out``, and its test accuracy."""
+        """The averaged model: its checkpoint and inference model in ``out``, and its test
+        accuracy; the result (the accuracy, each round's log) is written to ``out``/result.json too."""
         at = 0
         for name in self.names:
             tensor = self.state.tensors[name]
@@ -115,13 +119,50 @@ class Federation:
             session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
             (logits,) = session.run(["logits"], {"images": test["images"]})
             accuracy = float(np.mean(np.argmax(logits, axis=1) == test["labels"]))
-        return {"rounds": self.rounds, "accuracy": accuracy, "log": self.log}
+        result = {"rounds": self.rounds, "accuracy": accuracy, "log": self.log}
+        (out / RESULT).write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
+
+def summary(result: dict, out: Path) -> list[str]:
+    """The federation's result in lines: each round, each refusal once (with the rounds it
+    came in), the averaged model's accuracy and where it is."""
+    lines, refusals = [], {}
+    for entry in result["log"]:
+        refused = sorted(entry["refused"])
+        lines.append(
+            f"round {entry['round']}: averaged {entry['averaged']} updates"
+            + (f", refused {len(refused)} ({', '.join(refused)})" if refused else "")
+        )
+        for client, why in entry["refused"].items():
+            refusals.setdefault((client, why), []).append(entry["round"])
+    for (client, why), rounds in sorted(refusals.items()):
+        lines.append(f"refused '{client}' in {_rounds(rounds)}: {why}")
+    lines.append(
+        f"test accuracy of the averaged model after {result['rounds']} rounds: {result['accuracy']:.4f} "
+        f"({out}: averaged.ckpt, model.onnx, {RESULT})"
+    )
+    return lines
+
+
+def _rounds(rounds: list[int]) -> str:
+    if len(rounds) == 1:
+        return f"round {rounds[0]}"
+    if rounds == list(range(rounds[0], rounds[-1] + 1)):
+        return f"rounds {rounds[0]} to {rounds[-1]}"
+    return f"rounds {', '.join(map(str, rounds))}"
 
 
 def handler(federation: Federation):
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
+        def do_HEAD(self) -> None:  # a client's runtime asks whether each artifact is there
+            self.do_GET(head=True)
+
+        def do_GET(self, head: bool = False) -> None:
             path = urlparse(self.path).path
+            if head and path == "/round":
+                self._answer(405, b"HEAD /files/NAME only", "text/plain")
+                return
             if path == "/round":  # ?wait=R: once round R is open (or the last has closed)
                 query = {k: v[0] for k, v in parse_qs(urlparse(self.path).query).items()}
                 wanted = int(query.get("wait", 0))
@@ -136,7 +177,7 @@ def handler(federation: Federation):
                 if federation.folder.resolve() not in target.parents or not target.is_file():
                     self._answer(404, b"no such file", "text/plain")
                 else:
-                    self._answer(200, target.read_bytes(), "application/octet-stream")
+                    self._answer(200, target.read_bytes(), "application/octet-stream", head=head)
             else:
                 self._answer(404, b"no such resource", "text/plain")
 
@@ -153,18 +194,17 @@ def handler(federation: Federation):
                 self._answer(400, b"round and samples are whole numbers", "text/plain")
                 return
             status, text = federation.update(query["client"], round_, samples, body)
-            if status != 200:
-                print(f"round {round_}: {text}", flush=True)
             self._answer(status, text.encode(), "text/plain")
 
-        def _answer(self, status: int, body: bytes, kind: str, headers: dict | None = None) -> None:
+        def _answer(self, status: int, body: bytes, kind: str, headers: dict | None = None, head: bool = False) -> None:
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             for key, value in (headers or {}).items():
                 self.send_header(key, value)
             self.end_headers()
-            self.wfile.write(body)
+            if not head:
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args) -> None:
             pass
@@ -196,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     federation.done.wait()
     httpd.shutdown()
     result = federation.finish(args.out)
-    print(json.dumps(result), flush=True)
+    print("\n".join(summary(result, args.out)), flush=True)
     return 0
 
 

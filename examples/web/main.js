@@ -12,13 +12,14 @@ const BATCH = Number(params.get('batch') ?? 32);
 const SHUFFLE = params.get('shuffle') !== '0';
 const STOP_AFTER = params.has('steps') ? Number(params.get('steps')) : Infinity;
 const WARMUP = 30; // as make demo's config (examples/digits/train.toml)
+const DOT = 4; // the accuracy points' radius
 const DB = 'graphforge-digits';
 
 ort.env.wasm.wasmPaths = '/js/node_modules/onnxruntime-web/dist/';
 ort.env.wasm.numThreads = Number(params.get('threads') ?? (self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency) : 1));
 
 /** What the page did, for whoever drives it (tests read it). */
-const log = (window.graphforge = { losses: [], accuracies: [], accuracy: null, step: 0, done: false, resumedAt: null, error: null, fallbackNodes: null });
+const log = (window.graphforge = { losses: [], accuracies: [], accuracy: null, step: 0, done: false, resumedAt: null, error: null, fallbackNodes: null, chart: null });
 const $ = (id) => document.getElementById(id);
 const status = (text) => ($('status').textContent = text);
 
@@ -248,34 +249,45 @@ function draw() {
   const canvas = $('chart');
   const g = canvas.getContext('2d');
   const { width, height } = canvas;
+  // the legends above the plot, the step below it: nothing drawn in the plot covers them
   const pad = 36;
+  const top = 28;
+  const bottom = height - pad;
   g.clearRect(0, 0, width, height);
   g.strokeStyle = '#bbb';
-  g.strokeRect(pad, 8, width - 2 * pad, height - pad - 8);
+  g.strokeRect(pad, top, width - 2 * pad, bottom - top);
   g.font = '12px system-ui';
-  g.fillStyle = '#1f6feb';
-  g.fillText('training loss', pad + 6, 24);
-  g.fillStyle = '#e36209';
-  g.textAlign = 'right';
-  g.fillText('test accuracy (0 to 1)', width - pad - 6, 24);
+  const labels = [];
+  const label = (text, x, y, color, align) => {
+    g.fillStyle = color;
+    g.textAlign = align;
+    g.fillText(text, x, y);
+    const m = g.measureText(text);
+    const left = align === 'right' ? x - m.width : align === 'center' ? x - m.width / 2 : x;
+    labels.push({ text, left, right: left + m.width, top: y - m.actualBoundingBoxAscent, bottom: y + m.actualBoundingBoxDescent });
+  };
+  label('training loss', pad, top - 10, '#1f6feb', 'left');
+  label('test accuracy (0 to 1)', width - pad, top - 10, '#e36209', 'right');
+  label(`step ${log.step} of ${totalSteps}`, width / 2, height - 10, '#555', 'center');
   g.textAlign = 'left';
-  g.fillStyle = '#555';
-  g.fillText(`step ${log.step} of ${totalSteps}`, width / 2 - 40, height - 10);
   const x = (step) => pad + ((width - 2 * pad) * step) / Math.max(1, totalSteps);
-  const top = Math.max(2.5, ...log.losses);
-  const yLoss = (loss) => 8 + (height - pad - 8) * (1 - loss / top);
-  const yAcc = (acc) => 8 + (height - pad - 8) * (1 - acc);
+  const most = Math.max(2.5, ...log.losses);
+  const yLoss = (loss) => top + (bottom - top) * (1 - loss / most);
+  const yAcc = (acc) => top + (bottom - top) * (1 - acc);
   g.strokeStyle = '#1f6feb';
   g.lineWidth = 1.5;
   g.beginPath();
   log.losses.forEach((loss, i) => (i ? g.lineTo(x(i + 1), yLoss(loss)) : g.moveTo(x(i + 1), yLoss(loss))));
   g.stroke();
   g.fillStyle = '#e36209';
+  const dots = [];
   for (const { step, accuracy } of log.accuracies) {
     g.beginPath();
-    g.arc(x(step), yAcc(accuracy), 4, 0, 2 * Math.PI);
+    g.arc(x(step), yAcc(accuracy), DOT, 0, 2 * Math.PI);
     g.fill();
+    dots.push({ x: x(step), y: yAcc(accuracy), r: DOT });
   }
+  log.chart = { labels, dots }; // where the drawing put them, for whoever drives the page
 }
 
 start().catch(fail);

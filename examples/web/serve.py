@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     if not (REPO / "js" / "node_modules" / "onnxruntime-web").is_dir():
-        print("js/node_modules is missing: run make install first (it runs npm ci in js/)", file=sys.stderr)
+        print("onnxruntime-web is missing: run make install first (it runs npm ci in js/)", file=sys.stderr)
         return 2
     prepare()
     httpd = server(args.port)

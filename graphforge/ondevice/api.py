@@ -26,7 +26,7 @@ from onnx import numpy_helper
 
 from graphforge.errors import GraphforgeError
 from graphforge.model_io import load, save
-from graphforge.ondevice.manifest import Manifest, ManifestError, ModelEntry
+from graphforge.ondevice.manifest import FROZEN, Manifest, ManifestError, ModelEntry
 from graphforge.placement.lean import lean_model
 from graphforge.runtime.checkpoint import CheckpointState as _State
 from graphforge.runtime.devices import resolve_device
@@ -61,7 +61,7 @@ class Parameter:
 
     @property
     def requires_grad(self) -> bool:
-        return self.name in self._state._gradients
+        return self.name in self._state._trainable
 
     def __repr__(self) -> str:
         return f"Parameter(name={self.name!r}, requires_grad={self.requires_grad})"
@@ -89,13 +89,15 @@ class Parameters(Mapping):
 
 
 class CheckpointState:
-    """The state of a training session: parameters, optimizer states, accumulated gradients and
-    user properties (ints, floats, strings), as graphforge's checkpoint holds them (each tensor
+    """The state of a training session: parameters (trainable, and frozen: ``requires_grad``
+    false), optimizer states, accumulated gradients and user properties (ints, floats, strings), as graphforge's checkpoint holds them (each tensor
     with its role). ``load_checkpoint`` reads an artifact folder's checkpoint, or any saved since."""
 
     def __init__(self, state: _State):
         self._state = state
-        self._parameters = [s.name for s in state.specs if s.role == "parameter"]
+        #: every parameter, trainable or frozen, in the checkpoint's order; the trainable ones
+        self._parameters = [s.name for s in state.specs if s.role in ("parameter", FROZEN)]
+        self._trainable = [s.name for s in state.specs if s.role == "parameter"]
         #: parameter -> the accumulator of its gradient (a Module's manifest says which)
         self._gradients: dict[str, str] = {}
         self.properties = state.properties
@@ -215,17 +217,19 @@ class Module:
         """The next training run overwrites the accumulated gradients instead of adding to them."""
         self._reset = True
 
-    def _trainable(self, trainable_only: bool) -> list[str]:
-        names = self.state._parameters
-        return [n for n in names if n in self.state._gradients] if trainable_only else names
+    def _parameter_names(self, trainable_only: bool) -> list[str]:
+        return self.state._trainable if trainable_only else self.state._parameters
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
-        return sum(int(self.state._state.tensors[n].size) for n in self._trainable(trainable_only))
+        return sum(int(self.state._state.tensors[n].size) for n in self._parameter_names(trainable_only))
 
     def get_contiguous_parameters(self, trainable_only: bool = False) -> np.ndarray:
-        """The parameters in one float32 buffer, in the checkpoint's order."""
+        """The parameters in one float32 buffer, in the checkpoint's order: the trainable ones,
+        or (``trainable_only=False``, onnxruntime-training's default here) the frozen ones too."""
         tensors = self.state._state.tensors
-        return np.concatenate([tensors[n].reshape(-1).astype(np.float32) for n in self._trainable(trainable_only)])
+        return np.concatenate(
+            [tensors[n].reshape(-1).astype(np.float32) for n in self._parameter_names(trainable_only)]
+        )
 
     def copy_buffer_to_parameters(self, buffer: np.ndarray, trainable_only: bool = True) -> None:
         buffer = np.asarray(buffer).reshape(-1)
@@ -233,7 +237,7 @@ class Module:
         if buffer.size != size:
             raise GraphforgeError(f"the parameters hold {size} elements, the buffer {buffer.size}")
         at, tensors = 0, self.state._state.tensors
-        for name in self._trainable(trainable_only):
+        for name in self._parameter_names(trainable_only):
             count = tensors[name].size
             tensors[name] = buffer[at : at + count].reshape(tensors[name].shape).astype(tensors[name].dtype)
             at += count

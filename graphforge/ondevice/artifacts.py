@@ -9,7 +9,8 @@ takes onnxruntime-training's arguments, compiles the forward model with the pipe
   buffers (unless the lazy-reset input is true), the loss first among its outputs;
 - ``eval_model.onnx``: forward and loss, Dropout off and BatchNorm on its running statistics;
 - ``optimizer_model.onnx``: the update, from the accumulated gradients;
-- ``checkpoint``: every carried tensor (graphforge's checkpoint: safetensors, per-tensor CRC-32);
+- ``checkpoint``: every carried tensor, and the frozen parameters (graphforge's checkpoint:
+  safetensors, per-tensor CRC-32);
 - ``train_step.onnx``: the whole step in one model, the fast path where nothing accumulates;
 - ``inference.onnx``: the forward outputs, the checkpoint's weights in it;
 - ``manifest.json`` (graphforge/ondevice/manifest.py), written last: a set whose manifest does
@@ -20,7 +21,10 @@ trained run's, with its checkpoint): the training and optimizer models are the p
 after its accumulated gradients, each model's carried tensors are plain graph inputs (no
 initializer shares a name with an input: onnxruntime's C API, and so onnxruntime-node and
 onnxruntime-web, would leave such an input out of the session and drop its feed), and their
-values are the checkpoint's.
+values are the checkpoint's. Parameters named ``frozen`` are plain inputs too, read and never
+replaced, with the role ``frozen`` in the manifest and the checkpoint, as onnxruntime-training's
+artifacts hold them: a runtime reads and sets them with the trainable ones where asked
+(``getContiguousParameters(false)``), and a step leaves them as they are.
 """
 
 from __future__ import annotations
@@ -32,17 +36,18 @@ from enum import Enum
 from pathlib import Path
 
 import onnx
+from onnx import numpy_helper
 
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.model_io import ModelSource, load, save
-from graphforge.ondevice.manifest import CHECKPOINT, FILES, Manifest, ModelEntry, StateEntry, ports, sha256_of
+from graphforge.ondevice.manifest import CHECKPOINT, FILES, FROZEN, Manifest, ModelEntry, StateEntry, ports, sha256_of
 from graphforge.pass_manager import PassManager, parse_pipeline, pipeline_text
 from graphforge.pass_spec import format_value
 from graphforge.placement.cut import cut
 from graphforge.placement.lean import lean_model
 from graphforge.program import ProgramRoles
-from graphforge.runtime.checkpoint import CheckpointState
+from graphforge.runtime.checkpoint import CheckpointState, TensorSpec
 from graphforge.runtime.dropout import KEY_INPUT, seeded_dropout
 from graphforge.runtime.inference import eval_model, export_inference_model
 from graphforge.tempfiles import move_into_place, temp_folder_beside
@@ -116,7 +121,7 @@ def generate_artifacts(
     pipeline = pipeline_for(source, requires_grad, frozen_params, loss, optimizer, loss_input_names)
     program = PassManager(parse_pipeline(pipeline)).run(source).model
     folder = Path(artifact_directory) if artifact_directory is not None else Path.cwd()
-    write_artifacts(program, folder, prefix=prefix, outputs=additional_output_names or ())
+    write_artifacts(program, folder, prefix=prefix, outputs=additional_output_names or (), frozen=frozen_params or ())
 
 
 def pipeline_for(
@@ -178,10 +183,13 @@ def write_artifacts(
     state: CheckpointState | None = None,
     prefix: str = "",
     outputs: Sequence[str] | None = None,
+    frozen: Sequence[str] = (),
 ) -> Manifest:
     """Write the artifacts of a training ``program`` into ``folder`` (made if missing), its
     carried tensors ``state``'s (default: the program's own), the training and eval models
-    returning the loss and ``outputs`` (default: none; the forward outputs are ``inference.onnx``'s)."""
+    returning the loss and ``outputs`` (default: none; the forward outputs are ``inference.onnx``'s).
+    ``frozen``: initializers of the program that are parameters it does not train (what
+    ``autodiff(frozen=...)`` left out): the models read them as inputs, from the checkpoint."""
     proto = (
         program.to_proto()
         if isinstance(program, Model)
@@ -197,7 +205,8 @@ def write_artifacts(
         )
     state = state if state is not None else CheckpointState.from_program(proto)
     state.check(roles.carried)
-    models = _models(proto, roles, extra)
+    fixed = _frozen_values(proto, roles, frozen)
+    models = _models(proto, roles, extra, fixed)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # written beside the folder first, then moved in, the manifest last: a failure leaves the
@@ -212,13 +221,16 @@ def write_artifacts(
         entries["inference"] = _written(
             inference, tmp / f"{prefix}{FILES['inference']}", _batch_roles(roles), _output_roles
         )
-        checkpoint = state.save(tmp / f"{prefix}{CHECKPOINT}")
+        checkpoint = _with_frozen(state, fixed).save(tmp / f"{prefix}{CHECKPOINT}")
         dropout = None
         if any(i.name == KEY_INPUT for i in models["training"][0].graph.input):
             dropout = {"input": KEY_INPUT, "seed": int(state.seeds.get("dropout", 0)), "key": "splitmix64"}
         manifest = Manifest(
             models=entries,
-            state=[StateEntry(c.input, c.role, c.dtype, tuple(c.shape), c.like) for c in roles.carried],
+            state=[
+                *(StateEntry(c.input, c.role, c.dtype, tuple(c.shape), c.like) for c in roles.carried),
+                *(StateEntry(name, FROZEN, value.dtype.name, tuple(value.shape)) for name, value in fixed.items()),
+            ],
             checkpoint=checkpoint.name,
             checkpoint_sha256=sha256_of(checkpoint),
             optimizer=roles.optimizer,
@@ -256,9 +268,43 @@ def _refuse_distributed(roles: ProgramRoles) -> None:
             )
 
 
-def _models(proto: onnx.ModelProto, roles: ProgramRoles, extra: list[str]) -> dict:
-    """The training, optimizer, eval and whole-step models, each with its carried tensors as
-    plain inputs, and how to name each input's and output's role."""
+def _frozen_values(proto: onnx.ModelProto, roles: ProgramRoles, frozen: Sequence[str]) -> dict:
+    """The values of the ``frozen`` parameters (program initializers), in the program's order."""
+    initializers = {t.name: t for t in proto.graph.initializer}
+    carried = {c.input for c in roles.carried}
+    for name in frozen:
+        if name in carried:
+            raise GraphforgeError(f"frozen parameter {name!r} is trained by the program (it carries an update of it)")
+        if name not in initializers:
+            raise GraphforgeError(f"frozen parameter {name!r} is no initializer of the program")
+    wanted = set(frozen)
+    return {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in wanted}
+
+
+def _with_frozen(state: CheckpointState, fixed: dict) -> CheckpointState:
+    """``state`` with the frozen parameters' values besides its carried tensors."""
+    if not fixed:
+        return state
+    specs = [TensorSpec(n, FROZEN, v.dtype.name, tuple(v.shape)) for n, v in fixed.items()]
+    return state.with_tensors({**state.tensors, **fixed}, [*state.specs, *specs])
+
+
+def _frozen_as_inputs(model: onnx.ModelProto, fixed: dict) -> onnx.ModelProto:
+    """``model`` reading the frozen parameters it holds as initializers from graph inputs."""
+    held = [t for t in model.graph.initializer if t.name in fixed]
+    if not held:
+        return model
+    kept = [t for t in model.graph.initializer if t.name not in fixed]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    for tensor in held:
+        model.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    return model
+
+
+def _models(proto: onnx.ModelProto, roles: ProgramRoles, extra: list[str], fixed: dict) -> dict:
+    """The training, optimizer, eval and whole-step models, each with its carried tensors and
+    frozen parameters as plain inputs, and how to name each input's and output's role."""
     keyed, _ = seeded_dropout(proto)  # (masks a runtime in any language draws the same)
     carried = {c.input: c for c in roles.carried}
     by_output = {c.output: c for c in roles.carried}
@@ -281,7 +327,7 @@ def _models(proto: onnx.ModelProto, roles: ProgramRoles, extra: list[str]) -> di
     reports = [n for n in [*roles.step_reports, roles.step_output] if n is not None]
 
     def role_of(name: str) -> tuple[str, str | None]:
-        if name in carried:
+        if name in carried or name in fixed:
             return "state", name
         if name in by_output:
             return "state", by_output[name].input
@@ -294,20 +340,14 @@ def _models(proto: onnx.ModelProto, roles: ProgramRoles, extra: list[str]) -> di
         return _scalar_role(roles, name)
 
     all_carried = [c.output for c in roles.carried if c.output in roles.outputs]
-    return {
-        "training": (_plain(training.model, [loss, *extra, *written_first, *sorted(gradients)]), role_of),
-        "optimizer": (
-            _plain(
-                optimizer,
-                _present(
-                    optimizer, [*(c.output for c in roles.carried if c.role not in ("accumulator", "buffer")), *reports]
-                ),
-            ),
-            role_of,
-        ),
-        "eval": (_plain(eval_model(proto, extra, verify=False), None), role_of),
-        "train_step": (_plain(keyed, [loss, *extra, *all_carried, *reports]), role_of),
+    updated = [c.output for c in roles.carried if c.role not in ("accumulator", "buffer")]
+    models = {
+        "training": _plain(training.model, [loss, *extra, *written_first, *sorted(gradients)]),
+        "optimizer": _plain(optimizer, _present(optimizer, [*updated, *reports])),
+        "eval": _plain(eval_model(proto, extra, verify=False), None),
+        "train_step": _plain(keyed, [loss, *extra, *all_carried, *reports]),
     }
+    return {key: (_frozen_as_inputs(model, fixed), role_of) for key, model in models.items()}
 
 
 def _scalar_role(roles: ProgramRoles, name: str) -> tuple[str, None]:

@@ -16,9 +16,10 @@ number per fixed dim, the dim's name or null per symbolic one) and a role:
   was skipped, the step after it).
 
 Beside them: the carried tensors (``state``: name, role, dtype, shape, the parameter each
-state belongs to), the optimizer and its hyperparameters, the default learning rate, whether
+state belongs to; the role ``frozen`` for a parameter the models read and never update), the optimizer and its hyperparameters, the default learning rate, whether
 the training model accumulates, the checkpoint's file and sha256, and graphforge's version.
-A reader refuses a newer schema version, and a file whose sha256 is not the manifest's.
+A reader refuses a newer schema version, and a file whose sha256 is not the manifest's (a
+checkpoint whose tensor is damaged, naming the tensor: its CRC-32 says which).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import onnx
 
 from graphforge.errors import GraphforgeError
+from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.tempfiles import write_atomically
 
 FORMAT = "graphforge.ondevice"
@@ -47,6 +49,8 @@ FILES = {
     "inference": "inference.onnx",
 }
 CHECKPOINT = "checkpoint"
+#: the role, in ``state``, of a parameter the models read and never update (a frozen base's)
+FROZEN = "frozen"
 INPUT_ROLES = ("batch", "labels", "state", "reset", "dropout_key", "lr", "step", "gradient")
 OUTPUT_ROLES = ("loss", "output", "state", "gradient", "report")
 
@@ -211,7 +215,7 @@ class Manifest:
                 (manifest.checkpoint, manifest.checkpoint_sha256)
             ]
             for name, digest in files:
-                check_file(folder / name, digest)
+                check_file(folder / name, digest, checkpoint=name == manifest.checkpoint)
         return manifest
 
     def model(self, key: str) -> ModelEntry:
@@ -229,11 +233,15 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check_file(path: Path, expected: str) -> None:
+def check_file(path: Path, expected: str, *, checkpoint: bool = False) -> None:
+    """Refuse ``path`` unless it is there with the sha256 ``expected``. A ``checkpoint`` that
+    differs is read first: a damaged tensor is named by its CRC-32, not the file by its hash."""
     if not path.is_file():
         raise ManifestError(f"{path}: no such file (the manifest names it)")
     got = sha256_of(path)
     if got != expected:
+        if checkpoint:
+            CheckpointState.load(path)  # raises, naming the tensor, where a tensor's bytes changed
         raise ManifestError(
             f"{path}: its sha256 is {got[:16]}…, the manifest's {expected[:16]}… (a file changed since it was written)"
         )

@@ -13,9 +13,22 @@ export const VERSION = 1;
 const METADATA_KEY = 'graphforge.checkpoint';
 const MAX_HEADER = 100_000_000;
 
+/**
+ * @typedef {import('../types/index.js').StoredTensor} StoredTensor
+ * @typedef {import('../types/index.js').ScheduleState} ScheduleState
+ * @typedef {import('../types/index.js').Source} Source
+ * @typedef {{dtype: string, shape: number[], data_offsets: [number, number]}} HeaderEntry
+ * @typedef {{__metadata__?: Record<string, string>} & Record<string, HeaderEntry>} Header
+ */
+
 /** The state of a training session: every carried tensor (name -> {dtype, shape, data}) and
  * what resuming needs besides (step, learning rate, schedule, seeds, properties). */
 export class CheckpointState {
+  /**
+   * @param {{tensors: Map<string, StoredTensor>, roles?: Record<string, string>, step?: number, learningRate?: number | null,
+   *   scheduler?: ScheduleState | null, seeds?: Record<string, number>, dataPosition?: unknown, properties?: Record<string, unknown>,
+   *   gradResetPending?: boolean, microBatch?: number}} init
+   */
   constructor({
     tensors,
     roles = {},
@@ -40,25 +53,29 @@ export class CheckpointState {
     this.microBatch = microBatch;
   }
 
-  /** A checkpoint from its bytes; ``where`` names it in errors. */
-  static fromBytes(bytes, where = 'checkpoint') {
-    bytes = bytes instanceof Uint8Array ? bytes : new Uint8Array(bytes);
+  /** A checkpoint from its bytes; ``where`` names it in errors.
+   * @param {Uint8Array | ArrayBuffer} source
+   * @param {string} [where] */
+  static fromBytes(source, where = 'checkpoint') {
+    const bytes = source instanceof Uint8Array ? source : new Uint8Array(source);
     const { header, dataStart } = readHeader(bytes, where);
     const metadata = header.__metadata__ || {};
     if (!(METADATA_KEY in metadata)) {
       throw new OndeviceError(`${where}: not a graphforge checkpoint (no "${METADATA_KEY}" metadata)`);
     }
     const document = parseDocument(metadata[METADATA_KEY], where);
-    if (document.shards || document.tensors.some((t) => t.part)) {
+    if (document.shards || document.tensors.some((/** @type {{part?: unknown}} */ t) => t.part)) {
       throw new OndeviceError(`${where}: a sharded checkpoint (its tensors in several files): load it whole with graphforge in Python, and save it again`);
     }
+    /** @type {Map<string, StoredTensor>} */
     const tensors = new Map();
+    /** @type {Record<string, string>} */
     const roles = {};
     for (const spec of document.tensors) {
       const entry = header[spec.name];
       if (!entry) throw new OndeviceError(`${where}: tensor '${spec.name}' is in its manifest but not in the file`);
       const dtype = dtypeOfCode(entry.dtype);
-      if (dtype !== spec.dtype || !sameShape(entry.shape, spec.shape)) {
+      if (!dtype || dtype !== spec.dtype || !sameShape(entry.shape, spec.shape)) {
         throw new OndeviceError(`${where}: tensor '${spec.name}' is ${dtype ?? entry.dtype} [${entry.shape}] but its manifest says ${spec.dtype} [${spec.shape}]`);
       }
       const [start, stop] = entry.data_offsets;
@@ -88,18 +105,18 @@ export class CheckpointState {
     });
   }
 
-  /** A checkpoint from a file path (Node), a URL (fetched), or bytes. */
+  /** A checkpoint from a file path (Node), a URL (fetched), or bytes.
+   * @param {Source} source
+   * @param {string} [where] */
   static async load(source, where) {
     return CheckpointState.fromBytes(await readBytes(source), where ?? describe(source));
   }
 
-  /** The checkpoint's bytes: what graphforge in Python loads (CheckpointState.load). */
+  /** The checkpoint's bytes: what graphforge in Python loads (CheckpointState.load).
+   * @returns {Uint8Array} */
   toBytes() {
-    const names = [...this.tensors.keys()];
-    const entries = names.map((name) => {
-      const t = this.tensors.get(name);
-      return { name, ...t, bytes: bytesOf(t.data) };
-    });
+    const held = [...this.tensors.entries()];
+    const entries = held.map(([name, t]) => ({ name, ...t, bytes: bytesOf(t.data) }));
     // largest elements first, so that every tensor starts aligned to its element size
     entries.sort((a, b) => dtypeInfo(b.dtype).array.BYTES_PER_ELEMENT - dtypeInfo(a.dtype).array.BYTES_PER_ELEMENT);
     const document = {
@@ -113,11 +130,9 @@ export class CheckpointState {
       properties: this.properties,
       grad_reset_pending: Boolean(this.gradResetPending),
       micro_batch: this.microBatch,
-      tensors: names.map((name) => {
-        const t = this.tensors.get(name);
-        return { name, role: this.roles[name] ?? 'unknown', dtype: t.dtype, shape: t.shape, crc32: crc32(bytesOf(t.data)) };
-      }),
+      tensors: held.map(([name, t]) => ({ name, role: this.roles[name] ?? 'unknown', dtype: t.dtype, shape: t.shape, crc32: crc32(bytesOf(t.data)) })),
     };
+    /** @type {Record<string, unknown>} */
     const header = { __metadata__: { [METADATA_KEY]: JSON.stringify(document) } };
     let offset = 0;
     for (const e of entries) {
@@ -138,12 +153,16 @@ export class CheckpointState {
     return out;
   }
 
-  /** Write the checkpoint to ``path`` at once (Node): a reader sees the old file or the new one. */
+  /** Write the checkpoint to ``path`` at once (Node): a reader sees the old file or the new one.
+   * @param {string} path */
   async save(path) {
     await writeAtomically(path, this.toBytes());
     return path;
   }
 
+  /** The tensor ``name``, or an error naming it.
+   * @param {string} name
+   * @returns {StoredTensor} */
   tensor(name) {
     const t = this.tensors.get(name);
     if (!t) throw new OndeviceError(`the checkpoint has no tensor '${name}'`);
@@ -151,6 +170,7 @@ export class CheckpointState {
   }
 }
 
+/** @param {Uint8Array} bytes @param {string} where @returns {{header: Header, dataStart: number}} */
 function readHeader(bytes, where) {
   if (bytes.byteLength < 8) throw new OndeviceError(`${where}: not a checkpoint (${bytes.byteLength} bytes: cut short before its header)`);
   const length = Number(new DataView(bytes.buffer, bytes.byteOffset, 8).getBigUint64(0, true));
@@ -158,6 +178,7 @@ function readHeader(bytes, where) {
   if (length > bytes.byteLength - 8) {
     throw new OndeviceError(`${where}: truncated inside its header (${length} bytes, the file holds ${bytes.byteLength - 8} after its length)`);
   }
+  /** @type {Header} */
   let header;
   try {
     header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + length)));
@@ -168,7 +189,7 @@ function readHeader(bytes, where) {
   const available = bytes.byteLength - dataStart;
   const ranges = Object.entries(header)
     .filter(([name]) => name !== '__metadata__')
-    .map(([name, e]) => [e.data_offsets[0], e.data_offsets[1], name])
+    .map(([name, e]) => /** @type {[number, number, string]} */ ([e.data_offsets[0], e.data_offsets[1], name]))
     .sort((a, b) => a[0] - b[0]);
   const cut = ranges.filter(([, stop]) => stop > available);
   if (cut.length) {
@@ -179,12 +200,13 @@ function readHeader(bytes, where) {
   return { header, dataStart };
 }
 
+/** @param {string} text @param {string} where @returns {any} */
 function parseDocument(text, where) {
   let document;
   try {
     document = JSON.parse(text);
   } catch (error) {
-    throw new OndeviceError(`${where}: its properties are not valid JSON (${error.message})`);
+    throw new OndeviceError(`${where}: its properties are not valid JSON (${/** @type {Error} */ (error).message})`);
   }
   if (!document || document.format !== FORMAT) throw new OndeviceError(`${where}: its properties are not a ${FORMAT} document`);
   if (document.version !== VERSION) {
@@ -195,14 +217,17 @@ function parseDocument(text, where) {
   return document;
 }
 
+/** @param {number[]} a @param {number[]} b */
 function sameShape(a, b) {
   return a.length === b.length && a.every((d, i) => d === b[i]);
 }
 
+/** @param {number} n */
 function hex(n) {
   return n.toString(16).padStart(8, '0');
 }
 
+/** @param {Source} source */
 function describe(source) {
   return typeof source === 'string' ? source : source instanceof URL ? source.href : 'checkpoint';
 }

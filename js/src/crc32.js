@@ -10,7 +10,8 @@ const TABLE = (() => {
   return table;
 })();
 
-/** The CRC-32 of ``bytes`` (a Uint8Array), as an unsigned 32-bit number. */
+/** The CRC-32 of ``bytes`` (a Uint8Array), as an unsigned 32-bit number.
+ * @param {Uint8Array} bytes */
 export function crc32(bytes) {
   let c = 0xffffffff;
   for (let i = 0; i < bytes.length; i++) c = TABLE[(c ^ bytes[i]) & 0xff] ^ (c >>> 8);

@@ -3,6 +3,7 @@
 // split into two 32-bit words. The artifacts' masks are a pure function of the key.
 const MASK = (1n << 64n) - 1n;
 
+/** @param {bigint} x */
 function splitmix64(x) {
   x = (x + 0x9e3779b97f4a7c15n) & MASK;
   x = ((x ^ (x >> 30n)) * 0xbf58476d1ce4e5b9n) & MASK;
@@ -11,7 +12,12 @@ function splitmix64(x) {
 }
 
 /** The uint32[2] key of the run at ``step`` (optimizer steps done), ``microBatch`` (training
- * runs since the last step) and data-parallel ``replica``. */
+ * runs since the last step) and data-parallel ``replica``.
+ * @param {number | bigint} seed
+ * @param {number} step
+ * @param {number} microBatch
+ * @param {number} [replica]
+ * @returns {Uint32Array} */
 export function runKey(seed, step, microBatch, replica = 0) {
   let x =
     BigInt(seed) * 0x9e3779b97f4a7c15n +

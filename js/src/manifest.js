@@ -7,18 +7,27 @@ import { readBytes, sha256Hex } from './files.js';
 export const FORMAT = 'graphforge.ondevice';
 export const VERSION = 1;
 
-/** The manifest at ``source`` (a path, URL, or bytes), checked against its schema. */
+/** @typedef {import('../types/index.js').Manifest} Manifest */
+
+/** The manifest at ``source`` (a path, URL, or bytes), checked against its schema.
+ * @param {import('../types/index.js').Source} source
+ * @param {string} where
+ * @returns {Promise<Manifest>} */
 export async function readManifest(source, where) {
   const bytes = await readBytes(source);
   let document;
   try {
     document = JSON.parse(new TextDecoder().decode(bytes));
   } catch (error) {
-    throw new OndeviceError(`${where}: cannot read it as JSON (${error.message})`);
+    throw new OndeviceError(`${where}: cannot read it as JSON (${/** @type {Error} */ (error).message})`);
   }
   return checkManifest(document, where);
 }
 
+/** ``document`` as a manifest, once it is one this runtime reads.
+ * @param {any} document
+ * @param {string} [where]
+ * @returns {Manifest} */
 export function checkManifest(document, where = 'manifest.json') {
   if (!document || document.format !== FORMAT) throw new OndeviceError(`${where}: not a graphforge artifact manifest (its format is not '${FORMAT}')`);
   if (!Number.isInteger(document.version) || document.version > VERSION) {
@@ -33,7 +42,10 @@ export function checkManifest(document, where = 'manifest.json') {
   return document;
 }
 
-/** Refuse ``bytes`` (the file ``name``) unless its sha256 is the manifest's ``expected``. */
+/** Refuse ``bytes`` (the file ``name``) unless its sha256 is the manifest's ``expected``.
+ * @param {Uint8Array} bytes
+ * @param {string} expected
+ * @param {string} name */
 export async function checkHash(bytes, expected, name) {
   const got = await sha256Hex(bytes);
   if (got !== expected) {

@@ -8,98 +8,141 @@ import { CheckpointState } from './checkpoint.js';
 import { dtypeInfo, dtypeOfOrt, elementCount } from './dtypes.js';
 import { runKey } from './dropout.js';
 import { OndeviceError } from './errors.js';
-import { readBytes, resolveBeside } from './files.js';
+import { missing, readBytes, resolveBeside } from './files.js';
 import { checkHash, checkManifest, readManifest } from './manifest.js';
 
+/**
+ * @typedef {import('onnxruntime-common').InferenceSession} InferenceSession
+ * @typedef {import('onnxruntime-common').InferenceSession.SessionOptions} SessionOptions
+ * @typedef {import('onnxruntime-common').Tensor} Tensor
+ * @typedef {import('../types/index.js').CreateOptions} CreateOptions
+ * @typedef {import('../types/index.js').Feeds} Feeds
+ * @typedef {import('../types/index.js').Manifest} Manifest
+ * @typedef {import('../types/index.js').ModelKey} ModelKey
+ * @typedef {import('../types/index.js').OrtNamespace} OrtNamespace
+ * @typedef {import('../types/index.js').Port} Port
+ * @typedef {import('../types/index.js').Source} Source
+ * @typedef {Record<string, Tensor>} Outputs
+ * @typedef {Partial<Record<ModelKey, Source>>} Models where each model comes from, by key
+ */
+
 const MANIFEST = 'manifest.json';
+/** The option of create() that gives each model, for the errors that name it. */
+const OPTION = { training: 'trainModel', optimizer: 'optimizerModel', eval: 'evalModel', train_step: 'trainStepModel' };
+/** Only create() makes a session: the constructor takes what it gathered. */
+const CREATING = Symbol('TrainingSession.create');
 
 export class TrainingSession {
+  /** @type {OrtNamespace} */ #ort;
+  /** @type {SessionOptions} */ #sessionOptions;
+  /** @type {string} */ #where;
+  /** @type {boolean} */ #verify;
+  /** @type {Models} */ #sources;
+  /** @type {Partial<Record<ModelKey, Promise<InferenceSession>>>} */ #sessions;
+  /** @type {Record<string, Tensor> | null} what a training run handed over, where the artifacts do not accumulate */
+  #gradients = null;
+  /** @type {string[]} */ #trainable;
+  /** @type {string[]} */ #parameters;
+
   /**
    * Load a set of artifacts. ``options``: ``ort`` (the onnxruntime namespace), and either
    * ``artifacts`` (a folder path or URL holding manifest.json and the files it names) or
-   * ``checkpointState``, ``trainModel``, ``optimizerModel`` (and ``evalModel``), each a path,
-   * URL or bytes (the checkpoint may be a CheckpointState), with ``manifest`` where the models
-   * are bytes (else the manifest.json beside ``trainModel``). ``verify`` (default true)
-   * checks every file against the manifest's sha256. ``sessionOptions`` go to onnxruntime.
+   * ``checkpointState``, ``trainModel``, ``optimizerModel`` (and ``evalModel``,
+   * ``trainStepModel``), each a path, URL or bytes (the checkpoint may be a CheckpointState),
+   * with ``manifest`` where the models are bytes (else the manifest.json beside ``trainModel``).
+   * ``verify`` (default true) checks every file against the manifest's sha256. Every file is
+   * there once this returns; the eval and whole-step models are read at their first run.
+   * ``sessionOptions`` go to onnxruntime; without ``executionProviders`` the sessions run on the
+   * backend of the namespace given: onnxruntime-node's CPU, onnxruntime-web's wasm.
+   * @param {CreateOptions} options
+   * @param {SessionOptions} [sessionOptions]
+   * @returns {Promise<TrainingSession>}
    */
   static async create(options, sessionOptions = {}) {
-    const { ort } = options;
+    const ort = options?.ort;
     if (!ort?.InferenceSession || !ort?.Tensor) throw new OndeviceError('create({ort, ...}): give the onnxruntime namespace (onnxruntime-node or onnxruntime-web)');
     const verify = options.verify ?? true;
-    const { manifest, where, sources } = await locate(options);
-    const load = async (key, source) => {
-      const entry = manifest.models[key];
-      const bytes = await readBytes(source);
-      if (verify) await checkHash(bytes, entry.sha256, name(source, entry.file));
-      return bytes;
-    };
-    let state = sources.checkpoint;
-    if (!(state instanceof CheckpointState)) {
-      const bytes = await readBytes(state);
-      if (verify) await checkHash(bytes, manifest.checkpoint.sha256, name(state, manifest.checkpoint.file));
-      state = CheckpointState.fromBytes(bytes, name(state, manifest.checkpoint.file));
+    const { manifest, where, sources, present } = await locate(options);
+    const absent = (await Promise.all(present.map(async (source) => [source, await missing(source)]))).find(([, why]) => why);
+    if (absent) throw new OndeviceError(`${String(absent[0])}: ${absent[1]} (the manifest lists it)`);
+    const state = await checkpointOf(sources.checkpoint, manifest, verify);
+    checkState(state, manifest, where);
+    const executionProviders = providersFor(ort, sessionOptions);
+    const chosen = executionProviders.length ? { ...sessionOptions, executionProviders } : sessionOptions;
+    /** @type {Partial<Record<ModelKey, Promise<InferenceSession>>>} */
+    const sessions = {};
+    for (const key of /** @type {const} */ (['training', 'optimizer'])) {
+      const bytes = await modelBytes(manifest, key, /** @type {Source} */ (sources[key]), verify);
+      sessions[key] = Promise.resolve(await ort.InferenceSession.create(bytes, chosen));
     }
-    const session = new TrainingSession(ort, manifest, state, sessionOptions, where);
-    session.check();
-    for (const key of ['training', 'optimizer']) session.sessions[key] = await ort.InferenceSession.create(await load(key, sources[key]), sessionOptions);
-    session.pending = { eval: sources.eval, train_step: sources.train_step };
-    session.load = load;
-    return session;
+    return new TrainingSession(CREATING, { ort, manifest, state, where, verify, sources, sessions, sessionOptions: chosen, executionProviders });
   }
 
-  constructor(ort, manifest, state, sessionOptions, where) {
-    this.ort = ort;
+  /**
+   * Use TrainingSession.create(): it reads and checks the files, then makes the session.
+   * @param {symbol} token
+   * @param {{ort: OrtNamespace, manifest: Manifest, state: CheckpointState, where: string, verify: boolean, sources: Models,
+   *   sessions: Partial<Record<ModelKey, Promise<InferenceSession>>>, sessionOptions: SessionOptions, executionProviders: string[]}} made
+   */
+  constructor(token, made) {
+    if (token !== CREATING) throw new OndeviceError('make a TrainingSession with TrainingSession.create({ort, ...})');
+    const { manifest, state } = made;
+    this.#ort = made.ort;
+    this.#where = made.where;
+    this.#verify = made.verify;
+    this.#sources = made.sources;
+    this.#sessions = made.sessions;
+    this.#sessionOptions = made.sessionOptions;
+    /** @readonly */
     this.manifest = manifest;
+    /** @readonly */
     this.checkpointState = state;
-    this.sessionOptions = sessionOptions;
-    this.where = where;
-    this.sessions = {};
-    this.gradients = null; // what a training run handed over, where the artifacts do not accumulate
+    /** The execution providers the sessions were made with, in onnxruntime's order of preference
+     * (empty: onnxruntime's default for a namespace this runtime does not know). @readonly */
+    this.executionProviders = made.executionProviders;
     if (state.learningRate === null || state.learningRate === undefined) state.learningRate = manifest.default_lr;
-    const ports = (key, role) => (manifest.models[key]?.inputs ?? []).filter((p) => role.includes(p.role)).map((p) => p.name);
-    this.trainingInputNames = ports('training', ['batch', 'labels']);
-    this.evalInputNames = ports('eval', ['batch', 'labels']);
+    /** @param {ModelKey} key */
+    const users = (key) => (manifest.models[key]?.inputs ?? []).filter((p) => p.role === 'batch' || p.role === 'labels').map((p) => p.name);
+    /** @readonly */
+    this.trainingInputNames = users('training');
+    /** @readonly */
+    this.evalInputNames = users('eval');
+    /** @readonly */
     this.trainingOutputNames = [manifest.loss, ...manifest.outputs];
+    /** @readonly */
     this.evalOutputNames = [manifest.loss, ...manifest.outputs];
-    this.parameterNames = manifest.state.filter((s) => s.role === 'parameter').map((s) => s.name);
-  }
-
-  /** Refuse a checkpoint that does not hold what the artifacts carry, naming the tensor. */
-  check() {
-    for (const s of this.manifest.state) {
-      const t = this.checkpointState.tensors.get(s.name);
-      if (!t) throw new OndeviceError(`${this.where}: the checkpoint lacks tensor '${s.name}', which the artifacts carry`);
-      if (t.dtype !== s.dtype || t.shape.length !== s.shape.length || t.shape.some((d, i) => d !== s.shape[i])) {
-        throw new OndeviceError(`${this.where}: the checkpoint's tensor '${s.name}' is ${t.dtype} [${t.shape}], the artifacts carry ${s.dtype} [${s.shape}]`);
-      }
-    }
+    this.#trainable = manifest.state.filter((s) => s.role === 'parameter').map((s) => s.name);
+    this.#parameters = manifest.state.filter((s) => s.role === 'parameter' || s.role === 'frozen').map((s) => s.name);
   }
 
   // ------------------------------------------------------------------ steps
 
   /** Forward and backward on ``feeds`` (input name -> ort.Tensor): the gradients accumulate
-   * until lazyResetGrad(). Returns the loss and the other outputs, by name. */
+   * until lazyResetGrad(). Returns the loss and the other outputs, by name.
+   * @param {Feeds} feeds
+   * @returns {Promise<Outputs>} */
   async runTrainStep(feeds) {
-    if (!this.manifest.accumulates && this.gradients) {
+    if (!this.manifest.accumulates && this.#gradients) {
       throw new OndeviceError('these artifacts do not accumulate gradients: runOptimizerStep() after each runTrainStep() (write them from a program compiled with accumulate=true to accumulate)');
     }
-    const outputs = await this.run('training', feeds);
+    const outputs = await this.#run('training', feeds);
     const state = this.checkpointState;
     state.gradResetPending = false;
     state.microBatch += 1;
-    if (!this.manifest.accumulates) this.gradients = this.handed('training', outputs);
-    return this.reported('training', outputs);
+    if (!this.manifest.accumulates) this.#gradients = this.#ofRole('training', outputs, ['gradient']);
+    return this.#ofRole('training', outputs, ['loss', 'output', 'report']);
   }
 
-  /** The update with the accumulated gradients; counts the step. Returns its reports (grad_norm). */
+  /** The update with the accumulated gradients; counts the step. Returns its reports (grad_norm).
+   * @returns {Promise<Outputs>} */
   async runOptimizerStep() {
-    if (!this.manifest.accumulates && !this.gradients) throw new OndeviceError('runOptimizerStep(): no gradients yet (runTrainStep first)');
-    const outputs = await this.run('optimizer', {});
+    if (!this.manifest.accumulates && !this.#gradients) throw new OndeviceError('runOptimizerStep(): no gradients yet (runTrainStep first)');
+    const outputs = await this.#run('optimizer', {});
     const state = this.checkpointState;
     state.step += 1;
     state.microBatch = 0;
-    this.gradients = null;
-    return this.reported('optimizer', outputs);
+    this.#gradients = null;
+    return this.#ofRole('optimizer', outputs, ['loss', 'output', 'report']);
   }
 
   /** The next runTrainStep overwrites the accumulated gradients instead of adding to them. */
@@ -107,71 +150,81 @@ export class TrainingSession {
     this.checkpointState.gradResetPending = true;
   }
 
-  /** Forward and loss in eval mode (Dropout off, BatchNorm on its running statistics). */
+  /** Forward and loss in eval mode (Dropout off, BatchNorm on its running statistics).
+   * @param {Feeds} feeds
+   * @returns {Promise<Outputs>} */
   async runEvalStep(feeds) {
-    return this.reported('eval', await this.run('eval', feeds));
+    return this.#ofRole('eval', await this.#run('eval', feeds), ['loss', 'output', 'report']);
   }
 
   /** One whole step in one run (train_step.onnx): forward, backward and update, where no
-   * gradients wait from runTrainStep. The fast path when nothing accumulates. */
+   * gradients wait from runTrainStep. The fast path when nothing accumulates.
+   * @param {Feeds} feeds
+   * @returns {Promise<Outputs>} */
   async runStep(feeds) {
     if (!this.checkpointState.gradResetPending && this.manifest.accumulates) {
       throw new OndeviceError('runStep() is a whole step: runOptimizerStep() for the gradients runTrainStep() accumulated first, or lazyResetGrad()');
     }
-    const outputs = await this.run('train_step', feeds);
+    const outputs = await this.#run('train_step', feeds);
     const state = this.checkpointState;
     state.step += 1;
     state.microBatch = 0;
     state.gradResetPending = true;
-    return this.reported('train_step', outputs);
+    return this.#ofRole('train_step', outputs, ['loss', 'output', 'report']);
   }
 
   // ------------------------------------------------------------------ the rate, the parameters, the state
 
+  /** @param {number} lr */
   setLearningRate(lr) {
     if (typeof lr !== 'number' || !Number.isFinite(lr) || lr < 0) throw new OndeviceError(`the learning rate must be a finite number ≥ 0, got ${lr}`);
     this.checkpointState.learningRate = lr;
   }
 
+  /** @returns {number} */
   getLearningRate() {
-    return this.checkpointState.learningRate;
+    return /** @type {number} */ (this.checkpointState.learningRate);
   }
 
-  /** How many elements the (trainable) parameters hold together. */
+  /** How many elements the trainable parameters hold together (with the frozen ones: ``trainableOnly`` false).
+   * @param {boolean} [trainableOnly] */
   getParametersSize(trainableOnly = true) {
-    return this.parameters(trainableOnly).reduce((n, name) => n + elementCount(this.checkpointState.tensor(name).shape), 0);
+    return this.#names(trainableOnly).reduce((n, name) => n + elementCount(this.checkpointState.tensor(name).shape), 0);
   }
 
-  /** The parameters in one float32 tensor, in the manifest's order (what federated averaging sends). */
+  /** The trainable parameters (with the frozen ones: ``trainableOnly`` false) in one float32
+   * tensor, in the manifest's order: what federated averaging sends.
+   * @param {boolean} [trainableOnly]
+   * @returns {Promise<Tensor>} */
   async getContiguousParameters(trainableOnly = true) {
     const out = new Float32Array(this.getParametersSize(trainableOnly));
     let at = 0;
-    for (const name of this.parameters(trainableOnly)) {
+    for (const name of this.#names(trainableOnly)) {
       const t = this.checkpointState.tensor(name);
-      if (t.dtype !== 'float32') throw new OndeviceError(`parameter '${name}' is ${t.dtype}: the contiguous parameters are float32`);
+      if (!(t.data instanceof Float32Array)) throw new OndeviceError(`parameter '${name}' is ${t.dtype}: the contiguous parameters are float32`);
       out.set(t.data, at);
       at += t.data.length;
     }
-    return new this.ort.Tensor('float32', out, [out.length]);
+    return new this.#ort.Tensor('float32', out, [out.length]);
   }
 
-  /** Replace the parameters with ``buffer`` (the bytes of getContiguousParameters' data, or a Float32Array). */
+  /** Replace the trainable parameters (with the frozen ones: ``trainableOnly`` false) with
+   * ``buffer``: the bytes of getContiguousParameters' data, or a Float32Array.
+   * @param {Uint8Array | Float32Array} buffer
+   * @param {boolean} [trainableOnly] */
   async loadParametersBuffer(buffer, trainableOnly = true) {
     const values = buffer instanceof Float32Array ? buffer : toFloat32(buffer);
     const size = this.getParametersSize(trainableOnly);
     if (values.length !== size) {
-      throw new OndeviceError(`loadParametersBuffer: the parameters hold ${size} float32 values (${size * 4} bytes), the buffer ${values.length} (${values.length * 4} bytes)`);
+      const which = trainableOnly ? 'trainable parameters' : 'parameters';
+      throw new OndeviceError(`loadParametersBuffer: the ${which} hold ${size} float32 values (${size * 4} bytes), the buffer ${values.length} (${values.length * 4} bytes)`);
     }
     let at = 0;
-    for (const name of this.parameters(trainableOnly)) {
+    for (const name of this.#names(trainableOnly)) {
       const t = this.checkpointState.tensor(name);
       t.data = values.slice(at, at + t.data.length);
       at += t.data.length;
     }
-  }
-
-  parameters() {
-    return this.parameterNames;
   }
 
   /** The state as checkpoint bytes (graphforge in Python loads them: CheckpointState.load). */
@@ -179,46 +232,71 @@ export class TrainingSession {
     return this.checkpointState.toBytes();
   }
 
-  /** Write the state to ``path`` at once (Node). */
+  /** Write the state to ``path`` at once (Node).
+   * @param {string} path */
   async saveCheckpoint(path) {
     return this.checkpointState.save(path);
   }
 
   async release() {
-    for (const session of Object.values(this.sessions)) await session.release();
-    this.sessions = {};
+    const made = Object.values(this.#sessions);
+    this.#sessions = {};
+    for (const session of await Promise.allSettled(made)) if (session.status === 'fulfilled') await session.value.release();
   }
 
   // ------------------------------------------------------------------ running one model
 
-  async session(key) {
-    if (!this.sessions[key]) {
-      const source = this.pending[key];
-      if (!source) throw new OndeviceError(`no ${key === 'eval' ? 'eval' : 'whole-step'} model: give ${key === 'eval' ? 'evalModel' : 'artifacts'} to create()`);
-      this.sessions[key] = await this.ort.InferenceSession.create(await this.load(key, source), this.sessionOptions);
-    }
-    return this.sessions[key];
+  /** @param {boolean} trainableOnly */
+  #names(trainableOnly) {
+    return trainableOnly ? this.#trainable : this.#parameters;
   }
 
-  async run(key, feeds) {
+  /** The session of model ``key``, made at its first use (eval, the whole step).
+   * @param {ModelKey} key
+   * @returns {Promise<InferenceSession>} */
+  #session(key) {
+    let made = this.#sessions[key];
+    if (!made) {
+      const source = this.#sources[key];
+      if (source === undefined) {
+        const file = this.manifest.models[key]?.file ?? `${key}.onnx`;
+        const what = key === 'train_step' ? 'whole-step' : key;
+        throw new OndeviceError(`no ${what} model: give ${OPTION[/** @type {keyof typeof OPTION} */ (key)] ?? key} (${file}) to create(), or artifacts (the folder that holds it)`);
+      }
+      made = modelBytes(this.manifest, key, source, this.#verify).then((bytes) => this.#ort.InferenceSession.create(bytes, this.#sessionOptions));
+      made.catch(() => delete this.#sessions[key]); // a failed load is tried again at the next run
+      this.#sessions[key] = made;
+    }
+    return made;
+  }
+
+  /** Run model ``key`` on ``feeds`` and the state; the state outputs replace their tensors.
+   * @param {ModelKey} key
+   * @param {Feeds} feeds
+   * @returns {Promise<Outputs>} */
+  async #run(key, feeds) {
     const entry = this.manifest.models[key];
-    const inputs = this.feedsFor(key, entry, feeds);
-    const session = await this.session(key);
+    const inputs = this.#feedsFor(key, feeds);
+    const session = await this.#session(key);
     const outputs = await session.run(inputs);
     const state = this.checkpointState;
     for (const port of entry.outputs) {
-      if (port.role === 'state') {
-        const t = state.tensor(port.state);
-        t.data = outputs[port.name].data;
-      }
+      if (port.role === 'state') state.tensor(/** @type {string} */ (port.state)).data = /** @type {import('../types/index.js').TypedArray} */ (outputs[port.name].data);
     }
     return outputs;
   }
 
-  feedsFor(key, entry, feeds) {
-    const ort = this.ort;
+  /** Every input of model ``key``: the batch from ``feeds`` (checked), the rest from the state.
+   * @param {ModelKey} key
+   * @param {Feeds} feeds
+   * @returns {Feeds} */
+  #feedsFor(key, feeds) {
+    const entry = this.manifest.models[key];
+    const ort = this.#ort;
     const state = this.checkpointState;
+    /** @type {Feeds} */
     const inputs = {};
+    /** @type {Record<string, number>} */
     const dims = {};
     for (const port of entry.inputs) {
       switch (port.role) {
@@ -227,8 +305,8 @@ export class TrainingSession {
           inputs[port.name] = checkedFeed(feeds, port, dims, key);
           break;
         case 'state': {
-          const t = state.tensor(port.state);
-          inputs[port.name] = new ort.Tensor(dtypeInfo(t.dtype).ort, t.data, t.shape);
+          const t = state.tensor(/** @type {string} */ (port.state));
+          inputs[port.name] = new ort.Tensor(/** @type {any} */ (dtypeInfo(t.dtype).ort), /** @type {any} */ (t.data), t.shape);
           break;
         }
         case 'reset':
@@ -246,10 +324,10 @@ export class TrainingSession {
           inputs[port.name] = new ort.Tensor('int64', new BigInt64Array([BigInt(state.step)]), []);
           break;
         case 'gradient':
-          inputs[port.name] = this.gradients[port.name];
+          inputs[port.name] = /** @type {Record<string, Tensor>} */ (this.#gradients)[port.name];
           break;
         default:
-          throw new OndeviceError(`${this.where}: input '${port.name}' of the ${key} model has the role '${port.role}', which this runtime does not know`);
+          throw new OndeviceError(`${this.#where}: input '${port.name}' of the ${key} model has the role '${port.role}', which this runtime does not know`);
       }
     }
     const unknown = Object.keys(feeds).filter((n) => !entry.inputs.some((p) => p.name === n && (p.role === 'batch' || p.role === 'labels')));
@@ -260,23 +338,26 @@ export class TrainingSession {
     return inputs;
   }
 
-  handed(key, outputs) {
-    const handed = {};
-    for (const port of this.manifest.models[key].outputs) if (port.role === 'gradient') handed[port.name] = outputs[port.name];
-    return handed;
-  }
-
-  reported(key, outputs) {
-    const shown = {};
-    for (const port of this.manifest.models[key].outputs) {
-      if (port.role === 'loss' || port.role === 'output' || port.role === 'report') shown[port.name] = outputs[port.name];
-    }
-    return shown;
+  /** The outputs of model ``key`` whose role is one of ``roles``.
+   * @param {ModelKey} key
+   * @param {Outputs} outputs
+   * @param {Port['role'][]} roles
+   * @returns {Outputs} */
+  #ofRole(key, outputs, roles) {
+    /** @type {Outputs} */
+    const chosen = {};
+    for (const port of this.manifest.models[key].outputs) if (roles.includes(port.role)) chosen[port.name] = outputs[port.name];
+    return chosen;
   }
 }
 
 /** A batch input of the feeds, checked against the manifest: present, of its dtype, of its
- * rank and fixed dims, and its symbolic dims the same wherever they are named. */
+ * rank and fixed dims, and its symbolic dims the same wherever they are named.
+ * @param {Feeds} feeds
+ * @param {Port} port
+ * @param {Record<string, number>} dims
+ * @param {ModelKey} key
+ * @returns {Tensor} */
 function checkedFeed(feeds, port, dims, key) {
   const value = feeds[port.name];
   if (value === undefined) throw new OndeviceError(`the ${key} model needs input '${port.name}' (${port.dtype} [${port.shape}])`);
@@ -286,14 +367,15 @@ function checkedFeed(feeds, port, dims, key) {
   if (dtypeOfOrt(value.type) !== port.dtype) {
     throw new OndeviceError(`input '${port.name}' is ${value.type}, the ${key} model takes ${port.dtype}`);
   }
-  if (port.shape) {
-    if (value.dims.length !== port.shape.length) {
-      throw new OndeviceError(`input '${port.name}' has ${value.dims.length} dims [${value.dims}], the ${key} model takes ${port.shape.length} [${port.shape}]`);
+  const shape = port.shape;
+  if (shape) {
+    if (value.dims.length !== shape.length) {
+      throw new OndeviceError(`input '${port.name}' has ${value.dims.length} dims [${value.dims}], the ${key} model takes ${shape.length} [${shape}]`);
     }
-    port.shape.forEach((want, i) => {
+    shape.forEach((want, i) => {
       const got = value.dims[i];
       if (typeof want === 'number' && got !== want) {
-        throw new OndeviceError(`input '${port.name}' has dim ${i} = ${got}, the ${key} model takes ${want} ([${port.shape}])`);
+        throw new OndeviceError(`input '${port.name}' has dim ${i} = ${got}, the ${key} model takes ${want} ([${shape}])`);
       }
       if (typeof want === 'string') {
         if (dims[want] !== undefined && dims[want] !== got) {
@@ -306,18 +388,26 @@ function checkedFeed(feeds, port, dims, key) {
   return value;
 }
 
-/** Where each file of the artifacts comes from, and the manifest. */
+/** Where each file of the artifacts comes from, the manifest, and the files to find present
+ * now that are read later, or never (the inference model, the manifest's own checkpoint where
+ * another is given): a folder that lacks one is refused at once, as Python's Module refuses it.
+ * @param {CreateOptions} options
+ * @returns {Promise<{manifest: Manifest, where: string, sources: Models & {checkpoint: Source | CheckpointState}, present: Source[]}>} */
 async function locate(options) {
   if (options.artifacts !== undefined) {
     const folder = options.artifacts;
     const manifestSource = resolveBeside(folder, MANIFEST);
     const manifest = await readManifest(manifestSource, String(manifestSource));
+    /** @param {string} file */
     const at = (file) => resolveBeside(folder, file);
+    /** @type {Models & {checkpoint: Source | CheckpointState}} */
     const sources = { checkpoint: options.checkpointState ?? at(manifest.checkpoint.file) };
-    for (const key of Object.keys(manifest.models)) sources[key] = at(manifest.models[key].file);
-    return { manifest, where: String(folder), sources };
+    for (const key of modelKeys(manifest)) sources[key] = at(manifest.models[key].file);
+    const later = modelKeys(manifest).filter((key) => key !== 'training' && key !== 'optimizer').map((key) => at(manifest.models[key].file));
+    if (options.checkpointState !== undefined) later.push(at(manifest.checkpoint.file));
+    return { manifest, where: String(folder), sources, present: later };
   }
-  for (const key of ['checkpointState', 'trainModel', 'optimizerModel']) {
+  for (const key of /** @type {const} */ (['checkpointState', 'trainModel', 'optimizerModel'])) {
     if (options[key] === undefined) throw new OndeviceError(`create(): give '${key}' (or 'artifacts', the folder that holds them)`);
   }
   let manifestSource = options.manifest;
@@ -329,26 +419,90 @@ async function locate(options) {
     manifestSource = resolveBeside(model.slice(0, model.lastIndexOf('/') + 1) || '.', MANIFEST);
   }
   const manifest =
-    manifestSource && typeof manifestSource === 'object' && manifestSource.format
+    manifestSource && typeof manifestSource === 'object' && 'format' in manifestSource
       ? checkManifest(manifestSource)
-      : await readManifest(manifestSource, String(manifestSource));
+      : await readManifest(/** @type {Source} */ (manifestSource), String(manifestSource));
+  const later = [options.evalModel, options.trainStepModel].filter((source) => source !== undefined);
   return {
     manifest,
     where: String(options.trainModel),
     sources: {
-      checkpoint: options.checkpointState,
+      checkpoint: /** @type {Source | CheckpointState} */ (options.checkpointState),
       training: options.trainModel,
       optimizer: options.optimizerModel,
       eval: options.evalModel,
       train_step: options.trainStepModel,
     },
+    present: /** @type {Source[]} */ (later),
   };
 }
 
+/** @param {Manifest} manifest */
+function modelKeys(manifest) {
+  return /** @type {ModelKey[]} */ (Object.keys(manifest.models));
+}
+
+/** The bytes of model ``key``, checked against the manifest's sha256 where ``verify``.
+ * @param {Manifest} manifest
+ * @param {ModelKey} key
+ * @param {Source} source
+ * @param {boolean} verify */
+async function modelBytes(manifest, key, source, verify) {
+  const entry = manifest.models[key];
+  const bytes = await readBytes(source);
+  if (verify) await checkHash(bytes, entry.sha256, name(source, entry.file));
+  return bytes;
+}
+
+/** The checkpoint: read, each tensor checked against its CRC-32 (a damaged one is named), then
+ * the file against the manifest's sha256 where ``verify`` (what the CRCs cannot see).
+ * @param {Source | CheckpointState} source
+ * @param {Manifest} manifest
+ * @param {boolean} verify */
+async function checkpointOf(source, manifest, verify) {
+  if (source instanceof CheckpointState) return source;
+  const where = name(source, manifest.checkpoint.file);
+  const bytes = await readBytes(source);
+  const state = CheckpointState.fromBytes(bytes, where);
+  if (verify) await checkHash(bytes, manifest.checkpoint.sha256, where);
+  return state;
+}
+
+/** Refuse a checkpoint that does not hold what the artifacts carry, naming the tensor.
+ * @param {CheckpointState} state
+ * @param {Manifest} manifest
+ * @param {string} where */
+function checkState(state, manifest, where) {
+  for (const s of manifest.state) {
+    const t = state.tensors.get(s.name);
+    if (!t) throw new OndeviceError(`${where}: the checkpoint lacks tensor '${s.name}', which the artifacts carry`);
+    if (t.dtype !== s.dtype || t.shape.length !== s.shape.length || t.shape.some((d, i) => d !== s.shape[i])) {
+      throw new OndeviceError(`${where}: the checkpoint's tensor '${s.name}' is ${t.dtype} [${t.shape}], the artifacts carry ${s.dtype} [${s.shape}]`);
+    }
+  }
+}
+
+/** The execution providers to make the sessions with: the caller's, else the backend of the
+ * namespace given. onnxruntime-node and onnxruntime-web may register with one
+ * onnxruntime-common (both loaded through require() in one Node process), where the
+ * highest-priority CPU backend, onnxruntime-node's, would take onnxruntime-web's sessions.
+ * @param {OrtNamespace} ort
+ * @param {SessionOptions} sessionOptions
+ * @returns {string[]} */
+function providersFor(ort, sessionOptions) {
+  const given = sessionOptions.executionProviders;
+  if (given?.length) return given.map((p) => (typeof p === 'string' ? p : p.name));
+  if (typeof (/** @type {{listSupportedBackends?: unknown}} */ (ort).listSupportedBackends) === 'function') return ['cpu']; // onnxruntime-node
+  if (ort.env?.versions?.web) return ['wasm']; // onnxruntime-web
+  return [];
+}
+
+/** @param {Source} source @param {string} file */
 function name(source, file) {
   return typeof source === 'string' || source instanceof URL ? String(source) : file;
 }
 
+/** @param {Uint8Array | ArrayBuffer} buffer */
 function toFloat32(buffer) {
   const bytes = buffer instanceof Uint8Array ? buffer : new Uint8Array(buffer);
   if (bytes.byteLength % 4) throw new OndeviceError(`loadParametersBuffer: ${bytes.byteLength} bytes is no whole number of float32 values`);

@@ -1,21 +1,24 @@
 // What a TrainingSession refuses, each with one error naming the file or the tensor: a
-// changed file, a newer manifest, batches of the wrong type or shape, a parameter buffer of
-// the wrong size, steps out of order. On onnxruntime-node, over artifacts Python wrote.
+// changed or missing file, a damaged checkpoint, a newer manifest, batches of the wrong type or
+// shape, a parameter buffer of the wrong size, steps out of order; the parameters as one buffer,
+// trainable or all, frozen ones too. On onnxruntime-node, over artifacts Python wrote.
 import assert from 'node:assert/strict';
-import { copyFileSync, mkdtempSync, readFileSync, readdirSync, writeFileSync } from 'node:fs';
+import { copyFileSync, mkdtempSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'node:test';
 import * as ort from 'onnxruntime-node';
 import { OndeviceError, TrainingSession } from '../src/index.js';
-import { at, skip } from './fixtures.js';
+import { at, skip, values } from './fixtures.js';
 
+/** @param {string} name */
 function copy(name) {
   const target = mkdtempSync(join(tmpdir(), 'gf-art-'));
   for (const file of readdirSync(at(name))) copyFileSync(at(name, file), join(target, file));
   return target;
 }
 
+/** @param {number} [size] */
 function batch(size = 4) {
   return {
     images: new ort.Tensor('uint8', new Uint8Array(size * 64).fill(3), [size, 8, 8]),
@@ -67,7 +70,7 @@ test('batches of the wrong type, rank or size are refused, naming the input', { 
   ];
   for (const [feeds, message] of cases) await assert.rejects(session.runTrainStep(feeds), message);
   assert.equal(session.checkpointState.microBatch, 0); // nothing ran
-  await assert.rejects(session.loadParametersBuffer(new Uint8Array(12)), /the parameters hold 4810 float32 values \(19240 bytes\), the buffer 3 \(12 bytes\)/);
+  await assert.rejects(session.loadParametersBuffer(new Uint8Array(12)), /the trainable parameters hold 4810 float32 values \(19240 bytes\), the buffer 3 \(12 bytes\)/);
   await session.runTrainStep(good);
   await assert.rejects(session.runStep(good), /runStep\(\) is a whole step: runOptimizerStep\(\) for the gradients/);
   await session.release();
@@ -80,6 +83,96 @@ test('artifacts that do not accumulate take one train step per update', { skip }
   await assert.rejects(session.runTrainStep(batch()), /these artifacts do not accumulate gradients/);
   await session.runOptimizerStep();
   await session.runTrainStep(batch());
+  await session.release();
+});
+
+test('create() finds every file the manifest lists, those it reads at their first run too', { skip }, async () => {
+  for (const file of ['eval_model.onnx', 'train_step.onnx', 'inference.onnx']) {
+    const folder = copy('digits');
+    rmSync(join(folder, file));
+    await assert.rejects(TrainingSession.create({ ort, artifacts: folder }), (error) => {
+      assert.ok(error instanceof OndeviceError);
+      assert.equal(error.message, `${join(folder, file)}: no such file (the manifest lists it)`);
+      return true;
+    });
+  }
+});
+
+test('a damaged checkpoint in a folder is refused naming the tensor; any other change by its sha256', { skip }, async () => {
+  const folder = copy('digits');
+  const path = join(folder, 'checkpoint');
+  const bytes = readFileSync(path);
+  const length = Number(bytes.readBigUInt64LE(0));
+  const header = JSON.parse(bytes.subarray(8, 8 + length).toString());
+  const last = Object.keys(header).filter((n) => n !== '__metadata__').sort((a, b) => header[b].data_offsets[1] - header[a].data_offsets[1])[0];
+  bytes[bytes.length - 1] ^= 1; // the last byte of the tensor stored last
+  writeFileSync(path, bytes);
+  await assert.rejects(TrainingSession.create({ ort, artifacts: folder }), new RegExp(`checkpoint: tensor '${last.replace(/\./g, '\\.')}' is damaged: its bytes do not match the checksum`));
+  bytes[bytes.length - 1] ^= 1;
+  const stepped = Buffer.from(bytes.toString('latin1').replace('\\"step\\": 0', '\\"step\\": 7'), 'latin1'); // every tensor whole, another state
+  assert.notDeepEqual(stepped, bytes);
+  writeFileSync(path, stepped);
+  await assert.rejects(TrainingSession.create({ ort, artifacts: folder }), /checkpoint: its sha256 is .+, the manifest's/);
+});
+
+test('the files given one by one: runStep needs trainStepModel, runEvalStep evalModel', { skip }, async () => {
+  const files = { ort, checkpointState: at('digits', 'checkpoint'), trainModel: at('digits', 'training_model.onnx'), optimizerModel: at('digits', 'optimizer_model.onnx') };
+  const without = await TrainingSession.create(files);
+  await assert.rejects(without.runStep(batch()), /^OndeviceError: no whole-step model: give trainStepModel \(train_step\.onnx\) to create\(\), or artifacts/);
+  await assert.rejects(without.runEvalStep(batch()), /^OndeviceError: no eval model: give evalModel \(eval_model\.onnx\) to create\(\), or artifacts/);
+  const given = await TrainingSession.create({ ...files, trainStepModel: at('digits', 'train_step.onnx'), evalModel: at('digits', 'eval_model.onnx') });
+  const folder = await TrainingSession.create({ ort, artifacts: at('digits') });
+  for (const session of [given, folder]) await session.runStep(batch());
+  assert.deepEqual([...(await given.getContiguousParameters()).data], [...(await folder.getContiguousParameters()).data]);
+  assert.deepEqual((await given.runEvalStep(batch())).loss.data, (await folder.runEvalStep(batch())).loss.data);
+  await Promise.all([without, given, folder].map((session) => session.release()));
+});
+
+test('frozen parameters: out of the trainable buffer, untouched by a step, set with trainableOnly false', { skip }, async () => {
+  const session = await TrainingSession.create({ ort, artifacts: at('frozen') });
+  const state = session.checkpointState;
+  const parameters = session.manifest.state.filter((s) => s.role === 'parameter' || s.role === 'frozen');
+  assert.deepEqual(parameters.filter((s) => s.role === 'frozen').map((s) => s.name), values.frozen);
+  assert.equal(session.getParametersSize(), 10 * 64 + 10);
+  assert.equal(session.getParametersSize(false), 64 * 64 + 64 + 10 * 64 + 10);
+  const fc1 = state.tensor('fc1.weight').data.slice();
+  const fc2 = state.tensor('fc2.weight').data.slice();
+  for (let step = 0; step < 2; step++) {
+    await session.runTrainStep(batch());
+    await session.runOptimizerStep();
+    session.lazyResetGrad();
+  }
+  assert.deepEqual(state.tensor('fc1.weight').data, fc1);
+  assert.notDeepEqual(state.tensor('fc2.weight').data, fc2);
+  await session.loadParametersBuffer(new Float32Array(session.getParametersSize()));
+  assert.deepEqual(state.tensor('fc1.weight').data, fc1);
+  // every parameter, in the manifest's order: fc1 zero, so each row's logits are fc2's bias
+  const all = new Float32Array(session.getParametersSize(false));
+  const bias = Float32Array.from({ length: 10 }, (_, k) => (k - 4) / 8);
+  let offset = 0;
+  for (const s of parameters) {
+    if (s.name === 'fc2.bias') all.set(bias, offset);
+    offset += s.shape.reduce((a, b) => a * b, 1);
+  }
+  await session.loadParametersBuffer(all, false);
+  assert.deepEqual([...(await session.getContiguousParameters(false)).data], [...all]);
+  const feeds = batch();
+  const { loss, logits } = await session.runEvalStep(feeds);
+  for (let row = 0; row < 4; row++) assert.deepEqual([...logits.data.slice(row * 10, row * 10 + 10)], [...bias]);
+  const logSum = Math.log(bias.reduce((sum, b) => sum + Math.exp(b), 0));
+  const expected = [...feeds.labels.data].reduce((sum, label) => sum + logSum - bias[Number(label)], 0) / 4;
+  assert.ok(Math.abs(Number(loss.data[0]) - expected) < 1e-6, `${loss.data[0]} against ${expected}`);
+  await assert.rejects(session.loadParametersBuffer(new Uint8Array(12), false), /the parameters hold 4810 float32 values/);
+  await session.release();
+});
+
+test('a session shows its API, not its workings', { skip }, async () => {
+  const session = await TrainingSession.create({ ort, artifacts: at('digits') });
+  const shown = /** @type {Record<string, unknown>} */ (/** @type {unknown} */ (session));
+  for (const name of ['run', 'feedsFor', 'handed', 'reported', 'check', 'load', 'session', 'sessions', 'pending', 'parameters', 'ort', 'gradients']) {
+    assert.equal(shown[name], undefined, name);
+  }
+  assert.throws(() => new /** @type {any} */ (TrainingSession)(), /make a TrainingSession with TrainingSession\.create/);
   await session.release();
 });
 

@@ -1,6 +1,6 @@
-// The README's loop, typed: `tsc -p js` checks the declarations against how they are used.
+// The README's loop, typed: `npm run typecheck` checks the declarations against how they are used.
 import * as ort from 'onnxruntime-node';
-import { CheckpointState, TrainingSession, makeSchedule } from '../src/index.js';
+import { CheckpointState, TrainingSession, makeSchedule } from '@graphforge/ondevice';
 
 export async function train(folder: string, images: Uint8Array, labels: BigInt64Array, count: number): Promise<number> {
   const session = await TrainingSession.create({ ort, artifacts: folder });

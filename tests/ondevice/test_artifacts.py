@@ -18,7 +18,7 @@ import pytest
 import graphforge
 import graphforge.train
 from graphforge import artifacts
-from graphforge.errors import GraphforgeError
+from graphforge.errors import CheckpointError, GraphforgeError
 from graphforge.ondevice.artifacts import write_artifacts
 from graphforge.ondevice.manifest import FILES, MANIFEST, Manifest, ManifestError
 from graphforge.runtime.dropout import run_key
@@ -199,6 +199,34 @@ def test_a_program_that_does_not_accumulate_hands_its_gradients_over(tmp_path):
     assert "reset" not in {p.role for p in manifest.model("training").inputs}
 
 
+def test_frozen_parameters_are_inputs_read_from_the_checkpoint(tmp_path):
+    """generate_artifacts(frozen_params=...): each frozen parameter is a plain input of the
+    models that read it (an initializer of none), a state entry and a checkpoint tensor of the
+    role frozen with the forward model's value, and no model's output replaces it."""
+    artifacts.generate_artifacts(
+        onnx.load(DIGITS), frozen_params=["fc1.weight", "fc1.bias"], loss=artifacts.LossType.CrossEntropyLoss,
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    manifest = Manifest.read(tmp_path)
+    frozen = [s for s in manifest.state if s.role == "frozen"]
+    assert [(s.name, s.shape) for s in frozen] == [("fc1.weight", (64, 64)), ("fc1.bias", (64,))]
+    assert [s.name for s in manifest.state if s.role == "parameter"] == ["fc2.weight", "fc2.bias"]
+    for key, entry in manifest.models.items():
+        model = onnx.load(tmp_path / entry.file)
+        assert not {"fc1.weight", "fc1.bias"} & {t.name for t in model.graph.initializer} or key == "inference", key
+        reads = {p.state for p in entry.inputs if p.role == "state"}
+        assert ({"fc1.weight", "fc1.bias"} <= reads) == (key in ("training", "eval", "train_step")), key
+        assert not {"fc1.weight", "fc1.bias"} & {p.state for p in entry.outputs if p.role == "state"}, key
+    state = graphforge.CheckpointState.load(tmp_path / "checkpoint")
+    assert {s.name: s.role for s in state.specs}["fc1.bias"] == "frozen"
+    forward = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(DIGITS).graph.initializer}
+    assert np.array_equal(state.tensors["fc1.weight"], forward["fc1.weight"])
+    with pytest.raises(GraphforgeError, match="frozen parameter 'nope' is no initializer of the program"):
+        write_artifacts(graphforge.compile(DIGITS, PIPELINE).model, tmp_path / "x", frozen=["nope"])
+    with pytest.raises(GraphforgeError, match=r"frozen parameter 'fc1\.bias' is trained by the program"):
+        write_artifacts(graphforge.compile(DIGITS, PIPELINE).model, tmp_path / "x", frozen=["fc1.bias"])
+
+
 def test_what_cannot_be_written_is_one_clear_error(tmp_path):
     dp = graphforge.compile(DIGITS, f"{PIPELINE}, allreduce").model
     with pytest.raises(
@@ -236,6 +264,20 @@ def test_a_damaged_or_newer_set_is_refused_naming_the_file(digits, tmp_path):
     damaged[-1] ^= 1
     (copy / "eval_model.onnx").write_bytes(bytes(damaged))
     with pytest.raises(ManifestError, match=r"eval_model.onnx: its sha256 is .* the manifest's"):
+        Manifest.read(copy)
+    (copy / "eval_model.onnx").write_bytes((folder / "eval_model.onnx").read_bytes())
+    checkpoint = bytearray((copy / "checkpoint").read_bytes())
+    checkpoint[-1] ^= 1  # the last byte of the tensor stored last: its CRC-32 names it
+    (copy / "checkpoint").write_bytes(bytes(checkpoint))
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint: tensor '.+' is damaged: its bytes do not match the checksum"
+    ):
+        Manifest.read(copy)
+    checkpoint[-1] ^= 1
+    stepped = bytes(checkpoint).replace(b'\\"step\\": 0', b'\\"step\\": 7', 1)  # every tensor whole, another state
+    assert stepped != bytes(checkpoint)
+    (copy / "checkpoint").write_bytes(stepped)
+    with pytest.raises(ManifestError, match=r"checkpoint: its sha256 is .* the manifest's"):
         Manifest.read(copy)
     document = json.loads((copy / MANIFEST).read_text())
     document["version"] = 2

@@ -4,8 +4,9 @@ by puppeteer-core) on pages served from 127.0.0.1 (examples/web/serve.py's serve
 1. The runtime's harness (js/test/browser/harness.html), on onnxruntime-web's wasm backend:
    the digits MLP and a CNN with BatchNorm, 20 steps each within 1e-5 of graphforge in Python.
 2. The page (examples/web/): it trains the digits to the test accuracy make demo promises,
-   draws the loss curve (the screenshot holds it), keeps its checkpoint in IndexedDB, and a
-   reload resumes from it.
+   draws the loss curve (the screenshot holds it) with its legends clear of the accuracy
+   points, keeps its checkpoint in IndexedDB, and a reload resumes from it; no request fails
+   (a favicon's 404) and the console shows no error.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def site(tmp_path_factory):
     if CHROMIUM is None:
         pytest.skip("no Chromium here: make install installs it where apt-get and root allow")
     if NODE is None or not (JS / "node_modules" / "puppeteer-core").is_dir():
-        pytest.fail("node or js/node_modules is missing: make install sets them up")
+        pytest.fail("node or puppeteer-core is missing: run make install first (it runs npm ci in js/)")
     root = tmp_path_factory.mktemp("site")
     for name in ("js", "examples"):
         (root / name).symlink_to(REPO / name)
@@ -92,6 +93,13 @@ def test_the_runtime_in_chromium_and_the_page_that_trains_the_digits(site, tmp_p
 
     trained = got["trained"]
     assert trained["error"] is None, (trained["error"], got["console"])
+    assert got["failed"] == [] and got["console"] == [], (got["failed"], got["console"])
+    chart = trained["chart"]
+    assert len(chart["dots"]) == 15 and len(chart["labels"]) == 3
+    for box in chart["labels"]:  # no accuracy point (a circle) touches a legend's box
+        for dot in chart["dots"]:
+            nearest = (min(max(dot["x"], box["left"]), box["right"]), min(max(dot["y"], box["top"]), box["bottom"]))
+            assert np.hypot(dot["x"] - nearest[0], dot["y"] - nearest[1]) > dot["r"], (box["text"], dot)
     assert trained["done"] and trained["step"] == 15 * 45 and trained["losses"] == 675
     assert trained["accuracy"] >= MIN_ACCURACY, got["status"]
     assert [a["step"] for a in trained["accuracies"]] == [45 * e for e in range(1, 16)]

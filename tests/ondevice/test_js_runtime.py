@@ -19,13 +19,12 @@ import numpy as np
 import onnx
 import pytest
 from _tensor_file import write_tensors
+from js_fixtures import write_fixtures
 
 import graphforge
 from graphforge import CheckpointState, Module, Optimizer
 from graphforge.ondevice.artifacts import write_artifacts
 from graphforge.runtime import CosineSchedule
-from graphforge.runtime.dropout import run_key
-from graphforge.runtime.lr_schedules import make_schedule
 
 REPO = Path(__file__).resolve().parents[2]
 JS = REPO / "js"
@@ -40,7 +39,7 @@ def runtime_installed():
     if NODE is None:
         pytest.fail("node is not on PATH: make install sets it up (Node.js 20 from the system's packages)")
     if not (JS / "node_modules" / "onnxruntime-node").is_dir():
-        pytest.fail("js/node_modules is missing: make install runs npm ci in js/")
+        pytest.fail("onnxruntime-node is missing: run make install first (it runs npm ci in js/)")
 
 
 def batches_file(folder: Path, batches: list[dict[str, np.ndarray]]) -> dict:
@@ -200,7 +199,7 @@ def test_a_cnn_with_batchnorm_and_a_small_gpt2_equal_python(tmp_path):
 
 
 def test_onnxruntime_web_wasm_under_node_trains_as_python(digits, tmp_path):
-    """The same runtime on onnxruntime-web (the wasm backend, in Node): 20 steps of the digits MLP
+    """The same runtime on onnxruntime-web (its wasm backend, in Node): 20 steps of the digits MLP
     and of the BatchNorm CNN within 1e-5 of Python's losses (its kernels are another build of
     onnxruntime's CPU ones)."""
     folder, program = digits
@@ -214,46 +213,63 @@ def test_onnxruntime_web_wasm_under_node_trains_as_python(digits, tmp_path):
     ):
         job = {"backend": "web", "artifacts": str(artifacts), "batches": batches_file(tmp_path, batches), "steps": 20}
         got = run_js(job)
+        assert got["executionProviders"] == ["wasm"]  # onnxruntime-web's own backend, without asking
         want, _ = python_steps(model, batches, 20)
         np.testing.assert_allclose(got["losses"], want, rtol=1e-5, err_msg=str(artifacts))
 
 
 def test_the_javascript_unit_tests_pass(tmp_path):
-    """node --test js/test/ with the fixtures its tests take from Python: two artifact sets (one
-    accumulating, one not), and the schedules' rates and dropout keys graphforge computes."""
-    pipeline = "loss(kind=cross_entropy, output=logits), autodiff, {}"
-    for name, optimizer in (("digits", "adamw(lr=1e-2, accumulate=true)"), ("plain", "sgd(lr=0.1)")):
-        write_artifacts(graphforge.compile(DIGITS, pipeline.format(optimizer)).model, tmp_path / name)
-    kinds = {
-        "constant": {"baseLr": 0.1, "warmupSteps": 3, "warmupStartFactor": 0.25},
-        "linear": {"baseLr": 0.1, "warmupSteps": 2, "totalSteps": 10, "endLr": 0.01},
-        "polynomial": {"baseLr": 0.1, "totalSteps": 10, "power": 2.0},
-        "cosine": {"baseLr": 0.1, "warmupSteps": 3, "totalSteps": 12, "endLr": 0.001},
-    }
-    schedules = []
-    for kind, options in kinds.items():
-        python = {"baseLr": "base_lr", "warmupSteps": "warmup_steps", "warmupStartFactor": "warmup_start_factor",
-                  "totalSteps": "total_steps", "endLr": "end_lr", "power": "power"}  # fmt: skip
-        schedule = make_schedule(kind, None, **{python[k]: v for k, v in options.items()})
-        schedules.append({"kind": kind, "options": options, "rates": [schedule.lr_at(k) for k in range(14)]})
-    keys = [
-        {"seed": s, "step": t, "micro": m, "replica": r, "key": run_key(s, t, m, r).tolist()}
-        for s, t, m, r in ((0, 0, 0, 0), (3, 17, 2, 1), (2**40, 123456, 7, 3))
-    ]
-    (tmp_path / "values.json").write_text(json.dumps({"schedules": schedules, "keys": keys}))
+    """npm test's runner (js/test/run.mjs) on the fixtures js_fixtures.py writes: three artifact
+    sets (accumulating, not, with frozen parameters), the schedules' rates and dropout keys."""
+    write_fixtures(tmp_path)
     env = {**os.environ, "GRAPHFORGE_JS_FIXTURES": str(tmp_path)}
-    files = sorted(str(p.relative_to(JS)) for p in (JS / "test").glob("*.test.js"))
-    done = subprocess.run([NODE, "--test", *files], capture_output=True, text=True, timeout=300, cwd=JS, env=env)
+    done = subprocess.run([NODE, "test/run.mjs"], capture_output=True, text=True, timeout=300, cwd=JS, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "# skipped 0" in done.stdout and "# fail 0" in done.stdout
 
 
-def test_the_typescript_declarations_describe_the_runtime():
-    """tsc (strict) checks src/index.d.ts and a typed use of it (js/test/usage.ts)."""
-    done = subprocess.run(
-        [str(JS / "node_modules" / ".bin" / "tsc"), "-p", str(JS)], capture_output=True, text=True, timeout=120
+def test_frozen_parameters_train_and_load_as_in_python(tmp_path):
+    """generate_artifacts(frozen_params=...) on the digits MLP, trained 10 steps by the JS runtime
+    and by graphforge.ondevice's Module: the same losses, the same contiguous parameters, trainable
+    (fc2) and all (fc1 too, unchanged); a buffer loaded with trainableOnly false (the frozen
+    parameters halved) gives the same eval loss on both."""
+    from graphforge import artifacts
+    from graphforge.ondevice import CheckpointState as State
+    from graphforge.ondevice import Module as DropIn
+    from graphforge.ondevice import Optimizer as DropInOptimizer
+
+    folder = tmp_path / "art"
+    artifacts.generate_artifacts(
+        onnx.load(DIGITS), frozen_params=["fc1.weight", "fc1.bias"], loss=artifacts.LossType.CrossEntropyLoss,
+        artifact_directory=folder,
+    )  # fmt: skip
+    batches = digits_batches(11)
+    module = DropIn(
+        folder / "training_model.onnx", State.load_checkpoint(folder / "checkpoint"), folder / "eval_model.onnx"
     )
-    assert done.returncode == 0, done.stdout[-3000:]
+    optimizer = DropInOptimizer(folder / "optimizer_model.onnx", module)
+    before = module.get_contiguous_parameters(trainable_only=False)
+    losses = []
+    for batch in batches[:10]:
+        losses.append(float(module(*batch.values())))
+        optimizer.step()
+        module.lazy_reset_grad()
+    trainable, everything = module.get_contiguous_parameters(trainable_only=True), module.get_contiguous_parameters()
+    assert trainable.size == 650 and everything.size == 4810
+    np.testing.assert_array_equal(everything[650:], before[650:])  # fc1, frozen, after fc2 in the checkpoint
+    loaded = everything.copy()
+    loaded[650:] *= np.float32(0.5)
+    (tmp_path / "buffer.bin").write_bytes(loaded.tobytes())
+    module.copy_buffer_to_parameters(loaded, trainable_only=False)
+    module.eval()
+    eval_loss = float(module(*batches[10].values()))
+
+    job = {"backend": "node", "artifacts": str(folder), "batches": batches_file(tmp_path, batches), "steps": 10,
+           "parameters": True, "load": {"file": str(tmp_path / "buffer.bin"), "trainableOnly": False}, "eval": 10}  # fmt: skip
+    got = run_js(job)
+    assert got["losses"] == losses
+    assert got["trainable"] == trainable.tolist() and got["all"] == everything.tolist()
+    assert got["evalLoss"] == eval_loss
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

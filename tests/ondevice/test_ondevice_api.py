@@ -170,3 +170,51 @@ def test_the_drop_in_trains_as_graphforges_module(session):
         assert float(ours) == float(theirs)
     for name, value in reference.state.tensors.items():
         assert np.array_equal(state._state.tensors[name], value), name
+
+
+def test_frozen_parameters_are_read_never_trained(tmp_path):
+    """frozen_params: the state lists them (requires_grad false, no grad); a step trains the
+    others as graphforge's Module trains the program, bit for bit, and leaves them as they
+    were; the trainable buffer leaves them out, trainable_only=False sets them (fc1 zero: every
+    row's logits are fc2's bias)."""
+    model = onnx.load(DIGITS)
+    options = {
+        "frozen_params": ["fc1.weight", "fc1.bias"],
+        "loss": artifacts.LossType.CrossEntropyLoss,
+        "optimizer": artifacts.OptimType.SGD,
+    }
+    artifacts.generate_artifacts(model, artifact_directory=tmp_path, additional_output_names=["logits"], **options)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    assert [(n, p.requires_grad) for n, p in state.parameters.items()] == [
+        ("fc2.weight", True),
+        ("fc2.bias", True),
+        ("fc1.weight", False),
+        ("fc1.bias", False),
+    ]
+    assert state.parameters["fc1.weight"].grad is None
+    assert (module.get_parameters_size(), module.get_parameters_size(False)) == (650, 4810)
+    reference = graphforge.Module(
+        graphforge.compile(DIGITS, artifacts.pipeline_for(model, **options)).model, device="cpu", update="onnx"
+    )
+    reference_optimizer = graphforge.Optimizer(reference)
+    frozen = state.parameters["fc1.weight"].data.copy()
+    for i in range(5):
+        x, y = DATA["images"][i * 16 : (i + 1) * 16], DATA["labels"][i * 16 : (i + 1) * 16]
+        assert float(module(x, y)[0]) == float(reference(x, y))
+        optimizer.step()
+        module.lazy_reset_grad()
+        reference_optimizer.step()
+        reference.lazy_reset_grad()
+    for name, value in reference.state.tensors.items():
+        assert np.array_equal(state._state.tensors[name], value), name
+    np.testing.assert_array_equal(state.parameters["fc1.weight"].data, frozen)
+    assert module.get_contiguous_parameters(trainable_only=True).size == 650
+    everything = np.zeros(4810, np.float32)
+    bias = np.linspace(-0.5, 0.5, 10, dtype=np.float32)
+    everything[640:650] = bias  # fc2.bias, after fc2.weight; fc1 (after them) zero
+    module.copy_buffer_to_parameters(everything, trainable_only=False)
+    module.eval()
+    _loss, logits = module(DATA["images"][:4], DATA["labels"][:4])
+    np.testing.assert_array_equal(logits, np.tile(bias, (4, 1)))

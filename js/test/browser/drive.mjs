@@ -2,7 +2,8 @@
 // (tests/ondevice/test_browser.py). One argument, a JSON job:
 //   {chromium, profile, harness: {name: url}, page: url, screenshot, timeoutMs}
 // Prints one JSON line: each harness run's window.result, the page's window.graphforge after
-// training, and after a reload (resumed from IndexedDB).
+// training, and after a reload (resumed from IndexedDB); the console's errors, and every
+// request that failed or was answered with an error status (a missing favicon's 404).
 import puppeteer from 'puppeteer-core';
 
 const job = JSON.parse(process.argv[2]);
@@ -13,11 +14,14 @@ const browser = await puppeteer.launch({
   args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
     '--disable-component-update', '--disable-sync', `--user-data-dir=${job.profile}`],
 });
-const out = { harness: {}, console: [] };
+const out = { harness: {}, console: [], failed: [] };
 try {
   const page = await browser.newPage();
   page.on('console', (message) => message.type() === 'error' && out.console.push(message.text()));
   page.on('pageerror', (error) => out.console.push(String(error)));
+  page.on('response', (response) => response.status() >= 400 && out.failed.push(`${response.status()} ${response.url()}`));
+  // (a HEAD request, answered, ends as 'aborted': Chromium drops the body it announces; its status counts)
+  page.on('requestfailed', (request) => !request.response() && out.failed.push(`${request.failure()?.errorText} ${request.url()}`));
   for (const [name, url] of Object.entries(job.harness ?? {})) {
     await page.goto(url);
     await page.waitForFunction('window.result !== null && window.result !== undefined', { timeout });

@@ -1,16 +1,24 @@
 // Train an artifact folder for the Python tests (tests/ondevice/test_js_runtime.py), which
 // hold what it computes against graphforge in Python. One argument: a JSON job
 //   {backend: "node" | "web", artifacts, batches: {file, tensors: [{name, dtype, shape, offset, bytes}] per step},
-//    steps, accumulate, schedule, resume, save, eval, threads, gradientsOnly}
+//    steps, accumulate, schedule, resume, save, eval, threads, gradientsOnly, parameters,
+//    load: {file, trainableOnly}}
 // It prints one JSON line: the loss of each step (mean over its micro-batches), the eval
-// loss, and the session's step and learning rate; ``save`` is where it writes its checkpoint.
+// loss, the session's step and learning rate, its execution providers, and with ``parameters``
+// the contiguous parameters after the steps (trainable, and all); ``load`` replaces the
+// parameters with a float32 file's before the eval; ``save`` is where it writes its checkpoint.
 import { readFileSync } from 'node:fs';
 import { CheckpointState, TrainingSession, makeSchedule } from '../../src/index.js';
 
 const job = JSON.parse(process.argv[2]);
-const ort = job.backend === 'web' ? await import('onnxruntime-web') : await import('onnxruntime-node');
+const backend = job.backend === 'web' ? 'onnxruntime-web' : 'onnxruntime-node';
+const ort = await import(backend).catch(() => {
+  console.error(`${backend} is missing: run make install first (it runs npm ci in js/)`);
+  process.exit(2);
+});
 if (job.backend === 'web') ort.env.wasm.numThreads = job.threads ?? 1;
-const options = job.backend === 'web' ? { executionProviders: ['wasm'] } : { intraOpNumThreads: job.threads ?? 1 };
+// onnxruntime-web's sessions run on its wasm backend unless told otherwise (TrainingSession.create)
+const options = job.backend === 'web' ? {} : { intraOpNumThreads: job.threads ?? 1 };
 
 const bytes = readFileSync(job.batches.file);
 const arrays = { float32: Float32Array, int64: BigInt64Array, uint8: Uint8Array, int32: Int32Array };
@@ -49,9 +57,14 @@ for (let step = 0; step < job.steps; step++) {
   if (schedule) schedule.step();
 }
 const seconds = (performance.now() - started) / 1000;
+const parameters = job.parameters
+  ? { trainable: [...(await session.getContiguousParameters(true)).data], all: [...(await session.getContiguousParameters(false)).data] }
+  : {};
+if (job.load) await session.loadParametersBuffer(new Uint8Array(readFileSync(job.load.file)), job.load.trainableOnly);
 let evalLoss = null;
 if (job.eval !== undefined && job.eval !== null) evalLoss = Number((await session.runEvalStep(batch(job.eval)))[session.manifest.loss].data[0]);
 if (schedule) session.checkpointState.scheduler = schedule.stateDict();
 if (job.save) await session.saveCheckpoint(job.save);
-console.log(JSON.stringify({ losses, learningRates, evalLoss, step: session.checkpointState.step, lr: session.getLearningRate(), seconds }));
+const { step } = session.checkpointState;
+console.log(JSON.stringify({ losses, learningRates, evalLoss, step, lr: session.getLearningRate(), seconds, executionProviders: session.executionProviders, ...parameters }));
 await session.release();

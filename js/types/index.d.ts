@@ -6,6 +6,8 @@ import type { InferenceSession, Tensor } from 'onnxruntime-common';
 export interface OrtNamespace {
   InferenceSession: { create(model: Uint8Array, options?: InferenceSession.SessionOptions): Promise<InferenceSession> };
   Tensor: typeof Tensor;
+  /** onnxruntime's environment: `env.versions.web` tells onnxruntime-web's namespace. */
+  env?: { versions?: { web?: string } };
 }
 
 /** A path (Node), a URL (fetched), or the bytes themselves. */
@@ -51,6 +53,8 @@ export class CheckpointState {
   learningRate: number | null;
   scheduler: ScheduleState | null;
   seeds: Record<string, number>;
+  /** Where the data loader stands (any JSON value). */
+  dataPosition: unknown;
   properties: Record<string, unknown>;
   gradResetPending: boolean;
   microBatch: number;
@@ -70,6 +74,26 @@ export interface Port {
   state?: string;
 }
 
+/** The models of an artifact folder, by key. */
+export type ModelKey = 'training' | 'eval' | 'optimizer' | 'train_step' | 'inference';
+
+export interface StateEntry {
+  name: string;
+  /** `frozen`: a parameter the models read and never update (a frozen base's). */
+  role: 'parameter' | 'frozen' | 'optimizer' | 'accumulator' | 'buffer';
+  dtype: DType;
+  shape: number[];
+  /** The parameter an optimizer state or accumulator belongs to. */
+  like: string | null;
+}
+
+export interface ModelEntry {
+  file: string;
+  sha256: string;
+  inputs: Port[];
+  outputs: Port[];
+}
+
 export interface Manifest {
   format: 'graphforge.ondevice';
   version: number;
@@ -82,19 +106,25 @@ export interface Manifest {
   outputs: string[];
   dropout: { input: string; seed: number; key: 'splitmix64' } | null;
   checkpoint: { file: string; sha256: string };
-  state: { name: string; role: string; dtype: DType; shape: number[]; like: string | null }[];
-  models: Record<'training' | 'eval' | 'optimizer' | 'train_step' | 'inference', { file: string; sha256: string; inputs: Port[]; outputs: Port[] }>;
+  state: StateEntry[];
+  models: Record<ModelKey, ModelEntry>;
 }
 
 export interface CreateOptions {
   ort: OrtNamespace;
   /** The artifact folder (path or URL): manifest.json and the files it names. */
   artifacts?: string | URL;
+  /** The state to start from (default, with `artifacts`: the folder's checkpoint). */
   checkpointState?: Source | CheckpointState;
+  /** training_model.onnx, where the files are given one by one. */
   trainModel?: Source;
+  /** eval_model.onnx: what runEvalStep runs. */
   evalModel?: Source;
+  /** optimizer_model.onnx. */
   optimizerModel?: Source;
+  /** train_step.onnx: what runStep runs. */
   trainStepModel?: Source;
+  /** The manifest (default: the manifest.json beside trainModel). */
   manifest?: Source | Manifest;
   /** Check every file against the manifest's sha256 (default true). */
   verify?: boolean;
@@ -103,13 +133,20 @@ export interface CreateOptions {
 export type Feeds = Record<string, Tensor>;
 
 export class TrainingSession {
+  /** Every file is checked (present; its sha256, unless `verify` is false) before this resolves.
+   * Without `sessionOptions.executionProviders` the sessions run on the backend of the namespace
+   * given: onnxruntime-node's CPU (`['cpu']`), onnxruntime-web's wasm (`['wasm']`). */
   static create(options: CreateOptions, sessionOptions?: InferenceSession.SessionOptions): Promise<TrainingSession>;
+  /** Made by `TrainingSession.create` only. */
+  private constructor(token: symbol, made: unknown);
   readonly manifest: Manifest;
   readonly checkpointState: CheckpointState;
   readonly trainingInputNames: string[];
   readonly trainingOutputNames: string[];
   readonly evalInputNames: string[];
   readonly evalOutputNames: string[];
+  /** The execution providers the sessions were made with, in onnxruntime's order of preference. */
+  readonly executionProviders: string[];
   runTrainStep(feeds: Feeds): Promise<Record<string, Tensor>>;
   runOptimizerStep(): Promise<Record<string, Tensor>>;
   lazyResetGrad(): void;
@@ -118,8 +155,11 @@ export class TrainingSession {
   runStep(feeds: Feeds): Promise<Record<string, Tensor>>;
   setLearningRate(lr: number): void;
   getLearningRate(): number;
+  /** The elements of the trainable parameters, or (`trainableOnly` false) of every parameter, frozen ones too. */
   getParametersSize(trainableOnly?: boolean): number;
+  /** The trainable parameters (every one: `trainableOnly` false) as one float32 tensor, in the manifest's order. */
   getContiguousParameters(trainableOnly?: boolean): Promise<Tensor>;
+  /** Replace the trainable parameters (every one: `trainableOnly` false) with a buffer getContiguousParameters gave. */
   loadParametersBuffer(buffer: Uint8Array | Float32Array, trainableOnly?: boolean): Promise<void>;
   checkpointBytes(): Uint8Array;
   saveCheckpoint(path: string): Promise<string>;
@@ -147,20 +187,44 @@ export interface ScheduleState {
   power?: number;
 }
 
+export type ScheduleKind = 'constant' | 'linear' | 'polynomial' | 'cosine';
+
+/** A learning-rate schedule: built on a session, it sets its rate at once and at each step(). */
 export interface Schedule {
-  readonly kind: string;
+  readonly kind: ScheduleKind;
+  readonly baseLr: number;
+  readonly warmupSteps: number;
+  readonly warmupStartFactor: number;
+  readonly totalSteps: number | null;
+  readonly endLr: number;
+  /** Optimizer steps the schedule has advanced (the rate set is lrAt(lastStep)). */
+  lastStep: number;
+  /** The rate of optimizer step `step` (0-based). */
+  lrAt(step: number): number;
+  /** Advance one optimizer step; sets and returns the rate of the next one. */
+  step(): number;
+  stateDict(): ScheduleState;
+}
+
+/** What a schedule sets its rate on (a TrainingSession), or null. */
+export type Sink = { setLearningRate(lr: number): void; getLearningRate(): number } | null;
+declare class ScheduleBase implements Schedule {
+  readonly kind: ScheduleKind;
+  readonly baseLr: number;
+  readonly warmupSteps: number;
+  readonly warmupStartFactor: number;
+  readonly totalSteps: number | null;
+  readonly endLr: number;
   lastStep: number;
   lrAt(step: number): number;
   step(): number;
   stateDict(): ScheduleState;
 }
-
-type Sink = { setLearningRate(lr: number): void; getLearningRate(): number } | null;
-export class ConstantSchedule implements Schedule { constructor(session: Sink, options?: ScheduleOptions); readonly kind: string; lastStep: number; lrAt(step: number): number; step(): number; stateDict(): ScheduleState; }
-export class LinearSchedule implements Schedule { constructor(session: Sink, options?: ScheduleOptions); readonly kind: string; lastStep: number; lrAt(step: number): number; step(): number; stateDict(): ScheduleState; }
-export class PolynomialSchedule implements Schedule { constructor(session: Sink, options?: ScheduleOptions); readonly kind: string; lastStep: number; lrAt(step: number): number; step(): number; stateDict(): ScheduleState; }
-export class CosineSchedule implements Schedule { constructor(session: Sink, options?: ScheduleOptions); readonly kind: string; lastStep: number; lrAt(step: number): number; step(): number; stateDict(): ScheduleState; }
-export function makeSchedule(kind: 'constant' | 'linear' | 'polynomial' | 'cosine', session: Sink, options?: ScheduleOptions): Schedule;
+export class ConstantSchedule extends ScheduleBase { constructor(session: Sink, options?: ScheduleOptions); }
+export class LinearSchedule extends ScheduleBase { constructor(session: Sink, options?: ScheduleOptions); }
+export class PolynomialSchedule extends ScheduleBase { constructor(session: Sink, options?: ScheduleOptions); readonly power: number; }
+export class CosineSchedule extends ScheduleBase { constructor(session: Sink, options?: ScheduleOptions); }
+export function makeSchedule(kind: ScheduleKind, session: Sink, options?: ScheduleOptions): Schedule;
 export function scheduleFromState(state: ScheduleState, session: Sink): Schedule;
 
 /** The uint32[2] key of one run's Dropout masks (graphforge's run_key). */
@@ -168,3 +232,6 @@ export function runKey(seed: number | bigint, step: number, microBatch: number, 
 export function crc32(bytes: Uint8Array): number;
 export function readManifest(source: Source, where: string): Promise<Manifest>;
 export function checkManifest(document: unknown, where?: string): Manifest;
+
+// only what is exported above is the package's (ScheduleBase is not)
+export {};
