@@ -35,7 +35,6 @@ from graphforge.ondevice import artifacts as ondevice_artifacts
 from graphforge.pass_manager import CompileResult, PassManager, default_registry, parse_pipeline
 from graphforge.planning.configs import default_hardware, plan_config, write_planned
 from graphforge.planning.report import best_fit, predicted, refusals, run_note, splits_table
-from graphforge.program import ProgramRoles
 
 app = typer.Typer(
     name="graphforge",
@@ -516,26 +515,9 @@ def artifacts_command(
     an inference model, the checkpoint and manifest.json) for onnxruntime in any language:
     graphforge's JavaScript runtime (js/) on onnxruntime-node and onnxruntime-web, or
     graphforge.ondevice in Python."""
-    proto = graphforge.load(model)
-    roles = ProgramRoles.of_proto(proto)
-    if roles.is_training_program:
-        if pipeline is not None:
-            raise UsageFailure(f"{model} is a training program already: leave -p out (or give its forward model)")
-        program, how = proto, f"the training program {model}"
-    else:
-        if pipeline is None:
-            raise UsageFailure(f"{model} is a forward model: give -p PIPELINE (e.g. \"loss(kind=cross_entropy, "
-                               "output=logits), autodiff, adamw(lr=1e-3)\"), or a training program")  # fmt: skip
-        passes, text = ondevice_artifacts.accumulating(pipeline)
-        program = PassManager(passes).run(proto).model
-        how = f'{model} compiled with "{text}"'
-    state = None
-    if checkpoint is not None:
-        found = train.find_checkpoint(checkpoint)
-        state = graphforge.CheckpointState.load(found, program)
-        how += f", from {found} (step {state.step})"
-    extras = [] if loss_only else list(output) if output else list(ProgramRoles.of_proto(program).forward_outputs)
-    manifest = ondevice_artifacts.write_artifacts(program, output_dir, state=state, prefix=prefix, outputs=extras)
+    manifest, how = ondevice_artifacts.artifacts_from(
+        model, output_dir, pipeline=pipeline, checkpoint=checkpoint, outputs=output, loss_only=loss_only, prefix=prefix
+    )
     out.print(f"[bold]artifacts[/] {escape(how)} → {escape(str(output_dir))}", highlight=False, soft_wrap=True)
     table = Table()
     for column in ("model", "file", "inputs", "outputs"):
