@@ -9,7 +9,7 @@ DEMO_MIN_ACCURACY := 0.93
 JS_STAMP := js/node_modules/.installed
 BENCH_JS_STAMP := benchmarks/js/node_modules/.installed
 
-.PHONY: install test demo web lint bench conformance cuda-check clean
+.PHONY: install test demo web docs lint bench conformance cuda-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,7 @@ test: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
 	cd js && npm run --silent typecheck
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 	$(BIN)/graphforge golden check golden_models
+	$(MAKE) --no-print-directory docs
 
 # Train a 64-64-10 MLP on the shipped 8×8 digits (examples/digits/train.toml), export the
 # inference model, and score it on the test split with a plain onnxruntime session.
@@ -71,6 +72,13 @@ demo: $(STAMP)
 # the data), then serves the repository on http://127.0.0.1:8000/examples/web/ until Ctrl-C.
 web: $(STAMP) $(JS_STAMP)
 	$(BIN)/python examples/web/serve.py
+
+# The documentation site (mkdocs.yml, docs/; the API pages from the docstrings) into site/:
+# --strict fails on a broken link, anchor or API reference, and on a page left out of the nav.
+# `.venv/bin/mkdocs serve` serves it on http://127.0.0.1:8000 while the pages change.
+# (NO_MKDOCS_2_WARNING: Material's notice of its end of life, May 2027, printed on every build)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: $(STAMP)
 	$(BIN)/ruff check graphforge passes tests golden_models benchmarks examples

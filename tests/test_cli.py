@@ -1,5 +1,5 @@
 """The ``graphforge`` command, run as a real process so exit codes and streams are the real ones,
-and the README's examples, run as written so the docs never rot."""
+and the documentation's CLI examples (the tour, the guides), run as written so the docs never rot."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import models
 import numpy as np
 import onnx
 import pytest
+from _pages import page_block
 from _tracebacks import assert_no_traceback
 from onnx import helper
 
@@ -550,39 +551,37 @@ def test_version(tmp_path):
     assert proc.stdout.strip() == f"graphforge {version('graphforge')}" == f"graphforge {graphforge.__version__}"
 
 
-# --------------------------------------------------------------------------- the README
+# --------------------------------------------------------------------------- the documentation's pages
 
-
-def _readme_blocks(language: str) -> list[str]:
-    text = (REPO / "README.md").read_text()
-    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+TOUR = "docs/getting-started/tour.md"
+PASS_GUIDE = "docs/guides/writing-a-pass.md"
 
 
 @pytest.fixture
-def readme_workspace(tmp_path) -> Path:
-    """A fresh folder that looks like a checkout to the README's relative paths; outputs stay in it."""
+def page_workspace(tmp_path) -> Path:
+    """A fresh folder that looks like a checkout to the pages' relative paths; outputs stay in it."""
     (tmp_path / "golden_models").symlink_to(REPO / "golden_models")
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
     return tmp_path
 
 
-def test_readme_tour_runs_as_written(readme_workspace):
-    """The tour's CLI block, then its Python API block, in a fresh folder (as a reader would)."""
-    blocks = _readme_blocks("sh")
+def test_the_tour_runs_as_written(page_workspace):
+    """The tour's CLI block, the gradients guide's, the diff guide's, then the tour's Python API
+    block, in a fresh folder (as a reader would)."""
     sh_blocks = [
-        next(b for b in blocks if "graphforge passes" in b),  # the CLI block
-        next(b for b in blocks if "autodiff" in b and "graphforge compile" in b),  # gradients
+        page_block(TOUR, "sh", "graphforge passes"),  # the CLI block
+        page_block("docs/guides/gradients.md", "sh", "autodiff", "graphforge compile"),
     ]
     proc = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", sh_blocks[0]],
-        cwd=readme_workspace,
+        cwd=page_workspace,
         env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
     ok(proc)
-    out = readme_workspace / "out"
+    out = page_workspace / "out"
     pipeline = re.search(r'-p "([^"]+)"', sh_blocks[0]).group(1)
     assert sorted(p.name for p in (out / "dumps").iterdir()) == [
         "000_input.onnx",
@@ -590,31 +589,31 @@ def test_readme_tour_runs_as_written(readme_workspace):
     ]
     models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", out / "demo.onnx")
 
-    ok(subprocess.run(["bash", "-euo", "pipefail", "-c", sh_blocks[1]], cwd=readme_workspace, env=_env(),
+    ok(subprocess.run(["bash", "-euo", "pipefail", "-c", sh_blocks[1]], cwd=page_workspace, env=_env(),
                       capture_output=True, text=True, timeout=300))  # fmt: skip
     grad_outputs = [o.name for o in onnx.load(out / "demo_grad.onnx").graph.output]
     assert grad_outputs == ["logits", "loss", "fc1.weight_grad", "fc1.bias_grad", "fc2.weight_grad", "fc2.bias_grad"]
 
     # the diff block compiles what it compares (as the CLI block does), then compares the
     # shipped model with it: each diff exits 1 (different, as diff(1))
-    diff_block = next(b for b in blocks if "graphforge diff" in b)
+    diff_block = page_block("docs/guides/diff.md", "sh", "graphforge diff")
     lines = [line for line in diff_block.replace("\\\n", " ").splitlines() if line.strip()]
     at = next(i for i, line in enumerate(lines) if line.startswith("A="))
-    ok(subprocess.run(["bash", "-euc", "\n".join(lines[:at])], cwd=readme_workspace, env=_env(),
+    ok(subprocess.run(["bash", "-euc", "\n".join(lines[:at])], cwd=page_workspace, env=_env(),
                       capture_output=True, text=True, timeout=300))  # fmt: skip
     setup, commands = lines[at], lines[at + 1 :]
     for command in commands:
-        proc = subprocess.run(["bash", "-uc", f"{setup}\n{command}"], cwd=readme_workspace, env=_env(),
+        proc = subprocess.run(["bash", "-uc", f"{setup}\n{command}"], cwd=page_workspace, env=_env(),
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert proc.returncode == 1 and proc.stdout, (command, proc.stderr)
         assert_no_traceback(proc.stderr)
     assert (out / "diff.html").is_file()
 
-    api_block = next(b for b in _readme_blocks("python") if "graphforge.compile(" in b)
+    api_block = page_block(TOUR, "python", "graphforge.compile(")
     proc = ok(
         subprocess.run(
             [sys.executable, "-c", api_block],
-            cwd=readme_workspace,
+            cwd=page_workspace,
             env=_env(),
             capture_output=True,
             text=True,
@@ -627,22 +626,22 @@ def test_readme_tour_runs_as_written(readme_workspace):
     models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", out / "demo_api.onnx")
 
 
-def test_readme_api_block_runs_in_a_fresh_folder(readme_workspace):
+def test_the_tours_api_block_runs_in_a_fresh_folder(page_workspace):
     """Without the CLI block before it: nothing has made out/ yet."""
-    api_block = next(b for b in _readme_blocks("python") if "graphforge.compile(" in b)
-    assert not (readme_workspace / "out").exists()
-    ok(subprocess.run([sys.executable, "-c", api_block], cwd=readme_workspace, env=_env(), capture_output=True,
+    api_block = page_block(TOUR, "python", "graphforge.compile(")
+    assert not (page_workspace / "out").exists()
+    ok(subprocess.run([sys.executable, "-c", api_block], cwd=page_workspace, env=_env(), capture_output=True,
                       text=True, timeout=300))  # fmt: skip
-    models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", readme_workspace / "out" / "demo_api.onnx")
+    models.assert_same_outputs(REPO / "golden_models/demo_mlp/model.onnx", page_workspace / "out" / "demo_api.onnx")
 
 
-def test_readme_pass_example_registers_and_runs():
-    """The class block, then the block that registers it beside the built-in passes."""
-    (block,) = [b for b in _readme_blocks("python") if "class DropDebugOutputs" in b]
-    (registering,) = [b for b in _readme_blocks("python") if "PassRegistry(" in b]
-    namespace: dict = {"__name__": "readme_example"}
+def test_the_pass_guides_example_registers_and_runs():
+    """Writing a pass: the class block, then the block that registers it beside the built-in passes."""
+    block = page_block(PASS_GUIDE, "python", "class DropDebugOutputs")
+    registering = page_block(PASS_GUIDE, "python", "PassRegistry(")
+    namespace: dict = {"__name__": "page_example"}
     for code in (block, registering):
-        exec(compile(code, "README.md", "exec", dont_inherit=True), namespace)
+        exec(compile(code, PASS_GUIDE, "exec", dont_inherit=True), namespace)
     drop, registry = namespace["DropDebugOutputs"], namespace["registry"]
     assert isinstance(registry, PassRegistry) and {"drop_debug_outputs", "dce", "autodiff"} <= {
         c.name for c in registry
@@ -676,18 +675,18 @@ def test_readme_pass_example_registers_and_runs():
     assert graphforge.parse_pipeline(drop(prefix="x/").spec(), registry) == [drop(prefix="x/")]
 
 
-def test_readme_pipeline_text_parses():
+def test_the_tours_pipeline_text_parses():
     """'Pipelines are text ("dce, cse, fold_constants(size_limit_mb=4)")'"""
     passes = graphforge.parse_pipeline("dce, cse, fold_constants(size_limit_mb=4)")
     assert [p.spec() for p in passes] == ["dce", "cse", "fold_constants(size_limit_mb=4.0)"]
 
 
-def test_readme_under_the_hood_block_runs_as_written(readme_workspace):
+def test_the_under_the_hood_block_runs_as_written(page_workspace):
     """Roles, a cut at the gradient boundary, and the runner's executor with a hook."""
-    (block,) = [b for b in _readme_blocks("python") if "ProgramRoles.read" in b]
+    block = page_block("docs/reference/under-the-hood.md", "python", "ProgramRoles.read")
     for folder in ("examples", "data"):
-        (readme_workspace / folder).symlink_to(REPO / folder)
-    proc = ok(subprocess.run([sys.executable, "-c", block], cwd=readme_workspace, env=_env(), capture_output=True,
+        (page_workspace / folder).symlink_to(REPO / folder)
+    proc = ok(subprocess.run([sys.executable, "-c", block], cwd=page_workspace, env=_env(), capture_output=True,
                              text=True, timeout=300))  # fmt: skip
     roles_line, hook_line, result_line = proc.stdout.splitlines()
     assert roles_line == "['images', 'labels'] ('logits',) optim::boundary/fc1.weight"
@@ -695,19 +694,20 @@ def test_readme_under_the_hood_block_runs_as_written(readme_workspace):
     assert re.fullmatch(r"loss \d+\.\d{3}; updated 4 parameters", result_line)
 
 
-def test_readme_pass_objects_are_reachable_from_import_graphforge(tmp_path):
+def test_the_tours_pass_objects_are_reachable_from_import_graphforge(tmp_path):
     code = "import graphforge; print(graphforge.passes.FoldConstants(size_limit_mb=4).spec())"
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "fold_constants(size_limit_mb=4)"
 
 
-def test_readme_memory_block_runs_as_written(tmp_path):
-    """The Memory section's commands: the in-place step predicted below the two-buffer one."""
+def test_the_memory_guides_commands_run_as_written(tmp_path):
+    """The Memory guide's commands: the in-place step predicted below the two-buffer one; then
+    the Static shapes guide's recomputation commands."""
     (tmp_path / "examples").symlink_to(REPO / "examples")
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
-    (block,) = [b for b in _readme_blocks("sh") if "inspect out/digits_program.onnx --memory" in b]
-    (recompute,) = [b for b in _readme_blocks("sh") if "recompute(budget" in b]
+    block = page_block("docs/guides/memory.md", "sh", "inspect out/digits_program.onnx --memory")
+    recompute = page_block("docs/guides/static-shapes.md", "sh", "recompute(budget")
     (tmp_path / "out").mkdir()
     proc = ok(subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=_env(),
                              capture_output=True, text=True, timeout=300))  # fmt: skip
@@ -733,16 +733,16 @@ def test_readme_memory_block_runs_as_written(tmp_path):
     assert len(peaks) == len(saved) == 2 and peaks[1] < 0.9 * peaks[0] and saved[1] < 0.9 * saved[0], proc.stdout
 
 
-def test_readme_host_syncs_block_runs_as_written(tmp_path):
-    """The Static shapes section's command: at the batch's dims no session waits for the host;
+def test_the_host_syncs_block_runs_as_written(tmp_path):
+    """The Static shapes guide's command: at the batch's dims no session waits for the host;
     without them the loss's shape computation still does, and the unbound dim is named."""
     (tmp_path / "examples").symlink_to(REPO / "examples")
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
     (tmp_path / "out").mkdir()
-    pipeline = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)"  # the Memory section's program
+    pipeline = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)"  # the Memory guide's program
     ok(graphforge_cli("compile", "examples/digits/model.onnx", "-p", pipeline, "-o", "out/digits_program.onnx",
                       cwd=tmp_path))  # fmt: skip
-    (block,) = [b for b in _readme_blocks("sh") if "--host-syncs" in b]
+    block = page_block("docs/guides/static-shapes.md", "sh", "--host-syncs")
     proc = ok(subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=_env(), capture_output=True,
                              text=True, timeout=300))  # fmt: skip
     sessions = re.findall(r"^  (forward/backward|update): [\d,]+ nodes, (.*) \(unspecialized", proc.stdout, re.M)

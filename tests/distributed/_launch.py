@@ -141,5 +141,5 @@ def children_by_rank(parent: int) -> dict[int, int]:
 
 
 def shell(command: str, *, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """``bash -c command`` (a README block), everything it starts killed past ``timeout``."""
+    """``bash -c command`` (a block of the documentation's pages), everything it starts killed past ``timeout``."""
     return finish(spawn(["bash", "-euo", "pipefail", "-c", command], cwd=cwd), timeout)

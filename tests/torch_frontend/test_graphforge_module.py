@@ -240,14 +240,13 @@ def test_a_tied_weight_trains_as_one_parameter_and_debug_dir_keeps_the_models(tm
     assert saved == ["compiled.onnx", "exported.onnx", "segment0.onnx", "segment1.onnx", "signature.json"]
 
 
-def test_the_readme_block_runs():
-    import re
-    from pathlib import Path
+def test_the_guides_block_runs():
+    """docs/guides/graphforge-module.md's loop, as written."""
+    from _pages import page_block
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "GraphforgeModule(net)" in b]
+    block = page_block("docs/guides/graphforge-module.md", "python", "GraphforgeModule(net)")
     namespace: dict = {}
-    exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
+    exec(compile(block, "docs/guides/graphforge-module.md", "exec", dont_inherit=True), namespace)
     assert namespace["model"].compiles == 1 and namespace["net"][0].weight.grad is not None
 
 

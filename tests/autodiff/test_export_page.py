@@ -1,29 +1,27 @@
-"""The README's "Exporting from PyTorch for training" block runs as written (in a fresh folder),
+"""The "Exporting from PyTorch for training" guide's block runs as written (in a fresh folder),
 and the programs it compiles train what torch trains: the TorchScript export keeps
 BatchNormalization in training mode and Dropout; the dynamo export keeps the parameters."""
 
 from __future__ import annotations
 
-import re
 import warnings
-from pathlib import Path
 
 import onnx
 import pytest
+from _pages import page_block
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = "docs/guides/pytorch-export.md"
 
 pytestmark = pytest.mark.slow  # two exports, one by dynamo
 
 
-def test_readme_export_block_runs(tmp_path, monkeypatch):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (block,) = [b for b in blocks if "torch.onnx.export" in b and "TrainingMode" in b]
+def test_the_export_block_runs(tmp_path, monkeypatch):
+    block = page_block(PAGE, "python", "torch.onnx.export", "TrainingMode")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
+        exec(compile(block, PAGE, "exec", dont_inherit=True), namespace)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing written beside the reader's files
     exported = onnx.load("out/net_ts.onnx")
     batch_norm = next(n for n in exported.graph.node if n.op_type == "BatchNormalization")
@@ -35,17 +33,16 @@ def test_readme_export_block_runs(tmp_path, monkeypatch):
     assert {o.name for o in program.graph.output} >= {"loss", "0.weight_grad", "2.bias_grad"}
 
 
-def test_readme_train_program_block_runs(tmp_path, monkeypatch):
-    """The README's train_program block, run after the export block it continues (its net, x)."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (export,) = [b for b in blocks if "torch.onnx.export" in b and "TrainingMode" in b]
-    (block,) = [b for b in blocks if "train_program(" in b]
+def test_the_train_program_block_runs(tmp_path, monkeypatch):
+    """The guide's train_program block, run after the export block it continues (its net, x)."""
+    export = page_block(PAGE, "python", "torch.onnx.export", "TrainingMode")
+    block = page_block(PAGE, "python", "train_program(")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(export, "README.md", "exec", dont_inherit=True), namespace)
-        exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)
+        exec(compile(export, PAGE, "exec", dont_inherit=True), namespace)
+        exec(compile(block, PAGE, "exec", dont_inherit=True), namespace)
     module = namespace["module"]
     assert sorted(module.parameters) == sorted(name for name, _ in namespace["net"].named_parameters())
     assert sorted(module.buffers) == ["1.running_mean", "1.running_var"]

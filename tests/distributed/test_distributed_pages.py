@@ -1,5 +1,6 @@
-"""The README's data-, pipeline- and tensor-parallel commands, run as written: torchrun on the
-digits examples, the Python scripts under torchrun, and graphforge schedule's timeline."""
+"""The Distributed pages' commands, run as written: torchrun on the digits examples (data
+parallel, ZeRO, pipeline, tensor parallel, a planned split), the Python scripts under torchrun,
+and graphforge schedule's timeline."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _launch import REPO, shell
+from _pages import page_block
 
 import graphforge
 from graphforge.runtime import CheckpointState, Module
@@ -17,14 +19,14 @@ from graphforge.runtime import CheckpointState, Module
 pytest.importorskip("torch")
 
 
-def _blocks(language: str) -> list[str]:
-    text = (REPO / "README.md").read_text()
-    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+DATA_PARALLEL = "docs/distributed/data-parallel.md"
+PIPELINE = "docs/distributed/pipeline.md"
+TENSOR_PARALLEL = "docs/distributed/tensor-parallel.md"
 
 
 @pytest.fixture
 def workspace(tmp_path) -> Path:
-    """A folder that looks like a checkout to the README's relative paths; outputs stay in it."""
+    """A folder that looks like a checkout to the pages' relative paths; outputs stay in it."""
     for name in ("examples", "data"):
         (tmp_path / name).symlink_to(REPO / name)
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
@@ -32,7 +34,7 @@ def workspace(tmp_path) -> Path:
 
 
 def test_the_torchrun_command_trains_the_digits_on_two_processes(workspace):
-    (block,) = [b for b in _blocks("sh") if "--standalone" in b and "train.toml" in b and "plan" not in b]
+    block = page_block(DATA_PARALLEL, "sh", "--standalone", "train.toml")
     done = shell(block, cwd=workspace, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:]
     assert done.stdout.count("data-parallel on 2 processes (gloo)") == 1  # rank 0 alone prints
@@ -43,9 +45,23 @@ def test_the_torchrun_command_trains_the_digits_on_two_processes(workspace):
     )
 
 
+def test_the_zero_command_trains_the_digits_with_sharded_states_on_two_processes(workspace):
+    block = page_block("docs/distributed/zero.md", "sh", "train_zero.toml")
+    done = shell(block, cwd=workspace, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    # the page's line: what each process holds (rank 0 alone prints)
+    assert len(re.findall(r"zero: stage 2, this process holds [\d.]+ KiB of optimizer state \(1/2\)", done.stdout)) == 1
+    accuracy = float(re.search(r"done .*accuracy (\d\.\d+)", done.stdout).group(1))
+    assert accuracy >= 0.9
+    checkpoints = workspace / "out" / "zero" / "checkpoints"
+    last = sorted(p.name for p in checkpoints.iterdir() if ".zero" not in p.name)[-1]
+    shards = sorted(p.name for p in checkpoints.glob(last.replace(".safetensors", ".zero*")))
+    assert shards == [last.replace(".safetensors", f".zero{r}-of-2.safetensors") for r in range(2)]
+
+
 def test_the_plan_commands_write_a_config_that_torchrun_trains(workspace):
-    """README's "Planning the split": plan the digits for 2 processes, then train the config it wrote."""
-    (block,) = [b for b in _blocks("sh") if "graphforge plan" in b]
+    """The planning page: plan the digits for 2 processes, then train the config it wrote."""
+    block = page_block("docs/distributed/planning.md", "sh", "graphforge plan")
     done = shell(block, cwd=workspace, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:]
     assert "wrote out/planned.toml" in done.stdout
@@ -54,7 +70,7 @@ def test_the_plan_commands_write_a_config_that_torchrun_trains(workspace):
 
 
 def test_the_python_example_runs_under_torchrun(workspace):
-    (block,) = [b for b in _blocks("python") if "DataParallel(module, world)" in b]
+    block = page_block(DATA_PARALLEL, "python", "DataParallel(module, world)")
     (workspace / "train_dp.py").write_text(block)
     done = shell(".venv/bin/torchrun --standalone --nproc-per-node=2 train_dp.py", cwd=workspace, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:]
@@ -65,7 +81,7 @@ def test_the_python_example_runs_under_torchrun(workspace):
 
 def test_the_tensor_parallel_example_runs_under_torchrun_and_its_state_fits_the_whole_program(workspace):
 
-    (block,) = [b for b in _blocks("python") if "TensorParallel(module, world)" in b]
+    block = page_block(TENSOR_PARALLEL, "python", "TensorParallel(module, world)")
     (workspace / "train_tp.py").write_text(block)
     done = shell(".venv/bin/torchrun --standalone --nproc-per-node=2 train_tp.py", cwd=workspace, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:]
@@ -74,7 +90,8 @@ def test_the_tensor_parallel_example_runs_under_torchrun_and_its_state_fits_the_
     assert float(line.split()[1]) < 1.0
     pipeline = "loss(kind=cross_entropy, output=logits), tensor_parallel(size=2), autodiff, adamw(lr=1e-2)"
     program = graphforge.compile(str(REPO / "examples" / "digits" / "model.onnx"), pipeline).model
-    state = CheckpointState.load(workspace / "digits-tp.safetensors", program)
+    assert not (workspace / "digits-tp.safetensors").exists()  # under out/, which .gitignore covers
+    state = CheckpointState.load(workspace / "out" / "digits-tp.safetensors", program)
     assert state.step == 100 and state.tensors["fc1.weight"].shape == (64, 64)
     data = np.load(REPO / "data" / "digits" / "test.npz")
     module = Module(program, state, device="cpu").eval()
@@ -83,7 +100,7 @@ def test_the_tensor_parallel_example_runs_under_torchrun_and_its_state_fits_the_
 
 
 def test_the_tensor_parallel_train_command_trains_the_digits_on_two_processes(workspace):
-    (block,) = [b for b in _blocks("sh") if "train_tensor.toml" in b]
+    block = page_block(TENSOR_PARALLEL, "sh", "train_tensor.toml")
     done = shell(block, cwd=workspace, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:]
     assert done.stdout.count("tensor-parallel on 2 processes (gloo)") == 1  # rank 0 alone prints
@@ -100,7 +117,7 @@ def test_the_tensor_parallel_train_command_trains_the_digits_on_two_processes(wo
 
 
 def test_the_pipeline_commands_train_two_stages_and_export(workspace):
-    (block,) = [b for b in _blocks("sh") if "train_pipeline.toml" in b]
+    block = page_block(PIPELINE, "sh", "train_pipeline.toml")
     done = shell(block, cwd=workspace, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:]
     assert done.stdout.count("pipeline of 2 stages × 4 micro-batches (1f1b, gloo)") == 1
@@ -110,10 +127,9 @@ def test_the_pipeline_commands_train_two_stages_and_export(workspace):
 
 
 def test_the_schedule_command_prints_the_timeline_shown(workspace):
-    (command,) = [b for b in _blocks("sh") if "graphforge schedule" in b]
+    command = page_block(PIPELINE, "sh", "graphforge schedule")
     done = shell(command, cwd=workspace, timeout=60)
     assert done.returncode == 0, done.stdout
-    text = (REPO / "README.md").read_text()
-    shown = re.search(r"^```\n(stage 0 F0.*?)^```", text, flags=re.DOTALL | re.MULTILINE).group(1)
+    shown = page_block(PIPELINE, "", "stage 0 F0")
     assert done.stdout.startswith(shown)
     assert "makespan 33, bubble 27.3% ((p-1)/(m+p-1) = 27.3% for balanced stages)" in done.stdout
