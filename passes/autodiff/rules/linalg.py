@@ -13,16 +13,22 @@ linear = RULES.linear
 
 @linear("MatMul")
 def matmul(ctx, dy):
-    # numpy's semantics: batch dims broadcast; a 1-D left operand is a row vector, a 1-D
-    # right operand a column (its unit axis dropped from the result)
+    # dA = dY Bᵀ, dB = Aᵀ dY. A batch times a matrix folds the batch into the matrix's rows
+    # (or columns): its gradient is one 2-D product, with no [batch, K, N] intermediate to sum
     a, w = ctx.x(0), ctx.x(1)
     ra, rw = ctx.rank(a), ctx.rank(w)
-    if ra > 2 and rw == 2:  # activations [..., K] @ weight [K, N]: dW sums over the batch, as one 2-D product
+    if ra > 2 and rw == 2:  # activations [..., K] @ weight [K, N]
         return [dy @ w.T, _gemm(ctx, a.flatten(ra - 1), dy.flatten(ra - 1), trans_a=1)]
-    if ra == 2 and rw > 2:  # weight [M, K] @ activations [..., K, N]: dA sums over the batch
+    if ra == 2 and rw > 2:  # weight [M, K] @ activations [..., K, N]
         return [_gemm(ctx, _columns(dy, rw), _columns(w, rw), trans_b=1), a.T @ dy]
-    # otherwise batched matrices: promote 1-D operands (and dy with them), take the batched
-    # gradients, sum them over the batch dims their operand was broadcast along, drop the unit axis
+    return _batched(ctx, a, w, dy, ra, rw)
+
+
+def _batched(ctx, a, w, dy, ra: int, rw: int):
+    """MatMul's gradients as numpy defines the product: batch dims broadcast, a 1-D left operand
+    is a row vector and a 1-D right one a column. The 1-D operands are promoted (dy with them),
+    the batched gradients summed over the batch dims their operand was broadcast along, and
+    the unit axes dropped again."""
     y_shape = list(ctx.y().shape)
     a2, w2 = a, w
     if ra == 1:
