@@ -26,6 +26,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from graphforge.passes.autodiff.context import GradContext
 from graphforge.passes.autodiff.registry import RULES, RuleRegistry
+from graphforge.passes.autodiff.values import raw
 
 from graphforge import roles
 from graphforge.builder import Builder
@@ -34,7 +35,7 @@ from graphforge.errors import PassError
 from graphforge.ir import gc_paused
 
 GRAD_PREFIX = roles.GRAD_PREFIX
-#: case 8: rewrites the gradients reaching a node's outputs (None where none reaches one)
+#: case 8: rewrites the gradients reaching a node's outputs (Values, None where none reaches one)
 Hook = Callable[[GradContext, list], list]
 
 
@@ -147,7 +148,8 @@ def _build(
                 constants=constants,
             )
             hook = hooks.get(id(node))
-            dxs = list(rule.fn(ctx, hook(ctx, dys) if hook is not None else dys))
+            given = [ctx.value(dy) for dy in dys]
+            dxs = list(rule.fn(ctx, hook(ctx, given) if hook is not None else given))
             # rules may list every optional input; trailing ones the node omits must get None
             while len(dxs) > len(xs) and dxs[-1] is None:
                 dxs.pop()
@@ -163,7 +165,7 @@ def _build(
                 if rule.broadcast:
                     peers = [t for t in node.inputs if t is not x and not t.is_empty()]
                     dx = ctx.unbroadcast(dx, node.outputs[0].shape, x, peers)
-                grads.setdefault(id(x), []).append(dx)
+                grads.setdefault(id(x), []).append(raw(dx))
                 reached_from.setdefault(id(x), node)
 
     result = {}

@@ -14,6 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from graphforge.passes.autodiff.context import GradContext
 from graphforge.passes.autodiff.driver import build_subgraph_gradients
+from graphforge.passes.autodiff.values import Value, raw
 
 from graphforge.builder import Builder
 from graphforge.constants import CONSTANT_ELEMENTS, constant_value
@@ -52,7 +53,7 @@ def gradients_through(
     """Differentiate ``expansion`` (a graph whose outputs are the node's, recomputed from outer
     tensors) with its outputs receiving ``dys``; its backward nodes are appended to it.
     Returns ``id(outer tensor) -> gradient`` for the tensors of ``wrt`` that get one."""
-    seeds = [(o, dy) for o, dy in zip(expansion.outputs, dys, strict=False) if dy is not None and not o.is_empty()]
+    seeds = [(o, raw(dy)) for o, dy in zip(expansion.outputs, dys, strict=False) if dy is not None and not o.is_empty()]
     return build_subgraph_gradients(expansion, seeds, wrt, opset=ctx.opset, prefix=prefix)
 
 
@@ -69,14 +70,15 @@ def differentiate_expansion(ctx: GradContext, expansion: gs.Graph, dys) -> list[
     return [grads.get(id(x)) if ctx.wants(x) and first[id(x)] == i else None for i, x in enumerate(ctx.inputs)]
 
 
-def decomposed(forward: Callable[[GradContext, Builder], Sequence[gs.Tensor]]):
-    """A rule from a decomposition: ``forward(ctx, b)`` recomputes the node's outputs from its
-    inputs with basic ops emitted by ``b``; the gradient is that decomposition's."""
+def decomposed(forward: Callable[[GradContext], Sequence[Value]]):
+    """A rule from a decomposition: ``forward(ctx)`` recomputes the node's outputs from its
+    inputs with basic ops, ``ctx`` emitting into a graph of their own; the gradient is that
+    decomposition's."""
 
     def rule(ctx: GradContext, dys):
         expansion = gs.Graph(opset=ctx.opset)
         b = Builder(expansion, prefix=ctx.b.fresh_name("decomposed") + "/")
-        expansion.outputs = list(forward(ctx, b))
+        expansion.outputs = [raw(t) for t in forward(ctx.emitting_to(b))]
         return differentiate_expansion(ctx, expansion, dys)
 
     rule.__module__ = forward.__module__

@@ -1,12 +1,15 @@
 """The gradient-rule registry: one small function per op type, in an explicit table.
 
-A rule receives a GradContext (the forward node, a builder, shape helpers) and the
-gradients of the node's outputs (None where none flows), and returns one gradient per
-forward input: a tensor, or None for an input that takes none (a Reshape's shape).
-The driver does the shared work: ordering, summing, un-broadcasting, dtype checks.
+A rule receives a GradContext (the forward node, its tensors as Values with operators, shape
+helpers) and the gradients of the node's outputs (Values, None where none flows), and returns
+one gradient per forward input: a Value, or None for an input that takes none (a Reshape's
+shape). The driver does the shared work: ordering, summing, un-broadcasting, dtype checks.
 
-Helpers make each family one line: ``unary`` for elementwise ops of one input,
-``nondifferentiable`` for ops whose outputs carry no gradient.
+Helpers make each kind of rule short, as JAX's ``defjvp``/``deflinear`` do: ``unary`` for
+elementwise ops of one input (its derivative times dy), ``linear`` for ops linear in their
+leading inputs, each with the others fixed (MatMul, Transpose, Concat: the gradient is the
+transpose of the map, given as one function of dy), ``nondifferentiable`` for ops whose
+outputs carry no gradient.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import onnx_graphsurgeon as gs
     from graphforge.passes.autodiff.context import GradContext
+    from graphforge.passes.autodiff.values import Value
 
-Grads = Sequence["gs.Tensor | None"]
-RuleFn = Callable[["GradContext", Grads], Sequence["gs.Tensor | None"]]
+Grads = Sequence["Value | None"]
+RuleFn = Callable[["GradContext", Grads], Sequence["Value | None"]]
 
 
 @dataclass(frozen=True)
@@ -122,10 +125,37 @@ class RuleRegistry:
 
         return register
 
-    def unary(self, op_type: str, dx: Callable[[GradContext, gs.Tensor], gs.Tensor], *, since: int = 1) -> None:
+    def unary(self, op_type: str, dx: Callable[[GradContext, Value], Value], *, since: int = 1) -> None:
         """An elementwise op of one differentiable input: ``dx(ctx, dy)`` is its gradient."""
         fn = lambda ctx, dys: [dx(ctx, dys[0]), *[None] * (len(ctx.node.inputs) - 1)]  # noqa: E731
         self.add(Rule(op_type, fn, since, module=dx.__module__))
+
+    def linear(
+        self,
+        op_type: str,
+        *,
+        since: int = 1,
+        until: int | None = None,
+        broadcast: bool = False,
+        settings: dict[int, str] | None = None,
+    ):
+        """Register the decorated function as the transpose of an op linear in its leading
+        inputs, each with the others fixed (JAX's ``deflinear``, ``defbilinear``): called with
+        the gradients of the node's outputs, ``transpose(ctx, *dys)`` returns that of input 0,
+        or a list of those of the first inputs (None for an index among them); the inputs after
+        them (shapes, axes, indices) take none."""
+
+        def register(transpose: Callable[..., Value | Sequence[Value | None]]):
+            def fn(ctx, dys):
+                dxs = transpose(ctx, *dys)
+                dxs = list(dxs) if isinstance(dxs, list | tuple) else [dxs]
+                return [*dxs, *[None] * (len(ctx.inputs) - len(dxs))]
+
+            fn.__module__ = transpose.__module__  # the op family is the transpose's module
+            self.gradient(op_type, since=since, until=until, broadcast=broadcast, settings=settings)(fn)
+            return transpose
+
+        return register
 
     def nondifferentiable(self, *op_types: str, since: int = 1) -> None:
         """Ops through which no gradient flows (integer/bool results, or a zero derivative)."""

@@ -48,11 +48,10 @@ def _without_row(row: int) -> Hook:
         dy, ids = dys[0], ctx.x(1)
         if dy is None:
             return dys
-        b = ctx.b
-        is_padding = b.op("Equal", b.cast(ids, np.int64), b.constant(np.int64(row)))
+        is_padding = ctx.op("Equal", ids.cast(np.int64), ctx.const(np.int64(row)))
         rank = ctx.rank(ids)
         trailing = list(range(rank, ctx.rank(ctx.x(0)) - 1 + rank))  # a lookup's row dims
-        return [b.op("Where", b.unsqueeze(is_padding, trailing), ctx.scalar(0.0, dy), dy), *dys[1:]]
+        return [ctx.where(is_padding.unsqueeze(trailing), 0.0, dy), *dys[1:]]
 
     return hook
 

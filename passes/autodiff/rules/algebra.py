@@ -18,7 +18,7 @@ import numpy as np
 from graphforge.passes.autodiff.registry import RULES
 from onnx import numpy_helper
 
-gradient = RULES.gradient
+gradient, linear = RULES.gradient, RULES.linear
 
 _ELLIPSIS = "."  # one token for "..." once a term is tokenized
 
@@ -62,30 +62,30 @@ def _dims(term: list[str], shape) -> dict:
 
 def _filled(ctx, like, dims: list, value):
     """A tensor of ``like``'s dtype and shape ``dims`` (ints or 1-element int64 tensors)."""
-    b = ctx.b
     dtype = like.dtype if like.dtype is not None else np.float32
     if all(isinstance(d, int) for d in dims):
-        return b.constant(np.eye(dims[0], dtype=dtype) if value == "eye" else np.ones(dims, dtype=dtype))
-    shape = b.op("Concat", *[b.ints([d]) if isinstance(d, int) else d for d in dims], axis=0)
+        return ctx.const(np.eye(dims[0], dtype=dtype) if value == "eye" else np.ones(dims, dtype=dtype))
+    shape = ctx.concat([ctx.ints([d]) if isinstance(d, int) else d for d in dims], axis=0)
     fill = numpy_helper.from_array(np.array([0.0 if value == "eye" else 1.0], dtype=dtype))
-    filled = b.op("ConstantOfShape", shape, value=fill)
-    return b.op("EyeLike", filled) if value == "eye" else filled
+    filled = shape.op("ConstantOfShape", value=fill)
+    return filled.op("EyeLike") if value == "eye" else filled
 
 
 def _dim(ctx, x, axis: int):
     """Size of ``x`` along ``axis``: an int when static, else a 1-element int64 tensor."""
     d = x.shape[axis]
-    return int(d) if isinstance(d, int | np.integer) else ctx.b.shape(x, axis, axis + 1)
+    return int(d) if isinstance(d, int | np.integer) else ctx.shape(x, axis, axis + 1)
 
 
-@gradient("Einsum", since=12)
-def einsum(ctx, dys):
+@linear("Einsum", since=12)
+def einsum(ctx, dy):
+    # multilinear: each operand's gradient is the Einsum of dy with the others
     inputs, output = _terms(ctx)
-    return [_einsum_operand_grad(ctx, inputs, output, k, dys[0]) for k in range(len(inputs))]
+    return [_einsum_operand_grad(ctx, inputs, output, k, dy) for k in range(len(inputs))]
 
 
 def _einsum_operand_grad(ctx, inputs, output, k: int, dy):
-    b, a = ctx.b, ctx.x(k)
+    a = ctx.x(k)
     term, rank = inputs[k], ctx.rank(a)
     used = {t for tt in [*inputs, output] for t in tt}
     fresh = [c for c in string.ascii_letters if c not in used]
@@ -114,7 +114,7 @@ def _einsum_operand_grad(ctx, inputs, output, k: int, dy):
     lead = any(_ELLIPSIS in t for t in terms) and _ELLIPSIS not in renamed
     result = [_ELLIPSIS, *renamed] if lead else renamed
     equation = ",".join("".join(t).replace(_ELLIPSIS, "...") for t in terms)
-    grad = b.op("Einsum", *operands, equation=f"{equation}->{''.join(result).replace(_ELLIPSIS, '...')}")
+    grad = ctx.op("Einsum", *operands, equation=f"{equation}->{''.join(result).replace(_ELLIPSIS, '...')}")
     shapes = [ctx.y().shape, *[o.shape for o in operands[1:]]]  # dy is shaped like y
     return ctx.unbroadcast(grad, _result_shape(shapes, terms, term, a, lead), a)
 
@@ -150,16 +150,16 @@ def det(ctx, dys):
     # d det(A) / dA is the cofactor matrix: C_ij = (-1)^(i+j) det(A without row i, column j).
     # ai.onnx has no matrix inverse (det * inv(A)^T), and cofactors hold for singular A too.
     # The minors come from two static Gathers, so the matrix size must be static.
-    b, a, dy = ctx.b, ctx.x(0), dys[0]
+    a, dy = ctx.x(0), dys[0]
     r, n = ctx.rank(a), a.shape[-1]
     if not isinstance(n, int | np.integer):
         ctx.fail("Det gradients need a static matrix size (the minors are gathered with fixed indices)")
     if n == 1:
-        return [b.reshape_like(dy, a)]
-    keep = b.constant(np.array([[j for j in range(n) if j != i] for i in range(n)], dtype=np.int64))
-    rows = b.op("Gather", a, keep, axis=r - 2)  # [..., i, n-1, n]
-    minors = b.op("Gather", rows, keep, axis=r)  # [..., i, n-1, j, n-1]
-    minors = b.transpose(minors, [*range(r - 2), r - 2, r, r - 1, r + 1])  # [..., i, j, n-1, n-1]
+        return [dy.reshape_like(a)]
+    keep = ctx.const(np.array([[j for j in range(n) if j != i] for i in range(n)], dtype=np.int64))
+    rows = a.op("Gather", keep, axis=r - 2)  # [..., i, n-1, n]
+    minors = rows.op("Gather", keep, axis=r)  # [..., i, n-1, j, n-1]
+    minors = minors.transpose([*range(r - 2), r - 2, r, r - 1, r + 1])  # [..., i, j, n-1, n-1]
     signs = (-1.0) ** np.add.outer(np.arange(n), np.arange(n))
-    cofactors = b.mul(b.op("Det", minors), b.constant(signs.astype(a.dtype if a.dtype is not None else np.float32)))
-    return [b.mul(cofactors, b.unsqueeze(dy, [r - 2, r - 1]))]
+    cofactors = minors.op("Det") * ctx.const(signs.astype(a.dtype if a.dtype is not None else np.float32))
+    return [cofactors * dy.unsqueeze([r - 2, r - 1])]

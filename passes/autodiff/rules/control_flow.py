@@ -20,7 +20,7 @@ def if_(ctx, dys):
     if not outer:
         return [None] * len(ctx.inputs)
     branches = {k: _branch_gradient(ctx, ctx.attr(k), dys, outer, k) for k in ("then_branch", "else_branch")}
-    grads = ctx.b.op("If", ctx.x(0), outputs=len(outer), **branches)
+    grads = ctx.op("If", ctx.x(0), outputs=len(outer), **branches)
     grads = grads if isinstance(grads, list) else [grads]
     by_id = {id(t): g for t, g in zip(outer, grads, strict=True)}
     return [None, *(by_id.get(id(t)) for t in ctx.inputs[1:])]
@@ -66,12 +66,11 @@ def scan(ctx, dys):
     inputs, outputs = _scan_axes(ctx, n, m, k)
     stash = _stash_states(ctx, n, outputs)
     carried = _backward_body(ctx, backward, prefix, n, dys[n:], [ctx.inputs[i] for i in outer], wanted_x)
-    b = ctx.b
-    starts = [dys[i] if dys[i] is not None else b.zeros_like(node.inputs[i]) for i in carried]
-    starts += [b.zeros_like(ctx.inputs[i]) for i in outer]
+    starts = [dys[i] if dys[i] is not None else ctx.zeros_like(node.inputs[i]) for i in carried]
+    starts += [ctx.zeros_like(ctx.inputs[i]) for i in outer]
     slices = [*stash, *node.inputs[n:], *[dy for dy in dys[n:] if dy is not None]]
     read = [(0, 0)] * n + inputs + [a for a, dy in zip(outputs, dys[n:], strict=True) if dy is not None]
-    results = b.op(
+    results = ctx.op(
         "Scan", *starts, *slices, outputs=len(starts) + len(wanted_x), body=backward, num_scan_inputs=len(slices),
         scan_input_axes=[a for a, _ in read], scan_input_directions=[1 - d for _, d in read],
         scan_output_axes=[inputs[j][0] for j in wanted_x], scan_output_directions=[1 - inputs[j][1] for j in wanted_x],
@@ -81,7 +80,7 @@ def scan(ctx, dys):
     for position, g in zip([*carried, *outer, *[n + j for j in wanted_x]], results, strict=True):
         g.dtype = ctx.inputs[position].dtype
         parts.setdefault(position, []).append(g)
-    return [b.sum(parts[i]) if i in parts and ctx.wants(t) else None for i, t in enumerate(ctx.inputs)]
+    return [ctx.sum(parts[i]) if i in parts and ctx.wants(t) else None for i, t in enumerate(ctx.inputs)]
 
 
 def _scan_axes(ctx, n: int, m: int, k: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

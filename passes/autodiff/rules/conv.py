@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from graphforge.passes.autodiff.registry import RULES
 
-gradient = RULES.gradient
+linear = RULES.linear
 
 
 @dataclass(frozen=True)
@@ -80,38 +80,36 @@ def _conv_pads(ctx, g: _Geometry) -> list[int] | None:
 
 def _same_pads(ctx, g: _Geometry):
     """auto_pad SAME's (begins, ends) as int64 tensors computed from the run-time shapes."""
-    b = ctx.b
     if ctx.opset < 12:
         ctx.fail("auto_pad SAME over symbolic spatial dims needs opset 12+ (Max on int64)")
-    x, s = b.shape(ctx.x(0), 2), b.ints(g.strides)
+    x, s = ctx.shape(ctx.x(0), 2), ctx.ints(g.strides)
     if g.kernel is not None:
-        eff = b.ints(g.effective())
+        eff = ctx.ints(g.effective())
     else:
-        eff = b.add(b.mul(b.sub(b.shape(ctx.x(1), 2), b.ints([1])), b.ints(g.dilations)), b.ints([1]))
-    out = b.div(b.add(x, b.sub(s, b.ints([1]))), s)
-    total = b.op("Max", b.sub(b.add(b.mul(b.sub(out, b.ints([1])), s), eff), x), b.ints([0]))
-    half = b.div(total, b.ints([2]))
-    begin = half if ctx.attr("auto_pad") == "SAME_UPPER" else b.sub(total, half)
-    return begin, b.sub(total, begin)
+        eff = (ctx.shape(ctx.x(1), 2) - ctx.ints([1])) * ctx.ints(g.dilations) + ctx.ints([1])
+    out = (x + (s - ctx.ints([1]))) / s  # ceil(x / s)
+    total = ((out - ctx.ints([1])) * s + eff - x).op("Max", ctx.ints([0]))
+    half = total / ctx.ints([2])
+    begin = half if ctx.attr("auto_pad") == "SAME_UPPER" else total - half
+    return begin, total - begin
 
 
 def _pad(ctx, t, begin, end):
     """``t`` padded (or, for negative amounts, cropped) on its spatial axes by run-time amounts."""
-    b = ctx.b
     if ctx.opset < 11:
         ctx.fail("padding by amounts known only at run time needs opset 11+ (Pad with a pads input)")
-    zeros = b.ints([0, 0])
-    return b.op("Pad", t, b.op("Concat", zeros, begin, zeros, end, axis=0))
+    zeros = ctx.ints([0, 0])
+    return t.op("Pad", ctx.concat([zeros, begin, zeros, end], axis=0))
 
 
 def _slice_spatial(ctx, g: _Geometry, t, like):
     """``t``'s spatial axes cut to the spatial dims of ``like`` (static where they are known)."""
-    b, axes, ends = ctx.b, _spatial_axes(g), _spatial(like)
+    axes, ends = _spatial_axes(g), _spatial(like)
     if ctx.opset < 10:  # Slice took attributes then
         if ends is None:
             ctx.fail("this gradient needs opset 10+ (Slice to run-time sizes) or static spatial dims")
-        return b.op("Slice", t, starts=[0] * g.n, ends=ends, axes=axes)
-    return b.op("Slice", t, b.ints([0] * g.n), b.shape(like, 2), b.ints(axes))
+        return t.op("Slice", starts=[0] * g.n, ends=ends, axes=axes)
+    return t.op("Slice", ctx.ints([0] * g.n), ctx.shape(like, 2), ctx.ints(axes))
 
 
 def _weight_grad(ctx, g: _Geometry, inp, gout, pads: list[int], gout_like):
@@ -123,17 +121,17 @@ def _weight_grad(ctx, g: _Geometry, inp, gout, pads: list[int], gout_like):
     by_offsets = _weight_grad_by_offsets(ctx, g, inp, gout, pads, gout_like)
     if by_offsets is not None:
         return by_offsets
-    b, spatial = ctx.b, _spatial_axes(g)
+    spatial = _spatial_axes(g)
     if g.group == 1:
-        data = b.transpose(inp, [1, 0, *spatial])
+        data = inp.transpose([1, 0, *spatial])
     else:  # [N, G*C, ...] -> [C, G*N, ...] so that Conv's groups pair inp's groups with gout's
-        split = b.op("Concat", b.shape(inp, 0, 1), b.ints([g.group, -1]), b.shape(inp, 2), axis=0)
-        grouped = b.transpose(b.reshape(inp, split), [2, 1, 0, *range(3, g.n + 3)])
-        data = b.reshape(grouped, b.op("Concat", b.ints([0, -1]), b.shape(inp, 2), axis=0))
-    weights = b.transpose(gout, [1, 0, *spatial])
-    out = b.op("Conv", data, weights, strides=g.dilations, dilations=g.strides, group=g.group, pads=pads)
+        split = ctx.concat([ctx.shape(inp, 0, 1), ctx.ints([g.group, -1]), ctx.shape(inp, 2)], axis=0)
+        grouped = inp.reshape(split).transpose([2, 1, 0, *range(3, g.n + 3)])
+        data = grouped.reshape(ctx.concat([ctx.ints([0, -1]), ctx.shape(inp, 2)], axis=0))
+    weights = gout.transpose([1, 0, *spatial])
+    out = data.op("Conv", weights, strides=g.dilations, dilations=g.strides, group=g.group, pads=pads)
     # the correlation can reach past the kernel (cells no output used): keep the kernel's extent
-    return b.transpose(_slice_spatial(ctx, g, out, ctx.x(1)), [1, 0, *spatial])
+    return _slice_spatial(ctx, g, out, ctx.x(1)).transpose([1, 0, *spatial])
 
 
 #: below this many input channels one GEMM over all offsets at once beats a GEMM per offset
@@ -155,7 +153,7 @@ def _weight_grad_by_offsets(ctx, g: _Geometry, inp, gout, pads: list[int], gout_
     layers (3x3 and 1x1, stride 1 and 2) at 1 and 2 threads. Needs one
     group, a static kernel and C, and opset 11+ (Slice steps, Pad amounts as inputs); None
     where those fail or where the swapped Conv is known to be faster."""
-    b, spatial, w = ctx.b, _spatial_axes(g), ctx.x(1)
+    spatial, w = _spatial_axes(g), ctx.x(1)
     channels = w.shape[1] if w.shape is not None and len(w.shape) == g.n + 2 else None
     if g.group != 1 or g.kernel is None or ctx.opset < 11 or not isinstance(channels, int | np.integer):
         return None
@@ -163,32 +161,30 @@ def _weight_grad_by_offsets(ctx, g: _Geometry, inp, gout, pads: list[int], gout_
     narrow = channels < _NARROW_CHANNELS
     if narrow and len(offsets) > _NARROW_MAX_OFFSETS:
         return None
-    grad = b.reshape(b.transpose(gout, [1, 0, *spatial]), [0, -1])  # [M, N*P]
+    grad = gout.transpose([1, 0, *spatial]).reshape([0, -1])  # [M, N*P]
     out = _spatial(gout_like)
     if out is not None and int(np.prod(out)) <= _FEW_POSITIONS:
         return _weight_grad_channels_last(ctx, g, inp, grad, pads, out, int(channels), offsets)
-    data = b.transpose(inp, [1, 0, *spatial])  # [C, N, *S]: each slice flattens to [C, N*P]
+    data = inp.transpose([1, 0, *spatial])  # [C, N, *S]: each slice flattens to [C, N*P]
     if any(pads):
-        data = b.op("Pad", data, b.ints([0, 0, *pads[: g.n], 0, 0, *pads[g.n :]]))
+        data = data.op("Pad", ctx.ints([0, 0, *pads[: g.n], 0, 0, *pads[g.n :]]))
     if out is None:  # each slice spans (O - 1) * stride + 1 cells from its offset
-        span = b.add(b.mul(b.sub(b.shape(gout_like, 2), b.ints([1])), b.ints(g.strides)), b.ints([1]))
+        span = (ctx.shape(gout_like, 2) - ctx.ints([1])) * ctx.ints(g.strides) + ctx.ints([1])
     columns = []
     for offset in offsets:
         start = [k * d for k, d in zip(offset, g.dilations, strict=True)]
         if out is not None:
-            end = b.ints([a + (o - 1) * s + 1 for a, o, s in zip(start, out, g.strides, strict=True)])
+            end = ctx.ints([a + (o - 1) * s + 1 for a, o, s in zip(start, out, g.strides, strict=True)])
         else:
-            end = b.add(b.ints(start), span)
-        piece = b.op("Slice", data, b.ints(start), end, b.ints(spatial), b.ints(g.strides))
-        columns.append(b.reshape(piece, [0, -1]))
+            end = ctx.ints(start) + span
+        piece = data.op("Slice", ctx.ints(start), end, ctx.ints(spatial), ctx.ints(g.strides))
+        columns.append(piece.reshape([0, -1]))
     if narrow:  # one GEMM against all offsets' columns stacked: [C * K, N*P]
-        stacked = b.reshape(
-            b.op("Concat", *(b.unsqueeze(c, [1]) for c in columns), axis=1), [channels * len(offsets), -1]
-        )
-        flat = b.op("Gemm", grad, stacked, transB=1)
+        stacked = ctx.concat([c.unsqueeze([1]) for c in columns], axis=1).reshape([channels * len(offsets), -1])
+        flat = grad.op("Gemm", stacked, transB=1)
     else:
-        flat = b.op("Concat", *(b.unsqueeze(b.op("Gemm", grad, c, transB=1), [2]) for c in columns), axis=2)
-    return b.reshape(flat, [0, int(channels), *g.kernel])
+        flat = ctx.concat([grad.op("Gemm", c, transB=1).unsqueeze([2]) for c in columns], axis=2)
+    return flat.reshape([0, int(channels), *g.kernel])
 
 
 #: output positions per image up to which one GEMM over channels-last columns beat the GEMM
@@ -202,28 +198,28 @@ def _weight_grad_channels_last(ctx, g: _Geometry, inp, grad, pads: list[int], ou
     the padded input, channels last so that every slice and the Concat copy whole rows of C
     (over few positions, the rows of a channels-first slice are a few values long), then
     [M, K, C] turned to [M, C, *kernel]."""
-    b, axes = ctx.b, list(range(1, g.n + 1))
-    data = b.transpose(inp, [0, *range(2, g.n + 2), 1])  # [N, *S, C]
+    axes = list(range(1, g.n + 1))
+    data = inp.transpose([0, *range(2, g.n + 2), 1])  # [N, *S, C]
     if any(pads):
-        data = b.op("Pad", data, b.ints([0, *pads[: g.n], 0, 0, *pads[g.n :], 0]))
+        data = data.op("Pad", ctx.ints([0, *pads[: g.n], 0, 0, *pads[g.n :], 0]))
     pieces = []
     for offset in offsets:
         start = [k * d for k, d in zip(offset, g.dilations, strict=True)]
         end = [a + (o - 1) * s + 1 for a, o, s in zip(start, out, g.strides, strict=True)]
-        pieces.append(b.op("Slice", data, b.ints(start), b.ints(end), b.ints(axes), b.ints(g.strides)))
-    columns = b.reshape(b.op("Concat", *pieces, axis=g.n + 1), [-1, len(offsets) * channels])
-    flat = b.reshape(b.matmul(grad, columns), [0, len(offsets), channels])
-    return b.reshape(b.transpose(flat, [0, 2, 1]), [0, channels, *g.kernel])
+        pieces.append(data.op("Slice", ctx.ints(start), ctx.ints(end), ctx.ints(axes), ctx.ints(g.strides)))
+    columns = ctx.concat(pieces, axis=g.n + 1).reshape([-1, len(offsets) * channels])
+    flat = (grad @ columns).reshape([0, len(offsets), channels])
+    return flat.transpose([0, 2, 1]).reshape([0, channels, *g.kernel])
 
 
 def _bias_grad(ctx, g: _Geometry, dy):
-    return ctx.b.reduce_sum(dy, [0, *_spatial_axes(g)], keepdims=False) if ctx.x(2) is not None else None
+    return dy.sum([0, *_spatial_axes(g)]) if ctx.x(2) is not None else None
 
 
 def _conv_input_grad(ctx, g: _Geometry, dy, pads: list[int]):
     """ConvTranspose of dY, cropped by the begin pads and fitted to X's extent at the end
     (cells past the last window, which no output read, get zeros)."""
-    b, x, w = ctx.b, ctx.x(0), ctx.x(1)
+    x, w = ctx.x(0), ctx.x(1)
     xs, ys = _spatial(x), _spatial(ctx.y())
     if xs is not None and ys is not None and g.kernel is not None:
         # how far the windows' extent reaches past X's end: cropped by an end pad when
@@ -233,28 +229,27 @@ def _conv_input_grad(ctx, g: _Geometry, dy, pads: list[int]):
             for s, y, e, p, xd in zip(g.strides, ys, g.effective(), pads[: g.n], xs, strict=True)
         ]
         crop = pads[: g.n] + [max(v, 0) for v in over]
-        return b.op("ConvTranspose", dy, w, pads=crop, output_padding=[max(-v, 0) for v in over], **g.attrs())
-    return _fit_to_input(ctx, b.op("ConvTranspose", dy, w, **g.attrs()), b.ints(pads[: g.n]))
+        return dy.op("ConvTranspose", w, pads=crop, output_padding=[max(-v, 0) for v in over], **g.attrs())
+    return _fit_to_input(ctx, dy.op("ConvTranspose", w, **g.attrs()), ctx.ints(pads[: g.n]))
 
 
 def _fit_to_input(ctx, full, begin):
     """``full`` (a ConvTranspose over the padded extent) cropped to X: ``begin`` cells off the
     front, and the end cut or zero-filled to X's size, amounts computed at run time."""
-    b = ctx.b
-    end = b.sub(b.add(b.shape(ctx.x(0), 2), begin), b.shape(full, 2))
-    return _pad(ctx, full, b.neg(begin), end)
+    end = ctx.shape(ctx.x(0), 2) + begin - ctx.shape(full, 2)
+    return _pad(ctx, full, -begin, end)
 
 
-@gradient("Conv")
-def conv(ctx, dys):
-    g, dy, x = _geometry(ctx), dys[0], ctx.x(0)
+@linear("Conv")
+def conv(ctx, dy):
+    g, x = _geometry(ctx), ctx.x(0)
     pads = _conv_pads(ctx, g)
     if pads is not None:
         dx = _conv_input_grad(ctx, g, dy, pads)
         dw = _weight_grad(ctx, g, x, dy, pads, ctx.y())
     else:  # auto_pad SAME over run-time dims: pads computed, X padded explicitly for dW
         begin, end = _same_pads(ctx, g)
-        dx = _fit_to_input(ctx, ctx.b.op("ConvTranspose", dy, ctx.x(1), **g.attrs()), begin)
+        dx = _fit_to_input(ctx, dy.op("ConvTranspose", ctx.x(1), **g.attrs()), begin)
         dw = _weight_grad(ctx, g, _pad(ctx, x, begin, end), dy, [0] * 2 * g.n, ctx.y())
     return [dx, dw, _bias_grad(ctx, g, dy)]
 
@@ -293,15 +288,15 @@ def _transpose_overhang(ctx, g: _Geometry, pads: list[int]) -> list[int]:
     return [o + p - v for o, p, v in zip(out[-g.n :], pads[: g.n], ends, strict=True)]
 
 
-@gradient("ConvTranspose")
-def conv_transpose(ctx, dys):
+@linear("ConvTranspose")
+def conv_transpose(ctx, dy):
     # Y = the full transposed convolution of X, cropped by pads: dX correlates dY (re-padded)
     # with W, which is exactly a Conv; dW is the weight gradient with X and dY's roles swapped
-    b, g, dy, x = ctx.b, _geometry(ctx), dys[0], ctx.x(0)
+    g, x = _geometry(ctx), ctx.x(0)
     pads = _transpose_pads(ctx, g)
     over = _transpose_overhang(ctx, g, pads)
     conv_pads = pads[: g.n] + [max(0, -v) for v in over]
-    dx = b.op("Conv", dy, ctx.x(1), pads=conv_pads, **g.attrs())
+    dx = dy.op("Conv", ctx.x(1), pads=conv_pads, **g.attrs())
     if any((v + max(0, -v)) >= s for v, s in zip(over, g.strides, strict=True)):
         dx = _slice_spatial(ctx, g, dx, x)  # dY reaches past X's last window
     return [dx, _weight_grad(ctx, g, dy, x, conv_pads, x), _bias_grad(ctx, g, dy)]

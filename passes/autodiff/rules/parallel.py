@@ -29,7 +29,7 @@ def _marker_gradient(ctx, dys):
     graph = ctx.b.graph
     if not any(f.domain == roles.MARKER_DOMAIN and f.name == op for f in graph.functions):
         graph.functions.append(marker_function(graph, op, attribute="group"))
-    dx = ctx.b.op(op, dy, domain=roles.MARKER_DOMAIN, group=int(ctx.attr("group", 0)))
+    dx = ctx.op(op, dy, domain=roles.MARKER_DOMAIN, group=int(ctx.attr("group", 0)))
     dx.dtype, dx.shape = dy.dtype, dy.shape
     return [dx]
 

@@ -15,7 +15,7 @@ import numpy as np
 from graphforge.passes.autodiff.registry import RULES
 from onnx.numpy_helper import from_array
 
-gradient = RULES.gradient
+gradient, linear = RULES.gradient, RULES.linear
 
 
 def _spatial_axes(ctx) -> list[int]:
@@ -28,26 +28,26 @@ def _spatial_axes(ctx) -> list[int]:
 def _basis(ctx, x, axis: int, middle: int):
     """The identity of size x.shape[axis], shaped [L, 1 (x middle), L]: row j is basis vector j.
     Made at run time by EyeLike, so big static dims do not put big constants in the model."""
-    b, dtype = ctx.b, x.dtype if x.dtype is not None else np.float32
+    dtype = x.dtype if x.dtype is not None else np.float32
     if ctx.opset < 9:  # no EyeLike yet: a constant, which needs the dim to be static
         dim = x.shape[axis] if x.shape is not None else None
         if not isinstance(dim, int | np.integer):
             ctx.fail(f"this gradient needs opset 9+ (EyeLike) when axis {axis} is symbolic")
-        return b.constant(np.eye(int(dim), dtype=dtype).reshape(int(dim), *[1] * middle, int(dim)))
-    length = b.shape(x, axis, axis + 1)
-    zeros = b.op("ConstantOfShape", b.op("Concat", length, length, axis=0), value=from_array(np.zeros(1, dtype)))
-    return b.unsqueeze(b.op("EyeLike", zeros), list(range(1, middle + 1)))
+        return ctx.const(np.eye(int(dim), dtype=dtype).reshape(int(dim), *[1] * middle, int(dim)))
+    length = ctx.shape(x, axis, axis + 1)
+    zeros = ctx.concat([length, length], axis=0).op("ConstantOfShape", value=from_array(np.zeros(1, dtype)))
+    return zeros.op("EyeLike").unsqueeze(list(range(1, middle + 1)))
 
 
 def _per_axis_adjoint(ctx, dy, axes: list[int], matrix):
     """dX of a map acting on each of ``axes`` by a matrix: ``matrix(axis)`` is [X_axis, Y_axis]
     (row j: what input element j contributes to each output), so dX = dY @ matrix^T per axis."""
-    b, r, g = ctx.b, ctx.rank(ctx.x(0)), dy
+    r, g = ctx.rank(ctx.x(0)), dy
     for axis in axes:
         to_last = [a for a in range(r) if a != axis] + [axis]
-        moved = b.transpose(g, to_last) if axis != r - 1 else g
-        contracted = b.matmul(moved, b.transpose(matrix(axis), [1, 0]))
-        g = b.transpose(contracted, [int(a) for a in np.argsort(to_last)]) if axis != r - 1 else contracted
+        moved = g.transpose(to_last) if axis != r - 1 else g
+        contracted = moved @ matrix(axis).transpose([1, 0])
+        g = contracted.transpose(np.argsort(to_last)) if axis != r - 1 else contracted
     return g
 
 
@@ -62,36 +62,34 @@ def _one_axis(ctx, i: int, n: int) -> dict:
     return attrs
 
 
-@gradient("AveragePool")
-def average_pool(ctx, dys):
-    b, x = ctx.b, ctx.x(0)
-    axes = _spatial_axes(ctx)
+@linear("AveragePool")
+def average_pool(ctx, dy):
+    x, axes = ctx.x(0), _spatial_axes(ctx)
 
     def matrix(axis):  # a 1-D AveragePool over the basis: [L, 1, L] -> [L, 1, Y] -> [L, Y]
-        pooled = b.op("AveragePool", _basis(ctx, x, axis, 1), **_one_axis(ctx, axis - 2, len(axes)))
-        return b.op("Flatten", pooled, axis=1)
+        pooled = _basis(ctx, x, axis, 1).op("AveragePool", **_one_axis(ctx, axis - 2, len(axes)))
+        return pooled.flatten(1)
 
-    return [_per_axis_adjoint(ctx, dys[0], axes, matrix)]
+    return _per_axis_adjoint(ctx, dy, axes, matrix)
 
 
-@gradient("GlobalAveragePool")
-def global_average_pool(ctx, dys):
-    b, x, dy = ctx.b, ctx.x(0), dys[0]
+@linear("GlobalAveragePool")
+def global_average_pool(ctx, dy):
+    x = ctx.x(0)
     xs = ctx.static_shape(x)
     if xs is not None:
         count = ctx.scalar(float(np.prod(xs[2:])), x)
     else:  # elements per (batch, channel): size(X) / size(Y)
-        count = b.div(b.cast_like(b.op("Size", x), x), b.cast_like(b.op("Size", ctx.y()), x))
-    return [b.div(b.expand(dy, ctx.shape(x)), count)]
+        count = x.op("Size").cast_like(x) / ctx.y().op("Size").cast_like(x)
+    return dy.expand(ctx.shape(x)) / count
 
 
 @gradient("GlobalMaxPool")
 def global_max_pool(ctx, dys):
     # shared evenly by the elements equal to the maximum, as ReduceMax's rule does
-    b, x = ctx.b, ctx.x(0)
-    hit = b.cast_like(ctx.equal(x, ctx.y()), x)
-    count = b.reduce_sum(hit, _spatial_axes(ctx), keepdims=True)
-    return [b.mul(hit, b.div(dys[0], count))]
+    x = ctx.x(0)
+    hit = ctx.equal(x, ctx.y()).cast_like(x)
+    return [hit * (dys[0] / hit.sum(_spatial_axes(ctx), keepdims=True))]
 
 
 # ---------------------------------------------------------------- MaxPool
@@ -99,20 +97,19 @@ def global_max_pool(ctx, dys):
 
 def _row_major(ctx, idx):
     """storage_order=1 Indices count the spatial position column-major: recount it row-major."""
-    b = ctx.b
-    dims = [b.shape(ctx.x(0), a, a + 1) for a in _spatial_axes(ctx)]
+    dims = [ctx.shape(ctx.x(0), a, a + 1) for a in _spatial_axes(ctx)]
     size = dims[0]
     for d in dims[1:]:
-        size = b.mul(size, d)
-    position = rest = b.op("Mod", idx, size)  # within the (batch, channel) plane
+        size = size * d
+    position = rest = idx.op("Mod", size)  # within the (batch, channel) plane
     coords = []
     for d in dims:  # the first spatial axis varies fastest
-        coords.append(b.op("Mod", rest, d))
-        rest = b.div(rest, d)
+        coords.append(rest.op("Mod", d))
+        rest = rest / d
     row = coords[0]
     for c, d in zip(coords[1:], dims[1:], strict=True):
-        row = b.add(b.mul(row, d), c)
-    return b.add(b.sub(idx, position), row)
+        row = row * d + c
+    return idx - position + row
 
 
 def _overlapping(ctx) -> bool:
@@ -124,7 +121,7 @@ def _overlapping(ctx) -> bool:
 @gradient("MaxPool", since=8)
 def max_pool(ctx, dys):
     # Indices are flat positions in X (batch and channel included, pads not counted)
-    b, x = ctx.b, ctx.x(0)
+    x = ctx.x(0)
     add = _overlapping(ctx)
     if add and ctx.opset < 16:
         ctx.fail("MaxPool with overlapping windows needs opset 16+ (ScatterElements with reduction=add)")
@@ -133,10 +130,10 @@ def max_pool(ctx, dys):
     idx = ctx.ensure_output(1, "indices")
     if ctx.attr("storage_order", 0):
         idx = _row_major(ctx, idx)
-    flat = b.reshape(b.zeros_like(x), [-1])
+    flat = ctx.zeros_like(x).reshape([-1])
     attrs = {"reduction": "add"} if add else {}
-    dx = b.op("ScatterElements", flat, b.reshape(idx, [-1]), b.reshape(dys[0], [-1]), axis=0, **attrs)
-    return [b.reshape_like(dx, x)]
+    dx = flat.op("ScatterElements", idx.reshape([-1]), dys[0].reshape([-1]), axis=0, **attrs)
+    return [dx.reshape_like(x)]
 
 
 # ---------------------------------------------------------------- Resize
@@ -172,24 +169,24 @@ def _resized_axes(ctx) -> list[tuple[int, int]]:
 def _axis_roi(ctx, j: int, count: int):
     """The roi input of a one-axis Resize: entry j of the node's roi on the last axis (only
     tf_crop_and_resize reads it), an empty tensor where the opset requires the input."""
-    b, roi = ctx.b, _resize_inputs(ctx)[0]
+    roi = _resize_inputs(ctx)[0]
     if roi is not None and ctx.attr("coordinate_transformation_mode") == "tf_crop_and_resize":
-        roi = b.cast(roi, np.float32)
-        start, end = b.op("Gather", roi, b.ints([j])), b.op("Gather", roi, b.ints([j + count]))
-        zeros, ones = b.constant(np.zeros(3, np.float32)), b.constant(np.ones(3, np.float32))
-        return b.op("Concat", zeros, start, ones, end, axis=0)
-    return b.constant(np.zeros(0, np.float32)) if ctx.opset < 13 else None
+        roi = roi.cast(np.float32)
+        start, end = roi.op("Gather", ctx.ints([j])), roi.op("Gather", ctx.ints([j + count]))
+        zeros, ones = ctx.const(np.zeros(3, np.float32)), ctx.const(np.ones(3, np.float32))
+        return ctx.concat([zeros, start, ones, end], axis=0)
+    return ctx.const(np.zeros(0, np.float32)) if ctx.opset < 13 else None
 
 
 def _axis_scales_sizes(ctx, axis: int, j: int):
     """(scales, sizes) of a one-axis Resize of the basis [L, 1, 1, L]: entry j of the node's."""
-    b, (_, scales, sizes) = ctx.b, _resize_inputs(ctx)
+    _, scales, sizes = _resize_inputs(ctx)
     if _uses_scales(ctx, scales):  # the scale itself, not Y/X: coordinate modes read it
-        return b.op("Concat", b.constant(np.ones(3, np.float32)), b.op("Gather", scales, b.ints([j])), axis=0), None
-    sizes = b.op(
-        "Concat", b.shape(ctx.x(0), axis, axis + 1), b.ints([1, 1]), b.op("Gather", sizes, b.ints([j])), axis=0
+        return ctx.concat([ctx.const(np.ones(3, np.float32)), scales.op("Gather", ctx.ints([j]))], axis=0), None
+    sizes = ctx.concat(
+        [ctx.shape(ctx.x(0), axis, axis + 1), ctx.ints([1, 1]), sizes.op("Gather", ctx.ints([j]))], axis=0
     )
-    return (b.constant(np.zeros(0, np.float32)) if ctx.opset < 13 else None), sizes
+    return (ctx.const(np.zeros(0, np.float32)) if ctx.opset < 13 else None), sizes
 
 
 def _resize_matrix(ctx, axis: int, j: int, count: int):
@@ -199,8 +196,7 @@ def _resize_matrix(ctx, axis: int, j: int, count: int):
         attrs["extrapolation_value"] = 0.0  # outside the roi the output is a constant, not x
     scales, sizes = _axis_scales_sizes(ctx, axis, j)
     inputs = (scales,) if ctx.opset < 11 else (_axis_roi(ctx, j, count), scales, sizes)
-    resized = ctx.b.op("Resize", _basis(ctx, ctx.x(0), axis, 2), *inputs, **attrs)
-    return ctx.b.op("Flatten", resized, axis=1)
+    return _basis(ctx, ctx.x(0), axis, 2).op("Resize", *inputs, **attrs).flatten(1)
 
 
 def _uses_scales(ctx, scales) -> bool:
@@ -209,7 +205,7 @@ def _uses_scales(ctx, scales) -> bool:
     return scales is not None and (value is None or value.size > 0)
 
 
-@gradient(
+@linear(
     "Resize",
     since=10,
     settings={
@@ -217,11 +213,10 @@ def _uses_scales(ctx, scales) -> bool:
         2: "scales: how densely to sample, which torch's interpolate takes as numbers",
     },
 )
-def resize(ctx, dys):
+def resize(ctx, dy):
     if ctx.attr("keep_aspect_ratio_policy", "stretch") != "stretch" and not _uses_scales(ctx, _resize_inputs(ctx)[1]):
         # sizes are then turned into one common scale and new sizes: not one Resize per axis
         ctx.fail("Resize by sizes with keep_aspect_ratio_policy other than stretch is not differentiable yet")
     count = len(ctx.attr("axes") or range(ctx.rank(ctx.x(0))))
     position = dict(_resized_axes(ctx))  # axis -> its entry in scales/sizes/roi
-    dx = _per_axis_adjoint(ctx, dys[0], list(position), lambda a: _resize_matrix(ctx, a, position[a], count))
-    return [dx, None, None, None]
+    return _per_axis_adjoint(ctx, dy, list(position), lambda a: _resize_matrix(ctx, a, position[a], count))

@@ -13,42 +13,40 @@ import numpy as np
 from graphforge.passes.autodiff.registry import RULES
 from onnx import numpy_helper
 
-gradient = RULES.gradient
+gradient, linear = RULES.gradient, RULES.linear
 
 
 def _scaled_dy(ctx, dy, p: int):
     """dy * y^(1-p), 0 where y = 0."""
-    b, y = ctx.b, ctx.y()
+    y = ctx.y()
     zero = ctx.scalar(0.0, y)
     is_zero = ctx.equal(y, zero)
-    safe = b.op("Where", is_zero, ctx.scalar(1.0, y), y)
-    scaled = b.div(dy, safe) if p == 2 else b.mul(dy, b.op("Pow", safe, ctx.scalar(float(1 - p), y)))
-    return b.op("Where", is_zero, zero, scaled)
+    safe = ctx.where(is_zero, ctx.scalar(1.0, y), y)
+    scaled = dy / safe if p == 2 else dy * safe.op("Pow", ctx.scalar(float(1 - p), y))
+    return ctx.where(is_zero, zero, scaled)
 
 
 def _slope(ctx, p: int):
     """d|x|^p / dx divided by p: |x|^(p-1) sign(x)."""
-    b, x = ctx.b, ctx.x(0)
+    x = ctx.x(0)
     if p == 2:
         return x
-    return b.mul(b.op("Pow", b.op("Abs", x), ctx.scalar(float(p - 1), x)), b.op("Sign", x))
+    return x.abs().op("Pow", ctx.scalar(float(p - 1), x)) * x.sign()
 
 
 @gradient("GlobalLpPool", since=2)
 def global_lp_pool(ctx, dys):
     # y is [N, C, 1, ...]: it broadcasts over the spatial axes as it is
     p = ctx.attr("p", 2)
-    return [ctx.b.mul(_scaled_dy(ctx, dys[0], p), _slope(ctx, p))]
+    return [_scaled_dy(ctx, dys[0], p) * _slope(ctx, p)]
 
 
 @gradient("LpPool", since=11)
 def lp_pool(ctx, dys):
-    b = ctx.b
     p = ctx.attr("p", 2)
     if ctx.attr("auto_pad", "NOTSET") != "NOTSET":
         ctx.fail("LpPool with auto_pad is not differentiable yet (give explicit pads)")
-    spread = _window_sum_transpose(ctx, _scaled_dy(ctx, dys[0], p))
-    return [b.mul(spread, _slope(ctx, p))]
+    return [_window_sum_transpose(ctx, _scaled_dy(ctx, dys[0], p)) * _slope(ctx, p)]
 
 
 def _window_sum_transpose(ctx, g):
@@ -59,68 +57,62 @@ def _window_sum_transpose(ctx, g):
     (the begin pads are cropped by ConvTranspose itself); it is then cut or zero-padded at
     the end to x's size (ceil_mode windows reach past the end, floor mode leaves a tail no
     window reads)."""
-    b, x = ctx.b, ctx.x(0)
+    x = ctx.x(0)
     kernel = list(ctx.attr("kernel_shape"))
     n, r = len(kernel), ctx.rank(x)
     pads = list(ctx.attr("pads", [0] * 2 * n))
     attrs = {"strides": list(ctx.attr("strides", [1] * n)), "pads": pads[:n] + [0] * n}
     if ctx.attr("dilations") is not None:
         attrs["dilations"] = list(ctx.attr("dilations"))
-    dtype = x.dtype if x.dtype is not None else np.float32
-    ones = b.constant(np.ones([1, 1, *kernel], dtype=dtype))
-    folded = b.reshape(g, b.op("Concat", b.ints([-1, 1]), b.shape(ctx.y(), 2), axis=0))
-    spread = b.op("ConvTranspose", folded, ones, **attrs)
-    target = b.shape(x, 2)
-    cut = b.op("Slice", spread, b.ints([0] * n), target, b.ints(list(range(2, r))))
-    missing = b.sub(target, b.shape(cut, 2))
-    padded = b.op("Pad", cut, b.op("Concat", b.ints([0] * (r + 2)), missing, axis=0))
-    return b.reshape_like(padded, x)
+    ones = ctx.const(np.ones([1, 1, *kernel], dtype=x.dtype if x.dtype is not None else np.float32))
+    folded = g.reshape(ctx.concat([ctx.ints([-1, 1]), ctx.shape(ctx.y(), 2)], axis=0))
+    spread = folded.op("ConvTranspose", ones, **attrs)
+    target = ctx.shape(x, 2)
+    cut = spread.op("Slice", ctx.ints([0] * n), target, ctx.ints(list(range(2, r))))
+    missing = target - ctx.shape(cut, 2)
+    return cut.op("Pad", ctx.concat([ctx.ints([0] * (r + 2)), missing], axis=0)).reshape_like(x)
 
 
-@gradient("Upsample", since=7, until=9, settings={1: "scales: how densely to sample, a number in torch"})
-def upsample(ctx, dys):
+@linear("Upsample", since=7, until=9, settings={1: "scales: how densely to sample, a number in torch"})
+def upsample(ctx, dy):
     # along each scaled axis y = M x with M [out, in] = Upsample(identity) along that axis,
     # for nearest and linear alike; dx = M^T dy, axis by axis
-    b, x = ctx.b, ctx.x(0)
+    x = ctx.x(0)
     scales = ctx.attr("scales") if ctx.opset < 9 else ctx.const_value(1)
     if scales is None:
         ctx.fail("Upsample gradients need constant scales")
-    r, g = ctx.rank(x), dys[0]
+    r, g = ctx.rank(x), dy
     for axis, scale in enumerate(np.asarray(scales, dtype=np.float32).tolist()):
         if scale == 1.0:
             continue
         matrix = _upsample_matrix(ctx, axis, scale)  # [out, in]
         to_last = [a for a in range(r) if a != axis] + [axis]
-        contracted = b.matmul(b.transpose(g, to_last), matrix)
-        g = b.transpose(contracted, list(np.argsort(to_last)))
-    return [g, None]
+        g = (g.transpose(to_last) @ matrix).transpose(np.argsort(to_last))
+    return g
 
 
 def _upsample_matrix(ctx, axis: int, scale: float):
-    b, x = ctx.b, ctx.x(0)
+    x = ctx.x(0)
     dtype = x.dtype if x.dtype is not None else np.float32
     dim = x.shape[axis]
     if isinstance(dim, int | np.integer):
-        eye = b.constant(np.eye(int(dim), dtype=dtype))
+        eye = ctx.const(np.eye(int(dim), dtype=dtype))
     elif ctx.opset >= 9:
         # Shape + Gather, not Shape(start, end): Slice took its bounds as attributes before opset 10
-        length = b.op("Gather", b.op("Shape", x), b.ints([axis]), axis=0)
-        zeros = b.op("ConstantOfShape", b.op("Concat", length, length, axis=0), value=_zero(dtype))
-        eye = b.op("EyeLike", zeros)
+        length = x.op("Shape").op("Gather", ctx.ints([axis]), axis=0)
+        eye = ctx.concat([length, length], axis=0).op("ConstantOfShape", value=_zero(dtype)).op("EyeLike")
     else:
         ctx.fail("Upsample gradients before opset 9 need static dims")
     mode = ctx.attr("mode", "nearest")
     if ctx.opset < 9:
-        return b.op("Upsample", eye, mode=mode, scales=[scale, 1.0])
-    return b.op("Upsample", eye, b.constant(np.array([scale, 1.0], np.float32)), mode=mode)
+        return eye.op("Upsample", mode=mode, scales=[scale, 1.0])
+    return eye.op("Upsample", ctx.const(np.array([scale, 1.0], np.float32)), mode=mode)
 
 
 def _zero(dtype):
     return numpy_helper.from_array(np.zeros(1, dtype=dtype))
 
 
-@gradient("MaxUnpool", since=9)
-def max_unpool(ctx, dys):
-    # y: zeros with x written at the flat positions I (over the whole output, as MaxPool's
-    # indices are): each x reads its gradient back from there
-    return [ctx.b.op("Gather", ctx.b.reshape(dys[0], [-1]), ctx.x(1), axis=0), None, None]
+# y: zeros with x written at the flat positions I (over the whole output, as MaxPool's
+# indices are): each x reads its gradient back from there
+linear("MaxUnpool", since=9)(lambda ctx, dy: dy.reshape([-1]).op("Gather", ctx.x(1), axis=0))

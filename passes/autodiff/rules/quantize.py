@@ -37,28 +37,27 @@ def _per_axis(ctx, t, data):
     if n == 0 or r <= 1:
         return t
     axis = ctx.attr("axis", 1) % r
-    return ctx.b.reshape(t, [-1] + [1] * (r - axis - 1))
+    return t.reshape([-1] + [1] * (r - axis - 1))
 
 
 @gradient("QuantizeLinear", since=10, straight_through=True)
 def quantize_linear(ctx, dys):
-    b, x, dq = ctx.b, ctx.x(0), dys[0]
+    x, dq = ctx.x(0), dys[0]
     bounds = _RANGES.get(onnx_dtype(ctx.y().dtype))
     if bounds is None:
         ctx.fail(f"QuantizeLinear to {ctx.y().dtype} has no straight-through gradient (integer outputs only)")
-    scale = b.cast_like(_per_axis(ctx, ctx.x(1), x), x)
-    v = b.div(x, scale)
+    scale = _per_axis(ctx, ctx.x(1), x).cast_like(x)
+    v = x / scale
     if ctx.x(2) is not None:
-        v = b.add(v, b.cast_like(_per_axis(ctx, ctx.x(2), x), x))
+        v = v + _per_axis(ctx, ctx.x(2), x).cast_like(x)
     # round(v) in [qmin, qmax] <=> qmin - 1/2 <= v < qmax + 1/2, ties included (rounding half to
     # even; every qmin is even and every qmax odd), and needs no Round (opset 11)
     low, high = ctx.scalar(bounds[0] - 0.5, x), ctx.scalar(bounds[1] + 0.5, x)
-    inside = b.op("And", ctx.at_least(v, low), b.op("Less", v, high))
-    return [b.op("Where", inside, b.div(b.cast_like(dq, x), scale), ctx.scalar(0.0, x)), None, None]
+    inside = ctx.at_least(v, low) & (v < high)
+    return [ctx.where(inside, dq.cast_like(x) / scale, ctx.scalar(0.0, x)), None, None]
 
 
 @gradient("DequantizeLinear", since=10)
 def dequantize_linear(ctx, dys):
     # y = (q - zero_point) * scale: the integer q's straight-through gradient is dy * scale
-    scale = _per_axis(ctx, ctx.x(1), ctx.x(0))
-    return [ctx.b.mul(dys[0], scale), None, None]
+    return [dys[0] * _per_axis(ctx, ctx.x(1), ctx.x(0)), None, None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from graphforge.passes.autodiff.registry import RULES
 
-gradient = RULES.gradient
+gradient, linear = RULES.gradient, RULES.linear
 
 
 def _axes(ctx) -> list[int] | None:
@@ -20,12 +20,12 @@ def _kept(ctx, t):
     axes = _axes(ctx)
     if ctx.attr("keepdims", 1) or axes is None:
         return t  # kept already, or a full reduction whose result broadcasts as it is
-    return ctx.b.unsqueeze(t, sorted(axes))
+    return t.unsqueeze(sorted(axes))
 
 
 def _spread(ctx, dy):
     """The result's gradient broadcast to the input's shape."""
-    return ctx.b.expand(_kept(ctx, dy), ctx.shape(ctx.x(0)))
+    return _kept(ctx, dy).expand(ctx.shape(ctx.x(0)))
 
 
 def _rest(ctx):
@@ -34,7 +34,7 @@ def _rest(ctx):
 
 def _count(ctx, like):
     """Elements reduced into each result element: size(x) / size(y)."""
-    b, x, y = ctx.b, ctx.x(0), ctx.y()
+    x, y = ctx.x(0), ctx.y()
     xs, ys = ctx.static_shape(x), ctx.static_shape(y)
     if xs is not None and ys is not None:
         n = 1
@@ -43,88 +43,76 @@ def _count(ctx, like):
         for d in ys:
             n //= max(d, 1)
         return ctx.scalar(float(n), like)
-    return b.div(b.cast_like(b.op("Size", x), like), b.cast_like(b.op("Size", y), like))
+    return x.op("Size").cast_like(like) / y.op("Size").cast_like(like)
 
 
 def _noop(ctx) -> bool:
     return _axes(ctx) == []
 
 
-@gradient("ReduceSum")
-def reduce_sum(ctx, dys):
-    return [dys[0] if _noop(ctx) else _spread(ctx, dys[0]), *_rest(ctx)]
-
-
-@gradient("ReduceMean")
-def reduce_mean(ctx, dys):
-    if _noop(ctx):
-        return [dys[0], *_rest(ctx)]
-    return [ctx.b.div(_spread(ctx, dys[0]), _count(ctx, dys[0])), *_rest(ctx)]
+linear("ReduceSum")(lambda ctx, dy: dy if _noop(ctx) else _spread(ctx, dy))
+linear("ReduceMean")(lambda ctx, dy: dy if _noop(ctx) else _spread(ctx, dy) / _count(ctx, dy))
 
 
 @gradient("ReduceSumSquare")
 def reduce_sum_square(ctx, dys):
-    b, x = ctx.b, ctx.x(0)
-    return [b.mul(_spread(ctx, dys[0]), b.mul(x, ctx.scalar(2.0, x))), *_rest(ctx)]
+    x = ctx.x(0)
+    return [_spread(ctx, dys[0]) * (x * 2), *_rest(ctx)]
 
 
 @gradient("ReduceL1")
 def reduce_l1(ctx, dys):
-    return [ctx.b.mul(_spread(ctx, dys[0]), ctx.b.op("Sign", ctx.x(0))), *_rest(ctx)]
+    return [_spread(ctx, dys[0]) * ctx.x(0).sign(), *_rest(ctx)]
 
 
 @gradient("ReduceL2")
 def reduce_l2(ctx, dys):
     # x / ||x||, taken as 0 where the norm is 0 (torch's norm does the same)
-    b, x = ctx.b, ctx.x(0)
+    x = ctx.x(0)
     norm = _kept(ctx, ctx.y())
     zero = ctx.equal(norm, ctx.scalar(0.0, x))
-    safe = b.op("Where", zero, ctx.scalar(1.0, x), norm)
-    unit = b.op("Where", zero, ctx.scalar(0.0, x), b.div(x, safe))
-    return [b.mul(_spread(ctx, dys[0]), unit), *_rest(ctx)]
+    safe = ctx.where(zero, ctx.scalar(1.0, x), norm)
+    unit = ctx.where(zero, ctx.scalar(0.0, x), x / safe)
+    return [_spread(ctx, dys[0]) * unit, *_rest(ctx)]
 
 
 @gradient("ReduceLogSumExp")
 def reduce_log_sum_exp(ctx, dys):
-    b, x = ctx.b, ctx.x(0)
-    softmax = b.op("Exp", b.sub(x, _kept(ctx, ctx.y())))
-    return [b.mul(_spread(ctx, dys[0]), softmax), *_rest(ctx)]
+    softmax = (ctx.x(0) - _kept(ctx, ctx.y())).exp()
+    return [_spread(ctx, dys[0]) * softmax, *_rest(ctx)]
 
 
 @gradient("ReduceLogSum")
 def reduce_log_sum(ctx, dys):
-    b = ctx.b
-    total = b.op("Exp", ctx.y())
-    return [_spread(ctx, b.div(dys[0], total)), *_rest(ctx)]
+    return [_spread(ctx, dys[0] / ctx.y().exp()), *_rest(ctx)]
 
 
 @gradient("ReduceProd")
 def reduce_prod(ctx, dys):
     # dx_i = dy * (product of the others), exact with zeros (torch's prod too): with no zero in
     # the slice, prod / x_i; with one, the product of the non-zeros at the zero and 0 elsewhere; with more, 0
-    b, x = ctx.b, ctx.x(0)
+    x = ctx.x(0)
     if _noop(ctx):
         return [dys[0], *_rest(ctx)]
     zero, one = ctx.scalar(0.0, x), ctx.scalar(1.0, x)
     is_zero = ctx.equal(x, zero)
-    nonzero = b.op("Where", is_zero, one, x)
+    nonzero = ctx.where(is_zero, one, x)
     axes = _axes(ctx) if _axes(ctx) is not None else list(range(ctx.rank(x)))
-    zeros = b.reduce_sum(b.cast_like(is_zero, x), axes, keepdims=True)
-    others = b.axes_op("ReduceProd", nonzero, axes, keepdims=1)
-    at_zero = b.op("Where", ctx.equal(zeros, one), others, zero)
-    elsewhere = b.op("Where", ctx.equal(zeros, zero), b.div(others, nonzero), zero)
-    return [b.mul(_spread(ctx, dys[0]), b.op("Where", is_zero, at_zero, elsewhere)), *_rest(ctx)]
+    zeros = is_zero.cast_like(x).sum(axes, keepdims=True)
+    others = nonzero.reduce("ReduceProd", axes, keepdims=True)
+    at_zero = ctx.where(ctx.equal(zeros, one), others, zero)
+    elsewhere = ctx.where(ctx.equal(zeros, zero), others / nonzero, zero)
+    return [_spread(ctx, dys[0]) * ctx.where(is_zero, at_zero, elsewhere), *_rest(ctx)]
 
 
 def _reduce_extreme(ctx, dys):
     """ReduceMax/ReduceMin: the gradient is shared evenly by the elements equal to the
     result (torch.amax / amin do the same)."""
-    b, x = ctx.b, ctx.x(0)
-    hit = b.cast_like(ctx.equal(x, _kept(ctx, ctx.y())), x)
+    x = ctx.x(0)
+    hit = ctx.equal(x, _kept(ctx, ctx.y())).cast_like(x)
     axes = _axes(ctx)
-    count = b.reduce_sum(hit, axes if axes is not None else list(range(ctx.rank(x))), keepdims=True)
-    share = b.div(_kept(ctx, dys[0]), count)
-    return [b.mul(hit, share), *_rest(ctx)]
+    count = hit.sum(axes if axes is not None else list(range(ctx.rank(x))), keepdims=True)
+    return [hit * (_kept(ctx, dys[0]) / count), *_rest(ctx)]
 
 
 gradient("ReduceMax")(_reduce_extreme)
