@@ -102,4 +102,4 @@ conformance: $(STAMP)
 	$(BIN)/python tests/autodiff/conformance.py
 
 clean:
-	rm -rf $(VENV) out build dist *.egg-info .pytest_cache js/node_modules benchmarks/js/node_modules
+	rm -rf $(VENV) out site build dist *.egg-info .pytest_cache js/node_modules benchmarks/js/node_modules

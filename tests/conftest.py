@@ -27,7 +27,7 @@ LONGEST = {
     "test_cli.py": 40,
     "distributed/test_train_tensor.py": 40,
     "analysis/test_memory.py": 35,
-    "distributed/test_readme_data_parallel.py": 34,
+    "distributed/test_distributed_pages.py": 60,
     "distributed/test_zero.py": 30,
     "distributed/test_train_zero.py": 27,
     "passes/test_tensor_parallel.py": 26,

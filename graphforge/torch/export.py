@@ -1,8 +1,8 @@
 """Exporting an ``nn.Module`` for training, and compiling it into a graphforge program.
 
-The README's rules for a training export (training mode, no constant folding, the TorchScript
-exporter where BatchNorm must stay in training mode) are applied here, and two things the
-exporter does to a module are undone:
+The rules of a training export (docs/guides/pytorch-export.md: training mode, no constant
+folding, the TorchScript exporter where BatchNorm must stay in training mode) are applied here,
+and two things the exporter does to a module are undone:
 
 * **Tied values.** The TorchScript exporter merges initializers with equal values (fresh zero
   biases, unit norm scales, zero running means) into one, which would train two of torch's

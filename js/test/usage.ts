@@ -1,4 +1,4 @@
-// The README's loop, typed: `npm run typecheck` checks the declarations against how they are used.
+// The loop of js/README.md and docs/on-device/training.md, typed: `npm run typecheck` checks the declarations against how they are used.
 import * as ort from 'onnxruntime-node';
 import { CheckpointState, TrainingSession, makeSchedule } from '@graphforge/ondevice';
 

@@ -1,5 +1,5 @@
-"""The JavaScript entry points as a user meets them: the README's loop (js/examples/train.mjs)
-runs as printed from the repository's root, after the README's artifacts command; and every
+"""The JavaScript entry points as a user meets them: the loop (js/examples/train.mjs) runs as
+docs/on-device/training.md prints it, from the repository's root after the page's artifacts command; and every
 entry point says in one line to run make install where onnxruntime-node is missing."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _pages import page_block
 from test_js_runtime import JS, NODE, REPO
 
 import graphforge
@@ -20,16 +21,16 @@ PIPELINE = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2, we
 HINT = "onnxruntime-node is missing: run make install first (it runs npm ci in js/)"
 
 
-def test_the_readme_loop_trains_the_digits_as_printed(tmp_path):
-    """graphforge artifacts, then node js/examples/train.mjs on its folder: 15 epochs of 45
+def test_the_pages_loop_trains_the_digits_as_printed(tmp_path):
+    """graphforge artifacts, then the page's node command on its folder: 15 epochs of 45
     steps to the test accuracy make demo promises, a checkpoint graphforge loads."""
     folder = tmp_path / "artifacts"
+    command = page_block("docs/on-device/training.md", "sh", "node js/examples/train.mjs").split("#", 1)[0].split()
+    assert command == ["node", "js/examples/train.mjs", "out/artifacts"], command
     made = subprocess.run([str(GRAPHFORGE), "artifacts", "examples/digits/model.onnx", "-o", str(folder), "-p", PIPELINE],
                           capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert made.returncode == 0, made.stderr
-    done = subprocess.run(
-        [NODE, "js/examples/train.mjs", str(folder)], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
+    done = subprocess.run([NODE, command[1], str(folder)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     found = re.fullmatch(r"test accuracy (\d\.\d{4}); 4810 parameters; checkpoint (.+)", last)
