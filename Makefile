@@ -99,7 +99,7 @@ cuda-check:
 # Every case of onnx's backend node tests through autodiff against central differences in
 # float64 (make test checks the same); records docs/ops-conformance.json and docs/ops.md.
 conformance: $(STAMP)
-	$(BIN)/python tests/autodiff/conformance.py
+	$(BIN)/python tests/passes/autodiff/conformance.py
 
 clean:
 	rm -rf $(VENV) out site build dist *.egg-info .pytest_cache js/node_modules benchmarks/js/node_modules

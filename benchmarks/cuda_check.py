@@ -69,7 +69,7 @@ CUDA_TESTS = (
     "tests/torch_frontend/test_fused_update.py",
     "tests/runtime/test_capture_ready.py",
     "tests/passes/test_mixed_precision.py",
-    "tests/test_sessions.py",
+    "tests/runtime/test_sessions.py",
     "tests/distributed/test_on_the_test_device.py",
 )
 

@@ -20,10 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 #: runs alone at the end
 LONGEST = {
     "distributed/test_tensor_parallel_members.py": 102,
-    "test_benchmarks_smoke.py": 77,
+    "benchmarks/test_benchmarks_smoke.py": 77,
     "distributed/test_train_distributed.py": 49,
     "distributed/test_stages.py": 45,
-    "autodiff/test_backend_conformance.py": 44,
+    "passes/autodiff/test_backend_conformance.py": 44,
     "test_cli.py": 40,
     "distributed/test_train_tensor.py": 40,
     "analysis/test_memory.py": 35,
@@ -32,7 +32,7 @@ LONGEST = {
     "distributed/test_train_zero.py": 27,
     "passes/test_tensor_parallel.py": 26,
     "distributed/test_data_parallel.py": 25,
-    "distributed/test_plan.py": 24,
+    "planning/test_plan.py": 24,
     "passes/test_recompute.py": 23,
     "diff/test_diff_cli.py": 20,
     "test_graph_io.py": 18,

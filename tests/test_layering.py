@@ -475,3 +475,22 @@ def test_the_architecture_draws_the_layers_this_test_holds():
         "write the layer table's third column as:\n"
         + "\n".join(f"| {layer} | ... | {row} | ... |" for layer, row in expected.items())
     )
+
+
+#: test folders named otherwise than the tree's folder they test, and why
+TEST_FOLDER_NAMES = {"torch_frontend": "graphforge/torch"}  # a tests/torch/ would shadow the torch package
+
+
+def test_the_tests_mirror_the_tree():
+    """Every folder of tests/ tests a folder of the tree at the same place: tests/X/ is
+    graphforge/X/ or the top-level X/ (passes/, benchmarks/), tests/passes/autodiff/ is
+    passes/autodiff/; graphforge/'s own modules are tested at tests/'s top."""
+    tests = REPO / "tests"
+    strays = []
+    for folder in sorted(p for p in tests.rglob("*") if p.is_dir() and any(p.glob("test_*.py"))):
+        parts = folder.relative_to(tests).parts
+        first = TEST_FOLDER_NAMES.get(parts[0], parts[0])
+        tested = [REPO / first / Path(*parts[1:]), REPO / "graphforge" / first / Path(*parts[1:])]
+        if not any(t.is_dir() for t in tested):
+            strays.append(folder.relative_to(REPO).as_posix())
+    assert not strays, f"test folders with no folder of the tree to mirror: {strays}"

@@ -263,7 +263,7 @@ BACKWARD_DISABLED_OPTIMIZERS = ("NchwcTransformer",)
 #: running statistics' update into its running-mean and -variance inputs' buffers in place; where
 #: those are initializers equal to the scale or bias (a fresh BatchNorm's zeros and ones, in a
 #: program without an optimizer, whose statistics stay initializers), it overwrote them, and
-#: every run normalised with other values (tests/test_sessions.py)
+#: every run normalised with other values (tests/runtime/test_sessions.py)
 TRAINING_BATCHNORM_DISABLED_OPTIMIZERS = ("ConstantSharing",)
 
 

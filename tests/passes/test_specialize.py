@@ -22,8 +22,8 @@ from graphforge.inspection.host_syncs import session_syncs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "autodiff"))
-import torch_models  # noqa: E402  (tests/autodiff: needs torch)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "autodiff"))
+import torch_models  # noqa: E402  (tests/passes/autodiff: needs torch)
 
 GRADIENTS = "loss(kind=cross_entropy, output=logits), autodiff"
 

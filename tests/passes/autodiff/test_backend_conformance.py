@@ -1,8 +1,8 @@
-"""Gradient conformance on every case of onnx's backend node tests (tests/autodiff/conformance.py
+"""Gradient conformance on every case of onnx's backend node tests (tests/passes/autodiff/conformance.py
 has the method): each case matches central differences in float64, or is refused with a clear
 error, or is skipped for a stated reason; never a mismatch, never an internal error. Each outcome
 must be the one docs/ops-conformance.json records (and docs/ops.md reports), so the report
-cannot drift: run ``python tests/autodiff/conformance.py`` to record a change."""
+cannot drift: run ``python tests/passes/autodiff/conformance.py`` to record a change."""
 
 from __future__ import annotations
 

@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _train_runs as runs
 import onnx
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # its torchrun helpers
+import _train_runs as runs
 from _launch import REPO
 
 import graphforge.train

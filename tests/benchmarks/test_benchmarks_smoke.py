@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "train_bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "train_bench.py"
 
 
 def _load():

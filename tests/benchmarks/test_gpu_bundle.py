@@ -10,7 +10,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from gpu_bundle import CUDA_PROVIDER, bundle, fatbin_images
 
 SM90, SM80 = b"\x90" * 40, b"\x80" * 24

@@ -18,7 +18,7 @@ def test_every_rule_has_a_row():
     # a row's `after` nodes are checked with it (DequantizeLinear after QuantizeLinear)
     covered = {c.op for c in CASES} | {op for c in CASES for op, _, _ in c.after}
     missing = [op for op in DIFFERENTIABLE if op not in covered]
-    assert not missing, f"gradient rules without a table row in tests/autodiff/op_cases.py: {missing}"
+    assert not missing, f"gradient rules without a table row in tests/passes/autodiff/op_cases.py: {missing}"
 
 
 def test_every_nondifferentiable_op_has_a_row():

@@ -31,7 +31,7 @@ evaluator, every sampled coordinate at a kink; no rule (an op on the way has non
 differentiate. A mismatch or an error (anything escaping the autodiff that is not a
 GraphforgeError, or a gradient graph onnxruntime refuses) fails the test.
 
-``python tests/autodiff/conformance.py`` (``make conformance``) runs every case and writes
+``python tests/passes/autodiff/conformance.py`` (``make conformance``) runs every case and writes
 docs/ops-conformance.json, which ``python -m graphforge.passes.autodiff.opsdoc`` renders into
 docs/ops.md.
 """
@@ -58,10 +58,10 @@ import graphforge
 from graphforge.errors import GraphforgeError, one_line
 from graphforge.ir import NONDETERMINISTIC_OPS, model_nodes
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "docs" / "ops-conformance.json"
 #: how to record the outcomes anew
-COMMAND = "python tests/autodiff/conformance.py"
+COMMAND = "python tests/passes/autodiff/conformance.py"
 #: coordinates compared per differentiated input (sampled, the same ones every run)
 COORDINATES = 12
 #: the reference evaluator runs ops in Python loops: where it is the oracle and an input has

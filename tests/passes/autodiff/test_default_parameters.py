@@ -123,7 +123,7 @@ def test_batchnorm_model_from_torch_trains_no_running_statistics():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "runtime"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
     import _training_models as tm
 
     model, parameters, messages = _compile(tm.cnn_onnx())
