@@ -81,8 +81,8 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: $(STAMP)
-	$(BIN)/ruff check graphforge passes tests golden_models benchmarks examples
-	$(BIN)/ruff format --check graphforge passes tests golden_models benchmarks examples
+	$(BIN)/ruff check graphforge passes tests golden_models benchmarks examples docs/package_dir.py
+	$(BIN)/ruff format --check graphforge passes tests golden_models benchmarks examples docs/package_dir.py
 
 bench: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
 	$(BIN)/python benchmarks/run.py

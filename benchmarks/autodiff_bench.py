@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -402,7 +401,7 @@ def report(rows: list[Row], ort_version: str, why_not: str, training: list[Train
             f"The issue's goal, under {TRAINING_COMPILE_GOAL_S:.0f} s: {met}."
         ]
     cpu = helpers.cpu_name()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = helpers.usable_cores()
     lines += [
         "",
         *notes,

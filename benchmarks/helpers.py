@@ -49,13 +49,13 @@ def version(package: str) -> str:
 def ort_training_version(python: str | None) -> str:
     """The onnxruntime-training version the interpreter ``python`` has (the peer of some rows)."""
     if python is None:
-        return "(not installed)"
+        return "not installed"
     proc = subprocess.run(
         [python, "-c", "import importlib.metadata as m; print(m.version('onnxruntime-training'))"],
         capture_output=True,
         text=True,
     )
-    return proc.stdout.strip() or "(unknown version)"
+    return proc.stdout.strip() or "of unknown version"
 
 
 def export_gpt2(path: Path, config: dict, *, with_loss: bool = False) -> Path:

@@ -516,7 +516,13 @@ def artifacts_command(
     graphforge's JavaScript runtime (js/) on onnxruntime-node and onnxruntime-web, or
     graphforge.ondevice in Python."""
     manifest, how = ondevice_artifacts.artifacts_from(
-        model, output_dir, pipeline=pipeline, checkpoint=checkpoint, outputs=output, loss_only=loss_only, prefix=prefix
+        model,
+        output_dir,
+        pipeline=pipeline,
+        checkpoint=train.find_checkpoint(checkpoint) if checkpoint is not None else None,
+        outputs=output,
+        loss_only=loss_only,
+        prefix=prefix,
     )
     out.print(f"[bold]artifacts[/] {escape(how)} → {escape(str(output_dir))}", highlight=False, soft_wrap=True)
     table = Table()

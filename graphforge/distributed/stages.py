@@ -55,9 +55,9 @@ from graphforge.runtime.chain import Chains, GroupMember
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.dlpack import ortvalue_of, tensor_of, torch_dtype
-from graphforge.runtime.dropout import KEY_INPUT, run_key, seeded_dropout
+from graphforge.runtime.dropout import run_key
 from graphforge.runtime.runner import BoundSession, Runner, SegmentRun, to_numpy
-from graphforge.runtime.training import DROPOUT_MODES
+from graphforge.runtime.training import DROPOUT_MODES, check_choice, training_program
 
 #: the most dims a tensor of a message may have (the header's room per tensor)
 MAX_RANK = 8
@@ -137,8 +137,7 @@ class Stage(GroupMember):
         replicas: StageReplicas | None = None,
         dropout: str = "seeded",
     ):
-        if dropout not in DROPOUT_MODES:
-            raise GraphforgeError(f"dropout={dropout!r}: use one of {', '.join(map(repr, DROPOUT_MODES))}")
+        check_choice("dropout", dropout, DROPOUT_MODES)
         proto = program_proto(program)
         roles = ProgramRoles.of_proto(proto).require_training_program()
         role = roles.stages
@@ -160,12 +159,7 @@ class Stage(GroupMember):
         self.replicas = replicas
         self.replica = replicas.index if replicas is not None else 0
         runner_device = resolve_device(device)
-        carried_inputs = {c.input for c in roles.carried}
-        shift = "div" if runner_device.type == "cuda" else "bitshift"
-        train_program, seeded = (
-            seeded_dropout(proto, shift, bound=carried_inputs) if dropout == "seeded" else (proto, 0)
-        )
-        self._key = KEY_INPUT if seeded else None
+        train_program, self._key = training_program(proto, roles, runner_device.type, dropout)
         self.parts: StageSegments = stage_segments(train_program, self.stage)
         specs = [roles.carried_spec(name) for name in self.parts.carried]
         self.runner = Runner(

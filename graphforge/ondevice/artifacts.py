@@ -51,7 +51,6 @@ from graphforge.runtime.checkpoint import CheckpointState, TensorSpec
 from graphforge.runtime.dropout import KEY_INPUT, seeded_dropout
 from graphforge.runtime.inference import eval_model, export_inference_model
 from graphforge.tempfiles import move_into_place, temp_folder_beside
-from graphforge.train.inference_export import find_checkpoint
 
 
 class LossType(Enum):
@@ -189,26 +188,28 @@ def artifacts_from(
 ) -> tuple[Manifest, str]:
     """What ``graphforge artifacts`` writes into ``folder``: the artifacts of ``model``, a
     training program, or a forward model compiled with ``pipeline`` (its optimizer made to
-    accumulate), starting from ``checkpoint`` (a file, or a run folder: its latest checkpoint).
+    accumulate), starting from the checkpoint file ``checkpoint`` (the command finds a run
+    folder's latest).
     The training and eval models return ``outputs`` after the loss (default: the forward
     outputs; none with ``loss_only``). Returns the manifest and a line saying what it was made from."""
     proto = load(model)
     if ProgramRoles.of_proto(proto).is_training_program:
         if pipeline is not None:
-            raise GraphforgeError(f"{model} is a training program already: leave -p out (or give its forward model)")
+            raise GraphforgeError(
+                f"{model} is a training program already: give it no pipeline (-p), or give its forward model"
+            )
         program, how = proto, f"the training program {model}"
     else:
         if pipeline is None:
-            raise GraphforgeError(f"{model} is a forward model: give -p PIPELINE (e.g. \"loss(kind=cross_entropy, "
+            raise GraphforgeError(f"{model} is a forward model: give it a pipeline (-p, e.g. \"loss(kind=cross_entropy, "
                                   "output=logits), autodiff, adamw(lr=1e-3)\"), or a training program")  # fmt: skip
         passes, text = accumulating(pipeline)
         program = PassManager(passes).run(proto).model
         how = f'{model} compiled with "{text}"'
     state = None
     if checkpoint is not None:
-        found = find_checkpoint(checkpoint)
-        state = CheckpointState.load(found, program)
-        how += f", from {found} (step {state.step})"
+        state = CheckpointState.load(checkpoint, program)
+        how += f", from {checkpoint} (step {state.step})"
     extras = [] if loss_only else list(outputs) if outputs else list(ProgramRoles.of_proto(program).forward_outputs)
     return write_artifacts(program, folder, state=state, prefix=prefix, outputs=extras), how
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import onnx
 
-from graphforge.errors import GraphforgeError
+from graphforge.errors import CheckpointError, GraphforgeError
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.tempfiles import write_atomically
 
@@ -241,7 +241,10 @@ def check_file(path: Path, expected: str, *, checkpoint: bool = False) -> None:
     got = sha256_of(path)
     if got != expected:
         if checkpoint:
-            CheckpointState.load(path)  # raises, naming the tensor, where a tensor's bytes changed
+            try:
+                CheckpointState.load(path)  # a tensor whose bytes changed is named by its CRC-32
+            except CheckpointError as exc:
+                raise ManifestError(str(exc)) from None
         raise ManifestError(
             f"{path}: its sha256 is {got[:16]}…, the manifest's {expected[:16]}… (a file changed since it was written)"
         )

@@ -185,8 +185,8 @@ class Module(GroupMember):
         update: str = "auto",
         capture: bool | None = None,
     ):
-        _check_choice("dropout", dropout, DROPOUT_MODES)
-        _check_choice("update", update, UPDATES)
+        check_choice("dropout", dropout, DROPOUT_MODES)
+        check_choice("update", update, UPDATES)
         self._program = program_proto(program)
         self.roles = ProgramRoles.of_proto(self._program).require_training_program()
         roles = self.roles
@@ -200,7 +200,7 @@ class Module(GroupMember):
         # types and shapes only (else a second copy of every weight, for good)
         self._program = without_values(self._program, {s.input for s in roles.carried})
         device_ = resolve_device(device)
-        self._train_program, self._key_input = _training_program(self._program, roles, device_.type, dropout)
+        self._train_program, self._key_input = training_program(self._program, roles, device_.type, dropout)
         self.input_names = roles.batch_input_names()
         self.output_names = list(roles.forward_outputs)
         held = _held(roles, shard_optimizer_states)
@@ -796,12 +796,13 @@ class Module(GroupMember):
         return scalars
 
 
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """Refuse ``name=value`` unless it is one of ``choices`` (Module's and Stage's options)."""
     if value not in choices:
         raise GraphforgeError(f"{name}={value!r}: use one of {', '.join(map(repr, choices))}")
 
 
-def _training_program(
+def training_program(
     program: onnx.ModelProto, roles: ProgramRoles, device_type: str, dropout: str
 ) -> tuple[onnx.ModelProto, str | None]:
     """What training runs: ``program`` with reproducible dropout masks (``dropout="seeded"``;

@@ -31,7 +31,7 @@ from graphforge.train.trainers import (
     TensorStageTrainer,
     ZeroTrainer,
 )
-from graphforge.train.trainers.base import Topology
+from graphforge.train.trainers.base import Topology, Trainer
 from graphforge.train.trainers.options import refusal
 
 
@@ -52,13 +52,13 @@ def place(
                 "graphforge train ... splits it)"
             )
         if staged is not None:
-            config = _stages_config(config, staged, None)
+            config = _stages_config(config, staged, None, OneProcess)
             _refuse_zero_with_stages(config)
         return Topology(OneProcess, config, program, program, compiled_from, notes=notes)
     if config.distributed.tensor > 1:
         return _tensor_groups(config, world, program, compiled_from, compile_member)
     if staged is not None:
-        config = _stages_config(config, staged, world)
+        config = _stages_config(config, staged, world, StageTrainer)
         _refuse_zero_with_stages(config)
         replicas = world.size // staged.stages
         shard = Shard(replicas, world.rank // staged.stages) if replicas > 1 else ALL
@@ -102,7 +102,7 @@ def _tensor_groups(config: Config, world: World, program, compiled_from: str, co
     # a tensor group's members all take every batch whole (their replica's share)
     shard = Shard(mesh.data.size, mesh.data.rank) if mesh.data.size > 1 else ALL
     if staged is not None:
-        config = _stages_config(config, staged, world)
+        config = _stages_config(config, staged, world, TensorStageTrainer)
         _refuse_zero_with_stages(config)
         return Topology(TensorStageTrainer, config, program, member, compiled_from, world, mesh, shard)
     if mesh.data.size > 1:  # the replicas' gradients averaged
@@ -148,13 +148,12 @@ def _tensor_stages(config: Config, staged: StagesRole, world: World) -> int:
     return stages
 
 
-def _stages_config(config: Config, staged: StagesRole, world: World | None) -> Config:
+def _stages_config(config: Config, staged: StagesRole, world: World | None, kind: type[Trainer]) -> Config:
     """A pipeline program's step is its micro-batches (``data.batch_size`` each): on one
     process they run in turn (``train.accumulate`` = micro-batches), under torchrun one
-    process per stage."""
+    process per stage (``kind``, the trainer place() chose, names it in a refusal)."""
     where, micro = config.where, staged.microbatches
     if config.train.accumulate not in (1, micro):
-        kind = OneProcess if world is None else TensorStageTrainer if config.distributed.tensor > 1 else StageTrainer
         why = f"the program's pipeline runs {micro} micro-batches per step; leave train.accumulate out"
         raise refusal(where, "accumulate", config.train.accumulate, kind.topology_name, why)
     if world is not None and world.size % staged.stages:

@@ -1,6 +1,7 @@
 // Reading and writing bytes the same way on Node and in a browser: a Uint8Array or
 // ArrayBuffer as it is, a URL (or an http(s) or relative URL string in a browser) fetched,
-// any other string a path on disk (Node, read with node:fs).
+// any other string a path on disk (Node, read with node:fs). node: modules are imported only
+// where Node runs, and marked so that a bundler for the browser leaves them out.
 import { OndeviceError } from './errors.js';
 
 const inNode = typeof process !== 'undefined' && Boolean(process.versions?.node);
@@ -32,14 +33,12 @@ export async function missing(source) {
   if (source instanceof Uint8Array || source instanceof ArrayBuffer) return null;
   const url = fetched(source);
   if (url && !(url.protocol === 'file:' && inNode)) {
-    let response = await fetch(url, { method: 'HEAD' });
-    if (response.status === 405 || response.status === 501) {
-      response = await fetch(url); // a server that answers no HEAD: the headers of a GET
-      await response.body?.cancel();
-    }
-    return response.ok ? null : `cannot fetch it (${response.status} ${response.statusText})`;
+    // only "not there" refuses now: a server that answers HEAD otherwise (405, or 403 for a URL
+    // signed for GET) leaves the file to its first read, which says what went wrong
+    const response = await fetch(url, { method: 'HEAD' });
+    return response.status === 404 || response.status === 410 ? `cannot fetch it (${response.status} ${response.statusText})` : null;
   }
-  const fs = await import('node:fs/promises');
+  const fs = await import(/* webpackIgnore: true */ /* @vite-ignore */ 'node:fs/promises');
   try {
     return (await fs.stat(url ?? String(source))).isFile() ? null : 'not a file';
   } catch (error) {
@@ -57,7 +56,7 @@ function fetched(source) {
 
 /** @param {string | URL} path */
 async function readFile(path) {
-  const fs = await import('node:fs/promises');
+  const fs = await import(/* webpackIgnore: true */ /* @vite-ignore */ 'node:fs/promises');
   try {
     return new Uint8Array(await fs.readFile(path));
   } catch (error) {
@@ -76,8 +75,8 @@ function problem(error) {
  * @param {Uint8Array} bytes */
 export async function writeAtomically(path, bytes) {
   if (!inNode) throw new OndeviceError('writing a file needs Node; in a browser, keep the bytes (toBytes()) instead');
-  const fs = await import('node:fs/promises');
-  const { dirname, basename, join } = await import('node:path');
+  const fs = await import(/* webpackIgnore: true */ /* @vite-ignore */ 'node:fs/promises');
+  const { dirname, basename, join } = await import(/* webpackIgnore: true */ /* @vite-ignore */ 'node:path');
   const temporary = join(dirname(path), `.${basename(path)}.${process.pid}.${Date.now()}.tmp`);
   const handle = await fs.open(temporary, 'w', 0o666);
   try {

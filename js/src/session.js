@@ -28,6 +28,8 @@ import { checkHash, checkManifest, readManifest } from './manifest.js';
 
 const MANIFEST = 'manifest.json';
 /** The option of create() that gives each model, for the errors that name it. */
+/** The models a session reads at their first use, not at create() */
+const READ_LATER = ['eval', 'train_step'];
 const OPTION = { training: 'trainModel', optimizer: 'optimizerModel', eval: 'evalModel', train_step: 'trainStepModel' };
 /** Only create() makes a session: the constructor takes what it gathered. */
 const CREATING = Symbol('TrainingSession.create');
@@ -39,6 +41,7 @@ export class TrainingSession {
   /** @type {boolean} */ #verify;
   /** @type {Models} */ #sources;
   /** @type {Partial<Record<ModelKey, Promise<InferenceSession>>>} */ #sessions;
+  #released = false;
   /** @type {Record<string, Tensor> | null} what a training run handed over, where the artifacts do not accumulate */
   #gradients = null;
   /** @type {string[]} */ #trainable;
@@ -68,12 +71,18 @@ export class TrainingSession {
     const state = await checkpointOf(sources.checkpoint, manifest, verify);
     checkState(state, manifest, where);
     const executionProviders = providersFor(ort, sessionOptions);
-    const chosen = executionProviders.length ? { ...sessionOptions, executionProviders } : sessionOptions;
+    // the caller's providers go as given (with their options: a device id, a layout); else the namespace's backend
+    const chosen = sessionOptions.executionProviders?.length || !executionProviders.length ? sessionOptions : { ...sessionOptions, executionProviders };
     /** @type {Partial<Record<ModelKey, Promise<InferenceSession>>>} */
     const sessions = {};
-    for (const key of /** @type {const} */ (['training', 'optimizer'])) {
-      const bytes = await modelBytes(manifest, key, /** @type {Source} */ (sources[key]), verify);
-      sessions[key] = Promise.resolve(await ort.InferenceSession.create(bytes, chosen));
+    try {
+      for (const key of /** @type {const} */ (['training', 'optimizer'])) {
+        const bytes = await modelBytes(manifest, key, /** @type {Source} */ (sources[key]), verify);
+        sessions[key] = Promise.resolve(await ort.InferenceSession.create(bytes, chosen));
+      }
+    } catch (error) {
+      for (const made of Object.values(sessions)) await (await made)?.release(); // the ones made before the failure
+      throw error;
     }
     return new TrainingSession(CREATING, { ort, manifest, state, where, verify, sources, sessions, sessionOptions: chosen, executionProviders });
   }
@@ -241,6 +250,7 @@ export class TrainingSession {
   async release() {
     const made = Object.values(this.#sessions);
     this.#sessions = {};
+    this.#released = true;
     for (const session of await Promise.allSettled(made)) if (session.status === 'fulfilled') await session.value.release();
   }
 
@@ -255,6 +265,7 @@ export class TrainingSession {
    * @param {ModelKey} key
    * @returns {Promise<InferenceSession>} */
   #session(key) {
+    if (this.#released) throw new OndeviceError('this TrainingSession was released: create another to train or evaluate');
     let made = this.#sessions[key];
     if (!made) {
       const source = this.#sources[key];
@@ -389,8 +400,9 @@ function checkedFeed(feeds, port, dims, key) {
 }
 
 /** Where each file of the artifacts comes from, the manifest, and the files to find present
- * now that are read later, or never (the inference model, the manifest's own checkpoint where
- * another is given): a folder that lacks one is refused at once, as Python's Module refuses it.
+ * now that are read only later (the eval and whole-step models): a folder that lacks one is
+ * refused at once, as Python's Module refuses it. What the session never reads (the inference
+ * model; the folder's checkpoint where another state is given) may be left out.
  * @param {CreateOptions} options
  * @returns {Promise<{manifest: Manifest, where: string, sources: Models & {checkpoint: Source | CheckpointState}, present: Source[]}>} */
 async function locate(options) {
@@ -403,8 +415,7 @@ async function locate(options) {
     /** @type {Models & {checkpoint: Source | CheckpointState}} */
     const sources = { checkpoint: options.checkpointState ?? at(manifest.checkpoint.file) };
     for (const key of modelKeys(manifest)) sources[key] = at(manifest.models[key].file);
-    const later = modelKeys(manifest).filter((key) => key !== 'training' && key !== 'optimizer').map((key) => at(manifest.models[key].file));
-    if (options.checkpointState !== undefined) later.push(at(manifest.checkpoint.file));
+    const later = modelKeys(manifest).filter((key) => READ_LATER.includes(key)).map((key) => at(manifest.models[key].file));
     return { manifest, where: String(folder), sources, present: later };
   }
   for (const key of /** @type {const} */ (['checkpointState', 'trainModel', 'optimizerModel'])) {

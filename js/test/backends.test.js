@@ -60,7 +60,13 @@ test('each namespace runs on its own backend, in one process that loads both', {
     if (ort !== node) assert.notEqual(expected, native, name);
     await session.release();
   }
-  const chosen = await TrainingSession.create({ ort: web, artifacts: at('digits') }, { executionProviders: [{ name: 'cpu' }] });
+  /** @type {any[]} */
+  const asked = [];
+  const asking = { ...web, InferenceSession: { create: (/** @type {Uint8Array} */ b, /** @type {any} */ o) => (asked.push(o), web.InferenceSession.create(b, o)) } };
+  const provider = { name: 'cpu', useArena: false };
+  const chosen = await TrainingSession.create({ ort: asking, artifacts: at('digits') }, { executionProviders: [provider], graphOptimizationLevel: 'all' });
   assert.deepEqual(chosen.executionProviders, ['cpu']); // the caller's choice stands
+  for (const options of asked) assert.deepEqual(options, { executionProviders: [provider], graphOptimizationLevel: 'all' }); // as given, options and all
+  assert.equal(asked.length, 2);
   await chosen.release();
 });

@@ -86,8 +86,8 @@ test('artifacts that do not accumulate take one train step per update', { skip }
   await session.release();
 });
 
-test('create() finds every file the manifest lists, those it reads at their first run too', { skip }, async () => {
-  for (const file of ['eval_model.onnx', 'train_step.onnx', 'inference.onnx']) {
+test('create() finds every model the manifest lists, those it reads at their first run too', { skip }, async () => {
+  for (const file of ['eval_model.onnx', 'train_step.onnx']) {
     const folder = copy('digits');
     rmSync(join(folder, file));
     await assert.rejects(TrainingSession.create({ ort, artifacts: folder }), (error) => {
@@ -96,6 +96,46 @@ test('create() finds every file the manifest lists, those it reads at their firs
       return true;
     });
   }
+});
+
+test('what a session never reads may be left out: the inference model, the checkpoint where a state is given', { skip }, async () => {
+  const folder = copy('digits');
+  const state = (await TrainingSession.create({ ort, artifacts: folder })).checkpointState;
+  rmSync(join(folder, 'inference.onnx'));
+  rmSync(join(folder, 'checkpoint'));
+  const session = await TrainingSession.create({ ort, artifacts: folder, checkpointState: state });
+  await session.runTrainStep(batch());
+  await session.runOptimizerStep();
+  await session.release();
+});
+
+test('a released session refuses to run, and stays released', { skip }, async () => {
+  const session = await TrainingSession.create({ ort, artifacts: at('digits') });
+  await session.runTrainStep(batch());
+  await session.release();
+  for (const run of [() => session.runTrainStep(batch()), () => session.runEvalStep(batch()), () => session.runOptimizerStep()]) {
+    await assert.rejects(run(), /^OndeviceError: this TrainingSession was released: create another to train or evaluate$/);
+  }
+});
+
+test('sessions made before a failing one are released', { skip }, async () => {
+  /** @type {any[]} */
+  const made = [];
+  let calls = 0;
+  const create = async (/** @type {Uint8Array} */ bytes, /** @type {object} */ options) => {
+    if (++calls === 2) throw new Error('the optimizer model does not load');
+    const session = await ort.InferenceSession.create(bytes, options);
+    const release = session.release.bind(session);
+    made.push({ released: false });
+    const record = made[made.length - 1];
+    session.release = async () => {
+      record.released = true;
+      return release();
+    };
+    return session;
+  };
+  await assert.rejects(TrainingSession.create({ ort: { ...ort, InferenceSession: { create } }, artifacts: at('digits') }), /the optimizer model does not load/);
+  assert.deepEqual(made, [{ released: true }]);
 });
 
 test('a damaged checkpoint in a folder is refused naming the tensor; any other change by its sha256', { skip }, async () => {

@@ -18,7 +18,7 @@ import pytest
 import graphforge
 import graphforge.train
 from graphforge import artifacts
-from graphforge.errors import CheckpointError, GraphforgeError
+from graphforge.errors import GraphforgeError
 from graphforge.ondevice.artifacts import write_artifacts
 from graphforge.ondevice.manifest import FILES, MANIFEST, Manifest, ManifestError
 from graphforge.runtime.dropout import run_key
@@ -269,9 +269,7 @@ def test_a_damaged_or_newer_set_is_refused_naming_the_file(digits, tmp_path):
     checkpoint = bytearray((copy / "checkpoint").read_bytes())
     checkpoint[-1] ^= 1  # the last byte of the tensor stored last: its CRC-32 names it
     (copy / "checkpoint").write_bytes(bytes(checkpoint))
-    with pytest.raises(
-        CheckpointError, match=r"checkpoint: tensor '.+' is damaged: its bytes do not match the checksum"
-    ):
+    with pytest.raises(ManifestError, match=r"checkpoint: tensor '.+' is damaged: its bytes do not match the checksum"):
         Manifest.read(copy)
     checkpoint[-1] ^= 1
     stepped = bytes(checkpoint).replace(b'\\"step\\": 0', b'\\"step\\": 7', 1)  # every tensor whole, another state
@@ -303,7 +301,7 @@ def test_the_command_writes_them_from_a_pipeline_and_from_a_trained_run(tmp_path
     written = graphforge.CheckpointState.load(tmp_path / "b" / "checkpoint")
     assert written.step == 40 and all(np.array_equal(written.tensors[n], v) for n, v in trained.items())
     for argv, message in (
-        ([str(DIGITS), "-o", str(tmp_path / "c")], "is a forward model: give -p PIPELINE"),
+        ([str(DIGITS), "-o", str(tmp_path / "c")], "is a forward model: give it a pipeline (-p, e.g."),
         ([str(run.program), "-p", pipeline, "-o", str(tmp_path / "c")], "is a training program already"),
     ):
         done = subprocess.run([str(GRAPHFORGE), "artifacts", *argv], capture_output=True, text=True, timeout=120)

@@ -17,6 +17,9 @@ from graphforge.train.evaluation import evaluate
 from graphforge.train.trainers.base import Topology, Trainer, check_finite
 from graphforge.train.trainers.options import TrainerOptions
 
+#: why a profiled run keeps the program's own update
+PROFILED = "[profile] traces the update as onnxruntime runs it"
+
 
 class ModuleTrainer(Trainer):
     """A Module over this process's program; ``module(...)`` for each micro-batch and an
@@ -43,7 +46,9 @@ class ModuleTrainer(Trainer):
     def refusals(cls, options: TrainerOptions, topology: Topology) -> dict[str, str]:
         refused = super().refusals(options, topology)
         update = options.train.update
-        if cls.shards_states(topology) and update == "onnx":
+        if options.profiled and update == "torch" and not cls.shards_states(topology):
+            refused["update"] = PROFILED
+        elif cls.shards_states(topology) and update == "onnx":
             refused["update"] = "each process updates its shard of the optimizer states in torch's kernels"
         elif cls.replicated(topology) and not cls.shards_states(topology) and update == "torch":
             refused["update"] = "the program's ONNX update reads the gradients reduced across the replicas"
@@ -70,11 +75,9 @@ class ModuleTrainer(Trainer):
         """train.update: torch's fused kernels where they compute the program's update ("auto"),
         or those kernels or an error ("torch"). A profile traces the update as onnxruntime runs it."""
         options, module = self.options, self.module
-        profiled = "[profile] traces the update as onnxruntime runs it" if options.profiled else None
+        profiled = PROFILED if options.profiled else None
         if options.train.update == "torch":
             try:
-                if profiled is not None:
-                    raise Refused(profiled)
                 kernel = FusedUpdate(module, foreach=True)
             except Refused as exc:
                 raise options.refused("update", self.topology_name, exc.why) from None
