@@ -11,7 +11,8 @@ keys and their defaults are the dataclasses below (``graphforge train --help`` p
     # program = "program.onnx"          # ... or an already compiled training program
 
     [data]
-    train = "train.npz"                 # an .npz file, a folder of .npy files, or "module:attr" / "file.py:attr"
+    train = "train.npz"                 # an .npz file, a folder of .npy files, "module:attr" / "file.py:attr",
+                                        # or JSONL text (then tokenizer = "tokenizer.json", seq_len = N)
     eval = "test.npz"
     batch_size = 32
 
@@ -43,6 +44,10 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 SCHEDULE_KINDS = ("constant", "linear", "polynomial", "cosine")
+#: the shapes of JSONL text data's lines, as MLX-LM names them (graphforge/train/text/lines.py)
+TEXT_FORMATS = ("text", "completions", "chat")
+#: the [data] keys of text data only
+TEXT_KEYS = ("format", "tokenizer", "seq_len", "pack", "mask_prompt", "cache")
 
 #: "package.module:attr" or "path/to/file.py:attr": a Python callable making the batches
 _PYTHON_SOURCE = re.compile(r"(?P<target>[A-Za-z_][\w.]*|.+\.py):(?P<attr>[A-Za-z_]\w*)")
@@ -91,7 +96,7 @@ class Option:
             "bool": "true or false",
             "str": "a string",
             "path": "a file or folder path (a string)",
-            "data": 'a path (.npz file or folder of .npy files) or "module:attr" (a string)',
+            "data": 'a path (.npz file, folder of .npy files, .jsonl text) or "module:attr" (a string)',
             "names": 'a table of strings, e.g. { images = "x" }',
         }[self.kind] + bounds
 
@@ -134,6 +139,11 @@ def shown(path: Path | PythonSource) -> str:
     return os.path.normpath(path) if isinstance(path, Path) else str(path)
 
 
+def is_text(location: DataLocation | None) -> bool:
+    """Whether a data location is JSONL text (graphforge/train/text/)."""
+    return isinstance(location, Path) and location.suffix == ".jsonl"
+
+
 def data_location(text: str, base: Path) -> DataLocation:
     """A path, or a Python source when the text reads ``module:attr`` / ``file.py:attr`` and
     is not the name of an existing file."""
@@ -163,10 +173,23 @@ class DataConfig:
     """[data]: where the batches come from.
 
     ``train`` / ``eval``: an ``.npz`` file, a folder of ``.npy`` files (one array each, named
-    by the file), or a Python callable ``"module:attr"`` / ``"file.py:attr"`` returning an
+    by the file), a Python callable ``"module:attr"`` / ``"file.py:attr"`` returning an
     iterable of dict batches (called once per epoch, with ``epoch=`` if it takes that
-    argument). ``inputs`` maps program inputs to array names where they differ. Batching,
-    shuffling (seeded per epoch) and drop_last apply to arrays; a Python source batches itself.
+    argument), or a ``.jsonl`` file of text. ``inputs`` maps program inputs to array names where
+    they differ. Batching, shuffling (seeded per epoch) and drop_last apply to arrays and text;
+    a Python source batches itself.
+
+    Text (graphforge/train/text/): each line ``{"text": ...}``, ``{"prompt": ..., "completion":
+    ...}`` or ``{"messages": [...]}`` (``format`` "text", "completions" or "chat"; by default
+    the first line's keys say which, as MLX-LM reads them), tokenized with ``tokenizer`` (a
+    Hugging Face tokenizer.json, or the folder holding it with its tokenizer_config.json: the
+    EOS token and the chat template) into rows of ``seq_len`` tokens (default: the model's
+    static sequence length) offered as the arrays input_ids, labels (the next token; the loss's
+    ignore index where nothing is learned), attention_mask and position_ids. ``pack``: several
+    samples in a row (default: yes, unless the model takes an attention_mask, which cannot keep
+    them apart); ``mask_prompt``: learn only the completion, or the assistant's messages
+    (default true for completions and chat); ``cache``: where the tokens are kept (default
+    .graphforge-cache beside the file).
     """
 
     train: DataLocation = field(metadata=accepts("data"))
@@ -176,6 +199,12 @@ class DataConfig:
     shuffle: bool = field(default=True, metadata=accepts("bool"))
     seed: int = field(default=0, metadata=accepts("int", minimum=0))
     drop_last: bool = field(default=False, metadata=accepts("bool"))
+    format: str | None = field(default=None, metadata=accepts("str", choices=TEXT_FORMATS))
+    tokenizer: Path | None = field(default=None, metadata=accepts("path"))
+    seq_len: int | None = field(default=None, metadata=accepts("int", minimum=2))
+    pack: bool | None = field(default=None, metadata=accepts("bool"))
+    mask_prompt: bool | None = field(default=None, metadata=accepts("bool"))
+    cache: Path | None = field(default=None, metadata=accepts("path"))
 
 
 @dataclass(frozen=True)
@@ -425,10 +454,31 @@ def _check(config: Config) -> None:
                 f"{where}: data.{batching[0]} applies to array data; the Python source "
                 f"data.train = {str(config.data.train)!r} makes its own batches"
             )
+    _check_text(config)
     if "schedule.power" in given and config.schedule.kind != "polynomial":
         raise ConfigError(f'{where}: schedule.power applies to kind = "polynomial" only')
     if config.eval.every is not None and config.data.eval is None:
         raise ConfigError(f"{where}: eval.every needs data.eval (the data to evaluate on)")
+
+
+def _check_text(config: Config) -> None:
+    """The text keys go with JSONL data, and JSONL data needs a tokenizer."""
+    where, data = config.where, config.data
+    texts = [key for key in ("train", "eval") if is_text(getattr(data, key))]
+    if texts and data.tokenizer is None:
+        raise ConfigError(
+            f"{where}: data.{texts[0]} = {shown(getattr(data, texts[0]))!r} is JSONL text: give data.tokenizer, "
+            "the model's tokenizer.json (or the folder holding it)"
+        )
+    given = [key for key in TEXT_KEYS if f"data.{key}" in config.given]
+    if given and not texts:
+        raise ConfigError(
+            f"{where}: data.{given[0]} applies to JSONL text data; data.train = {shown(data.train)!r} is not a .jsonl file"
+        )
+    if data.mask_prompt is not None and data.format == "text":
+        raise ConfigError(
+            f'{where}: data.mask_prompt applies to format = "completions" or "chat"; every token of text is learned'
+        )
 
 
 def _shown(value: Any) -> str:

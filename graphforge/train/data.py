@@ -1,5 +1,6 @@
-"""Data for the training loop: arrays from .npz / .npy files or a Python iterable, batched,
-shuffled per epoch from a seed, checked against the program's inputs, and resumable.
+"""Data for the training loop: arrays from .npz / .npy files, rows of tokens from JSONL text
+(graphforge/train/text/, an ArraySource over them) or a Python iterable, batched, shuffled per
+epoch from a seed, checked against the program's inputs, and resumable.
 
 The batches form one stream across epochs; its position is ``{"epoch": e, "batch": b}``
 (b batches of epoch e consumed). Epoch e's order is ``default_rng([seed, e]).permutation``,
@@ -26,13 +27,16 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from graphforge.errors import ConfigError, one_line
 from graphforge.program import BatchInput
-from graphforge.train.config import DataLocation, PythonSource, shown
+from graphforge.train.config import DataLocation, PythonSource, is_text, shown
+
+if TYPE_CHECKING:
+    from graphforge.train.text.source import TextOptions
 
 Batch = dict[str, np.ndarray]
 
@@ -289,13 +293,37 @@ def open_source(
     drop_last: bool,
     shard: Shard = ALL,
     pad: bool = True,
+    text: TextOptions | None = None,
+    key: str = "data.train",
 ) -> Source:
-    """The source at ``location`` (``data.train`` or ``data.eval``), checked against the
-    program; this process's ``shard`` of it (see the module's docstring)."""
+    """The source at ``location`` (``key``: data.train or data.eval), checked against the
+    program; this process's ``shard`` of it (see the module's docstring). JSONL text
+    (graphforge/train/text/) needs ``text``, the config's text keys and what the program says."""
     where = conformer.where
     if isinstance(location, PythonSource):
         return IterableSource(_import(location, where), conformer, str(location), shard)
-    available = _load_arrays(location, where)
+    batching = {"batch_size": batch_size, "shuffle": shuffle, "seed": seed, "drop_last": drop_last}
+    if is_text(location):
+        from graphforge.train.text.source import open_text  # (it builds on this module)
+
+        return open_text(location, conformer, text, key=key, names=names, shard=shard, pad=pad, **batching)
+    arrays, casts = mapped_arrays(_load_arrays(location, where), location, conformer, names)
+    lengths = {name: len(a) for name, a in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise ConfigError(
+            f"{where}: the arrays hold different numbers of samples: "
+            + ", ".join(f"{n} {c:,}" for n, c in lengths.items())
+        )
+    refuse_too_few(next(iter(lengths.values())), batch_size, shard, drop_last, where)
+    return ArraySource(arrays, casts, **batching, label=shown(location), shard=shard, pad=pad)
+
+
+def mapped_arrays(
+    available: dict[str, Any], location: Path, conformer: Conformer, names: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, np.dtype]]:
+    """The arrays that feed the program's inputs, by input name (``names`` maps an input to
+    an array of another name), each checked; and the dtypes to cast some of them to."""
+    where = conformer.where
     arrays, casts = {}, {}
     for name in [n for n in names if n not in conformer.inputs]:
         raise ConfigError(
@@ -324,30 +352,19 @@ def open_source(
             casts[name] = cast
     if not arrays:
         raise ConfigError(f"{where}: the program takes no batch inputs")
-    lengths = {name: len(a) for name, a in arrays.items()}
-    if len(set(lengths.values())) > 1:
-        raise ConfigError(
-            f"{where}: the arrays hold different numbers of samples: "
-            + ", ".join(f"{n} {c:,}" for n, c in lengths.items())
-        )
-    count = next(iter(lengths.values()))
+    return arrays, casts
+
+
+def refuse_too_few(
+    count: int, batch_size: int, shard: Shard, drop_last: bool, where: str, what: str = "samples"
+) -> None:
+    """Refuse data that makes no batch."""
     if count == 0 or (drop_last and count < batch_size * shard.count):
         replicas = f" on each of {shard.count} processes" if shard.count > 1 else ""
         raise ConfigError(
-            f"{where}: {count} samples make no batch of data.batch_size = {batch_size}{replicas}"
+            f"{where}: {count} {what} make no batch of data.batch_size = {batch_size}{replicas}"
             + (" with data.drop_last" if count else "")
         )
-    return ArraySource(
-        arrays,
-        casts,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        label=shown(location),
-        shard=shard,
-        pad=pad,
-    )
 
 
 def _load_arrays(path: Path, where: str) -> dict[str, np.ndarray]:

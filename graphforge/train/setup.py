@@ -23,8 +23,9 @@ from graphforge.program import ProgramRoles
 from graphforge.runtime import CheckpointState
 from graphforge.runtime.devices import resolve_device
 from graphforge.train import resume
-from graphforge.train.config import Config, shown
+from graphforge.train.config import Config, is_text, shown
 from graphforge.train.data import Conformer, Source, open_source
+from graphforge.train.text.source import text_options
 from graphforge.train.topology import check_tensor_parallel, place, threads_per_process
 from graphforge.train.trainers import Trainer
 from graphforge.train.trainers.base import Topology
@@ -155,6 +156,9 @@ def _open_data(
 ) -> tuple[Source, Source | None]:
     """This process's share of the training data, and the evaluation data (None without)."""
     data, inputs = config.data, list(program_roles.batch_inputs)
+    text = None
+    if is_text(data.train) or is_text(data.eval):
+        text = text_options(data, topology.program, inputs, program_roles.labels)
 
     def source(location, key: str, *, batch_size: int, train: bool) -> Source:
         return open_source(
@@ -167,6 +171,8 @@ def _open_data(
             drop_last=data.drop_last if train else False,
             shard=topology.shard if train else topology.eval_shard,
             pad=train,
+            text=text,
+            key=key,
         )
 
     train = source(data.train, "data.train", batch_size=data.batch_size, train=True)
@@ -188,6 +194,7 @@ def _starting_point(
     state, resumed_from = resume.starting_state(config, out, program)
     schedule_options = resume.schedule_options(config, program_roles, total_steps)
     settings = resume.run_settings(config, train, schedule_options)
+    settings.update(getattr(train, "settings", {}))  # text data: the tokens' key, seq_len, pack, ...
     changed = {}
     if resumed_from is not None:
         resume.check_resumable(state, resumed_from)

@@ -1,0 +1,170 @@
+"""Tokenizers, chat templates and models for the text data tests, all made in a test's tmp
+folder from the text the project ships (data/text/); nothing is downloaded.
+
+The tokenizer is a byte-level BPE (GPT-2's kind) trained with Hugging Face tokenizers on
+data/text/, with <|endoftext|> (EOS), <|im_start|> and <|im_end|> as special tokens; its
+tokenizer_config.json names them as transformers writes it, so transformers loads the same
+folder as the oracle. The templates are written here, in the shapes Qwen2's (ChatML) and
+Llama 3's have.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from _train_helpers import REPO
+
+TEXT = REPO / "data" / "text"
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+#: ChatML as Qwen2's template writes it (a default system message), the assistant's text and
+#: its end marker in a {% generation %} block, as templates that support assistant masks do
+CHATML = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message.role != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.role == 'assistant' %}{% generation %}{{ message.content + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else %}{{ message.content + '<|im_end|>\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def headers(generation: bool = False) -> str:
+    """A template shaped like Llama 3's (BOS first, a header per message, an end-of-turn token,
+    roles checked with raise_exception); ``generation``: the same text, with each assistant
+    message, its end marker and the newline after it in a {% generation %} block."""
+    content = "message['content'] | trim + '<|im_end|>\\n'"
+    assistant = f"{{% generation %}}{{{{ {content} }}}}{{% endgeneration %}}" if generation else f"{{{{ {content} }}}}"
+    return (
+        "{{ bos_token }}"
+        "{%- for message in messages %}"
+        "{%- if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '<|im_end|>\\n\\n' }}"
+        f"{{%- if message['role'] == 'assistant' %}}{assistant}{{% else %}}{{{{ {content} }}}}{{% endif %}}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant<|im_end|>\\n\\n' }}{% endif %}"
+    )
+
+
+def texts() -> list[str]:
+    """Every string in data/text/'s JSONL files."""
+    found = []
+
+    def walk(value):
+        if isinstance(value, str):
+            found.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    for path in sorted(TEXT.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            walk(json.loads(line))
+    return found
+
+
+def tokenizer(
+    folder: Path, *, vocab_size: int = 400, template: str | None = CHATML, config: dict | None = None
+) -> Path:
+    """tokenizer.json (byte-level BPE trained on data/text/) and tokenizer_config.json in
+    ``folder``; returns the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts(), trainer)
+    bpe.save(str(folder / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 1024,
+        **(config or {}),
+    }
+    if template is not None:
+        settings["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))
+    return folder
+
+
+def copy_text(folder: Path, *names: str) -> list[Path]:
+    """data/text/'s files ``names`` copied into ``folder`` (their cache is then made there)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copy(TEXT / name, folder / name)) for name in names]
+
+
+def oracle(folder: Path):
+    """transformers' tokenizer for the files in ``folder``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def bos_tokenizer(folder: Path) -> Path:
+    """The tokenizer with a post-processor that starts every text with <|endoftext|>, as
+    Llama's starts every text with its BOS token."""
+    from tokenizers import Tokenizer, processors
+
+    tokenizer(folder, template=None)
+    loaded = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos = loaded.token_to_id("<|endoftext|>")
+    loaded.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", bos)]
+    )
+    loaded.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def source(path: Path, tokenizer_folder: Path, *, seq_len: int = 512, notes: list | None = None, **keys):
+    """``path`` opened as graphforge train opens text data, every array fed to a program that
+    takes input_ids, labels, attention_mask and position_ids (``takes_mask`` /
+    ``takes_positions`` say which of the last two the default packing considers taken)."""
+    import numpy as np
+
+    from graphforge.program import BatchInput
+    from graphforge.train.config import DataConfig
+    from graphforge.train.data import Conformer, open_source
+    from graphforge.train.text.source import TextOptions
+
+    takes_mask, takes_positions = keys.pop("takes_mask", False), keys.pop("takes_positions", False)
+    vocabulary = keys.pop("vocabulary", None)
+    data = DataConfig(train=path, tokenizer=tokenizer_folder, seq_len=seq_len, **keys)
+    options = TextOptions(
+        data=data,
+        vocabulary=vocabulary,
+        ignore_index=IGNORE,
+        static_seq_len=None,
+        takes_mask=takes_mask,
+        takes_positions=takes_positions,
+    )
+    names = ("input_ids", "labels", "attention_mask", "position_ids")
+    inputs = [BatchInput(name, np.dtype(np.int64), ("batch", "seq"), False) for name in names]
+    conformer = Conformer(inputs, "train.toml: data.train", (notes if notes is not None else []).append)
+    return open_source(path, conformer, names={}, batch_size=1, shuffle=False, seed=0, drop_last=False, text=options)
+
+
+#: the loss pass's default ignore index
+IGNORE = -100
+
+
+def all_rows(opened) -> dict:
+    """Every row of an opened text source, in order."""
+    import numpy as np
+
+    count = opened.samples
+    return {name: np.asarray(column[np.arange(count)]) for name, column in opened.arrays.items()}
