@@ -168,3 +168,27 @@ def all_rows(opened) -> dict:
 
     count = opened.samples
     return {name: np.asarray(column[np.arange(count)]) for name, column in opened.arrays.items()}
+
+
+def gpt2(path: Path, vocab: int, positions: int = 64) -> Path:
+    """The tests' 1-layer GPT-2 (random weights) with a vocabulary of ``vocab``, exported with
+    input_ids [batch, seq] → logits [batch, vocab, seq], the layout loss(kind=cross_entropy) takes."""
+    import models
+
+    return models.export_transformer(path, classes_first=True, vocab_size=vocab, n_positions=positions)
+
+
+#: the pipeline the text runs compile
+PIPELINE = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=0.01)"
+
+
+def config(folder: Path, name: str = "train.toml", **data) -> Path:
+    """A train config in ``folder`` for model.onnx on text data (``data`` keys)."""
+    import _train_helpers as th
+
+    document = th.base_config(
+        model={"pipeline": PIPELINE},
+        data={"eval": None, "tokenizer": "tok", "seq_len": 32, "batch_size": 4, **data},
+        train={"steps": 6},
+    )
+    return th.write_config(folder, document, name)

@@ -178,7 +178,7 @@ def objects(path: Path, where: str) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    yield number, json.loads(line)
+                    yield number, json.loads(line.rstrip("\r\n"))
                 except ValueError as exc:
                     raise ConfigError(f"{where}: {shown(path)}:{number}: not JSON ({one_line(exc)})") from None
     except OSError as exc:
