@@ -192,3 +192,57 @@ def config(folder: Path, name: str = "train.toml", **data) -> Path:
         train={"steps": 6},
     )
     return th.write_config(folder, document, name)
+
+
+def gpt2_with_mask_and_positions(path: Path, vocab: int, positions: int = 256):
+    """The tests' 1-layer GPT-2 taking input_ids, attention_mask and position_ids (all
+    [batch, seq]) → logits [batch, vocab, seq], as transformers' exports of causal LMs take
+    them; returns the torch module too (eval mode), for comparing logits."""
+    import models
+    import torch
+
+    inner = models.gpt2_module(vocab_size=vocab, n_positions=positions).inner
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids):
+            out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            return out.logits.transpose(1, 2)
+
+    module = Logits().eval()
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    args = (ids, mask, torch.arange(8).repeat(2, 1))
+    names = ["input_ids", "attention_mask", "position_ids"]
+    axes = {name: {0: "batch", 1: "seq"} for name in names} | {"logits": {0: "batch", 2: "seq"}}
+    models._export(module, args, path, names, ["logits"], axes)
+    return module
+
+
+def word_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer (whitespace-separated words of data/text/, then <|endoftext|>
+    as EOS): a line of k words is k tokens, so lines of equal length make rows of equal
+    length."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({word for text in texts() for word in text.split()})
+    vocab = {token: i for i, token in enumerate([*SPECIAL, "[UNK]", *words])}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True, exist_ok=True)
+    word_level.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
+
+
+def windows(source: str, path: Path, words: int) -> Path:
+    """``path``: the text of data/text/``source`` as lines of ``words`` words each."""
+    stream = [w for line in (TEXT / source).read_text().splitlines() for w in json.loads(line)["text"].split()]
+    with open(path, "w") as f:
+        for start in range(0, len(stream) - words + 1, words):
+            f.write(json.dumps({"text": " ".join(stream[start : start + words])}) + "\n")
+    return path

@@ -120,7 +120,7 @@ def open_text(
     samples = cache.samples - layout.left_out
     summary = (
         f"{samples:,} {fmt} samples of {shown(location)} in {layout.count:,} rows of {seq_len} tokens"
-        f"{', packed' if pack else ''} ({filled:.0%} tokens, the rest padding)"
+        f"{', packed' if pack else ''} ({1 - filled:.0%} padding)"
     )
     settings = {
         f"{key} tokens": cache.folder.name,
