@@ -27,16 +27,13 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from graphforge.errors import ConfigError, one_line
 from graphforge.program import BatchInput
-from graphforge.train.config import DataLocation, PythonSource, is_text, shown
-
-if TYPE_CHECKING:
-    from graphforge.train.text.source import TextOptions
+from graphforge.train.config import DataLocation, PythonSource, shown
 
 Batch = dict[str, np.ndarray]
 
@@ -293,20 +290,14 @@ def open_source(
     drop_last: bool,
     shard: Shard = ALL,
     pad: bool = True,
-    text: TextOptions | None = None,
-    key: str = "data.train",
 ) -> Source:
-    """The source at ``location`` (``key``: data.train or data.eval), checked against the
-    program; this process's ``shard`` of it (see the module's docstring). JSONL text
-    (graphforge/train/text/) needs ``text``, the config's text keys and what the program says."""
+    """The source at ``location`` (``data.train`` or ``data.eval``), checked against the
+    program; this process's ``shard`` of it (see the module's docstring). (JSONL text is
+    graphforge/train/text/source.py's open_text, an ArraySource too.)"""
     where = conformer.where
     if isinstance(location, PythonSource):
         return IterableSource(_import(location, where), conformer, str(location), shard)
     batching = {"batch_size": batch_size, "shuffle": shuffle, "seed": seed, "drop_last": drop_last}
-    if is_text(location):
-        from graphforge.train.text.source import open_text  # (it builds on this module)
-
-        return open_text(location, conformer, text, key=key, names=names, shard=shard, pad=pad, **batching)
     arrays, casts = mapped_arrays(_load_arrays(location, where), location, conformer, names)
     lengths = {name: len(a) for name, a in arrays.items()}
     if len(set(lengths.values())) > 1:

@@ -25,7 +25,7 @@ from graphforge.runtime.devices import resolve_device
 from graphforge.train import resume
 from graphforge.train.config import Config, is_text, shown
 from graphforge.train.data import Conformer, Source, open_source
-from graphforge.train.text.source import text_options
+from graphforge.train.text.source import open_text, text_options
 from graphforge.train.topology import check_tensor_parallel, place, threads_per_process
 from graphforge.train.trainers import Trainer
 from graphforge.train.trainers.base import Topology
@@ -161,19 +161,19 @@ def _open_data(
         text = text_options(data, topology.program, inputs, program_roles.labels)
 
     def source(location, key: str, *, batch_size: int, train: bool) -> Source:
-        return open_source(
-            location,
-            Conformer(inputs, f"{config.where}: {key}", notes.add),
-            names=data.inputs,
-            batch_size=batch_size,
-            shuffle=data.shuffle if train else False,
-            seed=data.seed,
-            drop_last=data.drop_last if train else False,
-            shard=topology.shard if train else topology.eval_shard,
-            pad=train,
-            text=text,
-            key=key,
-        )
+        conformer = Conformer(inputs, f"{config.where}: {key}", notes.add)
+        options = {
+            "names": data.inputs,
+            "batch_size": batch_size,
+            "shuffle": data.shuffle if train else False,
+            "seed": data.seed,
+            "drop_last": data.drop_last if train else False,
+            "shard": topology.shard if train else topology.eval_shard,
+            "pad": train,
+        }
+        if is_text(location):
+            return open_text(location, conformer, text, key=key, **options)
+        return open_source(location, conformer, **options)
 
     train = source(data.train, "data.train", batch_size=data.batch_size, train=True)
     if data.eval is None:

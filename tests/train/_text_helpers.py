@@ -138,8 +138,8 @@ def source(path: Path, tokenizer_folder: Path, *, seq_len: int = 512, notes: lis
 
     from graphforge.program import BatchInput
     from graphforge.train.config import DataConfig
-    from graphforge.train.data import Conformer, open_source
-    from graphforge.train.text.source import TextOptions
+    from graphforge.train.data import Conformer
+    from graphforge.train.text.source import TextOptions, open_text
 
     takes_mask, takes_positions = keys.pop("takes_mask", False), keys.pop("takes_positions", False)
     vocabulary = keys.pop("vocabulary", None)
@@ -155,7 +155,9 @@ def source(path: Path, tokenizer_folder: Path, *, seq_len: int = 512, notes: lis
     names = ("input_ids", "labels", "attention_mask", "position_ids")
     inputs = [BatchInput(name, np.dtype(np.int64), ("batch", "seq"), False) for name in names]
     conformer = Conformer(inputs, "train.toml: data.train", (notes if notes is not None else []).append)
-    return open_source(path, conformer, names={}, batch_size=1, shuffle=False, seed=0, drop_last=False, text=options)
+    return open_text(
+        path, conformer, options, key="data.train", names={}, batch_size=1, shuffle=False, seed=0, drop_last=False
+    )
 
 
 #: the loss pass's default ignore index

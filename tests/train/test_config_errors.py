@@ -22,7 +22,8 @@ CLI_CASES = {
         th.base_config(data={"bach_size": 8}),
         [
             "unknown key data.bach_size (did you mean data.batch_size?)",
-            "valid keys in [data]: train, eval, inputs, batch_size, shuffle, seed, drop_last",
+            "valid keys in [data]: train, eval, inputs, batch_size, shuffle, seed, drop_last, format, tokenizer, "
+            "seq_len, pack, mask_prompt, cache",
         ],
     ),
     "missing model file": (th.base_config(model={"path": "nope.onnx"}), ["model.path: no such file nope.onnx"]),

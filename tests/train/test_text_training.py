@@ -10,6 +10,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+import graphforge.train
+from graphforge.errors import ConfigError
 from graphforge.train.logs import read_jsonl
 
 pytest.importorskip("transformers")
@@ -38,6 +40,13 @@ def test_a_tiny_gpt2_learns_the_fables_and_its_loss_falls(tmp_path):
     again = th.cli("train", cfg, "--steps", 2, "--out", "out-again", cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "tokens of fables.jsonl (32 samples, " in again.stdout and "tokenized by an earlier run" in again.stdout
+
+    # what fixes the rows is saved with the checkpoint: resuming with another seq_len is refused
+    changed = tx.config(tmp_path, "changed.toml", train="fables.jsonl", eval="kitchen.jsonl", batch_size=8, seq_len=16)
+    with pytest.raises(
+        ConfigError, match=r"data\.seq_len is 16 but .*-00000040\.safetensors was written with data\.seq_len = 32"
+    ):
+        graphforge.train.run(changed, steps=42, out=tmp_path / "out", quiet=True)
 
 
 def test_rows_feed_a_models_attention_mask_and_position_ids_as_transformers_takes_them(tmp_path):
