@@ -132,7 +132,7 @@ def bos_tokenizer(folder: Path) -> Path:
 
 def source(path: Path, tokenizer_folder: Path, *, seq_len: int = 512, notes: list | None = None, **keys):
     """``path`` opened as graphforge train opens text data, every array fed to a program that
-    takes input_ids, labels, attention_mask and position_ids (``takes_mask`` /
+    takes input_ids, labels, attention_mask, position_ids and unshifted_labels (``takes_mask`` /
     ``takes_positions`` say which of the last two the default packing considers taken)."""
     import numpy as np
 
@@ -152,7 +152,7 @@ def source(path: Path, tokenizer_folder: Path, *, seq_len: int = 512, notes: lis
         takes_mask=takes_mask,
         takes_positions=takes_positions,
     )
-    names = ("input_ids", "labels", "attention_mask", "position_ids")
+    names = ("input_ids", "labels", "attention_mask", "position_ids", "unshifted_labels")
     inputs = [BatchInput(name, np.dtype(np.int64), ("batch", "seq"), False) for name in names]
     conformer = Conformer(inputs, "train.toml: data.train", (notes if notes is not None else []).append)
     return open_text(
@@ -172,24 +172,25 @@ def all_rows(opened) -> dict:
     return {name: np.asarray(column[np.arange(count)]) for name, column in opened.arrays.items()}
 
 
-def gpt2(path: Path, vocab: int, positions: int = 64) -> Path:
+def gpt2(path: Path, vocab: int, positions: int = 64, classes_first: bool = True) -> Path:
     """The tests' 1-layer GPT-2 (random weights) with a vocabulary of ``vocab``, exported with
-    input_ids [batch, seq] → logits [batch, vocab, seq], the layout loss(kind=cross_entropy) takes."""
+    input_ids [batch, seq] → logits [batch, vocab, seq], the layout loss(kind=cross_entropy)
+    takes (not ``classes_first``: [batch, seq, vocab], transformers' own)."""
     import models
 
-    return models.export_transformer(path, classes_first=True, vocab_size=vocab, n_positions=positions)
+    return models.export_transformer(path, classes_first=classes_first, vocab_size=vocab, n_positions=positions)
 
 
 #: the pipeline the text runs compile
 PIPELINE = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=0.01)"
 
 
-def config(folder: Path, name: str = "train.toml", **data) -> Path:
-    """A train config in ``folder`` for model.onnx on text data (``data`` keys)."""
+def config(folder: Path, name: str = "train.toml", model: str = "model.onnx", **data) -> Path:
+    """A train config in ``folder`` for ``model`` on text data (``data`` keys)."""
     import _train_helpers as th
 
     document = th.base_config(
-        model={"pipeline": PIPELINE},
+        model={"path": model, "pipeline": PIPELINE},
         data={"eval": None, "tokenizer": "tok", "seq_len": 32, "batch_size": 4, **data},
         train={"steps": 6},
     )

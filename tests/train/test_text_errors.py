@@ -1,6 +1,7 @@
 """Bad text data is one error naming the file, the line and what is wrong, before anything is
 written: a line that is not JSON, lacks its field or holds the wrong type; an empty file; ids
-past the model's vocabulary; text keys that do not go together."""
+past the model's vocabulary; logits with the vocabulary last, which the loss would misread;
+text keys that do not go together."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def folder(tmp_path_factory):
     tx.tokenizer(folder / "tok")
     tx.tokenizer(folder / "big", vocab_size=600)
     tx.gpt2(folder / "model.onnx", vocab=400)
+    tx.gpt2(folder / "vocabulary-last.onnx", vocab=400, classes_first=False)
     tx.copy_text(folder, "fables.jsonl")
     (folder / "bad.jsonl").write_text(f"{GOOD}\n{GOOD}\n{{'text': 'single quotes'}}\n")
     (folder / "empty.jsonl").write_text("\n  \n")
@@ -99,6 +101,7 @@ def test_the_command_refuses_bad_data_in_one_line_and_writes_nothing(folder):
         "bad": tx.config(folder, "bad.toml", train="bad.jsonl"),
         "empty": tx.config(folder, "empty.toml", train="empty.jsonl"),
         "vocabulary": tx.config(folder, "vocabulary.toml", train="fables.jsonl", tokenizer="big"),
+        "layout": tx.config(folder, "layout.toml", model="vocabulary-last.onnx", train="fables.jsonl"),
     }
     runs = {key: (["train", cfg, "--out", f"out-{key}"], folder) for key, cfg in cfgs.items()}
     done = th.cli_many(runs, timeout=300)
@@ -106,6 +109,11 @@ def test_the_command_refuses_bad_data_in_one_line_and_writes_nothing(folder):
     one_error(done["empty"], "empty.jsonl holds no samples (it is empty, or only blank lines)")
     line = one_error(done["vocabulary"], "big/tokenizer.json is past the model's vocabulary: its embedding")
     assert "has 400 rows (the data's largest id is 5" in line and "train with the model's own tokenizer" in line, line
+    one_error(
+        done["layout"],
+        "the loss scores 'logits' shaped [batch, seq, 400], the vocabulary last, and loss(kind=cross_entropy) "
+        "takes the classes on axis 1: export the logits as [batch, vocabulary, seq] (logits.transpose(1, 2)",
+    )
     assert not [p for p in folder.iterdir() if p.name.startswith("out-")]
     # the bad and the empty files left no cache; the vocabulary's (a good file, tokenized) is kept
     assert [p.name.split("-")[0] for p in (folder / ".graphforge-cache").iterdir()] == ["fables.jsonl"]

@@ -23,7 +23,8 @@ def lines(path) -> list[dict]:
 
 def check_rows(rows: dict, expected: list[tuple[list[int], list[bool]]]) -> None:
     """Row r holds sample r: its ids, then padding; labels[t] = ids[t + 1] where that token is
-    learned, else the ignore index; the mask 1 on tokens; positions from 0."""
+    learned, else the ignore index (unshifted_labels: the same one place later); the mask 1 on
+    tokens; positions from 0."""
     assert len(rows["input_ids"]) == len(expected)
     for r, (ids, learned) in enumerate(expected):
         n = len(ids)
@@ -33,6 +34,9 @@ def check_rows(rows: dict, expected: list[tuple[list[int], list[bool]]]) -> None
         want = [ids[t + 1] if learned[t + 1] else tx.IGNORE for t in range(n - 1)]
         assert rows["labels"][r, : n - 1].tolist() == want, r
         assert (rows["labels"][r, n - 1 :] == tx.IGNORE).all()
+        # as a transformers model that shifts them itself takes them: one place later
+        assert rows["unshifted_labels"][r, 0] == tx.IGNORE
+        assert rows["unshifted_labels"][r, 1:].tolist() == rows["labels"][r, :-1].tolist()
 
 
 @pytest.mark.parametrize("bos", [False, True], ids=["plain", "with-bos-post-processor"])

@@ -1,6 +1,7 @@
 """What the text source reads of the training program: the rows of the embedding the token ids
 index (ids past it are refused), the ignore index of the loss (the label of a position not
-learned), and a static sequence length (the default of data.seq_len)."""
+learned) and the shape of what it scores, and a static sequence length (the default of
+data.seq_len)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def ignore_index(program: onnx.ModelProto, labels: str | None) -> int | None:
             value = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
             return value
     return IGNORE_INDEX
+
+
+def scored_shape(program: onnx.ModelProto, labels: str | None) -> tuple[str, list] | None:
+    """(name, dims) of the logits the loss on ``labels`` scores (the input of the LogSoftmax
+    before its NegativeLogLikelihoodLoss), where the graph says; a dim is a number or a name."""
+    graph = program.graph
+    made = {out: node for node in graph.node for out in node.output}
+    loss = next(
+        (
+            n
+            for n in graph.node
+            if n.op_type == "NegativeLogLikelihoodLoss" and len(n.input) > 1 and n.input[1] == labels
+        ),
+        None,
+    )
+    softmax = made.get(loss.input[0]) if loss is not None else None
+    if softmax is None or softmax.op_type != "LogSoftmax":
+        return None
+    name = softmax.input[0]
+    for t in [*graph.output, *graph.value_info, *graph.input]:
+        if t.name == name and t.type.tensor_type.HasField("shape"):
+            dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.type.tensor_type.shape.dim]
+            return name, dims
+    return None
 
 
 def sequence_length(spec: BatchInput | None) -> int | None:

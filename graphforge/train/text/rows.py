@@ -16,7 +16,9 @@ The arrays of a batch, built when the batch is taken (a file's rows are never al
 so the loss compares the logits at t with them as they are, no shift), or the loss's ignore
 index at a sample's last token, at a token not learned (the prompt, with data.mask_prompt) and
 at padding: a label never crosses from one sample to the next; ``attention_mask``, 1 on tokens
-and 0 on the padding at a row's end; ``position_ids``, counting from 0 in each piece.
+and 0 on the padding at a row's end; ``position_ids``, counting from 0 in each piece;
+``unshifted_labels``, the labels one place later (the ignore index first), as transformers'
+models take ``labels`` when they shift them inside themselves (``input_ids`` where learned).
 
 A causal model attends to every earlier token of its row: packed samples see the ones before
 them in their row unless the model separates them itself. ``position_ids`` restart per
@@ -33,7 +35,7 @@ import numpy as np
 from graphforge.train.text.cache import TokenCache
 
 #: the arrays a text source offers, each [rows, seq_len] int64
-ARRAYS = ("input_ids", "labels", "attention_mask", "position_ids")
+ARRAYS = ("input_ids", "labels", "attention_mask", "position_ids", "unshifted_labels")
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ class Rows:
                     labels[self.learned[after] == 0] = self.ignore_index
                 out["labels"][j, column : column + len(labels)] = labels
                 column += length
+        out["unshifted_labels"] = np.full(shape, self.ignore_index, np.int64)
+        out["unshifted_labels"][:, 1:] = out["labels"][:, :-1]
         self._last = (wanted.copy(), out)
         return out
 

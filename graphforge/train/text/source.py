@@ -34,6 +34,10 @@ class TextOptions:
     #: whether the program takes an attention_mask / position_ids from the text's arrays
     takes_mask: bool
     takes_positions: bool
+    #: the logits the loss pass scores (name, dims), where the graph says
+    scored: tuple[str, list] | None = None
+    #: whether the labels feed a loss of the model's own (not the loss pass's)
+    own_loss: bool = False
 
 
 def text_options(
@@ -49,6 +53,8 @@ def text_options(
         static_seq_len=program_facts.sequence_length(ids),
         takes_mask="attention_mask" in fed,
         takes_positions="position_ids" in fed,
+        scored=program_facts.scored_shape(program, labels),
+        own_loss=labels is None and "labels" in fed,
     )
 
 
@@ -88,6 +94,7 @@ def open_text(
     fmt = data.format or detect_format(location, where)
     learn_all = _learns_all(data, fmt, where)
     seq_len = _seq_len(data, text, where)
+    _check_loss(text, where, note)
     cache = _tokens(location, fmt, tokenizer, data, where)
     _check_vocabulary(cache, tokenizer, text, where)
     counts = f"{cache.samples:,} samples, {int(cache.starts[-1]):,} tokens"
@@ -111,8 +118,7 @@ def open_text(
     if layout.left_out:
         note(f"{layout.left_out:,} sample(s) of {location.name} have no token to learn within data.seq_len: left out")
     pad_id = tokenizer.pad_id if text.vocabulary is None or tokenizer.pad_id < text.vocabulary[0] else 0
-    ignore = text.ignore_index if text.ignore_index is not None else program_facts.IGNORE_INDEX
-    rows = Rows(cache, layout, seq_len, pad_id=pad_id, ignore_index=ignore, learn_all=learn_all)
+    rows = Rows(cache, layout, seq_len, pad_id=pad_id, ignore_index=text.ignore_index, learn_all=learn_all)
     available = {name: rows.column(name) for name in ARRAYS}
     arrays, casts = mapped_arrays(available, location, conformer, names)
     refuse_too_few(layout.count, batch_size, shard, drop_last, where, what="rows")
@@ -200,6 +206,28 @@ def _tokens(location: Path, fmt: str, tokenizer: TextTokenizer, data: DataConfig
     if cache.samples == 0:
         raise ConfigError(f"{where}: {shown(location)} holds no samples (it is empty, or only blank lines)")
     return cache
+
+
+def _check_loss(text: TextOptions, where: str, note) -> None:
+    """The labels are the next tokens, scored against logits whose classes lie on axis 1."""
+    if text.ignore_index is None:
+        raise ConfigError(
+            f"{where}: the program's loss ignores no label, and text data marks every position not learned "
+            "(prompts, padding, a sample's last token) with one: compile it with loss(kind=cross_entropy, ...)"
+        )
+    if text.scored is not None and text.vocabulary is not None:
+        (name, dims), rows = text.scored, text.vocabulary[0]
+        if len(dims) == 3 and dims[2] == rows and dims[1] != rows:
+            raise ConfigError(
+                f"{where}: the loss scores {name!r} shaped [{', '.join(map(str, dims))}], the vocabulary last, and "
+                "loss(kind=cross_entropy) takes the classes on axis 1: export the logits as [batch, vocabulary, seq] "
+                "(logits.transpose(1, 2) in the module's forward)"
+            )
+    if text.own_loss:
+        note(
+            "the model's own loss reads labels: text data's labels are the next tokens (labels[t] = input_ids[t + 1]); "
+            'a transformers model, which shifts its labels itself, takes data.inputs.labels = "unshifted_labels"'
+        )
 
 
 def _check_vocabulary(cache: token_cache.TokenCache, tokenizer: TextTokenizer, text: TextOptions, where: str) -> None:
