@@ -133,7 +133,8 @@ def bos_tokenizer(folder: Path) -> Path:
 def source(path: Path, tokenizer_folder: Path, *, seq_len: int = 512, notes: list | None = None, **keys):
     """``path`` opened as graphforge train opens text data, every array fed to a program that
     takes input_ids, labels, attention_mask, position_ids and unshifted_labels (``takes_mask`` /
-    ``takes_positions`` say which of the last two the default packing considers taken)."""
+    ``takes_positions``: whether the default packing counts the model as taking an
+    attention_mask / position_ids)."""
     import numpy as np
 
     from graphforge.program import BatchInput

@@ -58,7 +58,7 @@ def test_the_stated_accuracy_agrees_everywhere():
 
 
 def test_the_pages_config_block_is_the_demo_config():
-    block = page_block(TRAINING, "toml", "[model]")
+    block = page_block(TRAINING, "toml", "[model]", "digits/train.npz")
     shown = Config.from_dict(tomllib.loads(block), base=DIGITS)
     shipped = load_config(DIGITS / "train.toml")
     for section in ("model", "data", "train", "schedule", "eval", "checkpoint", "log", "profile", "out"):

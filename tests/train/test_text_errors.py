@@ -6,14 +6,21 @@ text keys that do not go together."""
 from __future__ import annotations
 
 import re
+import sys
 
 import _text_helpers as tx
 import _train_helpers as th
 import pytest
+from _pages import page_block
 from _tracebacks import assert_no_traceback
 
 from graphforge.errors import ConfigError
 from graphforge.train.config import Config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 pytest.importorskip("transformers")
 
@@ -117,3 +124,9 @@ def test_the_command_refuses_bad_data_in_one_line_and_writes_nothing(folder):
     assert not [p for p in folder.iterdir() if p.name.startswith("out-")]
     # the bad and the empty files left no cache; the vocabulary's (a good file, tokenized) is kept
     assert [p.name.split("-")[0] for p in (folder / ".graphforge-cache").iterdir()] == ["fables.jsonl"]
+
+
+def test_the_training_pages_text_config_is_a_valid_config():
+    block = page_block("docs/getting-started/training.md", "toml", "[model]", 'tokenizer = "tokenizer"')
+    config = Config.from_dict(tomllib.loads(block), base="/data")
+    assert config.data.seq_len == 512 and str(config.data.tokenizer) == "/data/tokenizer"
