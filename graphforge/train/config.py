@@ -185,7 +185,8 @@ class DataConfig:
     Hugging Face tokenizer.json, or the folder holding it with its tokenizer_config.json: the
     EOS token and the chat template) into rows of ``seq_len`` tokens (default: the model's
     static sequence length) offered as the arrays input_ids, labels (the next token; the loss's
-    ignore index where nothing is learned), attention_mask and position_ids. ``pack``: several
+    ignore index where nothing is learned), attention_mask, position_ids and unshifted_labels
+    (the labels one place later, for a model that shifts them itself). ``pack``: several
     samples in a row (default: yes, unless the model takes an attention_mask, which cannot keep
     them apart); ``mask_prompt``: learn only the completion, or the assistant's messages
     (default true for completions and chat); ``cache``: where the tokens are kept (default

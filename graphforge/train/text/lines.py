@@ -32,7 +32,6 @@ from graphforge.errors import ConfigError, one_line
 from graphforge.train.config import shown
 from graphforge.train.text.tokenizer import CONFIG, TextTokenizer
 
-FORMATS = ("text", "completions", "chat")
 #: what each format's lines hold, as a message shows it
 SHAPES = {
     "text": '{"text": "..."}',
