@@ -29,6 +29,10 @@ class Loss(Pass):
        ``ignore_index``, ``label_smoothing``), nll (log-probabilities, int64 labels,
        ``ignore_index``), mse, l1 and bce_with_logits (float targets shaped like NAME).
        ``reduction`` is mean or sum.
+    4. ``axis=-1`` (cross_entropy and nll) reads the classes on the last axis, as
+       transformers' causal LMs export their logits (``[batch, seq, vocab]``, labels
+       ``[batch, seq]``); the default, 1, is torch's layout. The scores and labels are then
+       flattened to ``[N, C]`` and ``[N]`` (free reshapes, no transpose of the logits).
     2. ``loss(output=NAME)`` without a kind adopts an existing one-element output as the
        loss, so a custom loss written into the model works.
     3. The model's other outputs stay (``keep_outputs=false`` drops them).
@@ -43,11 +47,14 @@ class Loss(Pass):
     ignore_index: int = -100
     label_smoothing: float = 0.0
     keep_outputs: bool = True
+    axis: Literal[1, -1] = 1
 
     def __post_init__(self):
         check_number(self, "label_smoothing", at_least=0, at_most=1)
         if self.label_smoothing and self.kind != "cross_entropy":
             raise ValueError("label_smoothing applies to kind=cross_entropy only")
+        if self.axis != 1 and self.kind not in ("cross_entropy", "nll"):
+            raise ValueError("axis applies to kind=cross_entropy and kind=nll only")
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph
@@ -107,7 +114,7 @@ class Loss(Pass):
                 raise PassError(
                     f"{self.kind} needs logits shaped [N, C] or [N, C, d...]; {source.name!r} has rank {rank}"
                 )
-            dims = [source.shape[0], *source.shape[2:]]
+            dims = [source.shape[0], *source.shape[2:]] if self.axis == 1 else list(source.shape[:-1])
             dtype = np.int64
         else:
             dims, dtype = list(source.shape), source.dtype
@@ -122,15 +129,30 @@ def _reduce(loss: Loss, b: Builder, t: gs.Tensor) -> gs.Tensor:
     return b.axes_op(op, t, None, keepdims=0)
 
 
+def _classes_on_axis_1(loss: Loss, b: Builder, scores: gs.Tensor, labels: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor]:
+    """``scores`` and ``labels`` as the ONNX losses take them (classes on axis 1): as they are,
+    or, with the classes last (``axis=-1``), flattened to ``[N, C]`` and ``[N]``."""
+    rank = len(scores.shape)
+    if loss.axis == 1 or rank == 2:
+        return scores, labels
+    return b.op("Flatten", scores, axis=rank - 1), b.op("Reshape", labels, b.constant(np.array([-1], np.int64)))
+
+
 def _nll(loss: Loss, b: Builder, logp: gs.Tensor, labels: gs.Tensor) -> gs.Tensor:
+    logp, labels = _classes_on_axis_1(loss, b, logp, labels)
+    return _nll_of(loss, b, logp, labels)
+
+
+def _nll_of(loss: Loss, b: Builder, logp: gs.Tensor, labels: gs.Tensor) -> gs.Tensor:
     return b.op("NegativeLogLikelihoodLoss", logp, labels, reduction=loss.reduction, ignore_index=loss.ignore_index)
 
 
 def _cross_entropy(loss: Loss, b: Builder, logits: gs.Tensor, labels: gs.Tensor) -> gs.Tensor:
-    if len(logits.shape) > 2 and b.opset < 13:
+    if len(logits.shape) > 2 and b.opset < 13 and loss.axis == 1:
         raise PassError("cross_entropy over [N, C, d...] logits needs opset 13+ (LogSoftmax on one axis)")
+    logits, labels = _classes_on_axis_1(loss, b, logits, labels)
     logp = b.op("LogSoftmax", logits, axis=1)
-    nll = _nll(loss, b, logp, labels)
+    nll = _nll_of(loss, b, logp, labels)
     eps = loss.label_smoothing
     if not eps:
         return nll

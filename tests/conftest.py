@@ -37,6 +37,9 @@ LONGEST = {
     "diff/test_diff_cli.py": 20,
     "test_graph_io.py": 18,
     "distributed/test_train_pipeline.py": 16,
+    "train/test_text_distributed.py": 50,
+    "train/test_text_training.py": 45,
+    "distributed/test_train_options.py": 45,
 }
 
 

@@ -154,7 +154,15 @@ def write_planned(planned: ConfigPlan, split: Split, target: Path, note: str) ->
 
 
 def _rebase(document, base: Path, folder: Path) -> None:
-    for section, key in (("model", "path"), ("data", "train"), ("data", "eval"), ("model", "program")):
+    paths = (
+        ("model", "path"),
+        ("data", "train"),
+        ("data", "eval"),
+        ("model", "program"),
+        ("data", "tokenizer"),
+        ("data", "cache"),
+    )
+    for section, key in paths:
         table = document.get(section)
         value = table.get(key) if table is not None else None
         if isinstance(value, str) and not value.startswith("python:") and not Path(value).is_absolute():

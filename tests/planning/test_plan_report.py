@@ -82,3 +82,25 @@ def test_the_note_says_what_was_predicted_and_how_to_run_it():
         "for 1 process: D=1 T=1 S=1, predicted 3.50 ms a step, 512.0 KiB a process\n"
         "run (from the folder graphforge plan ran in): graphforge train plan.toml"
     )
+
+
+def test_a_written_config_elsewhere_keeps_every_path_pointing_at_the_same_file(tmp_path):
+    """The paths a config names (model, data, a text tokenizer and its cache) are relative to its
+    folder: a planned config written to another folder names the same files from there."""
+    import tomlkit
+
+    from graphforge.planning.configs import _rebase
+
+    base, folder = tmp_path / "runs", tmp_path / "planned" / "here"
+    document = tomlkit.parse(
+        '[model]\npath = "m.onnx"\n[data]\ntrain = "t.jsonl"\neval = "python:make"\ntokenizer = "tok"\ncache = "c"\n'
+    )
+    _rebase(document, base, folder)
+    keys = [("model", "path"), ("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data", "cache")]
+    assert {key: str(document[section][key]) for section, key in keys} == {
+        "path": "../../runs/m.onnx",
+        "train": "../../runs/t.jsonl",
+        "eval": "python:make",
+        "tokenizer": "../../runs/tok",
+        "cache": "../../runs/c",
+    }

@@ -186,12 +186,12 @@ def gpt2(path: Path, vocab: int, positions: int = 64, classes_first: bool = True
 PIPELINE = "loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=0.01)"
 
 
-def config(folder: Path, name: str = "train.toml", model: str = "model.onnx", **data) -> Path:
+def config(folder: Path, name: str = "train.toml", model: str = "model.onnx", pipeline: str = PIPELINE, **data) -> Path:
     """A train config in ``folder`` for ``model`` on text data (``data`` keys)."""
     import _train_helpers as th
 
     document = th.base_config(
-        model={"path": model, "pipeline": PIPELINE},
+        model={"path": model, "pipeline": pipeline},
         data={"eval": None, "tokenizer": "tok", "seq_len": 32, "batch_size": 4, **data},
         train={"steps": 6},
     )

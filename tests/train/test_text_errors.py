@@ -119,7 +119,7 @@ def test_the_command_refuses_bad_data_in_one_line_and_writes_nothing(folder):
     one_error(
         done["layout"],
         "the loss scores 'logits' shaped [batch, seq, 400], the vocabulary last, and loss(kind=cross_entropy) "
-        "takes the classes on axis 1: export the logits as [batch, vocabulary, seq] (logits.transpose(1, 2)",
+        "takes the classes on axis 1 unless told: compile it with loss(kind=cross_entropy, output=logits, axis=-1)",
     )
     assert not [p for p in folder.iterdir() if p.name.startswith("out-")]
     # the bad and the empty files left no cache; the vocabulary's (a good file, tokenized) is kept

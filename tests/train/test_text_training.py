@@ -49,6 +49,27 @@ def test_a_tiny_gpt2_learns_the_fables_and_its_loss_falls(tmp_path):
         graphforge.train.run(changed, steps=42, out=tmp_path / "out", quiet=True)
 
 
+def test_transformers_layout_learns_alike_with_the_loss_on_the_last_axis(tmp_path):
+    """The same GPT-2 exported with transformers' [batch, seq, vocab] logits, compiled with
+    loss(axis=-1), takes the same steps as its [batch, vocab, seq] export (same weights, data)."""
+    tx.tokenizer(tmp_path / "tok")
+    tx.gpt2(tmp_path / "first.onnx", vocab=400)
+    tx.gpt2(tmp_path / "last.onnx", vocab=400, classes_first=False)
+    tx.copy_text(tmp_path, "fables.jsonl")
+    last = "loss(kind=cross_entropy, output=logits, axis=-1), autodiff, adamw(lr=0.01)"
+    cfgs = {
+        "first": tx.config(tmp_path, "first.toml", model="first.onnx", train="fables.jsonl", batch_size=8),
+        "last": tx.config(tmp_path, "last.toml", model="last.onnx", pipeline=last, train="fables.jsonl", batch_size=8),
+    }
+    done = th.cli_many({k: (["train", c, "--steps", 12, "--out", f"out-{k}"], tmp_path) for k, c in cfgs.items()})
+    losses = {}
+    for key, proc in done.items():
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses[key] = [r["loss"] for r in read_jsonl(tmp_path / f"out-{key}" / "log.jsonl") if "loss" in r]
+    np.testing.assert_allclose(losses["last"], losses["first"], rtol=1e-4)
+    assert losses["last"][-1] < losses["last"][0] - 0.5, losses["last"]
+
+
 def test_rows_feed_a_models_attention_mask_and_position_ids_as_transformers_takes_them(tmp_path):
     """One sample a row (the default for a model taking a mask): each row's logits, through the
     ONNX export, are torch's for the sample alone. Packed (pack = true), a row's second sample

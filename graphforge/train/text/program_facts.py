@@ -22,14 +22,7 @@ def embedding_rows(program: onnx.ModelProto, ids_input: str) -> tuple[int, str] 
     shapes = {t.name: [d.dim_value if d.HasField("dim_value") else None for d in t.type.tensor_type.shape.dim]
               for t in [*graph.input, *graph.value_info]}  # fmt: skip
     shapes.update({t.name: list(t.dims) for t in graph.initializer})
-    carrying, changed = {ids_input}, True
-    while changed:
-        changed = False
-        for node in graph.node:
-            if node.op_type in _CARRIES_IDS and node.input and node.input[0] in carrying:
-                new = set(node.output) - carrying
-                carrying |= new
-                changed = changed or bool(new)
+    carrying = _carrying(graph, ids_input)
     for node in graph.node:
         if node.op_type == "Gather" and len(node.input) == 2 and node.input[1] in carrying:
             shape = shapes.get(node.input[0])
@@ -38,13 +31,39 @@ def embedding_rows(program: onnx.ModelProto, ids_input: str) -> tuple[int, str] 
     return None
 
 
+def _carrying(graph: onnx.GraphProto, name: str | None) -> set[str]:
+    """``name`` and what only reshapes or casts it (the ids as the embedding reads them, the
+    labels as the loss reads them: flattened where the classes lie last, loss(axis=-1))."""
+    carrying, changed = {name}, True
+    while changed:
+        changed = False
+        for node in graph.node:
+            if node.op_type in _CARRIES_IDS and node.input and node.input[0] in carrying:
+                new = set(node.output) - carrying
+                carrying |= new
+                changed = changed or bool(new)
+    return carrying
+
+
+def _loss_node(graph: onnx.GraphProto, labels: str | None) -> onnx.NodeProto | None:
+    """The loss pass's NegativeLogLikelihoodLoss on ``labels``."""
+    carrying = _carrying(graph, labels)
+    return next(
+        (
+            n
+            for n in graph.node
+            if n.op_type == "NegativeLogLikelihoodLoss" and len(n.input) > 1 and n.input[1] in carrying
+        ),
+        None,
+    )
+
+
 def ignore_index(program: onnx.ModelProto, labels: str | None) -> int | None:
     """The ignore_index of the loss on ``labels`` (the loss pass's NegativeLogLikelihoodLoss);
     None where that loss ignores no label; torch's -100 where the program's loss is another."""
-    for node in program.graph.node:
-        if node.op_type == "NegativeLogLikelihoodLoss" and len(node.input) > 1 and node.input[1] == labels:
-            value = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
-            return value
+    node = _loss_node(program.graph, labels)
+    if node is not None:
+        return next((a.i for a in node.attribute if a.name == "ignore_index"), None)
     return IGNORE_INDEX
 
 
@@ -53,14 +72,7 @@ def scored_shape(program: onnx.ModelProto, labels: str | None) -> tuple[str, lis
     before its NegativeLogLikelihoodLoss), where the graph says; a dim is a number or a name."""
     graph = program.graph
     made = {out: node for node in graph.node for out in node.output}
-    loss = next(
-        (
-            n
-            for n in graph.node
-            if n.op_type == "NegativeLogLikelihoodLoss" and len(n.input) > 1 and n.input[1] == labels
-        ),
-        None,
-    )
+    loss = _loss_node(graph, labels)
     softmax = made.get(loss.input[0]) if loss is not None else None
     if softmax is None or softmax.op_type != "LogSoftmax":
         return None

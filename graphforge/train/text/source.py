@@ -220,8 +220,8 @@ def _check_loss(text: TextOptions, where: str, note) -> None:
         if len(dims) == 3 and dims[2] == rows and dims[1] != rows:
             raise ConfigError(
                 f"{where}: the loss scores {name!r} shaped [{', '.join(map(str, dims))}], the vocabulary last, and "
-                "loss(kind=cross_entropy) takes the classes on axis 1: export the logits as [batch, vocabulary, seq] "
-                "(logits.transpose(1, 2) in the module's forward)"
+                "loss(kind=cross_entropy) takes the classes on axis 1 unless told: compile it with "
+                "loss(kind=cross_entropy, output=logits, axis=-1)"
             )
     if text.own_loss:
         note(
