@@ -128,9 +128,9 @@ class Lora(Pass):
 
     def _check_opset(self, opset: int) -> None:
         if self.dropout > 0 and opset < 12:
-            raise PassError(f"lora: dropout needs opset 12 or later (Dropout's ratio input); the model has {opset}")
+            raise PassError(f"dropout needs opset 12 or later (Dropout's ratio input); the model has {opset}")
         if self.dtype == "bfloat16" and opset < 13:
-            raise PassError(f"lora: dtype=bfloat16 needs opset 13 or later; the model has {opset}")
+            raise PassError(f"dtype=bfloat16 needs opset 13 or later; the model has {opset}")
 
     def _adapt(
         self, b: Builder, module: str, layers: list[LinearLayer], rng: np.random.Generator, after: dict
@@ -218,7 +218,7 @@ def _refuse_adapted(modules: dict[str, list[LinearLayer]], adapters: Sequence[Lo
     for module, layers in modules.items():
         if layers[0].weight.name in done:
             raise PassError(
-                f"lora: module {module!r} has an adapter already ({done[layers[0].weight.name]}.lora_A/B); "
+                f"module {module!r} has an adapter already ({done[layers[0].weight.name]}.lora_A/B); "
                 "exclude it, or compile from the model without adapters"
             )
 
@@ -228,7 +228,7 @@ def _refuse_taken(modules: dict[str, list[LinearLayer]], graph: gs.Graph) -> Non
     for module in modules:
         for name in (f"{module}.lora_A.weight", f"{module}.lora_B.weight"):
             if name in taken:
-                raise PassError(f"lora: cannot add the adapter {name!r}: the model already has a tensor of that name")
+                raise PassError(f"cannot add the adapter {name!r}: the model already has a tensor of that name")
 
 
 def _in_order(graph: gs.Graph, after: dict[int, list[gs.Node]]) -> None:

@@ -176,21 +176,19 @@ def select(
 ) -> list[LinearLayer]:
     """Case 3: the layers ``targets`` choose and ``exclude`` does not, as PEFT matches modules."""
     if not layers:
-        raise PassError("lora: the model has no linear layer (a MatMul or Gemm by a 2-D floating-point initializer)")
+        raise PassError("the model has no linear layer (a MatMul or Gemm by a 2-D floating-point initializer)")
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         heads = {id(layer.node) for layer in layers if is_output_head(layer.node, graph)}
         chosen = [layer for layer in layers if id(layer.node) not in heads]
         if not chosen:
-            raise PassError(
-                "lora: targets=all-linear leaves no layer: the model's only linear layers are its output head"
-            )
+            raise PassError("targets=all-linear leaves no layer: the model's only linear layers are its output head")
     else:
         chosen = _matching(layers, targets, "targets")
     if exclude:
         removed = {id(layer.node) for layer in _matching(layers, exclude, "exclude")}
         chosen = [layer for layer in chosen if id(layer.node) not in removed]
         if not chosen:
-            raise PassError(f"lora: exclude={_shown(exclude)} removes every layer targets={_shown(targets)} chose")
+            raise PassError(f"exclude={_shown(exclude)} removes every layer targets={_shown(targets)} chose")
     return chosen
 
 
@@ -202,7 +200,7 @@ def _matching(layers: Sequence[LinearLayer], patterns: str | Sequence[str], what
         hits = [layer for layer in layers if _matches(patterns, item, layer.keys)]
         if not hits:
             raise PassError(
-                f"lora: {what} pattern {item!r} matches no linear layer; the closest names: {_closest(item, layers)}"
+                f"{what} pattern {item!r} matches no linear layer; the closest names: {_closest(item, layers)}"
             )
         matched.update((id(layer.node), layer) for layer in hits)
     return [layer for layer in layers if id(layer.node) in matched]

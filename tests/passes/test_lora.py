@@ -9,24 +9,30 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 import zlib
+from pathlib import Path
 
+import models
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 import graphforge
 from graphforge import roles
+from graphforge.errors import GraphforgeError
 from graphforge.pass_spec import format_value
 from graphforge.program import ProgramRoles
+from graphforge.train.logs import read_jsonl
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 64
 #: batch and sequence of the comparison's input, not the export example's (2, 8)
 BATCH, SEQ = 3, 7
@@ -130,11 +136,22 @@ def export(module: torch.nn.Module, path, exporter: str):
     return onnx.load(str(path))
 
 
-@pytest.fixture(scope="module", params=EXPORTS, ids=["-".join(e) for e in EXPORTS])
-def exported(request, tmp_path_factory):
-    family, exporter = request.param
-    module = Logits(hf_model(family))
-    return family, exporter, module, export(module, tmp_path_factory.mktemp(family) / "model.onnx", exporter)
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """(family, exporter) -> (the torch module, its export), each made once for the module's tests."""
+    made = {}
+
+    def export_of(family: str, exporter: str):
+        if (family, exporter) not in made:
+            module = Logits(hf_model(family))
+            path = tmp_path_factory.mktemp(f"{family}-{exporter}") / "model.onnx"
+            made[family, exporter] = module, export(module, path, exporter)
+        return made[family, exporter]
+
+    return export_of
+
+
+EACH_EXPORT = pytest.mark.parametrize(("family", "exporter"), EXPORTS, ids=["-".join(e) for e in EXPORTS])
 
 
 def compile_lora(model: onnx.ModelProto, lora: str) -> tuple[onnx.ModelProto, list[str]]:
@@ -160,10 +177,11 @@ def adapted(program: onnx.ModelProto) -> set[str]:
 # --------------------------------------------------------------------------- against PEFT
 
 
-def test_all_linear_chooses_peft_modules(exported):
+@EACH_EXPORT
+def test_all_linear_chooses_peft_modules(exports, family, exporter):
     """all-linear: every Linear and Conv1D but the model's output embeddings, as PEFT chooses
     them on the Hugging Face model itself (the wrapper adds ``inner.``)."""
-    _, _, module, model = exported
+    module, model = exports(family, exporter)
     program, _ = compile_lora(model, "lora(r=2, targets='all-linear')")
     assert adapted(program) == {f"inner.{m}" for m in peft_modules(module.inner, "all-linear")}
 
@@ -181,13 +199,13 @@ CHOICES = {
 
 
 @pytest.mark.parametrize("how", ["list", "regex", "exclude"])
-def test_targets_and_exclude_choose_peft_modules(exported, how):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_targets_and_exclude_choose_peft_modules(exports, family, how):
     """A list matches names ending in an item, a string is a regular expression matched
     whole, exclude removes what it matches: PEFT's modules (its regular expressions here
-    start with ``.*``, so the wrapper's ``inner.`` changes nothing)."""
-    family, exporter, module, model = exported
-    if exporter != "torchscript":
-        pytest.skip("one export a family: the exports' names are checked by all-linear and the gradients")
+    start with ``.*``, so the wrapper's ``inner.`` changes nothing). One export a family: the
+    others' names are checked by all-linear and the gradients."""
+    module, model = exports(family, "torchscript")
     listed, regex, excluded = CHOICES[family]
     targets, exclude = {"list": (listed, None), "regex": (regex, None), "exclude": ("all-linear", excluded)}[how]
     spec = f"lora(r=2, targets={format_value(targets)}" + (f", exclude={format_value(exclude)})" if exclude else ")")
@@ -196,16 +214,23 @@ def test_targets_and_exclude_choose_peft_modules(exported, how):
     assert want and adapted(program) == {f"inner.{m}" for m in want}
 
 
+#: r = 4, alpha = 8 on every export; r = 3, alpha = 5 with rsLoRA's scale on one export a family
+GRADIENT_CASES = [
+    *((f, e, {"r": 4, "alpha": 8.0, "rslora": False}) for f, e in EXPORTS),
+    *((f, "torchscript", {"r": 3, "alpha": 5.0, "rslora": True}) for f in FAMILIES),
+]
+
+
 @pytest.mark.parametrize(
-    "config", [{"r": 4, "alpha": 8.0, "rslora": False}, {"r": 3, "alpha": 5.0, "rslora": True}], ids=["r4", "rslora"]
+    ("family", "exporter", "config"),
+    GRADIENT_CASES,
+    ids=[f"{f}-{e}-{'rslora' if c['rslora'] else 'r4'}" for f, e, c in GRADIENT_CASES],
 )
-def test_loss_and_adapter_gradients_equal_peft(exported, config):
+def test_loss_and_adapter_gradients_equal_peft(exports, family, exporter, config):
     """Every linear layer but the head adapted; A copied from PEFT's initialization, B random
     in both: the loss and every adapter's gradients equal PEFT's within 1e-5 (relative to
     each gradient's largest element), and no frozen weight has a gradient output."""
-    family, exporter, module, model = exported
-    if config["rslora"] and exporter != "torchscript":
-        pytest.skip("rslora is the scale alone: checked on one export per family")
+    module, model = exports(family, exporter)
     spec = f"lora(r={config['r']}, alpha={config['alpha']}, rslora={str(config['rslora']).lower()})"
     program, warned = compile_lora(model, spec)
     assert warned == []  # autodiff refuses nothing new, and warns of nothing
@@ -229,20 +254,22 @@ def test_loss_and_adapter_gradients_equal_peft(exported, config):
     assert all(a.scale == config["alpha"] / (math.sqrt(a.r) if config["rslora"] else a.r) for a in adapters)
 
 
-def test_the_first_loss_is_the_base_models(exported):
+@EACH_EXPORT
+def test_the_first_loss_is_the_base_models(exports, family, exporter):
     """B = 0: the adapted program's loss is the base model's, exactly."""
-    _, _, _, model = exported
+    _, model = exports(family, exporter)
     feeds = {"input_ids": np.arange(BATCH * SEQ).reshape(BATCH, SEQ) % VOCAB, "labels": np.ones((BATCH, SEQ), np.int64)}
-    base = graphforge.compile(model, "loss(kind=cross_entropy, output=logits), autodiff").model
+    base = graphforge.compile(model, "loss(kind=cross_entropy, output=logits)").model
     program, _ = compile_lora(model, "lora(r=4, alpha=16)")
     assert _run(program, feeds)["loss"] == _run(base, feeds)["loss"]
 
 
-def test_the_roles_name_adapters_as_peft_and_record_the_layout(exported):
+@EACH_EXPORT
+def test_the_roles_name_adapters_as_peft_and_record_the_layout(exports, family, exporter):
     """A [r, in] and B [out, r] named ``<module>.lora_A.weight``/``lora_B.weight``, the base
     weight frozen by the lora pass, and its layout: [in, out] (fan_in_fan_out) in a folded
     TorchScript export and for GPT-2's Conv1D, [out, in] through a Transpose elsewhere."""
-    family, exporter, module, model = exported
+    module, model = exports(family, exporter)
     program, _ = compile_lora(model, "lora(r=2, alpha=4)")
     program_roles = ProgramRoles.read(program)
     shapes = {t.name: tuple(t.dims) for t in program.graph.initializer}
@@ -301,3 +328,175 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.n
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, feeds), strict=True))
+
+
+# --------------------------------------------------------------------------- the pass's own cases
+
+
+def _mlp_program(spec: str, **changes) -> onnx.ModelProto:
+    return graphforge.compile(models.tanh_mlp(**changes), spec).model
+
+
+def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def test_dropout_drops_the_adapters_input_alone():
+    """With dropout p, the layer computes x·W + b + scale · ((x ⊙ mask / (1 - p)) · Aᵀ) · Bᵀ with
+    the Dropout's own mask (fetched from the run): the base product reads x undropped."""
+    p, scale = 0.5, 3.0 / 2
+    program = _mlp_program(f"lora(r=2, alpha=3, targets=[w1], dropout={p})")
+    (dropout,) = [n for n in program.graph.node if n.op_type == "Dropout"]
+    assert dropout.input[0] == "x" and dropout.name.startswith(roles.LORA_PREFIX)
+    values = _initializers(program)
+    values["w1.lora_B.weight"] = np.random.default_rng(5).standard_normal((8, 2)).astype(np.float32)
+    dropout.output.append("mask")
+    program.graph.output.extend(
+        [helper.make_tensor_value_info("mask", TensorProto.BOOL, None), helper.make_tensor_value_info("h1", 1, None)]
+    )
+    x = np.random.default_rng(6).standard_normal((64, 4)).astype(np.float32)
+    out = _run(_with_values(program, values), {"x": x})
+    mask = out["mask"]
+    assert 0.3 < mask.mean() < 0.7  # a mask, neither all kept nor all dropped
+    adapter_input = x * mask / (1 - p)
+    delta = scale * (adapter_input @ values["w1.lora_A.weight"].T) @ values["w1.lora_B.weight"].T
+    expected = x @ values["w1"] + delta + values["b1"]
+    np.testing.assert_allclose(out["h1"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_initialization_is_peft_s_and_seeded():
+    """peft: A uniform in ±1/√in (std bound/√3), B zero; gaussian: A normal with std 1/r; the
+    seed decides the draw. On a 256-in layer of rank 16: 4,096 draws."""
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])], "one", [helper.make_tensor_value_info("x", 1, ["N", 256])],
+            [helper.make_tensor_value_info("y", 1, ["N", 32])],
+            [numpy_helper.from_array(np.ones((256, 32), np.float32), "w")],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
+    )  # fmt: skip
+    peft_a = _initializers(graphforge.compile(model, "lora(r=16, targets=[w])").model)
+    bound = 1 / 16  # 1/√256
+    a = peft_a["w.lora_A.weight"]
+    assert a.shape == (16, 256) and np.abs(a).max() <= bound
+    assert abs(a.std() / (bound / np.sqrt(3)) - 1) < 0.05
+    assert not peft_a["w.lora_B.weight"].any() and peft_a["w.lora_B.weight"].shape == (32, 16)
+    gaussian = _initializers(graphforge.compile(model, "lora(r=16, targets=[w], init=gaussian)").model)
+    assert abs(gaussian["w.lora_A.weight"].std() * 16 - 1) < 0.05
+    again = _initializers(graphforge.compile(model, "lora(r=16, targets=[w])").model)["w.lora_A.weight"]
+    other = _initializers(graphforge.compile(model, "lora(r=16, targets=[w], seed=1)").model)["w.lora_A.weight"]
+    assert np.array_equal(again, a) and not np.array_equal(other, a)
+
+
+def test_float16_adapters_compute_in_float16_and_add_in_the_base_type():
+    values_32 = None
+    outputs = {}
+    for dtype in ("float32", "float16"):
+        program = _mlp_program(f"lora(r=2, alpha=4, targets=[w1, w2], dtype={dtype})")
+        types = {t.name: t.data_type for t in program.graph.initializer}
+        expected = TensorProto.FLOAT16 if dtype == "float16" else TensorProto.FLOAT
+        assert types["w1.lora_A.weight"] == types["w2.lora_B.weight"] == expected
+        assert types["w1"] == TensorProto.FLOAT  # the base keeps its type
+        values = _initializers(program)
+        if values_32 is None:
+            rng = np.random.default_rng(7)
+            values["w1.lora_B.weight"] = rng.standard_normal((8, 2)).astype(np.float32)
+            values["w2.lora_B.weight"] = rng.standard_normal((3, 2)).astype(np.float32)
+            values_32 = values
+        else:
+            values = {k: v.astype(np.float16) if k in types and ".lora_" in k else v for k, v in values_32.items()}
+        x = np.random.default_rng(8).standard_normal((5, 4)).astype(np.float32)
+        outputs[dtype] = _run(_with_values(program, values), {"x": x})["y"]
+    assert outputs["float16"].dtype == np.float32
+    np.testing.assert_allclose(outputs["float16"], outputs["float32"], rtol=1e-2, atol=1e-2)
+    assert not np.array_equal(outputs["float16"], outputs["float32"])  # computed in float16 indeed
+
+
+def test_bfloat16_adapters_are_stored_as_bfloat16():
+    """onnxruntime's CPU has no bfloat16 MatMul: the program is checked, not run, here."""
+    program = _mlp_program("lora(r=2, targets=[w1], dtype=bfloat16)")
+    types = {t.name: t.data_type for t in program.graph.initializer}
+    assert types["w1.lora_A.weight"] == types["w1.lora_B.weight"] == TensorProto.BFLOAT16
+    casts = [n for n in program.graph.node if n.op_type == "Cast" and n.name.startswith(roles.LORA_PREFIX)]
+    assert sorted(helper.get_attribute_value(n.attribute[0]) for n in casts) == [
+        TensorProto.FLOAT,
+        TensorProto.BFLOAT16,
+    ]
+    assert ProgramRoles.read(program).lora[0].dtype == "bfloat16"
+
+
+def test_the_roles_and_the_note():
+    result = graphforge.compile(models.tanh_mlp(), "lora(r=2, alpha=3, targets=[w1, w2], rslora=true)")
+    adapters = ProgramRoles.read(result.model).lora
+    assert [(a.module, a.weight, a.r, a.alpha, a.fan_in_fan_out) for a in adapters] == [
+        ("w1", "w1", 2, 3.0, True),
+        ("w2", "w2", 2, 3.0, True),
+    ]
+    assert adapters[0].scale == 3 / math.sqrt(2) and adapters[0].rslora
+    assert result.records[0].note == "2 adapters of rank 2 (46 parameters)"  # 2·(4+8) + 2·(8+3)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("lora(targets=[w3])", "targets pattern 'w3' matches no linear layer; the closest names: w"),
+        (
+            "lora(targets=['q_proj'])",
+            "targets pattern 'q_proj' matches no linear layer; the closest names: w",
+        ),
+        ("lora(targets='w[3-9]')", "targets pattern 'w[3-9]' matches no linear layer"),
+        ("lora(targets=[w1], exclude=[w9])", "exclude pattern 'w9' matches no linear layer"),
+        ("lora(targets=[w1], exclude=[w1])", "exclude=[w1] removes every layer targets=[w1] chose"),
+        ("lora(r=0)", "pass 'lora' parameter 'r': expected a finite number ≥ 1, got 0"),
+        ("lora(r=2.5)", "pass 'lora' parameter 'r': expected int, got '2.5'"),
+        ("lora(alpha=0)", "pass 'lora' parameter 'alpha': expected a finite number > 0, got 0"),
+        ("lora(dropout=1)", "pass 'lora' parameter 'dropout': expected a number in [0, 1), got 1"),
+        ("lora(targets=[])", "pass 'lora' parameter 'targets': name at least one module, or all-linear"),
+        ("lora(targets='(')", "pass 'lora' parameter 'targets': '(' is no regular expression"),
+        ("lora(init=kaiming)", "pass 'lora' parameter 'init'"),
+        ("lora(targets=[w1]), lora(targets=[w1])", "module 'w1' has an adapter already"),
+        (
+            "lora(targets=[w1]), loss(kind=mse, output=y), autodiff, lora",
+            "lora does not work on a model with the gradients",
+        ),
+    ],
+)
+def test_bad_input_is_one_clear_error_and_the_model_is_untouched(spec, message):
+    model = models.tanh_mlp()
+    before = model.SerializeToString()
+    with pytest.raises(GraphforgeError) as info:
+        graphforge.compile(model, spec)
+    assert message in str(info.value)
+    assert model.SerializeToString() == before
+
+
+def test_all_linear_refuses_a_model_whose_only_layer_is_its_head():
+    head = models.parse("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        head (float[N, 4] x) => (float[N, 3] y) <float[4, 3] w = {0,1,2,3,4,5,6,7,8,9,10,11}, float[3] b = {1,2,3}>
+        { p = MatMul (x, w)  y = Add (p, b) }
+    """)  # fmt: skip
+    with pytest.raises(
+        GraphforgeError, match="all-linear leaves no layer: the model's only linear layers are its output head"
+    ):
+        graphforge.compile(head, "lora")
+    assert adapted(graphforge.compile(models.tanh_mlp(), "lora").model) == {"w1"}  # w2 (+ b2) is the head
+
+
+def test_a_lora_program_trains_under_graphforge_train(tmp_path):
+    """The digits demo's config with lora before its loss, for 2 epochs: the loss falls, and
+    only the adapters (and their states) are carried."""
+    import graphforge.train
+
+    demo = REPO / "examples/digits"
+    text = (demo / "train.toml").read_text()
+    text = text.replace('path = "model.onnx"', f'path = "{demo / "model.onnx"}"')
+    text = text.replace('pipeline = "', 'pipeline = "lora(r=8, alpha=16, targets=[fc1, fc2]), ')
+    text = text.replace('"../../data/', f'"{REPO / "data"}/')
+    text = re.sub(r"(?m)^epochs = \d+", "epochs = 2", text)
+    (tmp_path / "train.toml").write_text(text)
+    result = graphforge.train.run(tmp_path / "train.toml", out=tmp_path / "out", quiet=True)
+    losses = [r["loss"] for r in read_jsonl(result.log) if "loss" in r]
+    assert result.step == 90 and losses[-1] < 0.5 * losses[0], losses
+    program_roles = ProgramRoles.read(result.program)
+    assert {c.like or c.input for c in program_roles.carried} == {n for a in program_roles.lora for n in (a.a, a.b)}
