@@ -19,7 +19,7 @@ from graphforge import roles
 from graphforge.builder import Builder
 from graphforge.errors import PassError
 from graphforge.graph import Model
-from graphforge.ir import is_parameter, onnx_dtype
+from graphforge.ir import TORCH_MODULES, is_parameter, onnx_dtype, recorded_json
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.pass_spec import ParameterValueError
 from graphforge.program import FrozenWeight, LoraAdapter, ProgramRoles
@@ -37,11 +37,13 @@ class Lora(Pass):
        ([in, out]) or its 2-D Transpose ([out, in]: torch's Linear exported unfolded), and
        Gemm nodes (transA 0, alpha 1) whose B is one (transB 1: [out, in]; 0: [in, out], GPT-2's
        Conv1D). The adapters' own products are none.
-    2. A layer's module name is its weight's name less ``.weight`` where it ends so (torch's
-       parameter names: both exporters keep them where they do not fold the weight), else the
-       node's TorchScript scope (``/model/layers.0/self_attn/q_proj/MatMul`` is
-       ``model.layers.0.self_attn.q_proj``), else the weight's name. Where one name would
-       stand for two weights, each is named by its weight.
+    2. A layer's module name is the module a dynamo export's node metadata names (recorded at
+       import: its optimizer folds weights into ``val_<n>`` constants), else its weight's name
+       less ``.weight`` where it ends so (torch's parameter names, which both exporters keep
+       where they do not fold the weight), else the node's TorchScript scope as a module path
+       (``/model/layers.0/self_attn/q_proj/MatMul`` is ``model.layers.0.self_attn.q_proj``;
+       passes/lora_layers.py), else the weight's name. Where one name would stand for two
+       weights, each is named by its weight.
     3. ``targets`` choose modules as PEFT's ``target_modules``: a list matches a layer whose
        module name or weight name is an item or ends with "." and an item; a string is a
        regular expression one of them matches whole; ``all-linear`` is every linear layer but
@@ -102,7 +104,7 @@ class Lora(Pass):
     def run(self, model: Model) -> PassResult:
         graph = model.graph
         self._check_opset(graph.opset or 1)
-        layers = linear_layers(graph)
+        layers = linear_layers(graph, recorded_json(model.metadata, TORCH_MODULES, dict, {}))
         chosen = select(layers, self.targets, self.exclude, graph)
         modules = _by_module(chosen)
         existing = ProgramRoles.of_model(model)

@@ -60,9 +60,10 @@ class LinearLayer:
 # --------------------------------------------------------------------------- finding linear layers
 
 
-def linear_layers(graph: gs.Graph) -> list[LinearLayer]:
+def linear_layers(graph: gs.Graph, recorded: Mapping[str, str]) -> list[LinearLayer]:
     """The main graph's linear layers in graph order, each with its module name (the lora
-    pass's cases 1 and 2)."""
+    pass's cases 1 and 2); ``recorded``: a layer's first output -> its module, as a dynamo
+    export's node metadata says (``graphforge.ir.TORCH_MODULES``)."""
     modules = torchscript_modules(graph)
     found = []
     for node in graph.nodes:
@@ -70,7 +71,8 @@ def linear_layers(graph: gs.Graph) -> list[LinearLayer]:
             continue
         weight, fan_in_fan_out = _weight_of(node)
         if weight is not None:
-            found.append(LinearLayer(node, weight, fan_in_fan_out, _module_name(node, weight, modules)))
+            name = recorded.get(node.outputs[0].name) or _module_name(node, weight, modules)
+            found.append(LinearLayer(node, weight, fan_in_fan_out, name))
     return _unambiguous(found)
 
 
@@ -99,7 +101,8 @@ def _is_matrix(t: gs.Tensor) -> bool:
 
 
 def _module_name(node: gs.Node, weight: gs.Constant, modules: Mapping[str, str]) -> str:
-    """From the weight's torch name, else the node's TorchScript scope as a module path, else the weight's name."""
+    """From the weight's torch name, else the node's TorchScript scope as a module path, else
+    the weight's name."""
     if weight.name.endswith(".weight") and len(weight.name) > len(".weight"):
         return weight.name[: -len(".weight")]
     scope = torchscript_scope(node.name)

@@ -70,7 +70,8 @@ class Autodiff(Pass):
        warned about (passes/autodiff/torch_records.py).
     8. The weights left out by ``trainable``/``frozen`` (case 2), by torch (case 2e), or
        frozen before (the lora pass's base weights, unless named in ``trainable`` without a
-       wildcard) are recorded frozen (``graphforge.frozen``, with what froze each): they get
+       wildcard; a weight the dynamo exporter folded into a constant, case 2b, included) are
+       recorded frozen (``graphforge.frozen``, with what froze each): they get
        no gradient, stay initializers, and everything after reads the role.
     Only standard ai.onnx operators are emitted.
     """
@@ -97,7 +98,8 @@ class Autodiff(Pass):
         already = {name: f.by for name, f in ProgramRoles.of_model(model).frozen.items()}
         torch_frozen = torch_records.frozen_parameters(model)
         params, frozen = self._parameters(graph, recorded_torch_kinds(model.metadata), torch_frozen, already)
-        _warn_of_folded_parameters(model.metadata, self.name)
+        if not already:  # else a role said what trains: the folded weights are frozen (the lora pass's base)
+            _warn_of_folded_parameters(model.metadata, self.name)
         torch_records.warn_of_unknown_padding(model, params, self.name)
         extra_inputs = self._inputs(graph)
         wrt = params + extra_inputs
@@ -196,7 +198,11 @@ class Autodiff(Pass):
                     continue
                 generated = t.name.startswith(roles.PASS_CONSTANT_PREFIXES)  # case 2a
                 setting = t.name not in named and _only_a_setting(t)  # case 2d
-                if generated or setting or not _torch_parameter(t.name, torch_kinds):
+                if generated or setting:
+                    continue
+                if not _torch_parameter(t.name, torch_kinds):  # case 2b: frozen still, where frozen before
+                    if t.name in already:
+                        frozen[t.name] = already[t.name]
                     continue
                 by = self._frozen_by(t.name, named, torch_frozen, already)
                 if by is None:

@@ -87,9 +87,10 @@ FAMILIES = {
 }
 #: (family, exporter): TorchScript with torch's default constant folding (a Linear's weight
 #: becomes ``onnx::MatMul_<n>``, [in, out], named by its node's scope), and unfolded for Llama
-#: (``Transpose(weight)``); dynamo (optimize=False) where the repository's tests use it
+#: (``Transpose(weight)``); dynamo (optimize=False) where the repository's tests use it, and with
+#: its optimizer once (weights folded into ``val_<n>`` [in, out], named by the nodes' metadata)
 EXPORTS = [*((f, "torchscript") for f in FAMILIES), ("llama", "torchscript-unfolded"), ("gpt2", "dynamo"),
-           ("llama", "dynamo")]  # fmt: skip
+           ("llama", "dynamo"), ("qwen2", "dynamo-optimized")]  # fmt: skip
 
 
 class Logits(torch.nn.Module):
@@ -123,9 +124,10 @@ def export(module: torch.nn.Module, path, exporter: str):
     example = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if exporter == "dynamo":
+        if exporter.startswith("dynamo"):
             dims = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
-            torch.onnx.export(module, (example,), str(path), dynamo=True, optimize=False, opset_version=18,
+            torch.onnx.export(module, (example,), str(path), dynamo=True, optimize=exporter == "dynamo-optimized",
+                              opset_version=18,
                               input_names=["input_ids"], output_names=["logits"], dynamic_shapes=(dims,),
                               external_data=False, verbose=False)  # fmt: skip
         else:
@@ -281,7 +283,8 @@ def test_the_roles_name_adapters_as_peft_and_record_the_layout(exports, family, 
         assert shapes[a.a] == (2, in_features) and shapes[a.b] == (out_features, 2)
         assert (a.a, a.b) == (f"{a.module}.lora_A.weight", f"{a.module}.lora_B.weight")
         assert program_roles.frozen[a.weight].by == "lora"
-        assert a.fan_in_fan_out == (conv1d or (exporter == "torchscript" and not a.weight.endswith(".weight")))
+        folded = exporter in ("torchscript", "dynamo-optimized") and not a.weight.endswith(".weight")
+        assert a.fan_in_fan_out == (conv1d or folded)
     assert set(program_roles.parameters) == {n for a in program_roles.lora for n in (a.a, a.b)}
 
 
