@@ -72,7 +72,9 @@ class Autodiff(Pass):
        frozen before (the lora pass's base weights, unless named in ``trainable`` without a
        wildcard; a weight the dynamo exporter folded into a constant, case 2b, included) are
        recorded frozen (``graphforge.frozen``, with what froze each): they get
-       no gradient, stay initializers, and everything after reads the role.
+       no gradient and stay initializers (no longer inputs where the model listed them among
+       its inputs too: constants, which onnxruntime may prepack), and everything after reads
+       the role.
     Only standard ai.onnx operators are emitted.
     """
 
@@ -303,6 +305,9 @@ def _record_frozen(model: Model, frozen: dict[str, str]) -> None:
         roles.set_json(model, roles.FROZEN, {name: FrozenWeight(name, by).to_json() for name, by in frozen.items()})
     else:
         model.metadata.pop(roles.FROZEN, None)
+    # an initializer a model lists among its inputs too (torch.onnx.export's keep_initializers_as_inputs)
+    # is an overridable default, bound by the runner, which onnxruntime never prepacks: a constant instead
+    model.initializer_inputs = [n for n in model.initializer_inputs if n not in frozen]
 
 
 def _only_a_setting(t: gs.Tensor) -> bool:

@@ -5,6 +5,7 @@ initializer of the program (the runner's side is tests/runtime/test_frozen_const
 from __future__ import annotations
 
 import models
+import onnx
 import pytest
 
 import graphforge
@@ -82,3 +83,16 @@ def test_allreduce_and_zero_reduce_and_shard_no_frozen_weight(program, reduction
     assert set(role.reduced) == {"w2", "b2"} and set(role.gathered) <= {"w2", "b2"}
     read = [i for n in reduced.graph.node if n.domain == roles.MARKER_DOMAIN for i in n.input]
     assert read and not [i for i in read if "w1" in i or "b1" in i]  # the collectives read w2's and b2's alone
+
+
+def test_a_frozen_weight_the_model_lists_as_an_input_becomes_a_constant():
+    """torch.onnx.export(keep_initializers_as_inputs=True) lists every initializer as an input
+    too (an overridable default, which a runner binds): a frozen one is an input no more."""
+    model = models.tanh_mlp()
+    model.graph.input.extend(
+        onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in model.graph.initializer
+    )
+    program = graphforge.compile(model, f"{LOSS}, autodiff(frozen=[w1, b1]), sgd(lr=0.1)").model
+    inputs = {i.name for i in program.graph.input}
+    assert {"w2", "b2"} <= inputs and not {"w1", "b1"} & inputs
+    assert {"w1", "b1"} <= {t.name for t in program.graph.initializer}
