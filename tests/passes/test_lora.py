@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _pages import page_block
 from onnx import TensorProto, helper, numpy_helper
 
 import graphforge
@@ -33,6 +34,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 REPO = Path(__file__).resolve().parents[2]
+PAGE = "docs/guides/pytorch-export.md"
 VOCAB = 64
 #: batch and sequence of the comparison's input, not the export example's (2, 8)
 BATCH, SEQ = 3, 7
@@ -503,3 +505,19 @@ def test_a_lora_program_trains_under_graphforge_train(tmp_path):
     assert result.step == 90 and losses[-1] < 0.5 * losses[0], losses
     program_roles = ProgramRoles.read(result.program)
     assert {c.like or c.input for c in program_roles.carried} == {n for a in program_roles.lora for n in (a.a, a.b)}
+
+
+def test_the_export_guides_lora_block_runs(tmp_path, monkeypatch, capsys):
+    """docs/guides/pytorch-export.md's LoRA block, as written in a fresh folder: all-linear adapts
+    the two hidden layers (not the head), and they alone train."""
+    block = page_block(PAGE, "python", "lora(r=4, alpha=8)")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(block, PAGE, "exec", dont_inherit=True), namespace)
+    printed = capsys.readouterr().out.strip()
+    assert printed == "('0.lora_A.weight', '0.lora_B.weight', '2.lora_A.weight', '2.lora_B.weight')"
+    assert printed in block  # the page says what it prints
+    frozen = ProgramRoles.read(namespace["program"]).frozen
+    assert set(frozen) == {f"{i}.{kind}" for i in (0, 2, 4) for kind in ("weight", "bias")}
