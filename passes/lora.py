@@ -110,10 +110,11 @@ class Lora(Pass):
         existing = ProgramRoles.of_model(model)
         _refuse_adapted(modules, existing.lora)
         _refuse_taken(modules, graph)
+        made = {n for a in existing.lora for n in (a.a, a.b)}  # an earlier lora pass's adapters still train
         weights = [
-            t
+            t.name
             for t in graph.tensors().values()
-            if is_parameter(t) and not t.name.startswith(roles.PASS_CONSTANT_PREFIXES)
+            if is_parameter(t) and not t.name.startswith(roles.PASS_CONSTANT_PREFIXES) and t.name not in made
         ]
         rng = np.random.default_rng(self.seed)
         builder = Builder(graph, prefix=roles.LORA_PREFIX)
@@ -121,7 +122,7 @@ class Lora(Pass):
         adapters = [self._adapt(builder, module, layers_of, rng, after) for module, layers_of in modules.items()]
         _in_order(graph, after)
         frozen = {name: f.to_json() for name, f in existing.frozen.items()}
-        frozen.update({t.name: FrozenWeight(t.name, "lora").to_json() for t in weights})
+        frozen.update({name: FrozenWeight(name, "lora").to_json() for name in weights if name not in frozen})
         roles.set_json(model, roles.FROZEN, frozen)
         recorded = [a.to_json() for a in existing.lora] + [a.to_json() for a in adapters]
         roles.set_json(model, roles.LORA, {"adapters": recorded})

@@ -441,6 +441,17 @@ def test_the_roles_and_the_note():
     assert result.records[0].note == "2 adapters of rank 2 (46 parameters)"  # 2·(4+8) + 2·(8+3)
 
 
+def test_two_lora_passes_adapt_two_sets_of_modules_at_their_own_ranks():
+    """As PEFT's rank_pattern: each pass's adapters keep their rank and scale, and the second
+    pass freezes the base, not the first pass's adapters."""
+    program = _mlp_program("lora(r=2, alpha=2, targets=[w1]), lora(r=3, alpha=6, targets=[w2]), "
+                           "loss(kind=mse, output=y), autodiff")  # fmt: skip
+    program_roles = ProgramRoles.read(program)
+    assert [(a.module, a.r, a.scale) for a in program_roles.lora] == [("w1", 2, 1.0), ("w2", 3, 2.0)]
+    assert set(program_roles.parameters) == {f"{m}.lora_{x}.weight" for m in ("w1", "w2") for x in "AB"}
+    assert set(program_roles.frozen) == {"w1", "b1", "w2", "b2"}
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -489,14 +500,14 @@ def test_all_linear_refuses_a_model_whose_only_layer_is_its_head():
 
 
 def test_a_lora_program_trains_under_graphforge_train(tmp_path):
-    """The digits demo's config with lora before its loss, for 2 epochs: the loss falls, and
+    """The digits demo's config with lora (dropout 0.1) before its loss, for 2 epochs: the loss falls, and
     only the adapters (and their states) are carried."""
     import graphforge.train
 
     demo = REPO / "examples/digits"
     text = (demo / "train.toml").read_text()
     text = text.replace('path = "model.onnx"', f'path = "{demo / "model.onnx"}"')
-    text = text.replace('pipeline = "', 'pipeline = "lora(r=8, alpha=16, targets=[fc1, fc2]), ')
+    text = text.replace('pipeline = "', 'pipeline = "lora(r=8, alpha=16, targets=[fc1, fc2], dropout=0.1), ')
     text = text.replace('"../../data/', f'"{REPO / "data"}/')
     text = re.sub(r"(?m)^epochs = \d+", "epochs = 2", text)
     (tmp_path / "train.toml").write_text(text)
