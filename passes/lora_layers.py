@@ -9,6 +9,9 @@ q_proj/MatMul``). A scope is the module path where each module is called by its 
 not where a model calls a grandchild directly (OPT's ``self.model.decoder(...)`` is scoped
 ``/decoder/…``, its parameters named ``model.decoder.…``): the named parameters that nodes of
 a scope read (a bias, a norm's weight) map scopes to module paths (``torchscript_modules``).
+The dynamo exporter's optimizer folds weights into ``val_<n>`` constants and names its nodes
+``node_linear_<n>``: the module is in the nodes' metadata, recorded at import
+(``graphforge.ir.TORCH_MODULES``).
 """
 
 from __future__ import annotations

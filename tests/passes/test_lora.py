@@ -20,6 +20,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from _pages import page_block
+from graphforge.passes.lora_layers import module_path, torchscript_scope
 from onnx import TensorProto, helper, numpy_helper
 
 import graphforge
@@ -344,6 +345,19 @@ def _mlp_program(spec: str, **changes) -> onnx.ModelProto:
 
 def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def test_torchscript_scopes_become_module_paths():
+    """A scope is the call path; the named parameters a scope's nodes read map it to the module
+    path, and the longest prefix a known pair rewrites carries over to scopes without one."""
+    assert torchscript_scope("/inner/decoder/layers.0/fc1/Gemm") == "inner.decoder.layers.0.fc1"
+    assert torchscript_scope("/MatMul") is None and torchscript_scope("node_linear_3") is None
+    known = {"inner.decoder.layers.0.fc1": "inner.model.decoder.layers.0.fc1", "inner.head": "inner.head"}
+    assert module_path("inner.decoder.layers.0.fc1", known) == "inner.model.decoder.layers.0.fc1"
+    assert (
+        module_path("inner.decoder.layers.1.self_attn.q_proj", known) == "inner.model.decoder.layers.1.self_attn.q_proj"
+    )
+    assert module_path("inner.lm_head", known) == "inner.lm_head"  # no pair rewrites it
 
 
 def test_dropout_drops_the_adapters_input_alone():
