@@ -21,11 +21,13 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from graphforge.ir import (
     TORCH_FOLDED,
     TORCH_KINDS,
+    TORCH_MODULES,
     TORCH_PADDING_ROWS,
     TORCH_TRAINING_BATCHNORMS,
     all_graphs,
     torch_folded_parameters,
     torch_input_kinds,
+    torch_linear_modules,
     torch_padding_rows,
     torch_training_batchnorms,
 )
@@ -103,6 +105,9 @@ class Model:
             padding = torch_padding_rows(proto)
             if padding:
                 metadata[TORCH_PADDING_ROWS] = json.dumps(padding, sort_keys=True)
+            modules = torch_linear_modules(proto)
+            if modules:
+                metadata[TORCH_MODULES] = json.dumps(modules, sort_keys=True)
         model = cls(
             graph=gs.import_onnx(proto),
             metadata=metadata,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import gc
 import json
@@ -219,6 +220,31 @@ def torch_padding_rows(proto: onnx.ModelProto) -> dict[str, int]:
             args = match.group(1).split(", ") if match else []
             if len(args) > 2 and re.fullmatch(r"\d+", args[2]):
                 found[node.output[0]] = int(args[2])
+    return found
+
+
+#: metadata key: the torch module each linear layer (MatMul, Gemm) of a dynamo export was called
+#: in, JSON object: the node's first output -> the module's path (``model.layers.0.self_attn.q_proj``),
+#: from the node's ``name_scopes`` metadata, which onnx-graphsurgeon drops. The lora pass names a
+#: layer so where the exporter's optimizer folded its weight into a ``val_<n>`` constant.
+TORCH_MODULES = "graphforge.torch_modules"
+_TORCH_SCOPES_PROP = "pkg.torch.onnx.name_scopes"
+
+
+def torch_linear_modules(proto: onnx.ModelProto) -> dict[str, str]:
+    """The main graph's MatMul and Gemm nodes' modules, as their name_scopes metadata says
+    (its last entry is the op's own name, the one before it the module's path)."""
+    found = {}
+    for node in proto.graph.node:
+        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
+            continue
+        for prop in node.metadata_props:
+            if prop.key != _TORCH_SCOPES_PROP:
+                continue
+            with contextlib.suppress(ValueError, SyntaxError):
+                scopes = ast.literal_eval(prop.value)
+                if isinstance(scopes, list) and len(scopes) >= 2 and isinstance(scopes[-2], str) and scopes[-2]:
+                    found[node.output[0]] = scopes[-2]
     return found
 
 

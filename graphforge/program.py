@@ -245,6 +245,67 @@ def joined_slices(members, axis: int, sections=None) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class FrozenWeight:
+    """A weight the program reads and never trains (``graphforge.frozen``): an initializer
+    of the program, not a carried tensor, with no gradient, optimizer state or reduction.
+    ``by``: what froze it: "autodiff" (its ``trainable``/``frozen`` patterns), "torch"
+    (``requires_grad=False``) or "lora" (an adapter's base weight)."""
+
+    name: str
+    by: str
+
+    @classmethod
+    def from_json(cls, name: str, entry: Mapping[str, Any]) -> FrozenWeight:
+        return cls(name, str(entry.get("by", "")))
+
+    def to_json(self) -> dict:
+        return {"by": self.by}
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One low-rank adapter of the lora pass (``graphforge.lora``), named and laid out as
+    PEFT's: ``module``'s output gains ``scale · (dropout(x) · Aᵀ) · Bᵀ``, A (``a``) of shape
+    [r, in] and B (``b``) of [out, r], parameters of type ``dtype``; ``weight`` is the frozen
+    base weight, stored [in, out] where ``fan_in_fan_out`` (a TorchScript export's
+    ``onnx::MatMul_…``, GPT-2's Conv1D) and [out, in] otherwise (torch's Linear); ``scale``
+    is alpha / r, or alpha / √r with ``rslora``."""
+
+    module: str
+    weight: str
+    a: str
+    b: str
+    r: int
+    alpha: float
+    scale: float
+    rslora: bool
+    dropout: float
+    dtype: str
+    fan_in_fan_out: bool
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> LoraAdapter:
+        return cls(
+            str(entry["module"]),
+            str(entry["weight"]),
+            str(entry["A"]),
+            str(entry["B"]),
+            int(entry["r"]),
+            float(entry["alpha"]),
+            float(entry["scale"]),
+            bool(entry.get("rslora", False)),
+            float(entry.get("dropout", 0.0)),
+            str(entry.get("dtype", "float32")),
+            bool(entry.get("fan_in_fan_out", False)),
+        )
+
+    def to_json(self) -> dict:
+        entry = dataclasses.asdict(self)
+        entry["A"], entry["B"] = entry.pop("a"), entry.pop("b")
+        return entry
+
+
+@dataclass(frozen=True)
 class LossScaling:
     """The loss scaling of the mixed_precision pass: "dynamic" or "static", the carried
     scale, growth tracker and skipped-update count (inputs), the output saying whether this
@@ -319,6 +380,10 @@ class ProgramRoles:
     loss_scaling: LossScaling | None
     #: the channel block of onnxruntime's NCHWc kernels the fuse pass laid weights out for, or None
     nchwc_block: int | None
+    #: the weights the program reads and never trains, by name
+    frozen: Mapping[str, FrozenWeight]
+    #: the lora pass's adapters, in the order it made them (none without it)
+    lora: tuple[LoraAdapter, ...]
     #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
     optimizer: str | None
     hyperparameters: Mapping[str, Any]
@@ -426,6 +491,8 @@ class ProgramRoles:
             mixed_precision=mixed_precision,
             loss_scaling=LossScaling.from_json(mixed_precision.get("loss_scale", {})) if mixed_precision else None,
             nchwc_block=json_value(roles.FUSION, {}).get("nchwc_block"),
+            frozen={name: FrozenWeight.from_json(name, e) for name, e in json_value(roles.FROZEN, {}).items()},
+            lora=tuple(LoraAdapter.from_json(e) for e in json_value(roles.LORA, {}).get("adapters", [])),
             optimizer=optimizer.get("kind"),
             hyperparameters=dict(optimizer.get("hyperparameters", {})),
             carried=carried,

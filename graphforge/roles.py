@@ -52,6 +52,15 @@ DEFAULT_LR = "graphforge.default_lr"  # the learning rate the optimizer pass was
 STEP = "graphforge.step"  # name of the step-count input (steps done before this one)
 RESET_GRAD = "graphforge.lazy_reset_grad"  # name of the accumulate-or-overwrite flag input
 EXPORTED_FROM = "graphforge.exported_from"  # JSON: what an inference model was pruned from (passes/prune.py)
+#: JSON object: weight -> {"by": what froze it}: the floating-point initializers a program reads and
+#: never trains ("autodiff": its trainable/frozen patterns; "torch": requires_grad=False; "lora": an
+#: adapter's base weight). Autodiff gives them no gradient, so the optimizer gives them no state and
+#: data parallelism nothing to reduce; a session keeps them as constants (initializers, never bound
+#: inputs), which onnxruntime may prepack
+FROZEN = "graphforge.frozen"
+#: JSON: the lora pass's adapters (passes/lora.py), one per module it adapted: {"adapters": [{"module",
+#: "weight", "A", "B", "r", "alpha", "scale", "rslora", "dropout", "dtype", "fan_in_fan_out"}, ...]}
+LORA = "graphforge.lora"
 
 #: suffix of the output that replaces a carried input after a step: ``P`` -> ``P_next``
 NEXT_SUFFIX = "_next"
@@ -67,6 +76,8 @@ ALLREDUCE_PREFIX = "allreduce::"
 STAGES_PREFIX = "stages::"
 RECOMPUTE_PREFIX = "recompute::"
 ZERO_PREFIX = "zero::"
+#: the lora pass's nodes (the adapters' products): forward nodes, not in GENERATED_PREFIXES
+LORA_PREFIX = "lora::"
 #: the casts of the mixed_precision pass (precision.convert), and its loss scaling (under
 #: ``optim::``): not in GENERATED_PREFIXES, as a cast may produce a forward output
 AMP_PREFIX = "amp::"
@@ -79,6 +90,9 @@ GENERATED_PREFIXES = (
     RECOMPUTE_PREFIX,
     ZERO_PREFIX,
 )
+#: name prefixes of the constants graphforge's passes make, never a parameter: the generated
+#: parts' and the lora pass's (an adapter's scale)
+PASS_CONSTANT_PREFIXES = (*GENERATED_PREFIXES, LORA_PREFIX)
 #: what each generated part computes, as profiles name it (the rest is the forward)
 PROGRAM_PARTS = {
     LOSS_PREFIX: "loss",

@@ -11,6 +11,7 @@ from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
 from graphforge.passes.fusion import Fuse
 from graphforge.passes.identity_elimination import IdentityElimination
+from graphforge.passes.lora import Lora
 from graphforge.passes.loss import Loss
 from graphforge.passes.mixed_precision import MixedPrecision
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
@@ -29,6 +30,7 @@ REGISTRY = PassRegistry(
         AllReduce,
         Autodiff,
         VectorJacobian,
+        Lora,
         Loss,
         SGD,
         Adam,
@@ -65,6 +67,7 @@ __all__ = [
     "Fuse",
     "IdentityElimination",
     "Lamb",
+    "Lora",
     "Loss",
     "MixedPrecision",
     "Prune",

@@ -41,6 +41,9 @@ def print_summary(proto: onnx.ModelProto, name: str, console: Console, *, proces
     params, total = parameters_table(proto.graph, program_roles)
     console.print(params)
     console.print(total)
+    for line in (frozen_line(proto.graph, program_roles), lora_line(program_roles)):
+        if line:
+            console.print(line, highlight=False, markup=False)
     line = roles_line(program_roles.metadata)
     if line:
         console.print(line, highlight=False)
@@ -76,12 +79,41 @@ def parameters_table(graph: onnx.GraphProto, program_roles: ProgramRoles) -> tup
         # by ONNX type, not NumPy's: bfloat16 and float8 are no np.floating, yet are parameters
         if t.data_type not in FLOAT_TYPES or (recorded is not None and t.name not in recorded):
             continue
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
         count = int(np.prod(t.dims, dtype=np.int64))
         total_elems += count
-        total_bytes += count * dtype.itemsize // (2 if t.data_type == onnx.TensorProto.FLOAT4E2M1 else 1)
-        table.add_row(escape(t.name), str(dtype), escape(str(list(t.dims))), f"{count:,}")
+        total_bytes += _bytes(t)
+        table.add_row(escape(t.name), str(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)),
+                      escape(str(list(t.dims))), f"{count:,}")  # fmt: skip
     return table, f"{total_elems:,} parameters, {total_bytes / 2**20:.2f} MiB"
+
+
+def frozen_line(graph: onnx.GraphProto, program_roles: ProgramRoles) -> str | None:
+    """The weights the program records frozen (read, never trained): how many, their size,
+    and what froze them; None where it records none."""
+    frozen = program_roles.frozen
+    if not frozen:
+        return None
+    size = sum(_bytes(t) for t in graph.initializer if t.name in frozen)
+    by = Counter(f.by for f in frozen.values())
+    how = ", ".join(f"{count:,} by {what}" for what, count in sorted(by.items()))
+    return f"frozen: {len(frozen):,} weights, {human_bytes(size)} ({how})"
+
+
+def lora_line(program_roles: ProgramRoles) -> str | None:
+    """The lora pass's adapters: how many, of which ranks and scales; None without any."""
+    adapters = program_roles.lora
+    if not adapters:
+        return None
+    ranks = ", ".join(str(r) for r in sorted({a.r for a in adapters}))
+    scales = ", ".join(f"{s:g}" for s in sorted({a.scale for a in adapters}))
+    return f"lora: {len(adapters)} adapter{'s' * (len(adapters) != 1)} of rank {ranks}, scale {scales}"
+
+
+def _bytes(t: onnx.TensorProto) -> int:
+    """An initializer's size, as its type stores it (float4 two to a byte)."""
+    count = int(np.prod(t.dims, dtype=np.int64))
+    itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return count * itemsize // (2 if t.data_type == onnx.TensorProto.FLOAT4E2M1 else 1)
 
 
 def roles_line(metadata: dict[str, str]) -> str | None:

@@ -21,10 +21,11 @@ trained run's, with its checkpoint): the training and optimizer models are the p
 after its accumulated gradients, each model's carried tensors are plain graph inputs (no
 initializer shares a name with an input: onnxruntime's C API, and so onnxruntime-node and
 onnxruntime-web, would leave such an input out of the session and drop its feed), and their
-values are the checkpoint's. Parameters named ``frozen`` are plain inputs too, read and never
-replaced, with the role ``frozen`` in the manifest and the checkpoint, as onnxruntime-training's
-artifacts hold them: a runtime reads and sets them with the trainable ones where asked
-(``getContiguousParameters(false)``), and a step leaves them as they are.
+values are the checkpoint's. The frozen parameters (the program's frozen role, or those named
+``frozen``) are plain inputs too, read and never replaced, with the role ``frozen`` in the
+manifest and the checkpoint, as onnxruntime-training's artifacts hold them: a runtime reads and
+sets them with the trainable ones where asked (``getContiguousParameters(false)``), and a step
+leaves them as they are.
 """
 
 from __future__ import annotations
@@ -221,13 +222,16 @@ def write_artifacts(
     state: CheckpointState | None = None,
     prefix: str = "",
     outputs: Sequence[str] | None = None,
-    frozen: Sequence[str] = (),
+    frozen: Sequence[str] | None = None,
 ) -> Manifest:
     """Write the artifacts of a training ``program`` into ``folder`` (made if missing), its
     carried tensors ``state``'s (default: the program's own), the training and eval models
     returning the loss and ``outputs`` (default: none; the forward outputs are ``inference.onnx``'s).
-    ``frozen``: initializers of the program that are parameters it does not train (what
-    ``autodiff(frozen=...)`` left out): the models read them as inputs, from the checkpoint."""
+    ``frozen``: initializers of the program that are parameters it does not train: the models
+    read them as inputs, from the checkpoint. Default: the program's frozen weights (its
+    ``graphforge.frozen`` role: what ``autodiff``'s patterns, torch's ``requires_grad=False``
+    or the lora pass froze); ``generate_artifacts`` gives its ``frozen_params`` alone, as
+    onnxruntime-training keeps a parameter it names in neither list a constant of the models."""
     proto = (
         program.to_proto()
         if isinstance(program, Model)
@@ -243,7 +247,7 @@ def write_artifacts(
         )
     state = state if state is not None else CheckpointState.from_program(proto)
     state.check(roles.carried)
-    fixed = _frozen_values(proto, roles, frozen)
+    fixed = _frozen_values(proto, roles, list(roles.frozen) if frozen is None else frozen)
     models = _models(proto, roles, extra, fixed)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

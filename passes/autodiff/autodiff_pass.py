@@ -25,6 +25,7 @@ from graphforge.errors import PassError
 from graphforge.graph import Model
 from graphforge.ir import TORCH_FOLDED, TORCH_TRAINING_BATCHNORMS, gc_paused, is_parameter, recorded_torch_kinds
 from graphforge.pass_infra import Fact, Pass, PassResult
+from graphforge.program import FrozenWeight, ProgramRoles
 from graphforge.shapes import infer_shapes
 
 
@@ -36,7 +37,8 @@ class Autodiff(Pass):
        writes it); it must hold one element, or the pass refuses.
     2. Parameters are the floating-point initializers whose names match a ``trainable``
        glob and no ``frozen`` glob (default: all of them), except
-       a. the constants graphforge's own passes created (the loss pass's smoothing factor);
+       a. the constants graphforge's own passes created (the loss pass's smoothing factor, the
+          lora pass's scales);
        b. in a model torch.onnx's dynamo exporter wrote, the initializers torch.export calls
           buffers or constants (``TORCH_KINDS``, from the exporter's value metadata), and the
           unmarked ones named as that exporter names the constants it lifts (``val_<n>``:
@@ -66,6 +68,13 @@ class Autodiff(Pass):
     7. An embedding lookup whose padding row torch gives no gradient (``nn.Embedding(padding_idx=p)``),
        where the model records it, gives that row none; a PyTorch export that cannot tell is
        warned about (passes/autodiff/torch_records.py).
+    8. The weights left out by ``trainable``/``frozen`` (case 2), by torch (case 2e), or
+       frozen before (the lora pass's base weights, unless named in ``trainable`` without a
+       wildcard; a weight the dynamo exporter folded into a constant, case 2b, included) are
+       recorded frozen (``graphforge.frozen``, with what froze each): they get
+       no gradient and stay initializers (no longer inputs where the model listed them among
+       its inputs too: constants, which onnxruntime may prepack), and everything after reads
+       the role.
     Only standard ai.onnx operators are emitted.
     """
 
@@ -88,8 +97,11 @@ class Autodiff(Pass):
         graph = model.graph
         targets = self._targets(graph)
         what = self._what(targets)
-        params = self._parameters(graph, recorded_torch_kinds(model.metadata), torch_records.frozen_parameters(model))
-        _warn_of_folded_parameters(model.metadata, self.name)
+        already = {name: f.by for name, f in ProgramRoles.of_model(model).frozen.items()}
+        torch_frozen = torch_records.frozen_parameters(model)
+        params, frozen = self._parameters(graph, recorded_torch_kinds(model.metadata), torch_frozen, already)
+        if not already:  # else a role said what trains: the folded weights are frozen (the lora pass's base)
+            _warn_of_folded_parameters(model.metadata, self.name)
         torch_records.warn_of_unknown_padding(model, params, self.name)
         extra_inputs = self._inputs(graph)
         wrt = params + extra_inputs
@@ -142,6 +154,7 @@ class Autodiff(Pass):
         graph.cleanup()
 
         roles.set_json(model, roles.PARAMETERS, [t.name for t in params])
+        _record_frozen(model, frozen)
         roles.set_json(model, roles.GRADIENTS, gradient_names)
         self._record(model, targets)
         return PassResult(model, True)
@@ -174,24 +187,42 @@ class Autodiff(Pass):
             raise PassError(f"the loss {loss.name!r} must be a scalar (one element), but its shape is {shape}")
         return loss
 
-    def _parameters(self, graph: gs.Graph, torch_kinds: dict[str, str], frozen: set[str]) -> list[gs.Tensor]:
+    def _parameters(
+        self, graph: gs.Graph, torch_kinds: dict[str, str], torch_frozen: set[str], already: dict[str, str]
+    ) -> tuple[list[gs.Tensor], dict[str, str]]:
+        """The parameters to differentiate, and the weights left frozen (case 8): name -> by what."""
         seen: dict[str, gs.Tensor] = {}
+        frozen: dict[str, str] = {}
         named = self._named()
-        left_frozen: dict[str, None] = {}
         for node in graph.nodes:
             for t in node_inputs(node):  # what If/Loop/Scan bodies read counts too
-                if t.name in seen or not is_parameter(t) or not self._is_trainable(t.name):
+                if t.name in seen or t.name in frozen or not is_parameter(t):
                     continue
-                generated = t.name.startswith(roles.GENERATED_PREFIXES)  # case 2a
+                generated = t.name.startswith(roles.PASS_CONSTANT_PREFIXES)  # case 2a
                 setting = t.name not in named and _only_a_setting(t)  # case 2d
-                if generated or setting or not _torch_parameter(t.name, torch_kinds):
+                if generated or setting:
                     continue
-                if t.name in frozen and t.name not in named:  # case 2e
-                    left_frozen[t.name] = None
-                else:
+                if not _torch_parameter(t.name, torch_kinds):  # case 2b: frozen still, where frozen before
+                    if t.name in already:
+                        frozen[t.name] = already[t.name]
+                    continue
+                by = self._frozen_by(t.name, named, torch_frozen, already)
+                if by is None:
                     seen[t.name] = t
-        torch_records.warn_of_frozen(list(left_frozen), self.name)
-        return list(seen.values())
+                else:
+                    frozen[t.name] = by
+        torch_records.warn_of_frozen([n for n, by in frozen.items() if by == "torch"], self.name)  # case 2e
+        return list(seen.values()), frozen
+
+    def _frozen_by(self, name: str, named: set[str], torch_frozen: set[str], already: dict[str, str]) -> str | None:
+        """What keeps the weight ``name`` from training (case 8), or None: it trains."""
+        if not self._is_trainable(name):
+            return already.get(name, "autodiff")
+        if name in named:  # named without a wildcard: it trains, whatever froze it before
+            return None
+        if name in already:
+            return already[name]
+        return "torch" if name in torch_frozen else None
 
     def _named(self) -> set[str]:
         """The names ``trainable`` gives without a wildcard."""
@@ -265,6 +296,18 @@ class VectorJacobian(Autodiff):
 
 #: how torch.onnx's dynamo exporter (onnxscript) names the values it creates: lifted and folded constants
 _EXPORTER_CONSTANT = re.compile(r"_?val_\d+")
+
+
+def _record_frozen(model: Model, frozen: dict[str, str]) -> None:
+    """Case 8: the frozen role holds exactly the weights left frozen (none: no key, so a
+    program without frozen weights is as it was)."""
+    if frozen:
+        roles.set_json(model, roles.FROZEN, {name: FrozenWeight(name, by).to_json() for name, by in frozen.items()})
+    else:
+        model.metadata.pop(roles.FROZEN, None)
+    # an initializer a model lists among its inputs too (torch.onnx.export's keep_initializers_as_inputs)
+    # is an overridable default, bound by the runner, which onnxruntime never prepacks: a constant instead
+    model.initializer_inputs = [n for n in model.initializer_inputs if n not in frozen]
 
 
 def _only_a_setting(t: gs.Tensor) -> bool:

@@ -11,7 +11,7 @@ from onnx import helper
 from rich.console import Console
 
 from graphforge.errors import GraphforgeError
-from graphforge.inspection.summary import ROLE_WIDTH, roles_line, shards_table, stages_table
+from graphforge.inspection.summary import ROLE_WIDTH, frozen_line, lora_line, roles_line, shards_table, stages_table
 from graphforge.program import ProgramRoles, StagesRole
 
 
@@ -72,3 +72,21 @@ def test_shards_need_a_program_compiled_with_the_zero_pass():
         GraphforgeError, match=r"^plain\.onnx: --processes needs a program compiled with the zero pass$"
     ):
         shards_table(roles, 2, "plain.onnx")
+
+
+def test_the_frozen_and_lora_lines_count_what_the_roles_record():
+    """tanh_mlp's w1 [4, 8] and b1 [8] frozen: 40 float32s, 160 B; then lora on w2 (rank 2,
+    alpha 3: scale 1.5) freezes the rest too."""
+    import models
+
+    import graphforge
+
+    program = graphforge.compile(models.tanh_mlp(), "loss(kind=mse, output=y), autodiff(frozen=[w1, b1])").model
+    assert frozen_line(program.graph, ProgramRoles.read(program)) == "frozen: 2 weights, 160 B (2 by autodiff)"
+    assert lora_line(ProgramRoles.read(program)) is None
+    lora = graphforge.compile(models.tanh_mlp(), "lora(r=2, alpha=3, targets=[w2]), loss(kind=mse, output=y), autodiff")
+    program_roles = ProgramRoles.read(lora.model)
+    assert frozen_line(lora.model.graph, program_roles) == "frozen: 4 weights, 268 B (4 by lora)"  # 67 float32s
+    assert lora_line(program_roles) == "lora: 1 adapter of rank 2, scale 1.5"
+    plain = graphforge.compile(models.tanh_mlp(), "loss(kind=mse, output=y), autodiff").model
+    assert frozen_line(plain.graph, ProgramRoles.read(plain)) is None

@@ -227,6 +227,39 @@ def test_frozen_parameters_are_inputs_read_from_the_checkpoint(tmp_path):
         write_artifacts(graphforge.compile(DIGITS, PIPELINE).model, tmp_path / "x", frozen=["fc1.bias"])
 
 
+@pytest.mark.parametrize(
+    ("pipeline", "frozen"),
+    [
+        (PIPELINE.replace("autodiff", "autodiff(frozen=[fc1.weight])"), ["fc1.weight"]),
+        ("lora(r=2, targets=[fc1]), " + PIPELINE, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]),
+    ],
+    ids=["autodiff", "lora"],
+)
+def test_write_artifacts_reads_the_programs_frozen_role(tmp_path, pipeline, frozen):
+    """Without ``frozen=``, the program's frozen weights are the artifacts' frozen state, in the
+    program's order, with the forward model's values; the trained ones are its parameters."""
+    program = graphforge.compile(DIGITS, pipeline).model
+    manifest = write_artifacts(program, tmp_path)
+    assert [s.name for s in manifest.state if s.role == "frozen"] == frozen
+    assert not {s.name for s in manifest.state if s.role == "parameter"} & set(frozen)
+    state = graphforge.CheckpointState.load(tmp_path / "checkpoint")
+    forward = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(DIGITS).graph.initializer}
+    assert all(np.array_equal(state.tensors[name], forward[name]) for name in frozen)
+
+
+def test_generate_artifacts_keeps_a_parameter_named_in_neither_list_a_constant(tmp_path):
+    """requires_grad alone, as onnxruntime-training reads it: what it leaves out stays a constant
+    of the models (the program records it frozen, the artifacts hold it as the models' own)."""
+    artifacts.generate_artifacts(
+        onnx.load(DIGITS), requires_grad=["fc2.weight", "fc2.bias"], loss=artifacts.LossType.CrossEntropyLoss,
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    manifest = Manifest.read(tmp_path)
+    assert [s.name for s in manifest.state if s.role in ("parameter", "frozen")] == ["fc2.weight", "fc2.bias"]
+    training = onnx.load(tmp_path / manifest.models["training"].file)
+    assert {"fc1.weight", "fc1.bias"} <= {t.name for t in training.graph.initializer}
+
+
 def test_what_cannot_be_written_is_one_clear_error(tmp_path):
     dp = graphforge.compile(DIGITS, f"{PIPELINE}, allreduce").model
     with pytest.raises(

@@ -14,6 +14,7 @@ import pytest
 
 import graphforge
 from graphforge import roles
+from graphforge.program import ProgramRoles
 
 torch = pytest.importorskip("torch")
 
@@ -161,12 +162,14 @@ def test_parameters_torch_does_not_train_stay_frozen_unless_named(tmp_path):
     module.positions.weight.requires_grad_(False)  # a fixed (sinusoidal, say) position table
     exported = export_for_training(module, _ids(), input_names=["ids"], output_names=["logits"])
     pipeline = "loss(kind=cross_entropy, output=logits), autodiff{}"
-    _, gradients, messages = _compiled(exported, pipeline.format(""))
+    program, gradients, messages = _compiled(exported, pipeline.format(""))
     assert sorted(gradients) == ["head.weight", "tokens.weight"]
+    assert {n: f.by for n, f in ProgramRoles.read(program).frozen.items()} == {"positions.weight": "torch"}
     assert (
         "autodiff: 1 parameter(s) torch does not train (requires_grad=False) stay frozen: positions.weight; "
         "name them in trainable=[...] to train them"
     ) in messages
-    _, gradients, messages = _compiled(exported, pipeline.format('(trainable=["*", "positions.weight"])'))
+    program, gradients, messages = _compiled(exported, pipeline.format('(trainable=["*", "positions.weight"])'))
     assert sorted(gradients) == ["head.weight", "positions.weight", "tokens.weight"]
+    assert ProgramRoles.read(program).frozen == {}
     assert not [m for m in messages if "frozen" in m]
