@@ -59,7 +59,8 @@ EXPORTED_FROM = "graphforge.exported_from"  # JSON: what an inference model was 
 #: inputs), which onnxruntime may prepack
 FROZEN = "graphforge.frozen"
 #: JSON: the lora pass's adapters (passes/lora.py), one per module it adapted: {"adapters": [{"module",
-#: "weight", "A", "B", "r", "alpha", "scale", "rslora", "dropout", "dtype", "fan_in_fan_out"}, ...]}
+#: "weight", "A", "B", "r", "alpha", "scale", "rslora", "dropout", "dtype", "fan_in_fan_out"}, ...],
+#: "base": {weight: the CRC-32 of its values as the pass froze it}}: the base, by reference
 LORA = "graphforge.lora"
 
 #: suffix of the output that replaces a carried input after a step: ``P`` -> ``P_next``
