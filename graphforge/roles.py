@@ -31,7 +31,8 @@ STAGES = "graphforge.stages"
 #: the key older programs recorded STAGES under (read, never written)
 STAGES_BEFORE = "graphforge.pipeline"
 #: JSON: the layers a group of processes splits (passes/tensor_parallel.py): {"size": T, "blocks":
-#: [{"column": [...], "row": [...], "copy": tensor, "reduce": tensor}], "split": {parameter: axis}}
+#: [{"column": [...], "row": [...], "copy": tensor, "reduce": tensor, "reduce_adapter": a row adapter's x·Aᵀ
+#: summed (its own g)}], "split": {parameter: axis}}
 TENSOR_PARALLEL = "graphforge.tensor_parallel"
 #: JSON: what the recompute pass did (budget, level, nodes recomputed, saved bytes before/after);
 #: a runtime keeps onnxruntime from merging the recomputed copies back into the forward

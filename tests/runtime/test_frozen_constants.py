@@ -117,3 +117,22 @@ def test_a_checkpoint_of_another_base_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=refused):
         export(tmp_path / "other.onnx", tmp_path / "inference.onnx", checkpoint=path)
     assert not (tmp_path / "inference.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "tolerance"), [("recompute(budget=0)", 0.0), ("mixed_precision(dtype=float16)", 1e-3)]
+)
+def test_recompute_and_mixed_precision_train_a_lora_program_as_it_trains(extra, tolerance):
+    """After the lora pass's forward nodes (``lora::``), recompute recomputes what it saved
+    (the same numbers, bit for bit) and mixed_precision computes in float16 (its rounding):
+    three steps' losses and adapters against the program without them."""
+    plain, module, batches = _trained("lora")
+    program = graphforge.compile(onnx.load(DIGITS), f"{PIPELINES['lora']}, {extra}").model
+    assert extra.split("(")[0] in {r.split(".")[-1] for r in ProgramRoles.read(program).metadata}
+    other = Module(program, device="cpu")
+    losses = [float(other.train_step(**batch)) for batch in batches]
+    again = Module(plain, device="cpu")
+    expected = [float(again.train_step(**batch)) for batch in batches]
+    np.testing.assert_allclose(losses, expected, rtol=tolerance, atol=0)
+    for name, value in module.parameters.items():
+        np.testing.assert_allclose(other.parameters[name], value, rtol=0, atol=10 * tolerance, err_msg=name)
