@@ -384,6 +384,10 @@ class ProgramRoles:
     frozen: Mapping[str, FrozenWeight]
     #: the lora pass's adapters, in the order it made them (none without it)
     lora: tuple[LoraAdapter, ...]
+    #: the base the lora pass froze, by reference: weight -> the CRC-32 of its values as the
+    #: pass found them ({} without it); a checkpoint of the program records it, so that one
+    #: trained on another base is refused
+    lora_base: Mapping[str, int]
     #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
     optimizer: str | None
     hyperparameters: Mapping[str, Any]
@@ -493,6 +497,7 @@ class ProgramRoles:
             nchwc_block=json_value(roles.FUSION, {}).get("nchwc_block"),
             frozen={name: FrozenWeight.from_json(name, e) for name, e in json_value(roles.FROZEN, {}).items()},
             lora=tuple(LoraAdapter.from_json(e) for e in json_value(roles.LORA, {}).get("adapters", [])),
+            lora_base={str(k): int(v) for k, v in json_value(roles.LORA, {}).get("base", {}).items()},
             optimizer=optimizer.get("kind"),
             hyperparameters=dict(optimizer.get("hyperparameters", {})),
             carried=carried,

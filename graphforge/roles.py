@@ -31,7 +31,8 @@ STAGES = "graphforge.stages"
 #: the key older programs recorded STAGES under (read, never written)
 STAGES_BEFORE = "graphforge.pipeline"
 #: JSON: the layers a group of processes splits (passes/tensor_parallel.py): {"size": T, "blocks":
-#: [{"column": [...], "row": [...], "copy": tensor, "reduce": tensor}], "split": {parameter: axis}}
+#: [{"column": [...], "row": [...], "copy": tensor, "reduce": tensor, "reduce_adapter": a row adapter's x·Aᵀ
+#: summed (its own g)}], "split": {parameter: axis}}
 TENSOR_PARALLEL = "graphforge.tensor_parallel"
 #: JSON: what the recompute pass did (budget, level, nodes recomputed, saved bytes before/after);
 #: a runtime keeps onnxruntime from merging the recomputed copies back into the forward
@@ -59,7 +60,8 @@ EXPORTED_FROM = "graphforge.exported_from"  # JSON: what an inference model was 
 #: inputs), which onnxruntime may prepack
 FROZEN = "graphforge.frozen"
 #: JSON: the lora pass's adapters (passes/lora.py), one per module it adapted: {"adapters": [{"module",
-#: "weight", "A", "B", "r", "alpha", "scale", "rslora", "dropout", "dtype", "fan_in_fan_out"}, ...]}
+#: "weight", "A", "B", "r", "alpha", "scale", "rslora", "dropout", "dtype", "fan_in_fan_out"}, ...],
+#: "base": {weight: the CRC-32 of its values as the pass froze it}}: the base, by reference
 LORA = "graphforge.lora"
 
 #: suffix of the output that replaces a carried input after a step: ``P`` -> ``P_next``

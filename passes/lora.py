@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -23,7 +24,7 @@ from graphforge.ir import TORCH_MODULES, is_parameter, onnx_dtype, recorded_json
 from graphforge.pass_infra import Fact, Pass, PassResult, check_number
 from graphforge.pass_spec import ParameterValueError
 from graphforge.program import FrozenWeight, LoraAdapter, ProgramRoles
-from graphforge.stand_ins import store_values
+from graphforge.stand_ins import is_left_out, lazy_tensor, store_values
 
 _TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 
@@ -66,7 +67,9 @@ class Lora(Pass):
        as PEFT trains nothing but the adapters; autodiff keeps of the role the weights it
        would have trained, and trains a weight named in its ``trainable`` without a
        wildcard); ``graphforge.lora`` records each adapter: module, base weight, A, B, r,
-       alpha, scale, dropout, dtype and the base weight's layout.
+       alpha, scale, dropout, dtype and the base weight's layout; and the base by reference:
+       each of those weights' CRC-32 (of its values' bytes, as a checkpoint's), which a
+       checkpoint of the program keeps, so that one trained on another base is refused.
     Nodes are named ``lora::<module>/…``; the model's inputs, outputs and tensors keep their
     names. A bad value (r ≤ 0, a dropout of 1) is refused by name, a module adapted already
     too, and the model is left as it was.
@@ -125,7 +128,8 @@ class Lora(Pass):
         frozen.update({name: FrozenWeight(name, "lora").to_json() for name in weights if name not in frozen})
         roles.set_json(model, roles.FROZEN, frozen)
         recorded = [a.to_json() for a in existing.lora] + [a.to_json() for a in adapters]
-        roles.set_json(model, roles.LORA, {"adapters": recorded})
+        base = {**existing.lora_base, **_checksums(graph, [n for n in weights if n not in existing.lora_base])}
+        roles.set_json(model, roles.LORA, {"adapters": recorded, "base": base})
         note = f"{len(adapters)} adapters of rank {self.r} ({sum(_size(a, modules) for a in adapters):,} parameters)"
         return PassResult(model, True, note)
 
@@ -253,6 +257,21 @@ def _parameter(name: str, values: np.ndarray, dtype: str) -> gs.Constant:
     constant = gs.Constant(name, np.zeros(tensor.dims, np.float32))
     store_values(constant, tensor)
     return constant
+
+
+def _checksums(graph: gs.Graph, names: Sequence[str]) -> dict[str, int]:
+    """Case 6: the CRC-32 of each weight's values (their bytes in C order, as a checkpoint
+    checks its tensors'); a weight compiled without its values (the planner's) has none."""
+    tensors = graph.tensors()
+    sums = {}
+    for name in names:
+        constant = tensors[name]
+        if is_left_out(constant):
+            continue
+        lazy = lazy_tensor(constant)
+        values = numpy_helper.to_array(lazy) if lazy is not None else np.asarray(constant.values)
+        sums[name] = zlib.crc32(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+    return sums
 
 
 def _size(adapter: LoraAdapter, modules: dict[str, list[LinearLayer]]) -> int:

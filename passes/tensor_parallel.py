@@ -95,6 +95,14 @@ class TensorParallel(Pass):
        split once, along the vocabulary, for both. A vocabulary the group does not divide
        (GPT-2's 50257) is split unevenly, the first members one row more (``member_range``).
 
+    6. Low-rank adapters (the lora pass's ``lora::`` nodes) follow their base weight, and are
+       never blocks of their own: a column projection's B ([out, r]) is split along its
+       output rows as the weight, its input x·Aᵀ going through f (A stays whole, its gradient
+       summed there, the same on every member); a row projection's A ([r, in]) is split along
+       its input columns as the weight, its partial x·Aᵀ summed by a g of its own (r wide),
+       B staying whole (its input, and so its gradient, the same on every member). A
+       Dropout on a row adapter's input draws the member's own masks (case 4).
+
     It runs on the forward program, after the loss pass (to split its cross-entropy) and
     before ``autodiff`` (``with_tensor_parallel`` places it so in a pipeline).
     """
@@ -198,12 +206,15 @@ def _split_blocks(
                 if first.bias is not None:
                     sections[first.bias.name] = cut
         split[block.second.weight.name] = block.second.axis_in
+        row = [block.second.weight.name]
         copied = _copy_inputs(graph, [p.node for p in block.firsts], index)
         reduced = _reduce_output(graph, block.second, index)
-        recorded.append(
-            {"column": column, "row": [block.second.weight.name], "copy": copied, "reduce": reduced,
-             "kind": block.kind}
-        )  # fmt: skip
+        entry = {"column": column, "row": row, "copy": copied, "reduce": reduced, "kind": block.kind}
+        if block.adapter is not None:  # case 6: the row projection's adapter, A along its input
+            split[block.adapter.weight.name] = block.adapter.axis_in
+            row.append(block.adapter.weight.name)
+            entry["reduce_adapter"] = _reduce_output(graph, block.adapter, index)
+        recorded.append(entry)
     return split, sections, recorded
 
 
@@ -251,7 +262,8 @@ def _member_program(model: Model, role: TensorParallelRole, blocks, heads, embed
         for edit in axes.edits:
             edit(graph, role.size, role.rank)
     graph.toposort()
-    _keep_slices(model, role, {id(b.second.node) for b in blocks} | kept_shapes(heads, embeddings))
+    ends = {id(p.node) for b in blocks for p in (b.second, b.adapter) if p is not None}
+    _keep_slices(model, role, ends | kept_shapes(heads, embeddings))
     _own_dropout_streams(blocks, role.rank)
     _check_member_shapes(model, blocks, heads, shapes, role.size, role.rank)
 
@@ -297,6 +309,8 @@ class _Block:
     between: tuple[gs.Node, ...]
     second: Projection
     axes: Axes | None
+    #: the row projection's low-rank adapter: its product x·Aᵀ (case 6), or None
+    adapter: Projection | None = None
 
     @property
     def kind(self) -> str:
@@ -326,8 +340,8 @@ def _blocks(graph: gs.Graph, skip: set[str], shapes, size: int):
     found, left, used, indivisible = [], [], set(), []
     for node in graph.nodes:
         second = projection(node)
-        if second is None or node.name in skip or id(node) in used:
-            continue
+        if second is None or node.name in skip or id(node) in used or node.name.startswith(roles.LORA_PREFIX):
+            continue  # (an adapter's products follow their base weight's split: case 6)
         try:
             block = _block_before(second, skip, used, graph, shapes, size)
         except NotDivisible as exc:
@@ -379,16 +393,19 @@ def _block_before(second: Projection, skip: set[str], used: set[int], graph, sha
             region.update(t.name for t in node.outputs if not t.is_empty())
     if second.node.inputs[0].name not in region:
         return None
-    inside = {id(n) for n in between} | {id(second.node)}
+    adapter, reading = _row_adapter(second)
+    between += reading
+    inside = {id(n) for n in between} | {id(second.node)} | ({id(adapter.node)} if adapter else set())
     for tensor in [*(t for n in between for t in n.outputs), *(f.end.outputs[0] for f in firsts.values())]:
         if tensor.is_empty():
             continue
         outside = [r for r in tensor.outputs if id(r) not in inside and not _shape_only(tensor, r)]
         if outside or any(tensor is o for o in graph.outputs):
             return None  # read outside the block: each member would hand on its slice only
-    block = _Block(tuple(firsts.values()), tuple(between), second, None)
+    block = _Block(tuple(firsts.values()), tuple(between), second, None, adapter)
     try:
-        axes = _axes(list(firsts.values()), between, second, graph, shapes, size, region)
+        axes = _axes(list(firsts.values()), between, [second, *([adapter] if adapter else [])], graph, shapes, size,
+                     region)  # fmt: skip
     except Unsplittable:
         if block.kind == "attention":
             raise
@@ -398,9 +415,31 @@ def _block_before(second: Projection, skip: set[str], used: set[int], graph, sha
     return dataclasses.replace(block, axes=axes)
 
 
-def _axes(firsts, between, second, graph, shapes, size, region) -> Axes:
+def _row_adapter(second: Projection) -> tuple[Projection | None, list[gs.Node]]:
+    """The low-rank adapter of the row projection ``second`` (case 6): the projection x·Aᵀ of
+    the lora nodes reading its input x, and the nodes between (a Cast, a Dropout); none
+    where no lora node reads x."""
+    x = second.node.inputs[0]
+    readers = [n for n in x.outputs if n is not second.node and not _shape_only(x, n)]
+    if len(readers) != 1 or not readers[0].name.startswith(roles.LORA_PREFIX):
+        return None, []
+    node, reading = readers[0], []
+    while node.op in ("Cast", "Dropout") and node.name.startswith(roles.LORA_PREFIX):
+        reading.append(node)
+        out = node.outputs[0]
+        if len(out.outputs) != 1 or any(o.outputs for o in node.outputs[1:]):
+            return None, []
+        node = out.outputs[0]
+    made = projection(node) if node.name.startswith(roles.LORA_PREFIX) else None
+    if made is None or not read_only_by(made):
+        return None, []
+    return made, reading
+
+
+def _axes(firsts, between, seconds, graph, shapes, size, region) -> Axes:
     """Where the split axis runs through the block; each fused projection's sections found
-    on the way (the walk starts again with them)."""
+    on the way (the walk starts again with them). ``seconds``: the row projection, and its
+    adapter's product."""
     cuts: dict[str, tuple[int, ...]] = {}
     for _ in range(len(firsts) + 1):
         axes = Axes(shapes, size, region, opset=graph.opset)
@@ -413,14 +452,15 @@ def _axes(firsts, between, second, graph, shapes, size, region) -> Axes:
         except NeedsSections as need:
             cuts[need.output] = need.sections
             continue
-        x = second.node.inputs[0]
-        shape = shapes.get(x.name)
-        if shape is None or axes.axis.get(x.name) != len(shape) - 1 or len(axes.sections[x.name]) != 1:
-            raise Unsplittable(
-                f"the input of {second.node.op} node {second.node.name!r} is not split along its features"
-            )
+        for second in seconds:
+            x = second.node.inputs[0]
+            shape = shapes.get(x.name)
+            if shape is None or axes.axis.get(x.name) != len(shape) - 1 or len(axes.sections[x.name]) != 1:
+                raise Unsplittable(
+                    f"the input of {second.node.op} node {second.node.name!r} is not split along its features"
+                )
         return axes
-    raise Unsplittable(f"the sections of the projections before node {second.node.name!r} do not settle")
+    raise Unsplittable(f"the sections of the projections before node {seconds[0].node.name!r} do not settle")
 
 
 def _shape_only(tensor: gs.Tensor, node: gs.Node) -> bool:

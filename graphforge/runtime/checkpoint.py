@@ -5,8 +5,11 @@ A checkpoint is one safetensors file. Its tensors are the program's carried tens
 statistics), each under its program input name. Its header metadata holds, under the key
 ``graphforge.checkpoint``, one JSON document with the properties: format version, step,
 learning rate, LR-schedule state, seeds, data position, user properties
-(``state.properties[...]``) and a manifest of the tensors (name, role, dtype, shape, and the
-CRC-32 of the tensor's bytes). The safetensors header is itself JSON, so any safetensors
+(``state.properties[...]``), a manifest of the tensors (name, role, dtype, shape, and the
+CRC-32 of the tensor's bytes), and for a program whose base the lora pass froze, that base
+by reference (each frozen weight's CRC-32, as the program records it): the frozen weights
+themselves are the program's constants, kept once in its file, never in a checkpoint, so a
+LoRA run's checkpoint holds the adapters and their optimizer states alone. The safetensors header is itself JSON, so any safetensors
 tool (or ``head -c``) reads both.
 
 One file means one atomic write: the checkpoint is written to a temporary file beside the
@@ -21,7 +24,8 @@ with their checksum (a damaged byte), or that does not match the program it is l
 tensor of another shape or dtype, and also an **extra** tensor the program does not carry
 (refused rather than ignored: it means the checkpoint was saved from another program, say
 an adam program's ``exp_avg`` offered to an sgd program, and silently dropping state is
-how a resumed run quietly diverges).
+how a resumed run quietly diverges), and one trained on another base than the program's
+(a frozen weight whose CRC-32 differs, named).
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ class CheckpointState:
         grad_reset_pending: bool = True,
         micro_batch: int = 0,
         source: str | None = None,
+        base: Mapping[str, int] | None = None,
     ):
         self._tensors = dict(tensors)
         self.specs = list(specs)
@@ -156,6 +161,8 @@ class CheckpointState:
         self.micro_batch = micro_batch
         #: where the state came from, for messages ("checkpoint runs/ck.safetensors")
         self.source = source
+        #: the frozen base it trains on, by reference (weight -> CRC-32; ProgramRoles.lora_base), or None
+        self.base = dict(base) if base else None
         self._holder: TensorHolder | None = None
 
     # ------------------------------------------------------------------ construction
@@ -181,7 +188,13 @@ class CheckpointState:
             else:
                 tensors[spec.input] = np.zeros(spec.shape, np.dtype(spec.dtype))
         lr = program_roles.default_lr
-        return cls(tensors, _tensor_specs(specs), learning_rate=lr, source="the program's initial state")
+        return cls(
+            tensors,
+            _tensor_specs(specs),
+            learning_rate=lr,
+            source="the program's initial state",
+            base=program_roles.lora_base,
+        )
 
     def copy(self) -> CheckpointState:
         """A detached snapshot (a state trains in one Module at a time)."""
@@ -203,6 +216,7 @@ class CheckpointState:
             grad_reset_pending=self.grad_reset_pending,
             micro_batch=self.micro_batch,
             source=self.source,
+            base=self.base,
         )
 
     # ------------------------------------------------------------------ tensors
@@ -234,12 +248,14 @@ class CheckpointState:
 
     def check(self, program: ModelSource | Model | Sequence[CarriedSpec]) -> None:
         """Refuse (CheckpointError) a state whose tensors do not match what ``program`` carries:
-        a missing tensor, an extra one, or one of another dtype or shape."""
-        specs = (
-            program
-            if isinstance(program, Sequence) and not isinstance(program, str | bytes)
-            else ProgramRoles.read(program).require_training_program().carried
-        )
+        a missing tensor, an extra one, or one of another dtype or shape; or, where both record
+        the frozen base they train on, one trained on another base."""
+        if isinstance(program, Sequence) and not isinstance(program, str | bytes):
+            specs = program
+        else:
+            program_roles = ProgramRoles.read(program).require_training_program()
+            specs = program_roles.carried
+            self._check_base(program_roles.lora_base)
         expected = {s.name: s for s in _tensor_specs(specs)}
         tensors = self._tensors if self._holder is None else {s.name: s for s in self.specs}
         where = self.source or "the checkpoint"
@@ -257,6 +273,25 @@ class CheckpointState:
             problems.append(f"tensor {name!r} is not carried by the program (saved from a different program?)")
         if problems:
             raise CheckpointError(f"{where} does not match the program: " + _capped(problems))
+
+    def _check_base(self, base: Mapping[str, int]) -> None:
+        """Refuse a state trained on another frozen base than ``base`` (the program's), naming
+        the first weight that differs; a side that records no base is not compared."""
+        if not base or not self.base:
+            return
+        where = self.source or "the checkpoint"
+        for name in sorted(set(base) | set(self.base)):
+            mine, theirs = self.base.get(name), base.get(name)
+            if mine == theirs:
+                continue
+            if mine is None or theirs is None:
+                what = f"the frozen weight {name!r} is in {'the program' if mine is None else 'its'} base only"
+            else:
+                what = f"the frozen weight {name!r} differs (crc32 {mine:08x}; the program's {theirs:08x})"
+            raise CheckpointError(
+                f"{where} was trained on another base model than the program's: {what}; use the base model it "
+                "was trained on"
+            )
 
     # ------------------------------------------------------------------ files
 
@@ -295,6 +330,8 @@ class CheckpointState:
         }
         if shards:
             document["shards"] = list(shards)
+        if self.base:
+            document["base"] = {name: int(crc) for name, crc in self.base.items()}
         if isinstance(self.step, bool) or not isinstance(self.step, int | np.integer) or self.step < 0:
             raise CheckpointError(f"state.step must be a whole number ≥ 0, got {self.step!r}")
         document["step"] = int(self.step)
@@ -457,6 +494,7 @@ class CheckpointState:
             grad_reset_pending=document.get("grad_reset_pending", True),
             micro_batch=document.get("micro_batch", 0),
             source=f"checkpoint {path}",
+            base=document.get("base"),
         )
 
 
@@ -504,6 +542,9 @@ def _parse_document(path: Path, text: str) -> dict:
         raise CheckpointError(
             f"{path}: its grad_reset_pending is {document['grad_reset_pending']!r}, expected true/false"
         )
+    base = document.get("base", {})
+    if not isinstance(base, dict) or any(isinstance(v, bool) or not isinstance(v, int) for v in base.values()):
+        raise CheckpointError(f"{path}: its base is {json.dumps(base)[:80]}, expected {{weight: crc32}}")
     for key, kind in (("scheduler", dict), ("seeds", dict), ("properties", dict)):
         value = document.get(key)
         if value is not None and not isinstance(value, kind):

@@ -107,6 +107,36 @@ def test_four_processes_are_two_replicas_of_a_tensor_group_and_train_as_one(fold
     ]
 
 
+LORA = f"lora(r=2, alpha=4, targets=[fc1, fc2]), {th.PIPELINE}"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_lora_adapters_split_with_their_base_weights_and_train_as_one_process(folder, ranks):
+    """Low-rank adapters under tensor = 2: fc1's B split along its rows as fc1 (column), fc2's A
+    along its columns as fc2 (row), fc1's A and fc2's B whole on every member; two members
+    train as one process does; four (two replicas of the group, ZeRO stage 2 over them, each
+    taking half of each batch) as one process with the doubled batch. The checkpoint holds the
+    adapters and their moments alone (the frozen base stays in the program), joined whole."""
+    mesh = {"data": {"batch_size": 4}, "distributed": {"zero": 2}} if ranks == 4 else {}
+    cfg = config(folder, f"lora{ranks}.toml", model={"pipeline": LORA}, **mesh)
+    launched = runs.launch(folder, cfg, folder / f"lora{ranks}", "--steps", str(STEPS), ranks=ranks)
+    assert "tensor-parallel" in launched.stdout
+    split = ProgramRoles.read(folder / f"lora{ranks}" / "program.onnx").tensor_parallel.split
+    assert {n: a for n, a in split.items() if ".lora_" in n} == {"fc1.lora_B.weight": 0, "fc2.lora_A.weight": 1}
+    one = folder / "lora-one"
+    if not (one / "checkpoints").is_dir():
+        graphforge.train.run(
+            config(folder, "lora-one.toml", model={"pipeline": LORA}), steps=STEPS, out=one, quiet=True
+        )
+    got = runs.checkpoint_path(folder / f"lora{ranks}", STEPS)
+    _assert_close(got, runs.checkpoint_path(one, STEPS))
+    adapters = {f"fc{i}.lora_{x}.weight" for i in (1, 2) for x in "AB"}
+    tensors = CheckpointState.load(got).tensors
+    assert set(tensors) == adapters | {f"{n}.{m}" for n in adapters for m in ("exp_avg", "exp_avg_sq")}
+    assert tensors["fc1.lora_B.weight"].shape == (th.HIDDEN, 2) and tensors["fc2.lora_A.weight"].shape == (2, th.HIDDEN)
+    assert np.abs(tensors["fc1.lora_B.weight"]).max() > 0.01  # B started at zero: trained
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [

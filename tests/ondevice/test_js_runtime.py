@@ -24,6 +24,7 @@ from js_fixtures import write_fixtures
 import graphforge
 from graphforge import CheckpointState, Module, Optimizer
 from graphforge.ondevice.artifacts import write_artifacts
+from graphforge.program import ProgramRoles
 from graphforge.runtime import CosineSchedule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,6 +127,31 @@ def test_fifty_digits_steps_on_onnxruntime_node_equal_python_bit_for_bit(digits)
     assert saved.step == 50 and saved.learning_rate == pytest.approx(0.01)
     for name, value in module.state.tensors.items():
         assert np.array_equal(saved.tensors[name], value), name
+
+
+def test_a_lora_program_trains_on_node_as_python_bit_for_bit_and_on_wasm_within_its_rounding(tmp_path):
+    """The digits MLP with adapters on fc1 and fc2: the adapters are the artifacts' parameters
+    (the base their frozen state, as write_artifacts keeps a program's frozen weights); 10
+    AdamW steps on onnxruntime-node equal the Module's bit for bit (losses, and every carried
+    tensor of the checkpoint the JS runtime writes), on onnxruntime-web's wasm within 1e-5."""
+    pipeline = "lora(r=4, alpha=8, targets=[fc1, fc2]), loss(kind=cross_entropy, output=logits), autodiff, " \
+        "adamw(lr=1e-2, accumulate=true)"  # fmt: skip
+    program = graphforge.compile(DIGITS, pipeline).model
+    manifest = write_artifacts(program, tmp_path / "art", outputs=["logits"])
+    assert {s.name for s in manifest.state if s.role == "parameter"} == {
+        f"fc{i}.lora_{x}.weight" for i in (1, 2) for x in "AB"
+    }
+    batches = digits_batches(10)
+    job = {"artifacts": str(tmp_path / "art"), "batches": batches_file(tmp_path, batches), "steps": 10}
+    got = run_js({**job, "backend": "node", "save": str(tmp_path / "js.ckpt")})
+    want, module = python_steps(program, batches, 10)
+    assert got["losses"] == want
+    saved = CheckpointState.load(tmp_path / "js.ckpt")  # (the artifacts' checkpoint: the frozen base besides)
+    assert set(saved.tensors) == set(module.state.tensors) | set(ProgramRoles.read(program).frozen)
+    for name, value in module.state.tensors.items():
+        assert np.array_equal(saved.tensors[name], value), name
+    web = run_js({**job, "backend": "web"})
+    np.testing.assert_allclose(web["losses"], want, rtol=1e-5)
 
 
 def test_accumulation_and_a_schedule_equal_python(digits):
