@@ -445,7 +445,9 @@ def train_command(
 @app.command("export")
 def export_command(
     program: Annotated[Path, typer.Argument(help="The training program (graphforge train writes OUT/program.onnx).")],
-    output_file: Annotated[Path, typer.Option("--out", "-o", help="Where to write the inference model.")],
+    output_file: Annotated[
+        Path, typer.Option("--out", "-o", help="Where to write the inference model (--adapters peft: the folder).")
+    ],
     checkpoint: Annotated[
         Path | None,
         typer.Option(
@@ -463,9 +465,24 @@ def export_command(
             help="float32, or float16 / bfloat16: compute in that type where mixed precision would, weights stored in it.",
         ),
     ] = "float32",
+    adapters: Annotated[
+        str,
+        typer.Option(
+            "--adapters",
+            help="A LoRA program's adapters: merge (into the base weights), onnx (OUT reads them as inputs, "
+            "their values in OUT's .onnx_adapter) or peft (PEFT's folder OUT).",
+        ),
+    ] = "merge",
+    base_model: Annotated[
+        str | None,
+        typer.Option("--base-model", help="--adapters peft: the base model's name, for adapter_config.json."),
+    ] = None,
 ) -> None:
     """Write the inference model of PROGRAM with a checkpoint's trained values, and compare their sizes."""
-    report = train.export(program, output_file, checkpoint=checkpoint, outputs=output, dtype=dtype)
+    if adapters == "peft":
+        _export_peft(program, output_file, checkpoint, base_model)
+        return
+    report = train.export(program, output_file, checkpoint=checkpoint, outputs=output, dtype=dtype, adapters=adapters)
     table = Table(title="size", title_justify="left")
     for column, justify in (("", "left"), ("program", "right"), ("exported", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
@@ -479,6 +496,24 @@ def export_command(
     )
     out.print(
         f"wrote [bold]{escape(str(report.path))}[/] (outputs: {escape(', '.join(report.outputs))}) with {values}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if report.adapter_file is not None:
+        out.print(
+            f"and its adapters' values in [bold]{escape(str(report.adapter_file))}[/] "
+            "(onnxruntime: RunOptions.add_active_adapter; without it, the base model)",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _export_peft(program: Path, folder: Path, checkpoint: Path | None, base_model: str | None) -> None:
+    report = train.export_peft(program, folder, checkpoint=checkpoint, base_model=base_model)
+    values = f"step {report.step}" if report.checkpoint is not None else "the program's own values"
+    out.print(
+        f"wrote [bold]{escape(str(report.folder))}[/]: {len(report.modules)} adapters "
+        f"({report.parameters:,} parameters, {values}) in {' and '.join(p.name for p in report.files)}",
         highlight=False,
         soft_wrap=True,
     )

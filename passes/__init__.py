@@ -12,6 +12,7 @@ from graphforge.passes.fold_constants import FoldConstants
 from graphforge.passes.fusion import Fuse
 from graphforge.passes.identity_elimination import IdentityElimination
 from graphforge.passes.lora import Lora
+from graphforge.passes.lora_merge import LoraMerge
 from graphforge.passes.loss import Loss
 from graphforge.passes.mixed_precision import MixedPrecision
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
@@ -31,6 +32,7 @@ REGISTRY = PassRegistry(
         Autodiff,
         VectorJacobian,
         Lora,
+        LoraMerge,
         Loss,
         SGD,
         Adam,
@@ -68,6 +70,7 @@ __all__ = [
     "IdentityElimination",
     "Lamb",
     "Lora",
+    "LoraMerge",
     "Loss",
     "MixedPrecision",
     "Prune",

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Literal
 
 import ml_dtypes  # onnx's own dependency: the types NumPy lacks (bfloat16)
@@ -14,6 +15,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from graphforge.passes.lora_layers import ALL_LINEAR, LinearLayer, linear_layers, select
+from graphforge.passes.lora_peft import CONFIG, WEIGHTS, PeftAdapters, read_peft
 from onnx import numpy_helper
 
 from graphforge import roles
@@ -70,6 +72,15 @@ class Lora(Pass):
        alpha, scale, dropout, dtype and the base weight's layout; and the base by reference:
        each of those weights' CRC-32 (of its values' bytes, as a checkpoint's), which a
        checkpoint of the program keeps, so that one trained on another base is refused.
+    7. ``adapter``: a PEFT adapter folder (``save_pretrained``'s ``adapter_model.safetensors``
+       and ``adapter_config.json``) to start from, to go on training adapters made elsewhere.
+       Its weights name the modules (PEFT's ``base_model.model.<module>.lora_A.weight``; a
+       name matches a module of that name or ending in "." and it, so a folder saved on the
+       Hugging Face model fits an export of a wrapper around it) and give A and B their
+       values; its config gives r, alpha, rslora and dropout. A value of those given to the
+       pass must agree with the folder's (left at its default, the folder's is taken);
+       targets and exclude are refused beside it. A module the model lacks, or weights whose
+       shapes do not fit their layer (named, with both shapes), are refused.
     Nodes are named ``lora::<module>/…``; the model's inputs, outputs and tensors keep their
     names. A bad value (r ≤ 0, a dropout of 1) is refused by name, a module adapted already
     too, and the model is left as it was.
@@ -86,6 +97,7 @@ class Lora(Pass):
     init: Literal["peft", "gaussian"] = "peft"
     seed: int = 0
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    adapter: str = ""
 
     def __post_init__(self):
         if not isinstance(self.r, int) or isinstance(self.r, bool):
@@ -105,6 +117,38 @@ class Lora(Pass):
         return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
 
     def run(self, model: Model) -> PassResult:
+        if self.adapter:
+            return self._from_folder(model)
+        return self._add_adapters(model, {})
+
+    def _from_folder(self, model: Model) -> PassResult:
+        """Case 7: the folder's settings and modules, checked against the model, then case 4
+        with the folder's A and B."""
+        folder = read_peft(self.adapter)
+        settings = self._settings_of(folder)
+        layers = linear_layers(model.graph, recorded_json(model.metadata, TORCH_MODULES, dict, {}))
+        start = _starting_values(folder, layers)
+        plain = replace(self, adapter="", targets=tuple(start), exclude=(), **settings)
+        result = plain._add_adapters(model, start)
+        return PassResult(result.model, True, f"{result.note}, from {folder.folder}")
+
+    def _settings_of(self, folder: PeftAdapters) -> dict:
+        defaults = {f.name: f.default for f in fields(self)}
+        if self.targets != defaults["targets"] or self.exclude != defaults["exclude"]:
+            raise PassError(f"lora(adapter={self.adapter!r}): the folder's weights name the modules; "
+                            "leave targets and exclude out")  # fmt: skip
+        settings = {"r": folder.r, "alpha": folder.alpha, "rslora": folder.rslora, "dropout": folder.dropout}
+        for name, value in settings.items():
+            given = getattr(self, name)
+            if given != defaults[name] and given != value:
+                raise PassError(
+                    f"lora(adapter={self.adapter!r}): {name}={given} disagrees with the folder's {value} "
+                    f"({CONFIG}); leave {name} out to take the folder's"
+                )
+        return settings
+
+    def _add_adapters(self, model: Model, start: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> PassResult:
+        """Cases 1 to 6; ``start``: module -> the A and B it starts from (case 7), else case 5's."""
         graph = model.graph
         self._check_opset(graph.opset or 1)
         layers = linear_layers(graph, recorded_json(model.metadata, TORCH_MODULES, dict, {}))
@@ -122,7 +166,10 @@ class Lora(Pass):
         rng = np.random.default_rng(self.seed)
         builder = Builder(graph, prefix=roles.LORA_PREFIX)
         after: dict[int, list[gs.Node]] = {}
-        adapters = [self._adapt(builder, module, layers_of, rng, after) for module, layers_of in modules.items()]
+        adapters = [
+            self._adapt(builder, module, layers_of, rng, after, start.get(module))
+            for module, layers_of in modules.items()
+        ]
         _in_order(graph, after)
         frozen = {name: f.to_json() for name, f in existing.frozen.items()}
         frozen.update({name: FrozenWeight(name, "lora").to_json() for name in weights if name not in frozen})
@@ -140,14 +187,21 @@ class Lora(Pass):
             raise PassError(f"dtype=bfloat16 needs opset 13 or later; the model has {opset}")
 
     def _adapt(
-        self, b: Builder, module: str, layers: list[LinearLayer], rng: np.random.Generator, after: dict
+        self,
+        b: Builder,
+        module: str,
+        layers: list[LinearLayer],
+        rng: np.random.Generator,
+        after: dict,
+        start: tuple[np.ndarray, np.ndarray] | None,
     ) -> LoraAdapter:
-        """Case 4 for one module: A and B, and the adapter's sum at each of its nodes (the
-        nodes made for a layer are listed in ``after`` under its node, to follow it)."""
+        """Case 4 for one module: A and B (``start``'s values, else case 5's), and the adapter's
+        sum at each of its nodes (the nodes made for a layer are listed in ``after`` under its
+        node, to follow it)."""
         n_in, n_out = layers[0].features
-        a_values = self._initial_a(rng, n_in)
+        a_values, b_values = start if start is not None else (self._initial_a(rng, n_in), np.zeros((n_out, self.r)))
         a = _parameter(f"{module}.lora_A.weight", a_values, self.dtype)
-        b_weight = _parameter(f"{module}.lora_B.weight", np.zeros((n_out, self.r)), self.dtype)
+        b_weight = _parameter(f"{module}.lora_B.weight", b_values, self.dtype)
         start = len(b.graph.nodes)
         with b.scope(module):
             a_t, b_t = b.op("Transpose", a, perm=[1, 0]), b.op("Transpose", b_weight, perm=[1, 0])
@@ -210,6 +264,29 @@ def _check_patterns(what: str, patterns, *, allow_empty: bool) -> None:
 
 
 # --------------------------------------------------------------------------- writing the adapters
+
+
+def _starting_values(folder: PeftAdapters, layers: Sequence[LinearLayer]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Case 7: the model's module -> the folder's A and B for it, their shapes checked."""
+    modules: dict[str, LinearLayer] = {}
+    for layer in layers:
+        modules.setdefault(layer.module, layer)  # a module's first layer
+    start = {}
+    for name, (a, b) in folder.weights.items():
+        hits = [m for m in modules if m == name or m.endswith("." + name)]
+        if len(hits) != 1:
+            some = ", ".join(list(modules)[:5]) + (", …" if len(modules) > 5 else "")
+            why = f"fits {', '.join(hits)}" if hits else f"is no linear layer of the model (its layers: {some})"
+            raise PassError(f"{Path(folder.folder) / WEIGHTS}: module {name!r} {why}")
+        n_in, n_out = modules[hits[0]].features
+        want = ([folder.r, n_in], [n_out, folder.r])
+        if (list(a.shape), list(b.shape)) != want:
+            raise PassError(
+                f"{Path(folder.folder) / WEIGHTS}: the adapter of {hits[0]!r} does not fit it: lora_A {list(a.shape)} "
+                f"and lora_B {list(b.shape)}, where the layer ({n_in} in, {n_out} out) takes {want[0]} and {want[1]}"
+            )
+        start[hits[0]] = (a, b)
+    return start
 
 
 def _by_module(layers: Sequence[LinearLayer]) -> dict[str, list[LinearLayer]]:

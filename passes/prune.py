@@ -49,7 +49,8 @@ class Prune(Pass):
     5. Cleanup reuses ``identity_elimination``, ``fold_constants`` (parameters are never
        folded: their names stay and the file does not grow) and ``dce``.
     6. The graphforge.* metadata, which describes training, goes; the loss and labels roles
-       stay while that output and that input do, and ``graphforge.exported_from`` records
+       stay while that output and that input do, the lora pass's adapters while the model
+       still holds them (``lora_merge`` folds them), and ``graphforge.exported_from`` records
        the optimizer of a program that had one.
     7. graphforge's marker functions (``graphforge.AllReduce``, an Identity on one process)
        are inlined where a kept output still needs a call, and go; ``keep_markers=true``
@@ -341,6 +342,9 @@ def _strip_training_roles(model: Model) -> None:
     optimizer = roles.get_json(model, roles.OPTIMIZER, None)
     present = {t.name for t in model.graph.inputs} | {t.name for t in model.graph.outputs}
     kept = {key: metadata[key] for key in _KEPT_WHILE_TRUE if metadata.get(key) in present}
+    adapters = ProgramRoles.of_model(model).lora
+    if adapters and {n for a in adapters for n in (a.a, a.b)} <= set(model.graph.tensors()):
+        kept[roles.LORA] = metadata[roles.LORA]
     if roles.EXPORTED_FROM in metadata:
         kept[roles.EXPORTED_FROM] = metadata[roles.EXPORTED_FROM]
     for key in [k for k in metadata if k.startswith("graphforge.")]:

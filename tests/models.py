@@ -185,6 +185,17 @@ def llama_module(seed: int = 0, heads: int = 4, kv_heads: int = 2):
     return ClassesFirst().eval()
 
 
+def export_llama(path: str | Path, seed: int = 0) -> Path:
+    """The 2-layer Llama of ``llama_module`` exported by TorchScript unfolded (each Linear's
+    weight [out, in] under its torch name, read through a Transpose): input ``input_ids``
+    int64 [batch, seq], output ``logits`` [batch, 128, seq]."""
+    import torch
+
+    ids = torch.randint(0, LLAMA_VOCAB, (2, 8), generator=torch.Generator().manual_seed(seed))
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 2: "seq"}}
+    return _export(llama_module(seed), (ids,), Path(path), ["input_ids"], ["logits"], axes)
+
+
 def export_dynamo(module, path: str | Path, opset: int, *, vocab: int = LLAMA_VOCAB) -> Path:
     """``module`` (input_ids [B, T] -> logits) exported by torch's dynamo exporter, unoptimized,
     with dynamic batch and sequence."""

@@ -17,6 +17,7 @@ from graphforge.errors import GraphforgeError
 from graphforge.graph import Model, names_kept
 from graphforge.ir import onnx_dtype
 from graphforge.model_io import ModelSource, load
+from graphforge.passes.lora_merge import LoraMerge
 from graphforge.passes.prune import Prune
 from graphforge.program import ProgramRoles
 from graphforge.verify import verify_model
@@ -60,12 +61,15 @@ def export_inference_model(
     outputs: Sequence[str] | None = None,
     *,
     dtype: str = "float32",
+    merge_adapters: bool = True,
 ) -> onnx.ModelProto:
     """A plain ONNX inference model: ``outputs`` (default: the forward outputs) with
     Dropout off and BatchNorm on its running statistics, holding ``values`` as its
     parameters and buffers (None: the program's own values). ``dtype`` "float16" or
     "bfloat16": computing in that type where mixed_precision would, weights stored in it
-    (prune's ``dtype``).
+    (prune's ``dtype``). The lora pass's adapters are folded into their base weights
+    (``lora_merge``) unless ``merge_adapters`` is false: then they stay in the model, and
+    so does its ``graphforge.lora`` role.
 
     ``values`` maps initializer names to arrays of the same shape and type; values for
     optimizer states, accumulators or the step (a runtime's whole state) are ignored, as
@@ -75,6 +79,11 @@ def export_inference_model(
         wanted = list(ProgramRoles.of_model(model).forward_outputs) if outputs is None else list(outputs)
         if values:
             _set_values(model, values)
+        if merge_adapters and ProgramRoles.of_model(model).lora:
+            model = _prune_run(model, Prune(outputs=tuple(wanted)))
+            LoraMerge().run(model)
+            if dtype == "float32":
+                return _verified(model.to_proto())
         return _pruned(model, Prune(outputs=tuple(wanted), dtype=dtype))
 
 
@@ -94,14 +103,20 @@ def _read(program: ModelSource | Model) -> Iterator[Model]:
 
 
 def _pruned(model: Model, prune, *, verify: bool = True) -> onnx.ModelProto:
+    proto = _prune_run(model, prune).to_proto()
+    return _verified(proto) if verify else proto
+
+
+def _verified(proto: onnx.ModelProto) -> onnx.ModelProto:
+    verify_model(proto, where="the inference model")
+    return proto
+
+
+def _prune_run(model: Model, prune) -> Model:
     try:
-        result = prune.run(model)
+        return prune.run(model).model
     except ValueError as exc:  # the pass's own parameter check
         raise GraphforgeError(f"prune: {exc}") from None
-    proto = result.model.to_proto()
-    if verify:
-        verify_model(proto, where="the inference model")
-    return proto
 
 
 def _set_values(model: Model, values: Mapping[str, np.ndarray]) -> None:

@@ -17,7 +17,7 @@ inference_export.py the inference model.
 """
 
 from graphforge.train.config import Config, load_config
-from graphforge.train.inference_export import ExportReport, export, find_checkpoint
+from graphforge.train.inference_export import ExportReport, PeftExport, export, export_peft, find_checkpoint
 from graphforge.train.loop import Interrupted, NonFiniteLoss, TrainResult, run
 from graphforge.train.setup import prepare
 
@@ -26,8 +26,10 @@ __all__ = [
     "ExportReport",
     "Interrupted",
     "NonFiniteLoss",
+    "PeftExport",
     "TrainResult",
     "export",
+    "export_peft",
     "find_checkpoint",
     "load_config",
     "prepare",
