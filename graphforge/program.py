@@ -306,6 +306,40 @@ class LoraAdapter:
 
 
 @dataclass(frozen=True)
+class QuantizedWeight:
+    """A frozen weight the quantize_frozen pass stored as integers (``graphforge.quantized``):
+    ``data`` (int4 or int8, ``bits``) holds it [in, out], ``scale`` one float per ``block`` rows
+    of it (DequantizeLinear's axis 0); ``shape`` is the float weight's, ``transposed`` where
+    ``data`` is its transpose (a torch Linear's [out, in] weight)."""
+
+    name: str
+    data: str
+    scale: str
+    bits: int
+    block: int
+    shape: tuple[int, ...]
+    transposed: bool
+
+    @classmethod
+    def from_json(cls, name: str, entry: Mapping[str, Any]) -> QuantizedWeight:
+        return cls(
+            name,
+            str(entry["data"]),
+            str(entry["scale"]),
+            int(entry["bits"]),
+            int(entry["block"]),
+            tuple(int(d) for d in entry.get("shape", ())),
+            bool(entry.get("transposed", False)),
+        )
+
+    def to_json(self) -> dict:
+        entry = dataclasses.asdict(self)
+        del entry["name"]
+        entry["shape"] = list(self.shape)
+        return entry
+
+
+@dataclass(frozen=True)
 class LossScaling:
     """The loss scaling of the mixed_precision pass: "dynamic" or "static", the carried
     scale, growth tracker and skipped-update count (inputs), the output saying whether this
@@ -384,6 +418,8 @@ class ProgramRoles:
     frozen: Mapping[str, FrozenWeight]
     #: the lora pass's adapters, in the order it made them (none without it)
     lora: tuple[LoraAdapter, ...]
+    #: the frozen weights the quantize_frozen pass stored as integers, by the float weight's name
+    quantized: Mapping[str, QuantizedWeight]
     #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
     optimizer: str | None
     hyperparameters: Mapping[str, Any]
@@ -493,6 +529,7 @@ class ProgramRoles:
             nchwc_block=json_value(roles.FUSION, {}).get("nchwc_block"),
             frozen={name: FrozenWeight.from_json(name, e) for name, e in json_value(roles.FROZEN, {}).items()},
             lora=tuple(LoraAdapter.from_json(e) for e in json_value(roles.LORA, {}).get("adapters", [])),
+            quantized={n: QuantizedWeight.from_json(n, e) for n, e in json_value(roles.QUANTIZED, {}).items()},
             optimizer=optimizer.get("kind"),
             hyperparameters=dict(optimizer.get("hyperparameters", {})),
             carried=carried,

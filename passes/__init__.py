@@ -16,6 +16,7 @@ from graphforge.passes.loss import Loss
 from graphforge.passes.mixed_precision import MixedPrecision
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
 from graphforge.passes.prune import Prune
+from graphforge.passes.quantize_frozen import QuantizeFrozen
 from graphforge.passes.recompute import Recompute
 from graphforge.passes.specialize import Specialize
 from graphforge.passes.stage_partition import StagePartition
@@ -31,6 +32,7 @@ REGISTRY = PassRegistry(
         Autodiff,
         VectorJacobian,
         Lora,
+        QuantizeFrozen,
         Loss,
         SGD,
         Adam,
@@ -71,6 +73,7 @@ __all__ = [
     "Loss",
     "MixedPrecision",
     "Prune",
+    "QuantizeFrozen",
     "Specialize",
     "StagePartition",
     "TensorParallel",
