@@ -121,6 +121,7 @@ class QuantizeFrozen(Pass):
         chosen = self._chosen(model.graph, existing.frozen)
         model = _at_opset(model, OPSET)  # case 5, the readers found again in the converted graph
         graph = model.graph
+        graph.ir_version = max(graph.ir_version or 0, IR_VERSION)  # int4's
         chosen = {name: readers for name, readers in self._chosen(graph, existing.frozen).items() if name in chosen}
         tensors = graph.tensors()
         made = {}
