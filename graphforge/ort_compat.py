@@ -244,6 +244,65 @@ def expand_training_batch_norm(proto: onnx.ModelProto) -> int:
     return count
 
 
+def has_dequantize(proto: onnx.ModelProto, prefix: str) -> bool:
+    """Whether ``proto``'s main graph has a DequantizeLinear named with ``prefix``."""
+    return any(n.op_type == "DequantizeLinear" and n.name.startswith(prefix) for n in proto.graph.node)
+
+
+def own_dequantize_inputs(proto: onnx.ModelProto, prefix: str) -> int:
+    """Give every DequantizeLinear of the main graph named with ``prefix`` one reader, and its
+    own copy of the initializers it reads, in place; returns how many nodes were added.
+
+    onnxruntime 1.31 fuses DequantizeLinear → MatMul into MatMulNBits only where the
+    DequantizeLinear has one consumer and its weight and scale initializers have no other
+    reader (measured: two DequantizeLinear of one initializer, one per MatMul, fuse neither).
+    A program stores a quantized weight once and reads it in its forward and its backward;
+    the session then holds the fused kernel's packed copy and the backward's, as it would
+    anyway. The copies are new nodes at the start of the graph (they read initializers alone)."""
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in nodes_of(graph.node):
+        for i, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, i))
+    outputs = {o.name for o in graph.output}
+    taken = set(inits) | {n for node in nodes_of(graph.node) for n in (*node.input, *node.output)}
+    added: list[onnx.NodeProto] = []
+    used: set[str] = set()
+    for dq in [n for n in graph.node if n.op_type == "DequantizeLinear" and n.name.startswith(prefix)]:
+        consumers = [] if dq.output[0] in outputs else readers.get(dq.output[0], [])[1:]
+        for k, (node, slot) in enumerate(consumers):
+            copy = onnx.NodeProto()
+            copy.CopyFrom(dq)
+            copy.name = _fresh(f"{dq.name}/copy_{k}", taken)
+            copy.output[0] = _fresh(f"{dq.output[0]}/copy_{k}", taken)
+            node.input[slot] = copy.output[0]
+            added.append(copy)
+    for dq in [*(n for n in graph.node if n.op_type == "DequantizeLinear" and n.name.startswith(prefix)), *added]:
+        for i, name in enumerate(dq.input):
+            if name not in inits:
+                continue
+            if name in used:
+                tensor = onnx.TensorProto()
+                tensor.CopyFrom(inits[name])
+                tensor.name = _fresh(f"{name}/copy", taken)
+                graph.initializer.append(tensor)
+                dq.input[i] = tensor.name
+            used.add(name)
+    for node in reversed(added):
+        graph.node.insert(0, node)
+    return len(added)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    n, fresh = 0, name
+    while fresh in taken:
+        n += 1
+        fresh = f"{name}_{n}"
+    taken.add(fresh)
+    return fresh
+
+
 def _batch_norm_ops(node: onnx.NodeProto, opset: int, types: dict, taken: set, index: int) -> list[onnx.NodeProto]:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     eps, momentum = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9)

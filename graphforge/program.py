@@ -306,6 +306,40 @@ class LoraAdapter:
 
 
 @dataclass(frozen=True)
+class QuantizedWeight:
+    """A frozen weight the quantize_frozen pass stored as integers (``graphforge.quantized``):
+    ``data`` (int4 or int8, ``bits``) holds it [in, out], ``scale`` one float per ``block`` rows
+    of it (DequantizeLinear's axis 0); ``shape`` is the float weight's, ``transposed`` where
+    ``data`` is its transpose (a torch Linear's [out, in] weight)."""
+
+    name: str
+    data: str
+    scale: str
+    bits: int
+    block: int
+    shape: tuple[int, ...]
+    transposed: bool
+
+    @classmethod
+    def from_json(cls, name: str, entry: Mapping[str, Any]) -> QuantizedWeight:
+        return cls(
+            name,
+            str(entry["data"]),
+            str(entry["scale"]),
+            int(entry["bits"]),
+            int(entry["block"]),
+            tuple(int(d) for d in entry.get("shape", ())),
+            bool(entry.get("transposed", False)),
+        )
+
+    def to_json(self) -> dict:
+        entry = dataclasses.asdict(self)
+        del entry["name"]
+        entry["shape"] = list(self.shape)
+        return entry
+
+
+@dataclass(frozen=True)
 class LossScaling:
     """The loss scaling of the mixed_precision pass: "dynamic" or "static", the carried
     scale, growth tracker and skipped-update count (inputs), the output saying whether this
@@ -388,6 +422,8 @@ class ProgramRoles:
     #: pass found them ({} without it); a checkpoint of the program records it, so that one
     #: trained on another base is refused
     lora_base: Mapping[str, int]
+    #: the frozen weights the quantize_frozen pass stored as integers, by the float weight's name
+    quantized: Mapping[str, QuantizedWeight]
     #: the optimizer pass that made the update ("adamw", ...), and its hyperparameters
     optimizer: str | None
     hyperparameters: Mapping[str, Any]
@@ -498,6 +534,7 @@ class ProgramRoles:
             frozen={name: FrozenWeight.from_json(name, e) for name, e in json_value(roles.FROZEN, {}).items()},
             lora=tuple(LoraAdapter.from_json(e) for e in json_value(roles.LORA, {}).get("adapters", [])),
             lora_base={str(k): int(v) for k, v in json_value(roles.LORA, {}).get("base", {}).items()},
+            quantized={n: QuantizedWeight.from_json(n, e) for n, e in json_value(roles.QUANTIZED, {}).items()},
             optimizer=optimizer.get("kind"),
             hyperparameters=dict(optimizer.get("hyperparameters", {})),
             carried=carried,

@@ -63,6 +63,11 @@ FROZEN = "graphforge.frozen"
 #: "weight", "A", "B", "r", "alpha", "scale", "rslora", "dropout", "dtype", "fan_in_fan_out"}, ...],
 #: "base": {weight: the CRC-32 of its values as the pass froze it}}: the base, by reference
 LORA = "graphforge.lora"
+#: JSON object: weight -> {"data", "scale", "bits", "block", "shape", "transposed"}: the frozen weights the
+#: quantize_frozen pass (passes/quantize_frozen.py) stored as int4 or int8 (``data``, [in, out]) with a float
+#: scale per ``block`` rows (``scale``), read through DequantizeLinear; ``shape``: the float weight's,
+#: ``transposed``: stored as its transpose (a torch Linear's [out, in])
+QUANTIZED = "graphforge.quantized"
 
 #: suffix of the output that replaces a carried input after a step: ``P`` -> ``P_next``
 NEXT_SUFFIX = "_next"
@@ -80,6 +85,10 @@ RECOMPUTE_PREFIX = "recompute::"
 ZERO_PREFIX = "zero::"
 #: the lora pass's nodes (the adapters' products): forward nodes, not in GENERATED_PREFIXES
 LORA_PREFIX = "lora::"
+#: the quantize_frozen pass's DequantizeLinear nodes and their integer weights and scales: forward nodes,
+#: not in GENERATED_PREFIXES; a session gives each DequantizeLinear its own inputs (onnxruntime fuses
+#: only a DequantizeLinear that alone reads its initializers into MatMulNBits)
+QUANT_PREFIX = "quant::"
 #: the casts of the mixed_precision pass (precision.convert), and its loss scaling (under
 #: ``optim::``): not in GENERATED_PREFIXES, as a cast may produce a forward output
 AMP_PREFIX = "amp::"
@@ -93,8 +102,8 @@ GENERATED_PREFIXES = (
     ZERO_PREFIX,
 )
 #: name prefixes of the constants graphforge's passes make, never a parameter: the generated
-#: parts' and the lora pass's (an adapter's scale)
-PASS_CONSTANT_PREFIXES = (*GENERATED_PREFIXES, LORA_PREFIX)
+#: parts', the lora pass's (an adapter's scale) and the quantize_frozen pass's (scales)
+PASS_CONSTANT_PREFIXES = (*GENERATED_PREFIXES, LORA_PREFIX, QUANT_PREFIX)
 #: what each generated part computes, as profiles name it (the rest is the forward)
 PROGRAM_PARTS = {
     LOSS_PREFIX: "loss",

@@ -17,6 +17,7 @@ from graphforge.passes.loss import Loss
 from graphforge.passes.mixed_precision import MixedPrecision
 from graphforge.passes.optimizers import SGD, Adam, AdamW, Lamb
 from graphforge.passes.prune import Prune
+from graphforge.passes.quantize_frozen import QuantizeFrozen
 from graphforge.passes.recompute import Recompute
 from graphforge.passes.specialize import Specialize
 from graphforge.passes.stage_partition import StagePartition
@@ -33,6 +34,7 @@ REGISTRY = PassRegistry(
         VectorJacobian,
         Lora,
         LoraMerge,
+        QuantizeFrozen,
         Loss,
         SGD,
         Adam,
@@ -74,6 +76,7 @@ __all__ = [
     "Loss",
     "MixedPrecision",
     "Prune",
+    "QuantizeFrozen",
     "Specialize",
     "StagePartition",
     "TensorParallel",

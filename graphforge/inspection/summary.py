@@ -41,7 +41,7 @@ def print_summary(proto: onnx.ModelProto, name: str, console: Console, *, proces
     params, total = parameters_table(proto.graph, program_roles)
     console.print(params)
     console.print(total)
-    for line in (frozen_line(proto.graph, program_roles), lora_line(program_roles)):
+    for line in (frozen_line(proto.graph, program_roles), lora_line(program_roles), quantized_line(program_roles)):
         if line:
             console.print(line, highlight=False, markup=False)
     line = roles_line(program_roles.metadata)
@@ -226,3 +226,14 @@ def _type_and_shape(type_proto: onnx.TypeProto) -> tuple[str, str]:
         for d in tt.shape.dim
     ]
     return dtype, escape("[" + ", ".join(dims) + "]")
+
+
+def quantized_line(program_roles: ProgramRoles) -> str | None:
+    """The quantize_frozen pass's weights: how many (the first names), to which bits in which
+    blocks; None without any."""
+    quantized = program_roles.quantized
+    if not quantized:
+        return None
+    names = ", ".join(list(quantized)[:3]) + (", …" if len(quantized) > 3 else "")
+    kinds = ", ".join(sorted({f"int{q.bits} in blocks of {q.block}" for q in quantized.values()}))
+    return f"quantized: {len(quantized):,} weight{'s' * (len(quantized) != 1)} ({names}) to {kinds}"
