@@ -469,7 +469,7 @@ def export_command(
         str,
         typer.Option(
             "--adapters",
-            help="A LoRA program's adapters: merge (into the base weights), onnx (OUT reads them as inputs, "
+            help="A LoRA program's adapters: merge (into the base weights; beside a quantized base), onnx (OUT reads them as inputs, "
             "their values in OUT's .onnx_adapter) or peft (PEFT's folder OUT).",
         ),
     ] = "merge",
@@ -499,6 +499,8 @@ def export_command(
         highlight=False,
         soft_wrap=True,
     )
+    if report.adapters == "kept":
+        out.print("its adapters stay beside the quantized base weights (merging would undo the quantization)")
     if report.adapter_file is not None:
         out.print(
             f"and its adapters' values in [bold]{escape(str(report.adapter_file))}[/] "

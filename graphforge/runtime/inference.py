@@ -68,8 +68,9 @@ def export_inference_model(
     parameters and buffers (None: the program's own values). ``dtype`` "float16" or
     "bfloat16": computing in that type where mixed_precision would, weights stored in it
     (prune's ``dtype``). The lora pass's adapters are folded into their base weights
-    (``lora_merge``) unless ``merge_adapters`` is false: then they stay in the model, and
-    so does its ``graphforge.lora`` role.
+    (``lora_merge``) unless ``merge_adapters`` is false or the base is quantized
+    (``quantize_frozen``: merging would undo it): then they stay in the model, and so does its
+    ``graphforge.lora`` role (``adapters_merged`` says which).
 
     ``values`` maps initializer names to arrays of the same shape and type; values for
     optimizer states, accumulators or the step (a runtime's whole state) are ignored, as
@@ -79,12 +80,17 @@ def export_inference_model(
         wanted = list(ProgramRoles.of_model(model).forward_outputs) if outputs is None else list(outputs)
         if values:
             _set_values(model, values)
-        if merge_adapters and ProgramRoles.of_model(model).lora:
+        if merge_adapters and adapters_merged(ProgramRoles.of_model(model)):
             model = _prune_run(model, Prune(outputs=tuple(wanted)))
             LoraMerge().run(model)
             if dtype == "float32":
                 return _verified(model.to_proto())
         return _pruned(model, Prune(outputs=tuple(wanted), dtype=dtype))
+
+
+def adapters_merged(roles: ProgramRoles) -> bool:
+    """Whether an export merges the program's adapters: it has some, and no quantized base weight."""
+    return bool(roles.lora) and not any(a.weight in roles.quantized for a in roles.lora)
 
 
 @contextlib.contextmanager

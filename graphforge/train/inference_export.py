@@ -25,7 +25,7 @@ from graphforge.model_io import ModelSource, load, save
 from graphforge.passes.lora_peft import CONFIG, WEIGHTS, peft_config, write_peft
 from graphforge.program import LoraAdapter, ProgramRoles
 from graphforge.runtime import CheckpointManager, CheckpointState
-from graphforge.runtime.inference import export_inference_model
+from graphforge.runtime.inference import adapters_merged, export_inference_model
 from graphforge.train.adapter_export import adapter_path, adapter_values, with_adapter_inputs, write_onnx_adapter
 from graphforge.train.resume import CHECKPOINTS
 
@@ -47,6 +47,9 @@ class ExportReport:
     program_bytes: int
     exported_bytes: int
     adapter_file: Path | None = None
+    #: a LoRA program's adapters: "merged", "kept" (beside a quantized base, in the model) or
+    #: "onnx" (the adapter file); None without adapters
+    adapters: str | None = None
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(what, program, exported) for the size table."""
@@ -88,7 +91,8 @@ def export(
     outputs) computed with the trained values of ``checkpoint`` (a file, or a folder: its
     latest checkpoint; None: the program's own values), in float32 or (``dtype``) float16
     or bfloat16. A LoRA program's ``adapters``: "merge" folds them into their base weights
-    (W + scale · B A in W's layout and type: the plain model again); "onnx" writes a model
+    (W + scale · B A in W's layout and type: the plain model again; a quantized base keeps
+    them beside it, in the model, as merging would undo the quantization); "onnx" writes a model
     whose adapters are inputs defaulting to zeros (the base model) and their trained values
     in onnxruntime's adapter file beside it (``model.onnx_adapter``). PEFT's folder:
     ``export_peft``."""
@@ -107,6 +111,8 @@ def export(
         model = with_adapter_inputs(model, lora)
     else:
         model = export_inference_model(proto, values, wanted, dtype=dtype)
+    roles = ProgramRoles.read(proto)
+    done = None if not roles.lora else "onnx" if adapters == "onnx" else "merged" if adapters_merged(roles) else "kept"
     path = save(model, out)
     if adapters == "onnx":
         adapter_file = write_onnx_adapter(adapter_path(path), trained)
@@ -125,6 +131,7 @@ def export(
         program_bytes=program_bytes,
         exported_bytes=exported_bytes,
         adapter_file=adapter_file,
+        adapters=done,
     )
 
 

@@ -270,3 +270,28 @@ def test_the_export_guides_quantized_block_runs(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out.strip()
     assert printed in block  # the page says what it prints
     assert sorted(ProgramRoles.read(namespace["program"]).quantized) == ["0.weight", "2.weight", "4.weight"]
+
+
+def test_the_export_keeps_the_adapters_beside_a_quantized_base(tmp_path):
+    """graphforge export of a trained LoRA program on an int4 base: the base stays int4 and the
+    adapters stay beside it (merging would undo the quantization), and the model's output is the
+    forward of the dequantized float base with the trained adapters."""
+    from graphforge import Module, train
+
+    program = graphforge.compile(base_model(), f"{LORA}, quantize_frozen(bits=4, block=16), {TRAIN}, adamw(lr=3e-2)")
+    path = graphforge.save(program.model, tmp_path / "program.onnx")
+    module = Module(str(path), device="cpu")
+    for _ in range(3):
+        module.train_step(**_batch())
+    checkpoint = module.state.save(tmp_path / "checkpoint.safetensors")
+    report = train.export(path, tmp_path / "model.onnx", checkpoint=checkpoint)
+    exported = onnx.load(report.path)
+    assert report.adapters == "kept" and not set(WEIGHTS) & set(_initializers(exported))
+    assert [n.op_type for n in exported.graph.node].count("DequantizeLinear") == 3
+    reference = graphforge.compile(base_model(values=_dequantized(program.model)), LORA).model
+    trained = module.parameters
+    for t in reference.graph.initializer:
+        if t.name in trained:
+            t.CopyFrom(numpy_helper.from_array(trained[t.name], t.name))
+    x = {"x": _batch(seed=9)["x"]}
+    np.testing.assert_allclose(_run(exported, x)["y"], _run(reference, x)["y"], rtol=1e-5, atol=1e-6)
