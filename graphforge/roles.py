@@ -61,6 +61,9 @@ FROZEN = "graphforge.frozen"
 #: JSON: the lora pass's adapters (passes/lora.py), one per module it adapted: {"adapters": [{"module",
 #: "weight", "A", "B", "r", "alpha", "scale", "rslora", "dropout", "dtype", "fan_in_fan_out"}, ...]}
 LORA = "graphforge.lora"
+#: JSON: the kv_cache pass's decoding model (passes/kv_cache.py): {"layers": [{"kv_heads", "head_dim"}, ...]},
+#: layer i's cache being the inputs past_key_values.{i}.key/.value and the outputs present.{i}.key/.value
+KV_CACHE = "graphforge.kv_cache"
 
 #: suffix of the output that replaces a carried input after a step: ``P`` -> ``P_next``
 NEXT_SUFFIX = "_next"
@@ -78,6 +81,8 @@ RECOMPUTE_PREFIX = "recompute::"
 ZERO_PREFIX = "zero::"
 #: the lora pass's nodes (the adapters' products): forward nodes, not in GENERATED_PREFIXES
 LORA_PREFIX = "lora::"
+#: the kv_cache pass's nodes (the cache's concatenations, the positions' offsets): forward nodes
+KV_CACHE_PREFIX = "kv_cache::"
 #: the casts of the mixed_precision pass (precision.convert), and its loss scaling (under
 #: ``optim::``): not in GENERATED_PREFIXES, as a cast may produce a forward output
 AMP_PREFIX = "amp::"

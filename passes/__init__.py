@@ -11,6 +11,7 @@ from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
 from graphforge.passes.fusion import Fuse
 from graphforge.passes.identity_elimination import IdentityElimination
+from graphforge.passes.kv_cache import KvCache
 from graphforge.passes.lora import Lora
 from graphforge.passes.loss import Loss
 from graphforge.passes.mixed_precision import MixedPrecision
@@ -30,6 +31,7 @@ REGISTRY = PassRegistry(
         AllReduce,
         Autodiff,
         VectorJacobian,
+        KvCache,
         Lora,
         Loss,
         SGD,
@@ -66,6 +68,7 @@ __all__ = [
     "FoldConstants",
     "Fuse",
     "IdentityElimination",
+    "KvCache",
     "Lamb",
     "Lora",
     "Loss",
