@@ -84,7 +84,8 @@ class KvCache(Pass):
         if not ranges:
             raise PassError(
                 f"no Range counting the new tokens (from axis 1 of {IDS!r}) was found: "
-                "the positions and the causal mask cannot be offset by the cache's length"
+                "the positions and the causal mask cannot be offset by the cache's length (a dynamo export "
+                "counts them from the attention mask's length: export with dynamo=False)"
             )
         ones = [] if MASK in inputs else ones_like_ids(graph, ids)
         if MASK not in inputs and not ones:

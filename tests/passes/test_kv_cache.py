@@ -9,6 +9,7 @@ attention's export, and the refusals."""
 from __future__ import annotations
 
 import json
+import shlex
 import warnings
 from pathlib import Path
 
@@ -17,9 +18,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _pages import page_block
+from typer.testing import CliRunner
 
 import graphforge
 from graphforge import roles
+from graphforge.cli import app
 from graphforge.errors import GraphforgeError
 
 torch = pytest.importorskip("torch")
@@ -257,3 +261,27 @@ def test_refuses_a_forward_without_attention(model, message):
     with pytest.raises(GraphforgeError) as caught:
         graphforge.compile(model, "kv_cache")
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+# --------------------------------------------------------------------------- the page
+
+
+def test_the_pages_blocks_run_as_written(tmp_path, monkeypatch, capsys):
+    """docs/guides/kv-cache.md in a fresh folder: the export, the command that writes the
+    decoding model (run in this process: the CLI's own start-up is tested elsewhere), and the
+    greedy loop, whose tokens are those of recomputing the prefix."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(page_block(PAGE, "python", "torch.onnx.export"), PAGE, "exec", dont_inherit=True), namespace)
+    program, *args = shlex.split(page_block(PAGE, "sh", "-p kv_cache"))
+    assert program == ".venv/bin/graphforge"
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    loop: dict = {}
+    exec(compile(page_block(PAGE, "python", "ort.InferenceSession"), PAGE, "exec", dont_inherit=True), loop)
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    ids = loop["ids"]
+    expected, _ = greedy_recomputed(onnx.load("llama.onnx"), ids, np.ones_like(ids), 5)
+    assert printed == str(expected[0].tolist())
