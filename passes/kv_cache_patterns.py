@@ -66,7 +66,7 @@ def attention_layers(graph: gs.Graph) -> list[AttentionLayer]:
 
 
 def attention_at(softmax: gs.Node, layer: int) -> AttentionLayer:
-    where = f"layer {layer} (Softmax {softmax.name!r})"
+    where = f"layer {layer} (Softmax {softmax.name!r})" if softmax.name else f"layer {layer} (an unnamed Softmax)"
     axis = softmax.attrs.get("axis", -1)
     if axis not in (-1, 3):
         raise AttentionNotRecognized(f"{where}: expected a Softmax over the last axis of [batch, heads, q, k]")

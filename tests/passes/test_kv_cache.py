@@ -3,7 +3,7 @@ Qwen2 with grouped-query attention, Mistral, Phi), exported by torch's TorchScri
 eager attention and an attention_mask input: the decoding model's prefill logits are the
 forward's, and a greedy decode with the cache gives the tokens and the logits of recomputing the
 prefix with the forward (a batch of two, one row left-padded), and transformers' own greedy
-``generate`` tokens. Then a forward without a mask input (GPT-2 making ones like the ids), SDPA
+``generate`` tokens and logits. Then a forward without a mask input (GPT-2 making ones like the ids), SDPA
 attention's export, and the refusals."""
 
 from __future__ import annotations
@@ -190,15 +190,19 @@ def test_cached_decode_is_the_recomputed_one(exports, family):
 
 
 def test_tokens_are_transformers_greedy_generate(exports):
-    """Qwen2 (one kv head for four query heads): the cached decode's tokens are those of
-    transformers' greedy ``generate`` on the torch model itself."""
+    """Qwen2 (one kv head for four query heads): the cached decode's tokens and each step's
+    logits are those of transformers' greedy ``generate`` on the torch model itself, the
+    left-padded row too (transformers counts its positions as the export does)."""
     module, _, decoder = exports("qwen2")
-    ids, mask = prompt(pad=0)
-    tokens, _ = greedy_cached(decoder, ids, mask, STEPS)
+    ids, mask = prompt()
+    tokens, logits = greedy_cached(decoder, ids, mask, STEPS)
     with torch.no_grad():
         made = module.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                               max_new_tokens=STEPS, do_sample=False, pad_token_id=0)  # fmt: skip
-    np.testing.assert_array_equal(tokens, made[:, PROMPT:].numpy())
+                               max_new_tokens=STEPS, do_sample=False, pad_token_id=0, output_logits=True,
+                               return_dict_in_generate=True)  # fmt: skip
+    np.testing.assert_array_equal(tokens, made.sequences[:, PROMPT:].numpy())
+    for step in range(STEPS):
+        np.testing.assert_allclose(logits[step][:, -1], made.logits[step].numpy(), rtol=0, atol=ATOL)
 
 
 def test_a_forward_without_a_mask_input(transformer_path):
@@ -250,7 +254,7 @@ no_attention (int64[B, T] input_ids) => (float[B, T, 8] logits)
         (models.parse(NO_ATTENTION.replace("{op}", "Relu")), "no attention found: the graph has no Softmax"),
         (
             models.parse(NO_ATTENTION.replace("{op}", "Softmax")),
-            "layer 0 (Softmax ''): expected exactly one MatMul Q·Kᵀ of two activations",
+            "layer 0 (an unnamed Softmax): expected exactly one MatMul Q·Kᵀ of two activations",
         ),
         (models.tanh_mlp(), "expected the token ids as the input 'input_ids'; the inputs: x"),
     ],
