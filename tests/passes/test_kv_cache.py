@@ -16,9 +16,11 @@ from pathlib import Path
 import models
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 from _pages import page_block
+from graphforge.passes.kv_cache_patterns import cache_point, ones_like_ids, sequence_ranges
 from typer.testing import CliRunner
 
 import graphforge
@@ -229,6 +231,52 @@ def test_a_model_with_its_cache_is_left_as_it_is(exports):
     assert [i.name for i in result.model.graph.input] == [i.name for i in decoder.graph.input]
     assert len(result.model.graph.node) == len(decoder.graph.node)
     assert result.records[0].note == "the model has cache inputs already: left as it is"
+
+
+# --------------------------------------------------------------------------- the patterns alone
+
+#: the pieces the pass follows, alone: GPT-2's Kᵀ (a [B, T, h, d] reshape transposed to
+#: [B, h, d, T], scaled), Llama's repeated Kᵀ (Unsqueeze, Expand, Reshape, Transpose), and the
+#: Ranges over the ids' length, the batch and the mask's length, and a mask of ones like the ids
+PIECES = """
+<ir_version: 8, opset_import: ["" : 17]>
+pieces (int64[B, T] input_ids, int64[B, S] attention_mask, float[B, T, 8] x, float[B, 2, T, 4] k)
+    => (float[B, 2, 4, T] gpt2_k, float[B, 4, 4, T] gqa_k, int64[T] positions, int64[B] batch, int64[S] keys,
+        int64[B, T] ones)
+<int64[4] heads = {0, 0, 2, 4}, int64[5] spread = {1, 1, 2, 1, 1}, int64[4] merged = {0, 4, -1, 4},
+ int64[1] at2 = {2}, float scale = {0.5}, int64 zero = {0}, int64 one = {1}>
+{
+    k3 = Reshape(x, heads)
+    kt = Transpose <perm = [0, 2, 3, 1]> (k3)
+    gpt2_k = Mul(kt, scale)
+    u = Unsqueeze(k, at2)
+    e = Expand(u, spread)
+    r = Reshape(e, merged)
+    gqa_k = Transpose <perm = [0, 1, 3, 2]> (r)
+    ids_shape = Shape(input_ids)
+    length = Gather <axis = 0> (ids_shape, one)
+    positions = Range(zero, length, one)
+    rows = Gather <axis = 0> (ids_shape, zero)
+    batch = Range(zero, rows, one)
+    mask_shape = Shape(attention_mask)
+    mask_length = Gather <axis = 0> (mask_shape, one)
+    keys = Range(zero, mask_length, one)
+    ones = ConstantOfShape <value = int64[1] {1}> (ids_shape)
+}
+"""
+
+
+def test_the_patterns_alone():
+    """K is followed up to what the layer computed, its axes tracked through the transposes and
+    the grouped-query repeat; of three Ranges only the ids' length's counts the new tokens."""
+    graph = gs.import_onnx(models.parse(PIECES))
+    tensors = graph.tensors()
+    gpt2, gqa = cache_point(tensors["gpt2_k"], "bhdt"), cache_point(tensors["gqa_k"], "bhdt")
+    assert (gpt2.tensor.name, gpt2.axes) == ("k3", "bthd")
+    assert (gqa.tensor.name, gqa.axes) == ("k", "bhtd")
+    ids = tensors["input_ids"]
+    assert [n.outputs[0].name for n in sequence_ranges(graph, ids)] == ["positions"]
+    assert [n.outputs[0].name for n in ones_like_ids(graph, ids)] == ["ones"]
 
 
 # --------------------------------------------------------------------------- refusals
