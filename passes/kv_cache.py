@@ -36,8 +36,9 @@ CACHE_AXES = "bhtd"
 
 @dataclass(frozen=True)
 class KvCache(Pass):
-    """Write a causal LM's decoding model: past keys and values in, present out, the new
-    tokens' positions offset by the cache's length.
+    """Write a causal LM's decoding model from its forward: past keys and values in, present out.
+
+    The new tokens' positions are offset by the cache's length.
 
     1. A model with cache inputs already (``past_key_values.*``) is left as it is, and the
        note says so.
