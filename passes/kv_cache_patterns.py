@@ -62,10 +62,10 @@ def attention_layers(graph: gs.Graph) -> list[AttentionLayer]:
         raise AttentionNotRecognized(
             "no attention found: the graph has no Softmax (expected Softmax(Q·Kᵀ + mask)·V in each layer)"
         )
-    return [attention_at(n, layer) for layer, n in enumerate(softmaxes)]
+    return [attention_at(n, layer, graph.opset) for layer, n in enumerate(softmaxes)]
 
 
-def attention_at(softmax: gs.Node, layer: int) -> AttentionLayer:
+def attention_at(softmax: gs.Node, layer: int, opset: int | None = None) -> AttentionLayer:
     where = f"layer {layer} (Softmax {softmax.name!r})" if softmax.name else f"layer {layer} (an unnamed Softmax)"
     axis = softmax.attrs.get("axis", -1)
     if axis not in (-1, 3):
@@ -78,8 +78,8 @@ def attention_at(softmax: gs.Node, layer: int) -> AttentionLayer:
     values = _values_product(softmax)
     if values is None:
         raise AttentionNotRecognized(f"{where}: expected its probabilities to be the first input of a MatMul with V")
-    key = cache_point(scores.inputs[1], "bhdt")
-    value = cache_point(values.inputs[1], "bhtd")
+    key = cache_point(scores.inputs[1], "bhdt", opset)
+    value = cache_point(values.inputs[1], "bhtd", opset)
     for name, point in (("K", key), ("V", value)):
         if sorted(point.axes) != sorted("bhtd") or is_constant(point.tensor) or not point.tensor.inputs:
             raise AttentionNotRecognized(
@@ -133,9 +133,10 @@ def _values_product(softmax: gs.Node) -> gs.Node | None:
         t = node.outputs[0]
 
 
-def cache_point(t: gs.Tensor, axes: str) -> CachePoint:
+def cache_point(t: gs.Tensor, axes: str, opset: int | None = None) -> CachePoint:
     """Walk up from a product's operand (its axes ``axes``) through transposes, casts, scaling
-    by a constant and the grouped-query repeat to the K or V the layer computed."""
+    by a constant (with ``opset``, a constant expression too: an unfolded export's
+    Cast(Sqrt(c))) and the grouped-query repeat to the K or V the layer computed."""
     while (node := producer(t)) is not None:
         if node.op == "Transpose" and len(axes) == len(node.attrs.get("perm", ())):
             before = [""] * len(axes)
@@ -144,7 +145,7 @@ def cache_point(t: gs.Tensor, axes: str) -> CachePoint:
             t, axes = node.inputs[0], "".join(before)
         elif node.op in ("Cast", "Identity"):
             t = node.inputs[0]
-        elif (scaled := _scaled_by_constant(node)) is not None:
+        elif (scaled := _scaled_by_constant(node, opset)) is not None:
             t = scaled
         elif axes == "bhtd" and (repeated := _repeated_heads(node)) is not None:
             t = repeated
@@ -153,14 +154,14 @@ def cache_point(t: gs.Tensor, axes: str) -> CachePoint:
     return CachePoint(t, axes)
 
 
-def _scaled_by_constant(node: gs.Node) -> gs.Tensor | None:
+def _scaled_by_constant(node: gs.Node, opset: int | None) -> gs.Tensor | None:
     """x for Mul(x, c), Mul(c, x) or Div(x, c) with c a constant scalar."""
     if node.op not in ("Mul", "Div") or len(node.inputs) != 2:
         return None
     for i, (x, c) in enumerate((node.inputs, node.inputs[::-1])):
         if node.op == "Div" and i == 1:
             break
-        value = constant_value(c)
+        value = constant_value(c, opset)
         if value is not None and value.size == 1 and not is_constant(x):
             return x
     return None

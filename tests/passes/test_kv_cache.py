@@ -3,8 +3,8 @@ Qwen2 with grouped-query attention, Mistral, Phi), exported by torch's TorchScri
 eager attention and an attention_mask input: the decoding model's prefill logits are the
 forward's, and a greedy decode with the cache gives the tokens and the logits of recomputing the
 prefix with the forward (a batch of two, one row left-padded), and transformers' own greedy
-``generate`` tokens and logits. Then a forward without a mask input (GPT-2 making ones like the ids), SDPA
-attention's export, and the refusals."""
+``generate`` tokens and logits. Then forwards without a mask input (GPT-2 and tests/models.py's
+SDPA Llama, making ones like the ids), the patterns alone, and the refusals."""
 
 from __future__ import annotations
 
@@ -107,9 +107,10 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def greedy_cached(decoder: onnx.ModelProto, ids: np.ndarray, mask: np.ndarray | None, steps: int):
-    """Greedy tokens [B, steps], the prefill's logits and each new token's, the cache carried
-    from step to step (prefill with empty past tensors)."""
+def greedy_cached(decoder: onnx.ModelProto, ids: np.ndarray, mask: np.ndarray | None, steps: int, vocab: int = -1):
+    """Greedy tokens [B, steps], the prefill's logits and each new token's ([B, T, V]; the
+    model's vocabulary axis is ``vocab``), the cache carried from step to step (prefill with
+    empty past tensors)."""
     run = session(decoder)
     inputs = {i.name: i for i in run.get_inputs()}
     outputs = [o.name for o in run.get_outputs()]
@@ -121,8 +122,8 @@ def greedy_cached(decoder: onnx.ModelProto, ids: np.ndarray, mask: np.ndarray | 
         if mask is not None:
             feeds["attention_mask"] = mask
         result = dict(zip(outputs, run.run(outputs, feeds), strict=True))
-        logits.append(result["logits"])
-        new = result["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+        logits.append(np.moveaxis(result["logits"], vocab, -1))
+        new = logits[-1][:, -1].argmax(-1)[:, None].astype(np.int64)
         tokens.append(new)
         feeds = {n.replace("present.", "past_key_values."): v for n, v in result.items() if n.startswith("present.")}
         if mask is not None:
@@ -130,13 +131,13 @@ def greedy_cached(decoder: onnx.ModelProto, ids: np.ndarray, mask: np.ndarray | 
     return np.concatenate(tokens[:steps], axis=1), logits
 
 
-def greedy_recomputed(forward: onnx.ModelProto, ids: np.ndarray, mask: np.ndarray | None, steps: int):
+def greedy_recomputed(forward: onnx.ModelProto, ids: np.ndarray, mask: np.ndarray | None, steps: int, vocab: int = -1):
     """The same, the forward run over the whole prefix at every step."""
     run = session(forward)
     tokens, logits = [], []
     for step in range(steps + 1):
         feeds = {"input_ids": ids} if mask is None else {"input_ids": ids, "attention_mask": mask}
-        out = run.run(["logits"], feeds)[0]
+        out = np.moveaxis(run.run(["logits"], feeds)[0], vocab, -1)
         logits.append(out if step == 0 else out[:, -1:])
         new = out[:, -1].argmax(-1)[:, None].astype(np.int64)
         tokens.append(new)
@@ -155,9 +156,9 @@ def prompt(rows: int = BATCH, pad: int = PAD) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-def assert_same_decode(forward, decoder, ids, mask, steps: int = STEPS) -> np.ndarray:
-    cached, cached_logits = greedy_cached(decoder, ids, mask, steps)
-    recomputed, recomputed_logits = greedy_recomputed(forward, ids, mask, steps)
+def assert_same_decode(forward, decoder, ids, mask, steps: int = STEPS, vocab: int = -1) -> np.ndarray:
+    cached, cached_logits = greedy_cached(decoder, ids, mask, steps, vocab)
+    recomputed, recomputed_logits = greedy_recomputed(forward, ids, mask, steps, vocab)
     for step, (a, b) in enumerate(zip(cached_logits, recomputed_logits, strict=True)):
         np.testing.assert_allclose(a, b, rtol=0, atol=ATOL, err_msg=f"step {step}'s logits")
     np.testing.assert_array_equal(cached, recomputed)
@@ -217,12 +218,16 @@ def test_a_forward_without_a_mask_input(transformer_path):
     assert_same_decode(forward, decoder, ids, None)
 
 
-def test_sdpa_attention_exports_alike(tmp_path):
-    """transformers' SDPA attention exported by TorchScript: scaled Q and Kᵀ, and a guard
-    against NaN rows between the Softmax and ·V; Llama, one row left-padded."""
-    forward = export(hf_model("llama", "sdpa"), tmp_path / "sdpa.onnx")
+def test_the_repositorys_llama(tmp_path):
+    """tests/models.py's Llama as its builders export it: SDPA attention (scaled Q and Kᵀ, by
+    Cast(Sqrt(c)) left unfolded, and a guard against NaN rows between the Softmax and ·V),
+    input_ids alone, logits [B, V, T]."""
+    ids = torch.randint(0, models.LLAMA_VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 2: "seq"}}
+    path = models._export(models.llama_module(), (ids,), tmp_path / "llama.onnx", ["input_ids"], ["logits"], axes)
+    forward = onnx.load(str(path))
     decoder = graphforge.compile(forward, "kv_cache").model
-    assert_same_decode(forward, decoder, *prompt())
+    assert_same_decode(forward, decoder, prompt(pad=0)[0], None, vocab=1)
 
 
 def test_a_model_with_its_cache_is_left_as_it_is(exports):
