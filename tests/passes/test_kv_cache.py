@@ -301,6 +301,40 @@ no_attention (int64[B, T] input_ids) => (float[B, T, 8] logits)
 """
 
 
+def _values(*shape: int) -> str:
+    return ", ".join(f"{v:.2f}" for v in np.sin(np.arange(np.prod(shape))))
+
+
+#: one head-split attention whose positions are counted from the mask's length, as a dynamo
+#: export counts them (its sequence dims are one symbol)
+POSITIONS_FROM_THE_MASK = f"""
+<ir_version: 8, opset_import: ["" : 17]>
+attention (int64[B, T] input_ids, int64[B, T] attention_mask) => (float[B, 2, T, 4] context)
+<float[16, 8] embedding = {{{_values(16, 8)}}}, float[8, 8] w = {{{_values(8, 8)}}},
+ float[16, 4] table = {{{_values(16, 4)}}}, int64[4] heads = {{0, 0, 2, 4}}, int64[2] middle = {{1, 2}},
+ int64 zero = {{0}}, int64 one = {{1}}>
+{{
+    hidden = Gather(embedding, input_ids)
+    projected = MatMul(hidden, w)
+    x = Reshape(projected, heads)
+    q = Transpose <perm = [0, 2, 1, 3]> (x)
+    kt = Transpose <perm = [0, 2, 3, 1]> (x)
+    v = Transpose <perm = [0, 2, 1, 3]> (x)
+    mask_shape = Shape(attention_mask)
+    length = Gather <axis = 0> (mask_shape, one)
+    counted = Range(zero, length, one)
+    positions = Gather(table, counted)
+    placed = Add(q, positions)
+    products = MatMul(placed, kt)
+    mask = Cast <to = 1> (attention_mask)
+    mask4 = Unsqueeze(mask, middle)
+    scores = Add(products, mask4)
+    probabilities = Softmax <axis = -1> (scores)
+    context = MatMul(probabilities, v)
+}}
+"""
+
+
 @pytest.mark.parametrize(
     ("model", "message"),
     [
@@ -310,11 +344,13 @@ no_attention (int64[B, T] input_ids) => (float[B, T, 8] logits)
             "layer 0 (an unnamed Softmax): expected exactly one MatMul Q·Kᵀ of two activations",
         ),
         (models.tanh_mlp(), "expected the token ids as the input 'input_ids'; the inputs: x"),
+        (models.parse(POSITIONS_FROM_THE_MASK), "no Range counting the new tokens (from axis 1 of 'input_ids')"),
     ],
-    ids=["no-softmax", "softmax-of-logits", "no-token-ids"],
+    ids=["no-softmax", "softmax-of-logits", "no-token-ids", "positions-from-the-mask"],
 )
-def test_refuses_a_forward_without_attention(model, message):
-    """One line naming what was expected (and the layer's Softmax); generation then recomputes."""
+def test_refuses_what_it_does_not_recognize(model, message):
+    """One line naming what was expected (and the layer's Softmax, or the Range it looked for); generation
+    then recomputes the prefix."""
     with pytest.raises(GraphforgeError) as caught:
         graphforge.compile(model, "kv_cache")
     assert message in str(caught.value) and "\n" not in str(caught.value)
