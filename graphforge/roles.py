@@ -68,6 +68,9 @@ LORA = "graphforge.lora"
 #: scale per ``block`` rows (``scale``), read through DequantizeLinear; ``shape``: the float weight's,
 #: ``transposed``: stored as its transpose (a torch Linear's [out, in])
 QUANTIZED = "graphforge.quantized"
+#: JSON: the kv_cache pass's decoding model (passes/kv_cache.py): {"layers": [{"kv_heads", "head_dim"}, ...]},
+#: layer i's cache being the inputs past_key_values.{i}.key/.value and the outputs present.{i}.key/.value
+KV_CACHE = "graphforge.kv_cache"
 
 #: suffix of the output that replaces a carried input after a step: ``P`` -> ``P_next``
 NEXT_SUFFIX = "_next"
@@ -89,6 +92,8 @@ LORA_PREFIX = "lora::"
 #: not in GENERATED_PREFIXES; a session gives each DequantizeLinear its own inputs (onnxruntime fuses
 #: only a DequantizeLinear that alone reads its initializers into MatMulNBits)
 QUANT_PREFIX = "quant::"
+#: the kv_cache pass's nodes (the cache's concatenations, the positions' offsets): forward nodes
+KV_CACHE_PREFIX = "kv_cache::"
 #: the casts of the mixed_precision pass (precision.convert), and its loss scaling (under
 #: ``optim::``): not in GENERATED_PREFIXES, as a cast may produce a forward output
 AMP_PREFIX = "amp::"

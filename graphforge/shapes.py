@@ -114,7 +114,7 @@ def relate_dims(model: Model, proto: onnx.ModelProto | None = None) -> int:
     proto = model.to_proto(values=False) if proto is None else proto
     if any(True for _ in subgraphs_of(proto.graph.node)):  # inner names may repeat from body to body
         return 0
-    shapes = _symbolic_shapes(proto)
+    shapes = symbolic_shapes(proto)
     if not shapes:
         return 0
     inputs = {d for t in model.graph.inputs for d in (t.shape or ()) if isinstance(d, str)}
@@ -146,7 +146,7 @@ def _unknown(dim) -> bool:
     return dim is None or (isinstance(dim, int) and dim < 0)
 
 
-def _symbolic_shapes(proto: onnx.ModelProto) -> dict[str, list] | None:
+def symbolic_shapes(proto: onnx.ModelProto) -> dict[str, list] | None:
     """Each value's shape as onnxruntime's symbolic shape inference finds it (int, str, or None
     per dim), or None when it cannot run. Its class is driven step by step as its own
     ``infer_shapes`` does, less the file that writes into the working folder when a value

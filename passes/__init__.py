@@ -11,6 +11,7 @@ from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
 from graphforge.passes.fusion import Fuse
 from graphforge.passes.identity_elimination import IdentityElimination
+from graphforge.passes.kv_cache import KvCache
 from graphforge.passes.lora import Lora
 from graphforge.passes.lora_merge import LoraMerge
 from graphforge.passes.loss import Loss
@@ -32,6 +33,7 @@ REGISTRY = PassRegistry(
         AllReduce,
         Autodiff,
         VectorJacobian,
+        KvCache,
         Lora,
         LoraMerge,
         QuantizeFrozen,
@@ -70,6 +72,7 @@ __all__ = [
     "FoldConstants",
     "Fuse",
     "IdentityElimination",
+    "KvCache",
     "Lamb",
     "Lora",
     "LoraMerge",
