@@ -170,7 +170,10 @@ def write_peft(folder: str | os.PathLike, config: dict, weights: Mapping[str, tu
     }
     data = save_safetensors(tensors, metadata={"format": "pt"})
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PassError(f"{folder}: cannot make the folder ({exc.strerror})") from None
     write_atomically(folder / WEIGHTS, data)
     write_atomically(folder / CONFIG, text.encode())
     return folder

@@ -188,12 +188,26 @@ class Axes:
                     f"{node.op} node {node.name!r} reads {t.name!r}, which varies along the split axis and is not split"
                 )
         source = next(t for t in inside if len(out) - len(self._shape(t, node)) + self.axis[t.name] == b)
+        self._same_sections(node, inside)
         if self._shape(source, node)[self.axis[source.name]] != out[b]:
             raise Unsplittable(f"{node.op} node {node.name!r} broadcasts the split axis")
         for o in node.outputs:
             if not o.is_empty() and o.outputs and o.name != node.outputs[0].name:
                 raise Unsplittable(f"{node.op} node {node.name!r}'s second output is read")
         self._set(node.outputs[0], b, source)
+
+    def _same_sections(self, node: gs.Node, inside: list[gs.Tensor]) -> None:
+        """Two split tensors combined elementwise are cut alike: a projection's output summed with
+        one cut in sections (a low-rank adapter's B·(x·Aᵀ) added to a fused QKV's product) takes
+        the same sections (NeedsSections), else each member's part would hold other elements."""
+        cuts = {self.sections[t.name] for t in inside}
+        if len(cuts) == 1:
+            return
+        fused = [c for c in cuts if len(c) > 1]
+        whole = [t for t in inside if len(self.sections[t.name]) == 1 and t.name in self.origin]
+        if len(fused) == 1 and whole:
+            raise NeedsSections(self.origin[whole[0].name], fused[0])
+        raise Unsplittable(f"{node.op} node {node.name!r} combines tensors cut in different sections")
 
     def _rearranged(self, node: gs.Node, a: int) -> None:
         data = node.inputs[0]

@@ -161,6 +161,8 @@ def export_peft(
     modules named as the export recorded them) and ``adapter_config.json`` (``base_model``
     and ``task_type`` recorded there where given), with ``checkpoint``'s trained values.
     ``peft.PeftModel.from_pretrained(base, out)`` loads them onto the torch model."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise GraphforgeError(f"--adapters peft: {out} is a file, not a folder")
     proto = load(program)
     lora = _adapters(proto, program, "peft", "float32")
     values, step, checkpoint_path = _trained_values(proto, checkpoint)

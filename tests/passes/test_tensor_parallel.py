@@ -104,6 +104,25 @@ def test_the_members_run_as_a_group_compute_the_whole_model(source, size, gpt2_f
     np.testing.assert_allclose(_group_run(members, feeds, output), whole, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:tensor_parallel")  # the LM head, under no loss here, stays whole
+def test_a_fused_qkv_projection_s_adapter_is_split_by_its_sections(gpt2_four_heads):
+    """GPT-2's fused c_attn under the lora pass: the adapter's B ([3·hidden, r]) is cut as the
+    weight is, each member taking its part of the Q, K and V sections (a contiguous half would
+    give member 0 all of Q's rows of B and half of K's); the members, run as a group, compute
+    the adapted model's logits with nonzero adapters."""
+    adapted = graphforge.compile(onnx.load(gpt2_four_heads), "lora(r=2, alpha=4, targets=[c_attn])").model
+    rng = np.random.default_rng(0)
+    for t in adapted.graph.initializer:
+        if ".lora_" in t.name:
+            t.CopyFrom(numpy_helper.from_array((0.3 * rng.standard_normal(tuple(t.dims))).astype(np.float32), t.name))
+    role = _role(graphforge.compile(adapted, "tensor_parallel(size=2)").model)
+    assert role["sections"]["inner.transformer.h.0.attn.c_attn.lora_B.weight"] == [32, 32, 32]
+    feeds = {"input_ids": rng.integers(0, 64, (2, 8))}
+    members = [graphforge.compile(adapted, f"tensor_parallel(size=2, rank={r})").model for r in range(2)]
+    want = models.run(adapted, feeds)["logits"]
+    np.testing.assert_allclose(_group_run(members, feeds, "logits"), want, rtol=1e-4, atol=1e-5)
+
+
 #: how the group reduces each marker's input
 _REDUCTIONS = {"TensorParallelReduce": np.add.reduce, "TensorParallelMax": np.maximum.reduce}
 

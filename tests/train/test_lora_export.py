@@ -289,3 +289,16 @@ def test_the_export_guides_adapter_blocks_run(tmp_path, monkeypatch, capsys):
     x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
     np.testing.assert_allclose(models.run("merged.onnx", {"x": x})["logits"],
                                models.run("program-merged.onnx", {"x": x})["logits"], rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+def test_the_peft_folder_on_a_file_is_refused_in_one_line_and_the_file_kept(tmp_path, monkeypatch, capsys):
+    graphforge.save(graphforge.compile(models.tanh_mlp(), "lora(r=2, targets=[w1]), loss(kind=mse, output=y), "
+                                       "autodiff, sgd").model, tmp_path / "program.onnx")  # fmt: skip
+    (tmp_path / "taken").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["graphforge", "export", "program.onnx", "--adapters", "peft", "-o", "taken"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --adapters peft: taken is a file, not a folder"
+    assert (tmp_path / "taken").read_text() == "mine"
