@@ -232,6 +232,8 @@ def write_artifacts(
     ``graphforge.frozen`` role: what ``autodiff``'s patterns, torch's ``requires_grad=False``
     or the lora pass froze); ``generate_artifacts`` gives its ``frozen_params`` alone, as
     onnxruntime-training keeps a parameter it names in neither list a constant of the models."""
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise GraphforgeError(f"{folder} is a file, not a folder: artifacts are written into a folder")
     proto = (
         program.to_proto()
         if isinstance(program, Model)

@@ -270,6 +270,10 @@ def test_what_cannot_be_written_is_one_clear_error(tmp_path):
     program = graphforge.compile(DIGITS, PIPELINE).model
     with pytest.raises(GraphforgeError, match="additional output 'nope' is no output of the program"):
         write_artifacts(program, tmp_path / "x", outputs=["nope"])
+    (tmp_path / "taken").write_text("kept")
+    with pytest.raises(GraphforgeError, match="taken is a file, not a folder"):
+        write_artifacts(program, tmp_path / "taken")
+    assert (tmp_path / "taken").read_text() == "kept"
     model = onnx.load(DIGITS)
     for keyword, message in (
         ({"ort_format": True}, "ort_format=True"),
