@@ -185,9 +185,12 @@ class Builder:
         return self.op("Transpose", x, perm=perm)
 
     def cast(self, x, dtype) -> gs.Tensor:
+        """``x`` as ``dtype``: a NumPy type, or an ONNX enum (onnx-graphsurgeon's for the types
+        NumPy lacks, e.g. bfloat16)."""
         from onnx import helper
 
-        return self.op("Cast", x, to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        to = int(dtype) if isinstance(dtype, int | np.integer) else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        return self.op("Cast", x, to=to)
 
     def cast_like(self, x, like: gs.Tensor) -> gs.Tensor:
         """``x`` cast to ``like``'s type: a Cast where that type is known, so that the run

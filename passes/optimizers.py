@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from graphforge import roles
@@ -215,7 +216,15 @@ class _Optimizer(Pass):
 
 
 def _spec(name: str, like: gs.Tensor, role: str, init: str, owner: str | None) -> CarriedSpec:
-    return CarriedSpec(name, roles.next_name(name), role, np.dtype(like.dtype).name, tuple(like.shape), init, owner)
+    try:
+        dtype = np.dtype(like.dtype).name
+    except TypeError:  # onnx-graphsurgeon keeps the types NumPy lacks as ONNX enums
+        kind = onnx.helper.tensor_dtype_to_string(int(like.dtype)).removeprefix("TensorProto.").lower()
+        raise PassError(
+            f"parameter {like.name!r} is {kind}: the optimizers update float32, float16 and float64 parameters "
+            "(to compute in bfloat16, keep float32 parameters and add mixed_precision(dtype=bfloat16))"
+        ) from None
+    return CarriedSpec(name, roles.next_name(name), role, dtype, tuple(like.shape), init, owner)
 
 
 def _counters(program: _Program) -> _Counters:

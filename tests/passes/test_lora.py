@@ -442,6 +442,8 @@ def test_bfloat16_adapters_are_stored_as_bfloat16():
         TensorProto.BFLOAT16,
     ]
     assert ProgramRoles.read(program).lora[0].dtype == "bfloat16"
+    with pytest.raises(GraphforgeError, match=r"parameter 'w1\.lora_A\.weight' is bfloat16: the optimizers update"):
+        _mlp_program("lora(r=2, targets=[w1], dtype=bfloat16), loss(kind=mse, output=y), autodiff, adamw")
 
 
 def test_the_roles_and_the_note():
