@@ -34,6 +34,7 @@ import time
 START = time.perf_counter()  # a side's clock starts before its imports
 
 import os  # noqa: E402
+import re  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -71,20 +72,21 @@ QUICK = train_bench.Spec(
     steps=5,
     warmup=1,
 )
-#: graphforge's bases: (label, the passes between lora and the loss)
-BASES = [
-    ("float32", ""),
-    ("int8", "quantize_frozen(bits=8, block=32), "),
-    ("int4", "quantize_frozen(bits=4, block=32), "),
+#: graphforge's rows: (label, the passes between lora and the loss, the passes after the optimizer)
+ROWS = [
+    ("float32 base", "", ""),
+    ("int8 base", "quantize_frozen(bits=8, block=32), ", ""),
+    ("int4 base", "quantize_frozen(bits=4, block=32), ", ""),
+    ("int4 base, recompute(level=1)", "quantize_frozen(bits=4, block=32), ", ", recompute(level=1)"),
 ]
 TIMEOUT_S = 3600
 
 
-def pipeline(between: str) -> str:
+def pipeline(between: str, after: str) -> str:
     lr, (b1, b2), eps, wd = train_bench.LR, train_bench.BETAS, train_bench.EPS, train_bench.WEIGHT_DECAY
     return (
         f"lora(r={R}, alpha={ALPHA}), {between}loss(kind=cross_entropy, output=logits), autodiff, "
-        f"adamw(lr={lr}, beta1={b1}, beta2={b2}, eps={eps}, weight_decay={wd})"
+        f"adamw(lr={lr}, beta1={b1}, beta2={b2}, eps={eps}, weight_decay={wd}){after}"
     )
 
 
@@ -94,8 +96,9 @@ def quantization_available() -> bool:
     return "quantize_frozen" in REGISTRY
 
 
-def prepare(spec: train_bench.Spec, folder: Path) -> tuple[Path, dict[str, tuple[Path, float]]]:
-    """The batches file, and per base its compiled program with the seconds its export and compile took."""
+def prepare(spec: train_bench.Spec, folder: Path) -> dict:
+    """The batches file, and per row its compiled program with the seconds its export and
+    compile took (run in a process of its own: the parent stays small while the sides run)."""
     import torch
 
     import graphforge
@@ -127,15 +130,15 @@ def prepare(spec: train_bench.Spec, folder: Path) -> tuple[Path, dict[str, tuple
         graphforge.save(graphforge.load(str(partial)), model)  # (the loader lowers onnx's IR for onnxruntime)
     exported = time.perf_counter() - started
     programs = {}
-    for label, between in BASES:
+    for label, between, after in ROWS:
         if between and not quantization_available():
             continue
-        path = folder / f"program-{label}.onnx"
+        path = folder / f"program-{re.sub(r'[^a-z0-9]+', '-', label)}.onnx"
         started = time.perf_counter()
         if not path.exists():
-            graphforge.save(graphforge.compile(str(model), pipeline(between)).model, path)
-        programs[label] = (path, exported + time.perf_counter() - started)
-    return batches, programs
+            graphforge.save(graphforge.compile(str(model), pipeline(between, after)).model, path)
+        programs[label] = (str(path), exported + time.perf_counter() - started)
+    return {"batches": str(batches), "programs": programs}
 
 
 # --------------------------------------------------------------------------- the sides (child processes)
@@ -187,11 +190,22 @@ def _peft_side(job: dict, folder: Path):
     return step, trainable, checkpoint
 
 
+def _resident_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def child(job: dict) -> dict:
+    if job["side"] == "prepare":
+        return prepare(train_bench.Spec(**job["spec"]), Path(job["folder"]))
     os.environ["OMP_NUM_THREADS"] = str(job["threads"])
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         side = _peft_side if job["side"] == "peft" else _graphforge_side
         step, trainable, checkpoint = side(job, Path(tmp))
+        built_mib = _resident_mib()  # the model (and session) before any step
         batches = _batches(job["batches"])
         losses = [float(step(*batches[0]))]
         first_step_s = time.perf_counter() - START
@@ -202,6 +216,8 @@ def child(job: dict) -> dict:
             "first_step_s": first_step_s,
             "step_s": statistics.median(times),
             "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "built_mib": built_mib,
+            "load": (load, os.getloadavg()[0]),
             "checkpoint_bytes": checkpoint(),
             "trainable": int(trainable),
         }
@@ -215,13 +231,15 @@ def run(quick: bool = False) -> str:
     threads = helpers.usable_cores()
     folder = CACHE / ("quick" if quick else "full")
     print(f"  {spec.label}: export and compile", flush=True)
-    batches, programs = prepare(spec, folder)
-    common = {"spec": spec.__dict__, "batches": str(batches), "threads": threads, "steps": spec.steps}
+    prepared = train_bench.run_child(
+        __file__, {"side": "prepare", "spec": spec.__dict__, "folder": str(folder)}, timeout=TIMEOUT_S
+    )
+    programs = prepared["programs"]
+    common = {"spec": spec.__dict__, "batches": prepared["batches"], "threads": threads, "steps": spec.steps}
     common["check"] = 1 + spec.warmup
     results: dict[str, dict] = {}
     for label, job in [("torch eager + PEFT", {"side": "peft"})] + [
-        (f"graphforge, {base} base", {"side": "graphforge", "program": str(path)})
-        for base, (path, _) in programs.items()
+        (f"graphforge, {row}", {"side": "graphforge", "program": path}) for row, (path, _) in programs.items()
     ]:
         print(f"  {label}", flush=True)
         try:
@@ -240,24 +258,28 @@ def report(spec: train_bench.Spec, threads: int, results: dict[str, dict], prepa
         f"onnxruntime {helpers.version('onnxruntime')}. Median of {spec.steps} timed steps after "
         f"{1 + spec.warmup} untimed ones.",
         "",
-        "| side | trainable | tokens/s | × PEFT | peak memory | × PEFT | first step after start | checkpoint |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| side | trainable | tokens/s | × PEFT | peak memory | × PEFT | before the first step "
+        "| first step after start | checkpoint | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in results.items():
         if "error" in r:
-            lines.append(f"| {label} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {label} | failed: {r['error']} | | | | | | | | |")
             continue
         speed, peak = tokens / r["step_s"], r["peak_mib"]
         ratio = "" if "error" in peft else f"{speed * peft['step_s'] / tokens:.2f}×"
         memory = "" if "error" in peft else f"{peak / peft['peak_mib']:.2f}×"
         lines.append(
             f"| {label} | {r['trainable']:,} | {speed:,.1f} | {ratio} | {peak / 1024:.2f} GiB | {memory} "
-            f"| {r['first_step_s']:.1f} s | {r['checkpoint_bytes'] / 2**20:.1f} MiB |"
+            f"| {r['built_mib'] / 1024:.2f} GiB | {r['first_step_s']:.1f} s | {r['checkpoint_bytes'] / 2**20:.1f} MiB "
+            f"| {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
         )
     lines += ["", train_bench.first_losses("first steps", results)]
     lines += [
         "- graphforge's export and compile, once before its runs: "
-        + ", ".join(f"{k} base {s:.0f} s" for k, s in prepare_s.items()),
+        + ", ".join(f"{k} {s:.0f} s" for k, s in prepare_s.items()),
+        "- before the first step: resident memory with the model loaded (graphforge makes its session in the first step); load: the "
+        "machine's 1-minute load average as the side started and ended (2 means both cores busy elsewhere too)",
         f"- goals: ≥ {SPEED_GOAL}× PEFT's tokens a second; peak memory ≤ {MEMORY_GOAL}× PEFT's with the int4 base",
     ]
     if len(prepare_s) == 1:
