@@ -101,7 +101,10 @@ class TensorParallel(Pass):
        summed there, the same on every member); a row projection's A ([r, in]) is split along
        its input columns as the weight, its partial x·Aᵀ summed by a g of its own (r wide),
        B staying whole (its input, and so its gradient, the same on every member). A
-       Dropout on a row adapter's input draws the member's own masks (case 4).
+       Dropout on a row adapter's input draws the member's own masks (case 4). A MatMul's
+       bias Add after the adapter's sum (the lora pass adds it to the product, before the
+       bias) is the projection's still: a column projection's bias split with its weight, a
+       row projection's added once, after the sum.
 
     It runs on the forward program, after the loss pass (to split its cross-entropy) and
     before ``autodiff`` (``with_tensor_parallel`` places it so in a pipeline).
@@ -447,6 +450,8 @@ def _axes(firsts, between, seconds, graph, shapes, size, region) -> Axes:
             for first in firsts:
                 out = first.end.outputs[0]
                 axes.start(out, cuts.get(out.name))
+                if first.adapted_add is not None:  # case 6: the bias after the adapter's sum
+                    axes.split_like(first.bias, out)
             for node in between:
                 axes.carry(node)
         except NeedsSections as need:

@@ -129,6 +129,14 @@ class Axes:
         for s in self.sections[output.name]:
             self._divisible(s, output.inputs[0], "output features")
 
+    def split_like(self, parameter: gs.Tensor, output: gs.Tensor) -> None:
+        """``parameter`` (1-D) is split as the column projection's ``output`` is, in its
+        sections: its bias, added after a low-rank adapter's sum on it."""
+        self.region.add(parameter.name)
+        self.axis[parameter.name] = len(self._shape(parameter, None)) - 1
+        self.sections[parameter.name] = self.sections[output.name]
+        self.origin[parameter.name] = self.origin[output.name]
+
     def carry(self, node: gs.Node) -> None:
         """The split axis of ``node``'s outputs, from its inputs'; Unsplittable where none can be."""
         inside = [t for t in node.inputs if t.name in self.region]

@@ -1,5 +1,6 @@
 """Projections on 2-D parameters (Linear layers as exporters write them: MatMul x·W or x·Wᵀ,
-with or without a bias Add; Gemm), which the tensor_parallel pass splits."""
+with or without a bias Add, the lora pass's sum between them; Gemm), which the tensor_parallel
+pass splits."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
+from graphforge import roles
 from graphforge.ir import is_parameter
 
 
@@ -19,6 +21,10 @@ class Projection:
     axis_in: int  # the weight's axis of input features
     bias: gs.Constant | None = None  # Gemm's C, or the parameter of the Add after a MatMul
     add: gs.Node | None = None
+    #: the bias Add after a low-rank adapter's sum on the product (the lora pass adds
+    #: y + scale·(x·Aᵀ)·Bᵀ between a MatMul and its bias Add); ``add`` is then None: the
+    #: projection's own output is the product, and the bias is added after the adapter's
+    adapted_add: gs.Node | None = None
 
     @property
     def end(self) -> gs.Node:
@@ -36,7 +42,10 @@ def projection(node: gs.Node) -> Projection | None:
             weight, axis_in = source.inputs[0], 1  # x·Wᵀ, as torch's dynamo exporter writes a Linear
         if is_parameter(weight) and len(weight.shape) == 2:
             add = _bias_add(node)
-            return Projection(node, weight, axis_in, add[0] if add else None, add[1] if add else None)
+            if add is not None:
+                return Projection(node, weight, axis_in, *add)
+            bias, adapted = _bias_add(_adapter_sum(node)) or (None, None)
+            return Projection(node, weight, axis_in, bias, adapted_add=adapted)
     if node.op == "Gemm" and not node.attrs.get("transA", 0) and len(node.inputs) >= 2:
         weight = node.inputs[1]
         bias = node.inputs[2] if len(node.inputs) > 2 else None
@@ -47,8 +56,10 @@ def projection(node: gs.Node) -> Projection | None:
     return None
 
 
-def _bias_add(node: gs.Node) -> tuple[gs.Constant, gs.Node] | None:
+def _bias_add(node: gs.Node | None) -> tuple[gs.Constant, gs.Node] | None:
     """The Add of a 1-D parameter right after a MatMul (its only reader), as exporters write a Linear's bias."""
+    if node is None:
+        return None
     out = node.outputs[0]
     if len(out.outputs) != 1 or out.outputs[0].op != "Add":
         return None
@@ -57,6 +68,15 @@ def _bias_add(node: gs.Node) -> tuple[gs.Constant, gs.Node] | None:
     if other is not None and is_parameter(other) and len(other.shape) == 1:
         return other, add
     return None
+
+
+def _adapter_sum(node: gs.Node) -> gs.Node | None:
+    """The lora pass's Add of a low-rank adapter's product to the MatMul's (its only reader), or None."""
+    out = node.outputs[0]
+    if len(out.outputs) != 1:
+        return None
+    add = out.outputs[0]
+    return add if add.op == "Add" and add.name.startswith(roles.LORA_PREFIX) else None
 
 
 def projection_ending(node: gs.Node) -> Projection | None:
@@ -75,7 +95,7 @@ def projection_ending(node: gs.Node) -> Projection | None:
 def other_readers(projection: Projection) -> list[gs.Node]:
     """The nodes reading the projection's weight or bias besides the projection itself (and
     its Transpose of the weight): what a member's slice of them would be wrong for."""
-    own = {id(projection.node), *([id(projection.add)] if projection.add is not None else [])}
+    own = {id(n) for n in (projection.node, projection.add, projection.adapted_add) if n is not None}
     others = []
     for parameter in [projection.weight, *([projection.bias] if projection.bias is not None else [])]:
         for reader in parameter.outputs:

@@ -403,9 +403,9 @@ def test_a_block_whose_weight_another_layer_shares_is_left_whole():
     assert shapes["w2"] == (4, 8) and shapes["w3"] == (4, 4) and shapes["w4"] == (4, 4)
 
 
-def _hf_export(name: str, path: Path) -> Path:
-    """A 2-layer transformers model of architecture ``name`` (random weights, biases jittered
-    apart as trained ones are), TorchScript-exported: input_ids [b, s] -> logits."""
+def _hf_export(name: str, path: Path, layers: int = 2) -> Path:
+    """A transformers model of architecture ``name`` (``layers`` layers, random weights, biases
+    jittered apart as trained ones are), TorchScript-exported: input_ids [b, s] -> logits."""
     import torch
     from transformers import (
         GPTNeoXConfig,
@@ -419,7 +419,7 @@ def _hf_export(name: str, path: Path) -> Path:
     )
 
     torch.manual_seed(0)
-    small = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "max_position_embeddings": 32}
+    small = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": layers, "max_position_embeddings": 32}
     inner = {
         "opt": lambda: OPTForCausalLM(OPTConfig(**small, ffn_dim=64, num_attention_heads=2, word_embed_proj_dim=32)),
         "gpt-neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**small, intermediate_size=64, num_attention_heads=2)),
@@ -468,6 +468,61 @@ def test_other_architectures_split_and_their_members_compute_the_whole(name, tmp
     whole = models.run(plain, feeds)
     np.testing.assert_allclose(models.run(marked, feeds)["logits"], whole["logits"], atol=1e-5)
     np.testing.assert_allclose(_group_run(members, feeds, "loss"), whole["loss"], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def phi_one_layer(tmp_path_factory) -> Path:
+    pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _hf_export("phi", tmp_path_factory.mktemp("tp-phi") / "phi.onnx", layers=1)
+
+
+def test_adapters_on_projections_with_biases_split_with_them(phi_one_layer):
+    """Phi (1 layer: its Q, K, V, dense, fc1 and fc2 MatMuls each with a bias Add, which the
+    lora pass's sum comes before) with adapters on every linear layer splits the blocks it
+    splits without them: each column projection's bias with its weight and its adapter's B,
+    the row projections' A along their inputs. With nonzero adapters the members, run as a
+    group, compute the one-process loss, logits (joined along the vocabulary) and every
+    adapter's gradient (joined from the members' slices, or the same on every member)."""
+    loss = "loss(kind=cross_entropy, output=logits)"
+    model = onnx.load(phi_one_layer)
+    adapted = graphforge.compile(model, "lora(r=2, alpha=4, targets='all-linear')").model
+    rng = np.random.default_rng(0)
+    for t in adapted.graph.initializer:
+        if ".lora_" in t.name:
+            t.CopyFrom(numpy_helper.from_array((0.3 * rng.standard_normal(tuple(t.dims))).astype(np.float32), t.name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer left whole, with adapters or without
+        marked = [_role(graphforge.compile(m, f"{loss}, tensor_parallel(size=2)").model) for m in (model, adapted)]
+        whole = graphforge.compile(adapted, f"{loss}, autodiff").model
+        members = [graphforge.compile(adapted, f"{loss}, tensor_parallel(size=2, rank={r}), autodiff").model
+                   for r in range(2)]  # fmt: skip
+    kinds = [sorted(b["kind"] for b in r["blocks"]) for r in marked]
+    assert kinds == [["attention", "embedding", "mlp", "vocabulary"]] * 2
+    role = _role(members[0])
+    stem = "inner.model.layers.0"
+    split = {n: a for n, a in role["split"].items() if n.startswith(stem)}
+    assert split == {
+        **{f"{stem}.self_attn.{x}_proj.{p}": 0 for x in "qkv" for p in ("weight", "bias", "lora_B.weight")},
+        **{f"{stem}.mlp.fc1.{p}": 0 for p in ("weight", "bias", "lora_B.weight")},
+        **{f"{stem}.{m}.{p}": 1 for m in ("self_attn.dense", "mlp.fc2") for p in ("weight", "lora_A.weight")},
+    }
+    adapters = [f"{t.name}_grad" for t in adapted.graph.initializer if ".lora_" in t.name]
+    feeds = {"input_ids": rng.integers(0, 64, (2, 8)), "labels": rng.integers(0, 64, (2, 8))}
+    want = models.run(whole, feeds)
+    sums = _group_sums(members, feeds)
+    got = [_run_to(_fed(m, sums), ["loss", "logits", *adapters], {**feeds, **sums}) for m in members]
+    np.testing.assert_allclose(got[0]["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(np.concatenate([g["logits"] for g in got], axis=1), want["logits"], rtol=1e-5, atol=1e-6)
+    for name in adapters:
+        axis = role["split"].get(name.removesuffix("_grad"))
+        parts = [g[name] for g in got]
+        joined = parts[0] if axis is None else joined_slices(parts, axis)
+        assert np.abs(want[name]).max() > 1e-3, name
+        np.testing.assert_allclose(joined, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        if axis is None:
+            np.testing.assert_allclose(parts[1], parts[0], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_a_dropout_between_the_projections_draws_a_stream_per_member():
