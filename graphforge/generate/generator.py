@@ -113,7 +113,7 @@ class Generator:
 
     def generate(
         self,
-        prompt: str,
+        prompt: str | Sequence[int],
         *,
         max_new_tokens: int = 64,
         temperature: float | None = None,
@@ -122,7 +122,7 @@ class Generator:
         seed: int | None = None,
         stop: Sequence[str] = (),
     ) -> Generation:
-        """The text after ``prompt``: greedy unless ``temperature``, ``top_k`` or ``top_p`` is
+        """The text after ``prompt`` (a text, or its token ids): greedy unless ``temperature``, ``top_k`` or ``top_p`` is
         given; ``seed`` makes sampling repeat; it ends at the tokenizer's EOS, after a stop
         string in ``stop`` (the text ends before it), or after ``max_new_tokens``."""
         stream = self.stream(
@@ -133,7 +133,7 @@ class Generator:
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | Sequence[int],
         *,
         max_new_tokens: int = 64,
         temperature: float | None = None,
@@ -154,12 +154,20 @@ class Generator:
         stream._pieces = self._pieces(stream, prompt_ids, sampling, max_new_tokens, text)
         return stream
 
-    def _prompt_ids(self, prompt: str) -> list[int]:
-        if not prompt:
-            raise GenerationError("the prompt is empty")
-        ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise GenerationError(f"the prompt {prompt[:40]!r} gives no tokens")
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise GenerationError("the prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise GenerationError(f"the prompt {prompt[:40]!r} gives no tokens")
+        else:
+            ids = [int(i) for i in prompt]
+            if not ids:
+                raise GenerationError("the prompt is empty")
+            limit = self.decoding.vocabulary or self.tokenizer.vocabulary
+            if min(ids) < 0 or max(ids) >= limit:
+                raise GenerationError(f"the prompt's ids must lie in [0, {limit}), got {min(ids)} to {max(ids)}")
         if len(ids) > self.max_positions:
             raise GenerationError(
                 f"the prompt is {len(ids)} tokens long, longer than the {self.max_positions} positions of "

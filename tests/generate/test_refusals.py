@@ -64,6 +64,8 @@ def test_a_model_without_logits_is_refused(tmp_path, tokenizer_file):
     ("prompt", "settings", "message"),
     [
         ("", {}, "the prompt is empty"),
+        ([], {}, "the prompt is empty"),
+        ([5, 128], {}, r"the prompt's ids must lie in \[0, 128\), got 5 to 128"),
         ("The fox", {"max_new_tokens": 0}, "max_new_tokens must be a whole number ≥ 1"),
         ("The fox", {"stop": ["fox", ""]}, "a stop string is empty"),
         ("The fox", {"top_p": 2.0}, r"top_p must lie in \(0, 1\]"),
