@@ -7,7 +7,7 @@ exports of the same weights: the plain forward (input_ids -> logits: the whole p
 each token) and one with cache inputs in optimum's names (past_key_values.N.key/value in,
 present.N.key/value out; exported through a wrapper that hands transformers the past, as the
 kv_cache pass will write it); transformers runs with its cache and without (use_cache=False).
-Each figure is the median of REPEATS runs after one untimed run; every side's tokens are
+Each figure is the median of REPEATS runs after one untimed run, the sides taking turns; every side's tokens are
 checked to be transformers' with its cache.
 
     python benchmarks/run.py generate
@@ -105,15 +105,18 @@ def tokenizer(folder: Path) -> Path:
     return path
 
 
-def _median_rate(run, new: int) -> tuple[float, list[int]]:
-    """Tokens a second (the median of REPEATS timed runs after one untimed) and the tokens."""
-    tokens = run()
-    times = []
+def _rates(sides: dict, new: int) -> dict[str, tuple[float, list[int]]]:
+    """Each side's tokens a second (the median of REPEATS timed runs, after one untimed) and
+    its tokens; the sides take turns in each round, so a change in the machine's load falls on
+    all of them alike."""
+    tokens = {key: run() for key, run in sides.items()}
+    times: dict[str, list[float]] = {key: [] for key in sides}
     for _ in range(REPEATS):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return new / statistics.median(times), tokens
+        for key, run in sides.items():
+            started = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - started)
+    return {key: (new / statistics.median(times[key]), tokens[key]) for key in sides}
 
 
 def measure(spec: dict, cache: Path = CACHE) -> dict[str, tuple[float, bool]]:
@@ -148,7 +151,7 @@ def measure(spec: dict, cache: Path = CACHE) -> dict[str, tuple[float, bool]]:
 
     sides = {"torch-cache": torch_side(True), "torch-plain": torch_side(False)}
     sides |= {"graphforge-cache": graphforge_side(cached), "graphforge-plain": graphforge_side(plain)}
-    rates = {key: _median_rate(run, new) for key, run in sides.items()}
+    rates = _rates(sides, new)
     reference = rates["torch-cache"][1]
     return {key: (rate, tokens == reference and len(tokens) == new) for key, (rate, tokens) in rates.items()}
 

@@ -546,9 +546,14 @@ def generate_command(
         prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         stop=stop or (),
     )  # fmt: skip
-    for piece in stream:
-        out.file.write(piece)
-        out.file.flush()
+    try:
+        for piece in stream:
+            out.file.write(piece)
+            out.file.flush()
+    except KeyboardInterrupt:
+        out.file.write("\n")
+        err.print("[yellow]interrupted[/]", highlight=False)
+        raise typer.Exit(130) from None
     out.file.write("\n")
     if stream.stop_reason == POSITIONS:
         err.print(

@@ -13,16 +13,18 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
+from graphforge.errors import GenerationError, one_line
 from graphforge.generate.interface import Decoding
 
 
 class Decoder:
     """The logits of the next token, run after run, for one sequence (batch 1)."""
 
-    def __init__(self, session: ort.InferenceSession, decoding: Decoding, run_options: ort.RunOptions):
+    def __init__(self, session: ort.InferenceSession, decoding: Decoding, run_options: ort.RunOptions, where: str):
         self._session = session
         self._decoding = decoding
         self._run_options = run_options
+        self._where = where
         self._ids_dtype = helper.tensor_dtype_to_np_dtype(decoding.ids_type)
         self._ids: list[int] = []
         self._past: dict[str, ort.OrtValue | np.ndarray] = {}
@@ -61,7 +63,10 @@ class Decoder:
             n: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v) for n, v in self._past.items()
         }
         presents = [name for layer in d.cache for name in (layer.present_key, layer.present_value)]
-        outputs = self._session.run_with_ort_values([d.logits, *presents], values, self._run_options)
+        try:
+            outputs = self._session.run_with_ort_values([d.logits, *presents], values, self._run_options)
+        except Exception as exc:  # onnxruntime's own error types
+            raise GenerationError(f"onnxruntime failed running {self._where}: {one_line(exc)}") from None
         self._past = dict(zip(self._past, outputs[1:], strict=True))
         logits = outputs[0].numpy()
         return logits[0, -1] if d.vocab_last else logits[0, :, -1]

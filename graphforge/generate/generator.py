@@ -8,7 +8,7 @@ for piece in generator.stream("Once upon a time", temperature=0.8, top_p=0.9, se
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,11 +44,11 @@ class Stream:
     """The new text in pieces as the tokens come (iterate it); ``ids``, ``text`` and
     ``stop_reason`` grow as it goes and are whole once it is exhausted."""
 
-    def __init__(self, pieces: Iterator[str], text: NewText, prompt_ids: list[int]):
-        self._pieces = pieces
+    def __init__(self, text: NewText, prompt_ids: list[int], pieces: Callable[[Stream], Iterator[str]]):
         self._text = text
         self.prompt_ids = prompt_ids
         self.stop_reason: str | None = None
+        self._pieces = pieces(self)
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -122,9 +122,10 @@ class Generator:
         seed: int | None = None,
         stop: Sequence[str] = (),
     ) -> Generation:
-        """The text after ``prompt`` (a text, or its token ids): greedy unless ``temperature``, ``top_k`` or ``top_p`` is
-        given; ``seed`` makes sampling repeat; it ends at the tokenizer's EOS, after a stop
-        string in ``stop`` (the text ends before it), or after ``max_new_tokens``."""
+        """The text after ``prompt`` (a text, or its token ids): greedy unless ``temperature``,
+        ``top_k`` or ``top_p`` is given; ``seed`` makes sampling repeat; it ends at the
+        tokenizer's EOS, after a stop string in ``stop`` (the text ends before it), after
+        ``max_new_tokens``, or where the model's positions are used up."""
         stream = self.stream(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop,
@@ -150,9 +151,7 @@ class Generator:
             stop = (stop,)
         prompt_ids = self._prompt_ids(prompt)
         text = NewText(self.tokenizer, stop)
-        stream = Stream(iter(()), text, prompt_ids)
-        stream._pieces = self._pieces(stream, prompt_ids, sampling, max_new_tokens, text)
-        return stream
+        return Stream(text, prompt_ids, lambda stream: self._pieces(stream, prompt_ids, sampling, max_new_tokens, text))
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -183,7 +182,7 @@ class Generator:
     def _pieces(
         self, stream: Stream, prompt: list[int], sampling: Sampling, max_new_tokens: int, text: NewText
     ) -> Iterator[str]:
-        decoder = Decoder(self._session, self.decoding, self._run_options)
+        decoder = Decoder(self._session, self.decoding, self._run_options, str(self.model))
         rng = sampling.rng()
         logits = self._checked(decoder.start(prompt))
         for count in range(1, max_new_tokens + 1):
