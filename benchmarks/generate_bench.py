@@ -2,19 +2,20 @@
 generate on torch eager, on the same randomly initialized GPT-2-small-shaped model.
 
 Greedy, batch 1, a 32-token prompt, 64 new tokens (EOS never ends a run early), 2 threads on
-both sides (onnxruntime's intra-op threads, torch.set_num_threads). graphforge runs two
-exports of the same weights: the plain forward (input_ids -> logits: the whole prefix again for
-each token) and one with cache inputs in optimum's names (past_key_values.N.key/value in,
-present.N.key/value out; exported through a wrapper that hands transformers the past, as the
-kv_cache pass will write it); transformers runs with its cache and without (use_cache=False).
-Each figure is the median of REPEATS runs after one untimed run, the sides taking turns; every side's tokens are
-checked to be transformers' with its cache.
+both sides (onnxruntime's intra-op threads, torch.set_num_threads), and the cache sides again
+on 1. graphforge runs two exports of the same weights: the plain forward (input_ids -> logits:
+the whole prefix again for each token) and one with cache inputs in optimum's names
+(past_key_values.N.key/value in, present.N.key/value out; exported through a wrapper that hands
+transformers the past, as the kv_cache pass will write it); transformers runs with its cache
+and without (use_cache=False). Each figure is the median of REPEATS runs after one untimed run,
+the sides taking turns; every side's tokens are checked to be transformers' with its cache.
 
     python benchmarks/run.py generate
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -36,12 +37,15 @@ QUICK = {
     "prompt": 8,
     "new": 8,
 }
-#: the rows: (label, which side)
+#: the rows: (label, which side, threads); the cache sides again on one thread, where a machine
+#: whose cores other work shares does not make torch's two threads wait for each other
 ROWS = [
-    ("graphforge, cache inputs", "graphforge-cache"),
-    ("graphforge, plain forward (prefix recomputed)", "graphforge-plain"),
-    ("transformers generate, torch eager, with its cache", "torch-cache"),
-    ("transformers generate, torch eager, use_cache=False", "torch-plain"),
+    ("graphforge, cache inputs", "graphforge-cache", 2),
+    ("graphforge, plain forward (prefix recomputed)", "graphforge-plain", 2),
+    ("transformers generate, torch eager, with its cache", "torch-cache", 2),
+    ("transformers generate, torch eager, use_cache=False", "torch-plain", 2),
+    ("graphforge, cache inputs", "graphforge-cache", 1),
+    ("transformers generate, torch eager, with its cache", "torch-cache", 1),
 ]
 
 
@@ -119,59 +123,63 @@ def _rates(sides: dict, new: int) -> dict[str, tuple[float, list[int]]]:
     return {key: (new / statistics.median(times[key]), tokens[key]) for key in sides}
 
 
-def measure(spec: dict, cache: Path = CACHE) -> dict[str, tuple[float, bool]]:
-    """Each row's side: (tokens a second, whether its tokens are transformers' with its cache)."""
+def measure(spec: dict, cache: Path = CACHE) -> dict[tuple[str, int], tuple[float, bool]]:
+    """Each row's (side, threads): (tokens a second, whether its tokens are transformers' with
+    its cache)."""
     import numpy as np
     import torch
 
     from graphforge.generate import Generator
 
-    torch.set_num_threads(THREADS)
     name = "gpt2_" + "_".join(f"{k}{v}" for k, v in sorted(spec["config"].items()))
     module = helpers.gpt2_module(spec["config"])
-    plain = helpers.export_gpt2(cache / f"{name}.onnx", spec["config"])
-    cached = export_with_cache(module, cache / f"{name}_cache.onnx")
+    paths = {
+        "graphforge-plain": helpers.export_gpt2(cache / f"{name}.onnx", spec["config"]),
+        "graphforge-cache": export_with_cache(module, cache / f"{name}_cache.onnx"),
+    }
     words = tokenizer(cache / "tokenizer")
     prompt = np.random.default_rng(0).integers(0, spec["config"]["vocab_size"], spec["prompt"]).tolist()
     new = spec["new"]
     ids = torch.tensor([prompt])
 
-    def torch_side(use_cache: bool):
+    def side(key: str, threads: int):
+        if key in paths:
+            generator = Generator(paths[key], words, device="cpu", threads=threads)
+            return lambda: generator.generate(prompt, max_new_tokens=new).ids
+
         def run():
+            torch.set_num_threads(threads)
             with torch.no_grad():
                 out = module.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                                      min_new_tokens=new, use_cache=use_cache, pad_token_id=0)  # fmt: skip
+                                      min_new_tokens=new, use_cache=key == "torch-cache", pad_token_id=0)  # fmt: skip
             return out[0, len(prompt) :].tolist()
 
         return run
 
-    def graphforge_side(path: Path):
-        generator = Generator(path, words, device="cpu", threads=THREADS)
-        return lambda: generator.generate(prompt, max_new_tokens=new).ids
-
-    sides = {"torch-cache": torch_side(True), "torch-plain": torch_side(False)}
-    sides |= {"graphforge-cache": graphforge_side(cached), "graphforge-plain": graphforge_side(plain)}
-    rates = _rates(sides, new)
-    reference = rates["torch-cache"][1]
+    rates = _rates({(key, threads): side(key, threads) for _, key, threads in ROWS}, new)
+    reference = rates[("torch-cache", THREADS)][1]
     return {key: (rate, tokens == reference and len(tokens) == new) for key, (rate, tokens) in rates.items()}
 
 
-def report(spec: dict, measured: dict[str, tuple[float, bool]]) -> str:
+def report(spec: dict, measured: dict[tuple[str, int], tuple[float, bool]], load: tuple[float, float]) -> str:
     lines = [
         f"{spec['label']}, random weights; greedy, batch 1, a {spec['prompt']}-token prompt, {spec['new']} new "
-        f"tokens, {THREADS} threads; tokens a second (the median of {REPEATS} runs, prefill included). "
-        f"{helpers.cpu_name()}, {helpers.usable_cores()} cores; onnxruntime {helpers.version('onnxruntime')}, "
-        f"torch {helpers.version('torch')}, transformers {helpers.version('transformers')}.",
+        f"tokens; tokens a second (the median of {REPEATS} runs, prefill included). "
+        f"{helpers.cpu_name()}, {helpers.usable_cores()} cores, load average {load[0]:.1f} before the run and "
+        f"{load[1]:.1f} after it; onnxruntime {helpers.version('onnxruntime')}, torch {helpers.version('torch')}, "
+        f"transformers {helpers.version('transformers')}.",
         "",
-        "| side | tokens/s | tokens equal transformers' with its cache |",
-        "|---|---:|---|",
+        "| side | threads | tokens/s | tokens equal transformers' with its cache |",
+        "|---|---:|---:|---|",
     ]
-    for label, key in ROWS:
-        rate, agree = measured[key]
-        lines.append(f"| {label} | {rate:.1f} | {'yes' if agree else 'NO'} |")
+    for label, key, threads in ROWS:
+        rate, agree = measured[(key, threads)]
+        lines.append(f"| {label} | {threads} | {rate:.1f} | {'yes' if agree else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
 def run(quick: bool) -> str:
     spec = QUICK if quick else FULL
-    return report(spec, measure(spec))
+    before = os.getloadavg()[0]
+    measured = measure(spec)
+    return report(spec, measured, (before, os.getloadavg()[0]))
