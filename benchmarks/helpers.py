@@ -58,12 +58,9 @@ def ort_training_version(python: str | None) -> str:
     return proc.stdout.strip() or "of unknown version"
 
 
-def export_gpt2(path: Path, config: dict, *, with_loss: bool = False) -> Path:
-    """A randomly initialized GPT-2 (``config``: GPT2Config's keys) exported by the TorchScript
-    exporter to ``path``, unless it is already there: ``input_ids -> logits``, or with
-    ``with_loss`` ``(input_ids, labels) -> loss`` (the mean cross-entropy)."""
-    if path.exists():
-        return path
+def gpt2_module(config: dict):
+    """The randomly initialized GPT-2 that ``export_gpt2`` exports (transformers'
+    GPT2LMHeadModel, seeded, every vector made random), in eval mode."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -75,6 +72,18 @@ def export_gpt2(path: Path, config: dict, *, with_loss: bool = False) -> Path:
         for p in inner.parameters():
             if p.dim() == 1:
                 p.add_(0.05 * torch.randn(p.shape))
+    return inner.eval()
+
+
+def export_gpt2(path: Path, config: dict, *, with_loss: bool = False) -> Path:
+    """A randomly initialized GPT-2 (``config``: GPT2Config's keys) exported by the TorchScript
+    exporter to ``path``, unless it is already there: ``input_ids -> logits``, or with
+    ``with_loss`` ``(input_ids, labels) -> loss`` (the mean cross-entropy)."""
+    if path.exists():
+        return path
+    import torch
+
+    inner = gpt2_module(config)
 
     class Exported(torch.nn.Module):
         def __init__(self):

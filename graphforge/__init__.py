@@ -8,6 +8,7 @@ from graphforge import passes
 from graphforge.errors import (
     CheckpointError,
     ConfigError,
+    GenerationError,
     GraphforgeError,
     InvalidModelError,
     ModelLoadError,
@@ -43,6 +44,7 @@ __all__ = [
     "CheckpointState",
     "CompileResult",
     "ConfigError",
+    "GenerationError",
     "GraphforgeError",
     "InvalidModelError",
     "Model",

@@ -28,6 +28,8 @@ from graphforge.diff.command import run_diff
 from graphforge.distributed.schedules import make_schedule
 from graphforge.distributed.simulate import Costs, simulate, timeline
 from graphforge.errors import GraphforgeError
+from graphforge.generate import Generator
+from graphforge.generate.generator import POSITIONS
 from graphforge.inspection.host_syncs import host_sync_lines
 from graphforge.inspection.memory import memory_tables
 from graphforge.inspection.summary import print_summary, tied_initializer_warnings
@@ -519,6 +521,83 @@ def _export_peft(program: Path, folder: Path, checkpoint: Path | None, base_mode
         highlight=False,
         soft_wrap=True,
     )
+
+
+# --------------------------------------------------------------------------- graphforge generate
+
+
+@app.command("generate")
+def generate_command(
+    model: Annotated[
+        Path,
+        typer.Argument(help="An inference model: input_ids -> logits, with cache inputs (past_key_values.N.*) or not."),
+    ],
+    tokenizer: Annotated[
+        Path,
+        typer.Option(
+            "--tokenizer", help="Its tokenizer.json, or the folder holding it (tokenizer_config.json names EOS)."
+        ),
+    ],
+    prompt: Annotated[str, typer.Option("--prompt", help="The text to go on from.")],
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", min=1, help="Generate at most this many tokens.")
+    ] = 64,
+    temperature: Annotated[
+        float | None,
+        typer.Option("--temperature", min=0, help="Sample at this temperature (0: greedy; default greedy)."),
+    ] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=1, help="Sample from the K most likely tokens.")] = None,
+    top_p: Annotated[
+        float | None, typer.Option("--top-p", help="Sample from the fewest tokens whose probability reaches P.")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed of the sampling (the same seed, the same text).")
+    ] = None,
+    stop: Annotated[
+        list[str] | None, typer.Option("--stop", help="Stop at this text, left out of the output (repeatable).")
+    ] = None,
+    adapter: Annotated[
+        Path | None, typer.Option("--adapter", help="An onnxruntime .onnx_adapter file to run the model with.")
+    ] = None,
+    max_positions: Annotated[
+        int | None,
+        typer.Option("--max-positions", min=1, help="The model's positions, where its graph has no position table."),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="cpu, cuda or cuda:N (default: the best here).")
+    ] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=0, help="onnxruntime's intra-op threads.")] = None,
+) -> None:
+    """Generate text after PROMPT with MODEL, printed as the tokens come.
+
+    Greedy unless --temperature, --top-k or --top-p is given. A model without cache inputs
+    runs the whole prefix again for every token (a line on stderr says so).
+    """
+    _quiet_onnxruntime()
+    generator = Generator(
+        model, tokenizer, adapter=adapter, device=device, threads=threads, max_positions=max_positions
+    )
+    if generator.note:
+        err.print(f"[yellow]note:[/] {escape(generator.note)}", highlight=False, soft_wrap=True)
+    stream = generator.stream(
+        prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop=stop or (),
+    )  # fmt: skip
+    try:
+        for piece in stream:
+            out.file.write(piece)
+            out.file.flush()
+    except KeyboardInterrupt:
+        out.file.write("\n")
+        err.print("[yellow]interrupted[/]", highlight=False)
+        raise typer.Exit(130) from None
+    out.file.write("\n")
+    if stream.stop_reason == POSITIONS:
+        err.print(
+            f"[yellow]note:[/] stopped after {len(stream.ids)} tokens: the model's {generator.max_positions} "
+            "positions are used up",
+            highlight=False,
+        )
 
 
 @app.command("artifacts")

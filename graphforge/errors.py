@@ -60,6 +60,11 @@ class ConfigError(GraphforgeError):
     """A training config is unreadable, names an unknown key, a value of the wrong type, or a missing file."""
 
 
+class GenerationError(GraphforgeError):
+    """Generation refused: a model it cannot decode with, a tokenizer that does not fit it, a
+    prompt it cannot take, or a setting out of range; names the model, file or setting."""
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message as one line: onnx and onnxruntime messages span several, and
     the checker's ``==> Context: ...`` lines name the node, so they are kept, in parentheses."""

@@ -76,7 +76,8 @@ DISTRIBUTED = (  # the runtime's schedules over torch.distributed
 DRIVER = (("graphforge.pass_manager",),)
 TOOLS = (
     ("graphforge.torch", "graphforge.diff", "graphforge.inspection"),
-    ("graphforge.train", "graphforge.golden", "graphforge.ondevice"),
+    # graphforge train, golden checks, on-device artifacts; generation over an inference model
+    ("graphforge.train", "graphforge.golden", "graphforge.ondevice", "graphforge.generate"),
     ("graphforge.planning",),  # the planner: compiles candidates, reads the simulator, writes train configs
 )
 TOP = (("graphforge.cli", "graphforge.__main__", "graphforge"),)  # the CLI, and the package's public re-exports
@@ -101,6 +102,7 @@ FOLDERS = (
     "graphforge.train",
     "graphforge.golden",
     "graphforge.ondevice",
+    "graphforge.generate",
     "graphforge.planning",
     "graphforge/ (the top: cli.py, __main__.py, __init__.py)",
 )
