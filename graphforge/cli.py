@@ -567,15 +567,20 @@ def generate_command(
         str | None, typer.Option("--device", help="cpu, cuda or cuda:N (default: the best here).")
     ] = None,
     threads: Annotated[int | None, typer.Option("--threads", min=0, help="onnxruntime's intra-op threads.")] = None,
+    cache: Annotated[
+        bool,
+        typer.Option("--cache/--no-cache", help="Give a model without cache inputs a KV cache (the kv_cache pass)."),
+    ] = True,
 ) -> None:
     """Generate text after PROMPT with MODEL, printed as the tokens come.
 
-    Greedy unless --temperature, --top-k or --top-p is given. A model without cache inputs
-    runs the whole prefix again for every token (a line on stderr says so).
+    Greedy unless --temperature, --top-k or --top-p is given. A model without cache inputs is
+    given a KV cache by the kv_cache pass, in memory; where the pass does not recognize its
+    attention, the whole prefix runs again for every token (a line on stderr says why).
     """
     _quiet_onnxruntime()
     generator = Generator(
-        model, tokenizer, adapter=adapter, device=device, threads=threads, max_positions=max_positions
+        model, tokenizer, adapter=adapter, device=device, threads=threads, max_positions=max_positions, cache=cache
     )
     if generator.note:
         err.print(f"[yellow]note:[/] {escape(generator.note)}", highlight=False, soft_wrap=True)

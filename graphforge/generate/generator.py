@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
 import onnxruntime as ort
 
-from graphforge.errors import GenerationError, one_line
+from graphforge.errors import GenerationError, GraphforgeError, one_line
 from graphforge.generate.decoder import Decoder
 from graphforge.generate.interface import Decoding, read_decoding
 from graphforge.generate.sampling import Sampling
@@ -80,6 +81,9 @@ class Generator:
     beside it). ``adapter``: an onnxruntime ``.onnx_adapter`` file, made active on every run.
     ``device``: "cpu", "cuda", "cuda:N" or None (the best that works). ``max_positions``: the
     model's positions where its graph has no position-embedding table to read them from.
+    ``cache``: a plain forward is given a KV cache by the ``kv_cache`` pass, in memory, where
+    the pass recognizes its attention (True, the default); where it does not, or with False,
+    the prefix is run again for each token and ``note`` says why.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class Generator:
         device: str | None = None,
         threads: int | None = None,
         max_positions: int | None = None,
+        cache: bool = True,
     ):
         self.model = Path(model)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -99,17 +104,16 @@ class Generator:
         proto = load(self.model, load_external_data=False)
         self.decoding: Decoding = read_decoding(proto, str(self.model))
         self._run_options, self._adapter = _adapter(adapter, {i.name for i in proto.graph.input}, self.model)
-        del proto
         self.max_positions = min(p for p in (max_positions, self.decoding.table_positions, 2**62) if p is not None)
         self._check_vocabulary(self.decoding.vocabulary)
         self.device = resolve_device(device)
-        self._session = create_session(self.model, providers=list(self.device.providers), intra_op_threads=threads)
-        self.note = (
-            None
-            if self.decoding.has_cache
-            else f"no KV cache in {self.model}: recomputing the prefix each token; "
-            f"`graphforge compile {self.model} -p kv_cache -o OUT.onnx` adds one"
-        )
+        source, self.note = self.model, None
+        if not self.decoding.has_cache:
+            source, self.note = _with_cache(self.model, cache)
+            if source is not self.model:
+                self.decoding = read_decoding(source, str(self.model))
+        del proto
+        self._session = create_session(source, providers=list(self.device.providers), intra_op_threads=threads)
 
     def generate(
         self,
@@ -219,6 +223,20 @@ def _ended(token: int, text: NewText, tokenizer: Tokenizer, count: int, most: in
     if text.stopped:
         return STOP_STRING
     return MAX_NEW_TOKENS if count >= most else None
+
+
+def _with_cache(model: Path, cache: bool) -> tuple[Path | onnx.ModelProto, str | None]:
+    """The decoding model the kv_cache pass makes of a plain forward ``model``, or ``model``
+    itself with the note saying why the prefix will be run again for each token."""
+    recompute = f"no KV cache in {model}: recomputing the prefix each token"
+    if not cache:
+        return model, f"{recompute} (cache off)"
+    from graphforge.pass_manager import compile as compile_pipeline  # only where a cache is to be added
+
+    try:
+        return compile_pipeline(str(model), "kv_cache", verify=False).model, None
+    except GraphforgeError as exc:  # the pass's refusal, in one line: generation goes on without it
+        return model, f"{recompute}; the kv_cache pass cannot add one: {one_line(exc)}"
 
 
 def _adapter(path: str | Path | None, inputs: set[str], model: Path) -> tuple[ort.RunOptions, ort.LoraAdapter | None]:

@@ -65,21 +65,21 @@ def test_the_pages_python_block_runs(folder, monkeypatch):
 
 
 def test_a_refusal_is_one_line_and_exit_2(folder, gpt2_plain, monkeypatch, capsys):
-    """A plain model's note on stderr, then the refusal of a prompt past its 48 positions (run
-    in this process: the page's command above is the real process)."""
+    """With --no-cache, a plain model's note on stderr, then the refusal of a prompt past its
+    48 positions (run in this process: the page's command above is the real process)."""
     from graphforge.cli import main
 
     monkeypatch.chdir(folder)
     prompt = "The fox and the crow. " * 10
     monkeypatch.setattr(sys, "argv", ["graphforge", "generate", str(gpt2_plain), "--tokenizer", "tokenizer.json",
-                                      "--prompt", prompt, "--device", "cpu"])  # fmt: skip
+                                      "--prompt", prompt, "--device", "cpu", "--no-cache"])  # fmt: skip
     with pytest.raises(SystemExit) as exited:
         main()
     assert exited.value.code == 2
     done = capsys.readouterr()
     assert_no_traceback(done.out + done.err)
     lines = done.err.splitlines()
-    assert lines[0].startswith(f"note: no KV cache in {gpt2_plain}: recomputing the prefix each token;")
+    assert lines[0] == f"note: no KV cache in {gpt2_plain}: recomputing the prefix each token (cache off)"
     assert len(lines) == 2 and lines[1].startswith("error: the prompt is ")
     assert "longer than the 48 positions" in lines[1]
     assert done.out == ""

@@ -25,12 +25,14 @@ def oracles():
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-@pytest.mark.parametrize("cache", [False, True], ids=["plain", "cache"])
-def test_greedy_tokens_are_transformers_greedy_tokens(kind, cache, oracles, tokenizer_file, request):
-    """Greedy ids equal generate(do_sample=False) token for token; the plain model says it runs
-    the prefix again; the cache model reads its layers and positions from its inputs."""
-    model = request.getfixturevalue(f"{kind}_{'cache' if cache else 'plain'}")
-    generator = Generator(model, tokenizer_file, device="cpu")
+@pytest.mark.parametrize("mode", ["recomputed", "added", "exported"])
+def test_greedy_tokens_are_transformers_greedy_tokens(kind, mode, oracles, tokenizer_file, request):
+    """Greedy ids equal generate(do_sample=False) token for token: a plain forward run again for
+    each token (cache=False, and the note says so), the same forward given a KV cache by the
+    kv_cache pass (the default), and a model exported with its own cache inputs; the cache's
+    layers and the positions are read from the model's inputs."""
+    model = request.getfixturevalue(f"{kind}_{'cache' if mode == 'exported' else 'plain'}")
+    generator = Generator(model, tokenizer_file, device="cpu", cache=mode != "recomputed")
     result = generator.generate(PROMPT, max_new_tokens=NEW)
     expected = helpers.greedy_oracle(oracles[kind], result.prompt_ids, NEW)
     assert result.ids == expected
@@ -38,14 +40,14 @@ def test_greedy_tokens_are_transformers_greedy_tokens(kind, cache, oracles, toke
     assert result.text == generator.tokenizer.decode(expected)
     assert result.stop_reason == ("eos" if helpers.EOS in expected else "max_new_tokens")
     decoding = generator.decoding
-    assert len(decoding.cache) == (oracles[kind].config.num_hidden_layers if cache else 0)
-    assert (generator.note is None) == cache
-    if not cache:
-        assert generator.note.startswith(f"no KV cache in {model}: recomputing the prefix each token;")
+    assert len(decoding.cache) == (0 if mode == "recomputed" else oracles[kind].config.num_hidden_layers)
+    assert (generator.note is None) == (mode != "recomputed")
+    if mode == "recomputed":
+        assert generator.note == f"no KV cache in {model}: recomputing the prefix each token (cache off)"
     # GPT-2 reads positions from its wpe table (48 rows); Llama's rotary has no table
     assert decoding.table_positions == (48 if kind == "gpt2" else None)
     assert decoding.vocabulary == helpers.VOCAB
-    assert decoding.vocab_last == (cache or kind == "gpt2")  # the Llama builder's logits are [B, V, T]
+    assert decoding.vocab_last == (mode == "exported" or kind == "gpt2")  # the Llama builder's logits are [B, V, T]
 
 
 def test_the_prompt_and_the_text_are_transformers_tokens_and_text(tokenizer_file):
@@ -150,3 +152,36 @@ def test_an_adapter_feeds_the_parameters_it_holds(gpt2_plain, tokenizer_file, or
     _bias_as_input(gpt2_plain, tmp_path / "required.onnx", name, keep_default=False)
     with pytest.raises(GenerationError, match=f"needs inputs generation does not feed: {name}"):
         Generator(tmp_path / "required.onnx", tokenizer_file, device="cpu")
+
+
+def test_a_forward_the_kv_cache_pass_refuses_is_run_again_for_each_token(tokenizer_file, tmp_path):
+    """A forward with no attention (a bigram model: logits = embedding of each id · W): the
+    kv_cache pass refuses it, the note says why, and each token is the argmax of the last row."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    table, weight = rng.standard_normal((helpers.VOCAB, 8)), rng.standard_normal((8, helpers.VOCAB))
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["logits"])],
+        "bigram",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", helpers.VOCAB])],
+        [
+            numpy_helper.from_array(table.astype(np.float32), "table"),
+            numpy_helper.from_array(weight.astype(np.float32), "w"),
+        ],
+    )
+    path = tmp_path / "bigram.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    generator = Generator(path, tokenizer_file, device="cpu")
+    assert generator.note.startswith(
+        f"no KV cache in {path}: recomputing the prefix each token; the kv_cache pass cannot add one: "
+    )
+    assert "\n" not in generator.note and not generator.decoding.cache
+    result = generator.generate(PROMPT, max_new_tokens=4)
+    scores = (table @ weight).astype(np.float32)
+    expected, last = [], result.prompt_ids[-1]
+    for _ in range(4):
+        last = int(np.argmax(scores[last]))
+        expected.append(last)
+    assert result.ids[: len(expected)] == expected[: len(result.ids)]
