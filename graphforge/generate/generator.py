@@ -21,6 +21,7 @@ from graphforge.generate.interface import Decoding, read_decoding
 from graphforge.generate.sampling import Sampling
 from graphforge.generate.text import NewText, Tokenizer, load_tokenizer
 from graphforge.model_io import load
+from graphforge.pass_manager import compile as compile_pipeline
 from graphforge.runtime.devices import resolve_device
 from graphforge.runtime.sessions import create_session
 
@@ -231,8 +232,6 @@ def _with_cache(model: Path, cache: bool) -> tuple[Path | onnx.ModelProto, str |
     recompute = f"no KV cache in {model}: recomputing the prefix each token"
     if not cache:
         return model, f"{recompute} (cache off)"
-    from graphforge.pass_manager import compile as compile_pipeline  # only where a cache is to be added
-
     try:
         return compile_pipeline(str(model), "kv_cache", verify=False).model, None
     except GraphforgeError as exc:  # the pass's refusal, in one line: generation goes on without it
