@@ -9,7 +9,7 @@ DEMO_MIN_ACCURACY := 0.93
 JS_STAMP := js/node_modules/.installed
 BENCH_JS_STAMP := benchmarks/js/node_modules/.installed
 
-.PHONY: install test demo web docs lint bench conformance cuda-check clean
+.PHONY: install test demo web docs lint bench bench-check conformance cuda-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,7 +55,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4;
 
 test: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
 	cd js && npm run --silent typecheck
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25 -m "not bench"
 	$(BIN)/graphforge golden check golden_models
 	$(MAKE) --no-print-directory docs
 
@@ -84,7 +84,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check graphforge passes tests golden_models benchmarks examples docs/package_dir.py
 	$(BIN)/ruff format --check graphforge passes tests golden_models benchmarks examples docs/package_dir.py
 
-bench: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
+# The benchmarks' own end-to-end tests (tests/benchmarks/test_benchmarks_smoke.py, marked bench):
+# every side of each benchmark starts, trains alike on a tiny model and reports; make test leaves
+# them out, make bench runs them first
+bench-check: $(STAMP) $(JS_STAMP) $(BENCH_JS_STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m bench tests/benchmarks
+
+bench: bench-check
 	$(BIN)/python benchmarks/run.py
 
 # The GPU check (benchmarks/cuda_check.py): on a lent GPU machine, with .gpu/ made beforehand

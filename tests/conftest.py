@@ -13,33 +13,34 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: the modules that take longest (seconds of their tests, 2 workers on 2 cores, measured with
-#: ``pytest -n 2 --dist loadscope --durations=0`` and summed by module; 2026-11-29): make test's workers
-#: take whole modules in collection order (--no-loadscope-reorder), so these go first,
-#: longest first, and the last module a worker takes is a short one, not a 3-minute one that
-#: runs alone at the end
+#: the modules that take longest (seconds of their tests, 2 workers on 2 cores with other work
+#: running, measured with ``pytest -n 2 --dist loadscope --durations=0`` and summed by module;
+#: 2026-12-02): make test's workers take whole modules in collection order
+#: (--no-loadscope-reorder), so these go first, longest first, and the last module a worker takes
+#: is a short one, not a 3-minute one that runs alone at the end
 LONGEST = {
-    "distributed/test_tensor_parallel_members.py": 102,
-    "benchmarks/test_benchmarks_smoke.py": 77,
-    "distributed/test_train_distributed.py": 49,
-    "distributed/test_stages.py": 45,
-    "passes/autodiff/test_backend_conformance.py": 44,
-    "test_cli.py": 40,
-    "distributed/test_train_tensor.py": 40,
-    "analysis/test_memory.py": 35,
-    "distributed/test_distributed_pages.py": 60,
-    "distributed/test_zero.py": 30,
-    "distributed/test_train_zero.py": 27,
-    "passes/test_tensor_parallel.py": 26,
-    "distributed/test_data_parallel.py": 25,
-    "planning/test_plan.py": 24,
-    "passes/test_recompute.py": 23,
-    "diff/test_diff_cli.py": 20,
-    "test_graph_io.py": 18,
-    "distributed/test_train_pipeline.py": 16,
-    "train/test_text_distributed.py": 50,
-    "train/test_text_training.py": 45,
-    "distributed/test_train_options.py": 45,
+    "distributed/test_tensor_parallel_members.py": 335,
+    "test_cli.py": 212,
+    "passes/autodiff/test_backend_conformance.py": 190,
+    "distributed/test_distributed_pages.py": 150,
+    "distributed/test_train_distributed.py": 122,
+    "distributed/test_train_tensor.py": 110,
+    "diff/test_diff_cli.py": 88,
+    "train/test_text_training.py": 84,
+    "distributed/test_stages.py": 84,
+    "passes/test_tensor_parallel.py": 78,
+    "passes/test_recompute.py": 74,
+    "train/test_demo.py": 73,
+    "planning/test_plan.py": 61,
+    "analysis/test_memory.py": 60,
+    "distributed/test_train_zero.py": 52,
+    "distributed/test_zero.py": 48,
+    "ondevice/test_js_runtime.py": 44,
+    "distributed/test_data_parallel.py": 40,
+    "distributed/test_train_pipeline.py": 34,
+    "distributed/test_train_options.py": 33,
+    "train/test_stop_and_resume_checks.py": 31,
+    "test_graph_io.py": 31,
 }
 
 

@@ -1,6 +1,8 @@
-"""The training-step benchmark runs end to end on a tiny MLP and reports every column.
+"""The benchmarks run end to end on tiny models: their sides start, train alike and answer, and
+each report has its shape (no timing is checked).
 
-No timing is checked: only that the workers start, train, answer and the report has its shape.
+Marked ``bench``: `make bench-check` runs them, and `make bench` first; `make test` leaves them
+out (their dozens of processes were a tenth of the suite's time, for scripts no user runs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.bench
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "train_bench.py"
 
