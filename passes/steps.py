@@ -20,6 +20,8 @@ from graphforge.program import ProgramRoles
 
 #: the metadata key of what the pass made (graphforge/roles.py)
 STEPS = roles.STEPS
+#: the leading dim of the stacked inputs and the scan outputs where k is left to the run
+STEPS_DIM = "steps"
 #: prefix of the names inside the loop's body (its copy of the step), and of the pass's own constants
 PREFIX = "steps::"
 
@@ -86,7 +88,7 @@ def refuse_unsteppable(program_roles: ProgramRoles) -> None:
 
 def steps_model(
     proto: onnx.ModelProto,
-    k: int,
+    k: int | None,
     *,
     carried: Mapping[str, str],
     fixed: Collection[str] = (),
@@ -95,7 +97,8 @@ def steps_model(
     """``proto`` (one training step) as ``k`` steps in one ``Loop`` (see Steps): ``carried``
     maps each carried input to the output that replaces it, ``fixed`` names the inputs every
     step reads as they are, every other input is stacked, ``scans`` are the per-step outputs
-    the result returns as [k, ...]. Returns a new model; ``proto`` is unchanged."""
+    the result returns as [k, ...]. ``k`` None: as many steps as the stacked inputs have slices
+    (their leading dim is then ``STEPS_DIM``). Returns a new model; ``proto`` is unchanged."""
     graph = proto.graph
     nested = next((n for n in graph.node if any(True for _ in subgraphs_of([n]))), None)
     if nested is not None:
@@ -115,7 +118,7 @@ def steps_model(
     def inner(name: str) -> str:
         return name if not name or name in outer else PREFIX + name
 
-    body = _body(graph, k, carried, stacked, scans, inner)
+    body = _body(graph, carried, stacked, scans, inner)
     stacked_names = {i.name for i in stacked}
     out = onnx.ModelProto()
     out.CopyFrom(proto)
@@ -124,9 +127,16 @@ def steps_model(
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
     trip, cond = PREFIX + "k", PREFIX + "cond"
-    out.graph.initializer.extend(
-        [numpy_helper.from_array(_array(k, "int64"), trip), numpy_helper.from_array(_array(True, "bool"), cond)]
-    )
+    out.graph.initializer.append(numpy_helper.from_array(_array(True, "bool"), cond))
+    if k is not None:
+        out.graph.initializer.append(numpy_helper.from_array(_array(k, "int64"), trip))
+    elif stacked:  # as many steps as the stacked inputs have slices
+        first, axis = stacked[0].name, PREFIX + "axis0"
+        out.graph.initializer.append(numpy_helper.from_array(_array(0, "int64"), axis))
+        out.graph.node.append(helper.make_node("Shape", [first], [PREFIX + "shape"], name=PREFIX + "shape"))
+        out.graph.node.append(helper.make_node("Gather", [PREFIX + "shape", axis], [trip], name=PREFIX + "k", axis=0))
+    else:
+        raise PassError("the program has no input to stack: give k, the number of steps a run makes")
     for value in inputs:
         out.graph.input.append(_with_leading(value, k) if value.name in stacked_names else value)
     carried_outputs = [outputs[name] for name in carried.values()]
@@ -150,7 +160,7 @@ def steps_model(
     return out
 
 
-def _body(graph, k: int, carried: Mapping[str, str], stacked, scans: Sequence[str], inner) -> onnx.GraphProto:
+def _body(graph, carried: Mapping[str, str], stacked, scans: Sequence[str], inner) -> onnx.GraphProto:
     """The loop's body: slice i of each stacked input, the step's nodes renamed, the carried
     values and the scans out."""
     iteration, cond_in, cond_out = PREFIX + "i", PREFIX + "cond_in", PREFIX + "cond_out"
@@ -190,15 +200,18 @@ def _renamed(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
     return copy
 
 
-def _with_leading(value: onnx.ValueInfoProto, k: int) -> onnx.ValueInfoProto:
-    """``value`` with a new leading dim of size ``k`` (a stacked input, a scan output)."""
+def _with_leading(value: onnx.ValueInfoProto, k: int | None) -> onnx.ValueInfoProto:
+    """``value`` with a new leading dim of size ``k`` (None: ``STEPS_DIM``; a stacked input, a scan output)."""
     copy = onnx.ValueInfoProto()
     copy.CopyFrom(value)
     if not copy.type.tensor_type.HasField("shape"):
         return copy  # of unknown rank: stays unknown
     shape = copy.type.tensor_type.shape
     dims = [onnx.TensorShapeProto.Dimension()] + [d for d in shape.dim]
-    dims[0].dim_value = k
+    if k is None:
+        dims[0].dim_param = STEPS_DIM
+    else:
+        dims[0].dim_value = k
     del shape.dim[:]
     shape.dim.extend(dims)
     return copy
