@@ -234,6 +234,8 @@ class Module(GroupMember):
         self._eval_model: onnx.ModelProto | None = None
         self._optimizer: Optimizer | None = None
         self.last_grad_norm: float | None = None
+        #: the gradient norm of each step of the last train_steps run ([k]), or None
+        self.last_grad_norms: np.ndarray | None = None
         #: whether the last training run's update was skipped (in place, not finite)
         self.last_update_skipped = False
         self._checked: dict[str, np.ndarray] = {}  # segment 0's loss and grad_norm, for the update
@@ -449,8 +451,9 @@ class Module(GroupMember):
         self.state.step = int(state.step) + k
         self.state.micro_batch = 0
         self.last_update_skipped = False
-        if self.roles.grad_norm in done.host:
-            self.last_grad_norm = float(done.host[self.roles.grad_norm][-1])
+        self.last_grad_norms = done.host.get(self.roles.grad_norm)
+        if self.last_grad_norms is not None:
+            self.last_grad_norm = float(self.last_grad_norms[-1])
         self._received = None
         self.state.grad_reset_pending = True
         return done.host[self.loss_name]
