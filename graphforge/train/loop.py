@@ -250,7 +250,7 @@ class Run:
         """train.steps_per_run = k: the next steps in one run, up to the next multiple of k (so
         that evaluations and checkpoints, every multiple of k, come between runs) or the end;
         then each step logged as it would be alone."""
-        state, trainer, k = self.state, self.trainer, self.trainer.steps_per_run
+        trainer, k = self.trainer, self.trainer.steps_per_run
         count = min(k - before % k, self.setup.total_steps - before)
         try:
             started = time.perf_counter()

@@ -41,9 +41,8 @@ def test_k_steps_a_run_end_where_one_step_a_run_ends(tmp_path):
     assert got.scheduler == want.scheduler and got.properties["samples"] == want.properties["samples"]
     logged = [[json.loads(line) for line in r.log.read_text().splitlines()] for r in (single, several)]
     keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
-    assert [[{k: r.get(k) for k in keys} for r in log] for log in logged][0] == [
-        {k: r.get(k) for k in keys} for r in logged[1]
-    ]
+    single_log, several_log = ([{k: r.get(k) for k in keys} for r in log] for log in logged)
+    assert several_log == single_log
     # evaluations at 4, 8 and the end; checkpoints at 8 and the end (10: a last run of two steps)
     assert [r["step"] for r in logged[1] if "eval_loss" in r] == [4, 8, 10]
     saved = sorted(int(p.stem.split("-")[1]) for p in (folder / "several" / "checkpoints").glob("*.safetensors"))
