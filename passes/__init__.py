@@ -83,6 +83,7 @@ __all__ = [
     "Prune",
     "QuantizeFrozen",
     "Specialize",
+    "Steps",
     "StagePartition",
     "TensorParallel",
     "TopologicalSort",

@@ -8,10 +8,15 @@ onnxruntime session of the program, each fed the state the one before returned.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _pages import page_block
 from _training_models import batches, compile_program, dropout_mlp_onnx, mlp_onnx
 from graphforge.passes.steps import Steps
 
@@ -26,6 +31,7 @@ from graphforge.runtime.lr_schedules import make_schedule
 pytest.importorskip("torch")
 
 K = 3
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +149,12 @@ def test_where_several_steps_cannot_apply_they_say_why(dropout_onnx):
         Module(wrapped, device="cpu")
     with pytest.raises(ParameterValueError, match="'k'"):
         Steps(k=0)
+
+
+def test_the_on_device_pages_python_block_trains_in_runs_of_k():
+    """docs/on-device/training.md: the digits in 4 runs of 8 steps, run as written from the repository's root."""
+    block = page_block("docs/on-device/training.md", "python", "module.train_steps(")
+    done = subprocess.run([sys.executable, "-c", block], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    step, loss = done.stdout.split()
+    assert step == "32" and 0.0 < float(loss) < 2.0  # (it starts at 2.3, ln 10)
