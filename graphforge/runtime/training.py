@@ -192,11 +192,7 @@ class Module(GroupMember):
         self._program = program_proto(program)
         self.roles = ProgramRoles.of_proto(self._program).require_training_program()
         roles = self.roles
-        if STEPS in roles.metadata:
-            raise GraphforgeError(
-                "the program runs several steps per run (the steps pass ran on it): give Module the program "
-                "before steps, and call module.train_steps on stacked batches"
-            )
+        _refuse_steps_program(roles)
         self.default_lr = roles.default_lr if roles.default_lr is not None else math.nan
         self.loss_name = roles.loss or "loss"
 
@@ -915,6 +911,15 @@ def training_program(
         program, "div" if device_type == "cuda" else "bitshift", bound={spec.input for spec in roles.carried}
     )
     return seeded_program, KEY_INPUT if seeded else None
+
+
+def _refuse_steps_program(roles: ProgramRoles) -> None:
+    """A Module runs one step a run of a program: a program the steps pass wrapped is refused."""
+    if STEPS in roles.metadata:
+        raise GraphforgeError(
+            "the program runs several steps per run (the steps pass ran on it): give Module the program "
+            "before steps, and call module.train_steps on stacked batches"
+        )
 
 
 def _held(roles: ProgramRoles, shard_optimizer_states: bool) -> list[CarriedSpec]:
