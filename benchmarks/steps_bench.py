@@ -166,6 +166,14 @@ def report(results: dict) -> str:
             lines.append(f"| {model} | {side} | {' | '.join(cells)} | {ratio} |")
     lines.append("")
     for model, rows in results.items():
+        python_step = _ms(rows["Python"].get(1))
+        for side, by_k in rows.items():
+            if side == "Python" or not python_step:
+                continue
+            ratios = ", ".join(f"k = {k} {_ms(by_k[k]) / python_step:.2f}×" for k in ks if _ms(by_k.get(k)))
+            lines.append(f"{model}: {side}'s step against Python's one step a run: {ratios}.")
+    lines.append("")
+    for model, rows in results.items():
         firsts = {side: by_k.get(1, {}).get("losses", [])[:3] for side, by_k in rows.items()}
         shown = "; ".join(f"{side} {', '.join(f'{x:.6f}' for x in losses)}" for side, losses in firsts.items())
         lines.append(f"{model}: first losses at k = 1: {shown}.")
