@@ -71,6 +71,10 @@ QUANTIZED = "graphforge.quantized"
 #: JSON: the kv_cache pass's decoding model (passes/kv_cache.py): {"layers": [{"kv_heads", "head_dim"}, ...]},
 #: layer i's cache being the inputs past_key_values.{i}.key/.value and the outputs present.{i}.key/.value
 KV_CACHE = "graphforge.kv_cache"
+#: JSON: what the steps pass made of a training program (passes/steps.py): {"k", "stacked": [input, ...],
+#: "fixed": [input, ...], "carried": {input: output}, "scans": [output, ...]}: each stacked input is fed with a
+#: new leading axis of k (step i reads slice i), each scan output comes back as [k, ...]
+STEPS = "graphforge.steps"
 
 #: suffix of the output that replaces a carried input after a step: ``P`` -> ``P_next``
 NEXT_SUFFIX = "_next"

@@ -22,6 +22,7 @@ from graphforge.passes.quantize_frozen import QuantizeFrozen
 from graphforge.passes.recompute import Recompute
 from graphforge.passes.specialize import Specialize
 from graphforge.passes.stage_partition import StagePartition
+from graphforge.passes.steps import Steps
 from graphforge.passes.tensor_parallel import TensorParallel
 from graphforge.passes.topo_sort import TopologicalSort
 from graphforge.passes.zero import Zero
@@ -54,6 +55,7 @@ REGISTRY = PassRegistry(
         TopologicalSort,
         Prune,
         Specialize,
+        Steps,
         TensorParallel,
         Zero,
     ]
@@ -81,6 +83,7 @@ __all__ = [
     "Prune",
     "QuantizeFrozen",
     "Specialize",
+    "Steps",
     "StagePartition",
     "TensorParallel",
     "TopologicalSort",

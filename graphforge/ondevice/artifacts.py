@@ -12,6 +12,10 @@ takes onnxruntime-training's arguments, compiles the forward model with the pipe
 - ``checkpoint``: every carried tensor, and the frozen parameters (graphforge's checkpoint:
   safetensors, per-tensor CRC-32);
 - ``train_step.onnx``: the whole step in one model, the fast path where nothing accumulates;
+- ``train_steps.onnx``: that step k times in one run (the steps pass, passes/steps.py): each
+  input but the carried tensors and frozen parameters stacked on a leading dim ``steps`` of
+  k (the batch, the labels, lr, step, reset, dropout key), the loss and reports [k], k left to
+  each run;
 - ``inference.onnx``: the forward outputs, the checkpoint's weights in it;
 - ``manifest.json`` (graphforge/ondevice/manifest.py), written last: a set whose manifest does
   not match its files is refused by every reader.
@@ -45,6 +49,7 @@ from graphforge.model_io import ModelSource, load, save
 from graphforge.ondevice.manifest import CHECKPOINT, FILES, FROZEN, Manifest, ModelEntry, StateEntry, ports, sha256_of
 from graphforge.pass_manager import PassManager, parse_pipeline, pipeline_text
 from graphforge.pass_spec import format_value
+from graphforge.passes.steps import steps_model
 from graphforge.placement.cut import cut
 from graphforge.placement.lean import lean_model
 from graphforge.program import ProgramRoles
@@ -391,6 +396,14 @@ def _models(proto: onnx.ModelProto, roles: ProgramRoles, extra: list[str], fixed
         "eval": _plain(eval_model(proto, extra, verify=False), None),
         "train_step": _plain(keyed, [loss, *extra, *all_carried, *reports]),
     }
+    whole = _frozen_as_inputs(models["train_step"], fixed)
+    scans = [n for n in [loss, *roles.step_reports] if n in {o.name for o in whole.graph.output}]
+    steps = steps_model(
+        _plain(whole, [*scans, *all_carried]), None, carried={c.input: c.output for c in roles.carried},
+        fixed=list(fixed), scans=scans,
+    )  # fmt: skip
+    models["train_step"] = whole
+    models["train_steps"] = steps
     return {key: (_frozen_as_inputs(model, fixed), role_of) for key, model in models.items()}
 
 

@@ -38,7 +38,8 @@ from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.tempfiles import write_atomically
 
 FORMAT = "graphforge.ondevice"
-VERSION = 1
+#: 2: the models may include ``train_steps`` (k steps in one run); a version-1 folder reads as before
+VERSION = 2
 MANIFEST = "manifest.json"
 #: the models of an artifact folder, by key, and the file each is written to (after the prefix)
 FILES = {
@@ -46,6 +47,7 @@ FILES = {
     "eval": "eval_model.onnx",
     "optimizer": "optimizer_model.onnx",
     "train_step": "train_step.onnx",
+    "train_steps": "train_steps.onnx",
     "inference": "inference.onnx",
 }
 CHECKPOINT = "checkpoint"

@@ -97,6 +97,11 @@ class LRSchedule:
         self.last_step += 1
         return self._apply()
 
+    def next_rates(self, k: int) -> list[float]:
+        """The learning rates of the next ``k`` optimizer steps, the counter left as it is: what
+        ``Module.train_steps`` takes for k steps in one run (then call ``step()`` k times)."""
+        return [self.lr_at(self.last_step + i) for i in range(_count("k", k))]
+
     def get_last_lr(self) -> float:
         return self.lr_at(self.last_step)
 

@@ -53,6 +53,8 @@ import onnxruntime as ort
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.model_io import ModelSource, save
+from graphforge.passes.steps import STEPS, steps_model
+from graphforge.placement.lean import lean_model
 from graphforge.placement.step import IN_PLACE_ROLES, StepSplit, fused_outputs, segment_outputs, split_program
 from graphforge.program import CarriedSpec, ProgramRoles, program_proto
 from graphforge.runtime.chain import Chains, GroupMember
@@ -190,6 +192,7 @@ class Module(GroupMember):
         self._program = program_proto(program)
         self.roles = ProgramRoles.of_proto(self._program).require_training_program()
         roles = self.roles
+        _refuse_steps_program(roles)
         self.default_lr = roles.default_lr if roles.default_lr is not None else math.nan
         self.loss_name = roles.loss or "loss"
 
@@ -227,6 +230,8 @@ class Module(GroupMember):
         self._eval_model: onnx.ModelProto | None = None
         self._optimizer: Optimizer | None = None
         self.last_grad_norm: float | None = None
+        #: the gradient norm of each step of the last train_steps run ([k]), or None
+        self.last_grad_norms: np.ndarray | None = None
         #: whether the last training run's update was skipped (in place, not finite)
         self.last_update_skipped = False
         self._checked: dict[str, np.ndarray] = {}  # segment 0's loss and grad_norm, for the update
@@ -411,6 +416,98 @@ class Module(GroupMember):
         self._received = None
         self.state.grad_reset_pending = True
         return self._reported(host, outputs)
+
+    def train_steps(self, *batches: Any, lr: Sequence[float] | None = None, **feeds: Any) -> np.ndarray:
+        """k whole training steps in one ``session.run``: the program's step in an ONNX ``Loop``
+        (the ``steps`` pass, passes/steps.py). Each batch input comes stacked on a new leading
+        axis of size k (by position or by name, as ``train_step`` takes them), step i training on
+        slice i; ``lr``: the k steps' learning rates (default: the current one for each; a
+        schedule's next k: ``schedule.next_rates(k)``). The step count advances by k and each
+        step draws its own dropout masks, so the k losses returned ([k]) and the state after
+        them are those of k ``train_step`` calls with the program's ONNX update, bit for bit.
+        The update is the program's even where ``train_step`` runs torch's kernels, and a step
+        whose loss is not finite is not skipped: ``undo_last_run()`` takes back all k steps."""
+        feeds = self._batch(batches, feeds)
+        k = self._steps_count(feeds)
+        lrs = self._steps_rates(k, lr)
+        wrapped = self._steps_session(k)
+        state, roles = self.state, self.roles
+        scalars = {roles.lr_input: lrs, roles.step_input: np.arange(state.step, state.step + k, dtype=np.int64)}
+        if roles.reset_input is not None:
+            scalars[roles.reset_input] = np.ones(k, np.bool_)
+        if self._key_input is not None:
+            seed = int(state.seeds.get("dropout", 0))
+            keys = [run_key(seed, state.step + i, 0, self.replica) for i in range(k)]
+            scalars[self._key_input] = np.stack(keys)
+        before = self._undo_record()
+        fetch = [self.loss_name, *self.roles.step_reports]
+        done = self.runner.execute([SegmentRun(wrapped, fetch)], {**feeds, **scalars})
+        before.written, before.overwritten = list(done.written), list(done.overwritten)
+        self._undo = before
+        self.state.step = int(state.step) + k
+        self.state.micro_batch = 0
+        self.last_update_skipped = False
+        self.last_grad_norms = done.host.get(self.roles.grad_norm)
+        if self.last_grad_norms is not None:
+            self.last_grad_norm = float(self.last_grad_norms[-1])
+        self._received = None
+        self.state.grad_reset_pending = True
+        return done.host[self.loss_name]
+
+    def _steps_count(self, feeds: dict[str, Any]) -> int:
+        """k, the stacked batch's leading axis; or an error saying why k steps cannot run here."""
+        if not self.training:
+            raise GraphforgeError("train_steps in eval mode (evaluation every step): call module.train() first")
+        if self.reducer is not None or self._chains is not None:
+            raise GraphforgeError(
+                "train_steps runs on one process: a data-parallel or tensor-parallel Module cuts each step at its "
+                "collectives; call train_step"
+            )
+        if not self.state.grad_reset_pending or self.state.micro_batch:
+            raise GraphforgeError(
+                "train_steps after module(...) accumulated gradients (accumulation across runs): call "
+                "optimizer.step() first; each of the k steps starts from no gradients"
+            )
+        if self._update_choice == "torch":
+            raise GraphforgeError(
+                "this Module was made with update='torch'; train_steps runs the program's ONNX update "
+                "inside its loop: make it with update='auto' or 'onnx'"
+            )
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise GraphforgeError(f"train_steps needs every batch input stacked; missing {missing[0]!r}")
+        sizes = {n: np.shape(v)[0] if np.ndim(v) else None for n, v in feeds.items()}
+        k = next(iter(sizes.values()))
+        if k is None or k < 1 or any(s != k for s in sizes.values()):
+            shown = ", ".join(f"{n} {np.shape(v)}" for n, v in feeds.items())
+            raise GraphforgeError(
+                f"train_steps takes each batch input stacked on a new leading axis of k steps, the same k for "
+                f"all (data that is not stacked): got {shown}"
+            )
+        return int(k)
+
+    def _steps_rates(self, k: int, lr: Sequence[float] | None) -> np.ndarray:
+        if lr is None:
+            self._scalars()  # the error when there is no learning rate
+            return np.full(k, self.learning_rate, np.float32)
+        rates = np.asarray(lr, np.float64)
+        if rates.shape != (k,) or not np.all(np.isfinite(rates)) or np.any(rates < 0):
+            raise GraphforgeError(f"lr= takes the {k} steps' learning rates, finite and ≥ 0; got {list(np.ravel(lr))}")
+        # each rate rounded to float32 from its Python float, as train_step feeds it
+        return np.array([np.float32(float(r)) for r in rates], np.float32)
+
+    def _steps_session(self, k: int) -> BoundSession:
+        """The session of k steps in one run (the lean step in a Loop), made on first use per k."""
+
+        def wrapped() -> onnx.ModelProto:
+            carried = {s.input: s.output for s in self.roles.carried}
+            scans = [self.loss_name, *self.roles.step_reports]
+            lean = lean_model(self._train_program, [*scans, *carried.values()], bound=set(carried))
+            initializers = {t.name for t in lean.graph.initializer}
+            fixed = [i.name for i in lean.graph.input if i.name in initializers and i.name not in carried]
+            return steps_model(lean, k, carried=carried, fixed=fixed, scans=scans)
+
+        return self.runner.session(("steps", k), wrapped, f"the program's {k} steps in one run", profile=True)
 
     def _train_step_in_two(self, feeds: dict[str, Any], outputs: list[str]):
         """train_step as segment 0, then the update unless it is skipped: in place, or for a
@@ -814,6 +911,15 @@ def training_program(
         program, "div" if device_type == "cuda" else "bitshift", bound={spec.input for spec in roles.carried}
     )
     return seeded_program, KEY_INPUT if seeded else None
+
+
+def _refuse_steps_program(roles: ProgramRoles) -> None:
+    """A Module runs one step a run of a program: a program the steps pass wrapped is refused."""
+    if STEPS in roles.metadata:
+        raise GraphforgeError(
+            "the program runs several steps per run (the steps pass ran on it): give Module the program "
+            "before steps, and call module.train_steps on stacked batches"
+        )
 
 
 def _held(roles: ProgramRoles, shard_optimizer_states: bool) -> list[CarriedSpec]:

@@ -221,7 +221,9 @@ class TrainConfig:
     process takes its own (cuda:LOCAL_RANK). Every topology honours each key or refuses the
     value in one line (graphforge/train/trainers/options.py): a data-parallel replica and a
     pipeline stage run the program's own update (update = "torch" refused), ZeRO torch's
-    kernels over its shard (update = "onnx" refused)."""
+    kernels over its shard (update = "onnx" refused). ``steps_per_run`` = k > 1 runs k steps in
+    one onnxruntime run (the steps pass: ``Module.train_steps``) on one process, with the
+    program's own update; evaluations and checkpoints then come every multiple of k steps."""
 
     steps: int | None = field(default=None, metadata=accepts("int", minimum=1))
     epochs: int | None = field(default=None, metadata=accepts("int", minimum=1))
@@ -230,6 +232,7 @@ class TrainConfig:
     device: str | None = field(default=None, metadata=accepts("str"))
     dropout: str = field(default="seeded", metadata=accepts("str", choices=("seeded", "onnxruntime")))
     update: str = field(default="auto", metadata=accepts("str", choices=("auto", "onnx", "torch")))
+    steps_per_run: int = field(default=1, metadata=accepts("int", minimum=1))
 
 
 @dataclass(frozen=True)
@@ -460,6 +463,35 @@ def _check(config: Config) -> None:
         raise ConfigError(f'{where}: schedule.power applies to kind = "polynomial" only')
     if config.eval.every is not None and config.data.eval is None:
         raise ConfigError(f"{where}: eval.every needs data.eval (the data to evaluate on)")
+    _check_steps_per_run(config)
+
+
+def _check_steps_per_run(config: Config) -> None:
+    """k steps in one run (train.steps_per_run): what happens between runs only, at multiples of k."""
+    where, k = config.where, config.train.steps_per_run
+    if k == 1:
+        return
+    if config.train.accumulate > 1:
+        raise ConfigError(
+            f"{where}: train.steps_per_run = {k} with train.accumulate = {config.train.accumulate}: a run's steps "
+            "take one micro-batch each (no accumulation across runs); set one of them to 1"
+        )
+    if config.train.update == "torch":
+        raise ConfigError(
+            f'{where}: train.steps_per_run = {k} runs the program\'s ONNX update inside its loop: train.update = "torch" '
+            "cannot run there"
+        )
+    for key, every, what in (
+        ("eval.every", config.eval.every, "an evaluation"),
+        ("checkpoint.every", config.checkpoint.every, "a checkpoint"),
+    ):
+        if every is not None and every % k:
+            raise ConfigError(
+                f"{where}: {key} = {every} is not a multiple of train.steps_per_run = {k}: {what} comes between runs, "
+                f"so every {k}·n steps"
+            )
+    if config.profile is not None:
+        raise ConfigError(f"{where}: [profile] traces single steps; it runs with train.steps_per_run = 1")
 
 
 def _check_text(config: Config) -> None:

@@ -228,6 +228,9 @@ class Run:
             if self.stops.agreed(state.step):
                 raise self._interrupt(schedule, stream, None, log, profiler)
             before, position = state.step, stream.position
+            if trainer.steps_per_run > 1:
+                self._run_of_steps(schedule, stream, log, before, position)
+                continue
             try:
                 lr = trainer.optimizer.get_learning_rate()
                 if profiler is not None and profiler.wants(state.step + 1):
@@ -243,10 +246,45 @@ class Run:
             except NotFinite as exc:
                 raise self._stop_not_finite(exc, schedule, stream, position, log, profiler) from None
 
-    def _after_step(self, loss, samples, seconds, lr, schedule, stream: Stream, profiler, log: RunLog) -> None:
-        """Log, evaluate, print and save as the config asks at this step."""
+    def _run_of_steps(self, schedule: LRSchedule, stream: Stream, log: RunLog, before: int, position) -> None:
+        """train.steps_per_run = k: the next steps in one run, up to the next multiple of k (so
+        that evaluations and checkpoints, every multiple of k, come between runs) or the end;
+        then each step logged as it would be alone."""
+        trainer, k = self.trainer, self.trainer.steps_per_run
+        count = min(k - before % k, self.setup.total_steps - before)
+        try:
+            started = time.perf_counter()
+            batches = [stream.next() for _ in range(count)]
+            rates = schedule.next_rates(count)
+            done = trainer.run_steps(batches, rates)
+            seconds = (time.perf_counter() - started) / count
+            for i, (loss, grad_norm) in enumerate(done):
+                schedule.step()
+                samples = len(next(iter(batches[i].values()))) * trainer.replicas
+                self._after_step(
+                    loss,
+                    samples,
+                    seconds,
+                    rates[i],
+                    schedule,
+                    stream,
+                    None,
+                    log,
+                    step=before + i + 1,
+                    grad_norm=grad_norm,
+                )
+        except KeyboardInterrupt:
+            raise self._interrupt(schedule, stream, (before, position), log, None) from None
+        except NotFinite as exc:
+            raise self._stop_not_finite(exc, schedule, stream, position, log, None) from None
+
+    def _after_step(
+        self, loss, samples, seconds, lr, schedule, stream: Stream, profiler, log: RunLog, *, step=None, grad_norm=None
+    ) -> None:
+        """Log, evaluate, print and save as the config asks at this step (``step``: one of a run
+        of several, default the state's; ``grad_norm``: its gradient norm, default the trainer's last)."""
         setup, config, state = self.setup, self.config, self.state
-        step, total = state.step, setup.total_steps
+        step, total = state.step if step is None else step, setup.total_steps
         self.last_loss = loss
         log.step(step, loss, samples, seconds)
         if profiler is not None and step == profiler.last:
@@ -256,7 +294,7 @@ class Run:
             "epoch": round(stream.fractional_epoch(), 4),
             "samples": state.properties["samples"],
             "lr": lr,
-            "grad_norm": self.trainer.last_grad_norm,
+            "grad_norm": self.trainer.last_grad_norm if grad_norm is None else grad_norm,
             **self.trainer.log_values(),
         }
         every_eval = config.eval.every
@@ -297,7 +335,7 @@ class Run:
                 position = position_then
                 state.grad_reset_pending = True
                 state.micro_batch = 0
-            elif schedule.last_step < state.step:  # updated, but the schedule had not moved on yet
+            while schedule.last_step < state.step:  # updated, but the schedule had not moved on yet
                 schedule.step()
         log.close()
         if profiler is not None:
@@ -310,7 +348,7 @@ class Run:
         the state after the step before it is saved, unless it is not finite itself (a
         checkpoint never holds nan parameters) or was saved already."""
         state = self.state
-        failed = state.step + 1
+        failed = state.step + 1 + exc.offset  # (the steps of its run before it are undone too)
         log.step(failed, exc.value if exc.what == "loss" else math.nan, 0, 0.0)
         log.record(failed, {"lr": self.trainer.learning_rate, "stopped": f"{exc.what} is {exc.value}"})
         log.close()

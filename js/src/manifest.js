@@ -5,7 +5,8 @@ import { OndeviceError } from './errors.js';
 import { readBytes, sha256Hex } from './files.js';
 
 export const FORMAT = 'graphforge.ondevice';
-export const VERSION = 1;
+/** 2: the models may include train_steps (k steps in one run); version-1 folders read as before */
+export const VERSION = 2;
 
 /** @typedef {import('../types/index.js').Manifest} Manifest */
 

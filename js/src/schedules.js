@@ -65,6 +65,14 @@ class Schedule {
     return this.#decay(this, Math.min(step - this.warmupSteps, span), span);
   }
 
+  /** The rates of the next ``k`` optimizer steps, the schedule left where it is: what
+   * runSteps(feeds, k, {learningRates}) takes (then step() k times).
+   * @param {number} k
+   * @returns {number[]} */
+  nextRates(k) {
+    return Array.from({ length: count('k', k) }, (_, i) => this.lrAt(this.lastStep + i));
+  }
+
   /** Advance one optimizer step; sets and returns the rate of the next one. */
   step() {
     this.lastStep += 1;

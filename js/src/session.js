@@ -29,8 +29,10 @@ import { checkHash, checkManifest, readManifest } from './manifest.js';
 const MANIFEST = 'manifest.json';
 /** The option of create() that gives each model, for the errors that name it. */
 /** The models a session reads at their first use, not at create() */
-const READ_LATER = ['eval', 'train_step'];
-const OPTION = { training: 'trainModel', optimizer: 'optimizerModel', eval: 'evalModel', train_step: 'trainStepModel' };
+const READ_LATER = ['eval', 'train_step', 'train_steps'];
+const OPTION = { training: 'trainModel', optimizer: 'optimizerModel', eval: 'evalModel', train_step: 'trainStepModel', train_steps: 'trainStepsModel' };
+/** The inputs train_steps reads per step, stacked on its leading dim: the runtime makes them. */
+const STACKED_SCALARS = ['reset', 'dropout_key', 'lr', 'step'];
 /** Only create() makes a session: the constructor takes what it gathered. */
 const CREATING = Symbol('TrainingSession.create');
 
@@ -182,6 +184,33 @@ export class TrainingSession {
     return this.#ofRole('train_step', outputs, ['loss', 'output', 'report']);
   }
 
+  /** ``k`` whole steps in one run (train_steps.onnx, the steps pass): each batch input of
+   * ``feeds`` stacked on a new leading dim of ``k``, step i training on slice i. ``learningRates``:
+   * the k steps' rates (default: the current one for each; a schedule's next k:
+   * ``schedule.nextRates(k)``, then ``schedule.step()`` k times). The step count advances by k and
+   * each step draws its own dropout masks: k runStep calls compute the same, bit for bit. Returns
+   * the loss and the reports, [k] each.
+   * @param {Feeds} feeds
+   * @param {number} k
+   * @param {{learningRates?: number[]}} [options]
+   * @returns {Promise<Outputs>} */
+  async runSteps(feeds, k, options = {}) {
+    if (!Number.isInteger(k) || k < 1) throw new OndeviceError(`runSteps(feeds, k): k must be a whole number ≥ 1, got ${k}`);
+    if (!this.checkpointState.gradResetPending && this.manifest.accumulates) {
+      throw new OndeviceError('runSteps() after runTrainStep() accumulated gradients (accumulation across runs): runOptimizerStep() first, or lazyResetGrad()');
+    }
+    const rates = options.learningRates ?? Array.from({ length: k }, () => this.getLearningRate());
+    if (rates.length !== k || rates.some((r) => typeof r !== 'number' || !Number.isFinite(r) || r < 0)) {
+      throw new OndeviceError(`runSteps: learningRates takes the ${k} steps' rates, finite and ≥ 0; got [${rates}]`);
+    }
+    const outputs = await this.#run('train_steps', feeds, { k, rates });
+    const state = this.checkpointState;
+    state.step += k;
+    state.microBatch = 0;
+    state.gradResetPending = true;
+    return this.#ofRole('train_steps', outputs, ['loss', 'report']);
+  }
+
   // ------------------------------------------------------------------ the rate, the parameters, the state
 
   /** @param {number} lr */
@@ -271,8 +300,9 @@ export class TrainingSession {
       const source = this.#sources[key];
       if (source === undefined) {
         const file = this.manifest.models[key]?.file ?? `${key}.onnx`;
-        const what = key === 'train_step' ? 'whole-step' : key;
-        throw new OndeviceError(`no ${what} model: give ${OPTION[/** @type {keyof typeof OPTION} */ (key)] ?? key} (${file}) to create(), or artifacts (the folder that holds it)`);
+        const what = key === 'train_step' ? 'whole-step' : key === 'train_steps' ? 'k-steps' : key;
+        const older = key === 'train_steps' && !this.manifest.models[key] ? ' (artifacts written before manifest version 2 have none: write them again)' : '';
+        throw new OndeviceError(`no ${what} model: give ${OPTION[/** @type {keyof typeof OPTION} */ (key)] ?? key} (${file}) to create(), or artifacts (the folder that holds it)${older}`);
       }
       made = modelBytes(this.manifest, key, source, this.#verify).then((bytes) => this.#ort.InferenceSession.create(bytes, this.#sessionOptions));
       made.catch(() => delete this.#sessions[key]); // a failed load is tried again at the next run
@@ -284,10 +314,11 @@ export class TrainingSession {
   /** Run model ``key`` on ``feeds`` and the state; the state outputs replace their tensors.
    * @param {ModelKey} key
    * @param {Feeds} feeds
+   * @param {{k: number, rates: number[]} | null} [steps] train_steps: how many, at which rates
    * @returns {Promise<Outputs>} */
-  async #run(key, feeds) {
+  async #run(key, feeds, steps = null) {
     const entry = this.manifest.models[key];
-    const inputs = this.#feedsFor(key, feeds);
+    const inputs = steps ? this.#stackedFeeds(key, feeds, steps) : this.#feedsFor(key, feeds);
     const session = await this.#session(key);
     const outputs = await session.run(inputs);
     const state = this.checkpointState;
@@ -300,9 +331,10 @@ export class TrainingSession {
   /** Every input of model ``key``: the batch from ``feeds`` (checked), the rest from the state.
    * @param {ModelKey} key
    * @param {Feeds} feeds
+   * @param {Manifest} [manifest] the manifest whose model ``key`` says which inputs (default: the session's)
    * @returns {Feeds} */
-  #feedsFor(key, feeds) {
-    const entry = this.manifest.models[key];
+  #feedsFor(key, feeds, manifest = this.manifest) {
+    const entry = manifest.models[key];
     const ort = this.#ort;
     const state = this.checkpointState;
     /** @type {Feeds} */
@@ -345,6 +377,38 @@ export class TrainingSession {
     if (unknown.length) {
       const known = entry.inputs.filter((p) => p.role === 'batch' || p.role === 'labels').map((p) => p.name);
       throw new OndeviceError(`the ${key} model has no input '${unknown[0]}'; it takes: ${known.join(', ')}`);
+    }
+    return inputs;
+  }
+
+  /** The inputs of train_steps: the stacked batch (its leading dim ``k``), and each step's
+   * reset flag, dropout key, rate and step count stacked as the steps run them.
+   * @param {ModelKey} key
+   * @param {Feeds} feeds
+   * @param {{k: number, rates: number[]}} steps
+   * @returns {Feeds} */
+  #stackedFeeds(key, feeds, { k, rates }) {
+    const entry = this.manifest.models[key];
+    const ort = this.#ort;
+    const state = this.checkpointState;
+    const stacked = entry.inputs.filter((p) => STACKED_SCALARS.includes(p.role));
+    const unstacked = { ...this.manifest, models: { ...this.manifest.models, [key]: { ...entry, inputs: entry.inputs.filter((p) => !STACKED_SCALARS.includes(p.role)) } } };
+    const inputs = this.#feedsFor(key, feeds, unstacked);
+    for (const port of entry.inputs.filter((p) => p.role === 'batch' || p.role === 'labels')) {
+      if (inputs[port.name].dims[0] !== k) {
+        throw new OndeviceError(`runSteps(feeds, ${k}): input '${port.name}' has ${inputs[port.name].dims[0]} steps stacked on its leading dim [${inputs[port.name].dims}] (data that is not stacked?)`);
+      }
+    }
+    const seed = state.seeds.dropout ?? this.manifest.dropout?.seed ?? 0;
+    for (const port of stacked) {
+      if (port.role === 'reset') inputs[port.name] = new ort.Tensor('bool', new Uint8Array(k).fill(1), [k]);
+      if (port.role === 'lr') inputs[port.name] = new ort.Tensor('float32', Float32Array.from(rates), [k]);
+      if (port.role === 'step') inputs[port.name] = new ort.Tensor('int64', BigInt64Array.from({ length: k }, (_, i) => BigInt(state.step + i)), [k]);
+      if (port.role === 'dropout_key') {
+        const keys = new Uint32Array(2 * k);
+        for (let i = 0; i < k; i++) keys.set(runKey(seed, state.step + i, 0), 2 * i);
+        inputs[port.name] = new ort.Tensor('uint32', keys, [k, 2]);
+      }
     }
     return inputs;
   }
@@ -433,7 +497,7 @@ async function locate(options) {
     manifestSource && typeof manifestSource === 'object' && 'format' in manifestSource
       ? checkManifest(manifestSource)
       : await readManifest(/** @type {Source} */ (manifestSource), String(manifestSource));
-  const later = [options.evalModel, options.trainStepModel].filter((source) => source !== undefined);
+  const later = [options.evalModel, options.trainStepModel, options.trainStepsModel].filter((source) => source !== undefined);
   return {
     manifest,
     where: String(options.trainModel),
@@ -443,6 +507,7 @@ async function locate(options) {
       optimizer: options.optimizerModel,
       eval: options.evalModel,
       train_step: options.trainStepModel,
+      train_steps: options.trainStepsModel,
     },
     present: /** @type {Source[]} */ (later),
   };

@@ -52,8 +52,30 @@ test('a missing file and a newer manifest are refused', { skip }, async () => {
   await assert.rejects(TrainingSession.create({ ort, artifacts: join(tmpdir(), 'no-such-artifacts') }), /manifest\.json: no such file/);
   const folder = copy('digits');
   const document = JSON.parse(readFileSync(join(folder, 'manifest.json'), 'utf8'));
-  writeFileSync(join(folder, 'manifest.json'), JSON.stringify({ ...document, version: 2 }));
-  await assert.rejects(TrainingSession.create({ ort, artifacts: folder }), /manifest version 2 is newer than this runtime reads \(1\)/);
+  writeFileSync(join(folder, 'manifest.json'), JSON.stringify({ ...document, version: 3 }));
+  await assert.rejects(TrainingSession.create({ ort, artifacts: folder }), /manifest version 3 is newer than this runtime reads \(2\)/);
+});
+
+test('runSteps trains k steps in one run, and refuses data that is not stacked, a bad k or rates, and pending accumulation', { skip }, async () => {
+  const session = await TrainingSession.create({ ort, artifacts: at('digits') });
+  /** @param {number} k */
+  const stacked = (k) => {
+    const one = batch();
+    return {
+      images: new ort.Tensor('uint8', new Uint8Array(k * 4 * 64).fill(3), [k, 4, 8, 8]),
+      labels: new ort.Tensor('int64', BigInt64Array.from({ length: k * 4 }, (_, i) => one.labels.data[i % 4]), [k, 4]),
+    };
+  };
+  const { loss } = await session.runSteps(stacked(3), 3);
+  assert.deepEqual(loss.dims, [3]);
+  assert.equal(session.checkpointState.step, 3);
+  await assert.rejects(session.runSteps(stacked(3), 2), /input 'images' has 3 steps stacked on its leading dim .*not stacked/);
+  await assert.rejects(session.runSteps(batch(), 4), /input 'images' has 3 dims \[4,8,8\], the train_steps model takes 4/);
+  await assert.rejects(session.runSteps(stacked(2), 0), /k must be a whole number ≥ 1, got 0/);
+  await assert.rejects(session.runSteps(stacked(2), 2, { learningRates: [0.1] }), /learningRates takes the 2 steps' rates/);
+  await session.runTrainStep(batch());
+  await assert.rejects(session.runSteps(stacked(2), 2), /accumulation across runs/);
+  await session.release();
 });
 
 test('batches of the wrong type, rank or size are refused, naming the input', { skip }, async () => {

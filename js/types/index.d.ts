@@ -75,7 +75,7 @@ export interface Port {
 }
 
 /** The models of an artifact folder, by key. */
-export type ModelKey = 'training' | 'eval' | 'optimizer' | 'train_step' | 'inference';
+export type ModelKey = 'training' | 'eval' | 'optimizer' | 'train_step' | 'train_steps' | 'inference';
 
 export interface StateEntry {
   name: string;
@@ -124,6 +124,8 @@ export interface CreateOptions {
   optimizerModel?: Source;
   /** train_step.onnx: what runStep runs. */
   trainStepModel?: Source;
+  /** train_steps.onnx: what runSteps runs (manifest version 2). */
+  trainStepsModel?: Source;
   /** The manifest (default: the manifest.json beside trainModel). */
   manifest?: Source | Manifest;
   /** Check every file against the manifest's sha256 (default true). */
@@ -153,6 +155,10 @@ export class TrainingSession {
   runEvalStep(feeds: Feeds): Promise<Record<string, Tensor>>;
   /** One whole step in one session run (train_step.onnx). */
   runStep(feeds: Feeds): Promise<Record<string, Tensor>>;
+  /** `k` whole steps in one session run (train_steps.onnx): each batch input stacked on a new
+   * leading dim of `k`; the loss and reports come back as [k]. `learningRates`: the k steps'
+   * rates (default: the current one for each; a schedule's: `schedule.nextRates(k)`). */
+  runSteps(feeds: Feeds, k: number, options?: { learningRates?: number[] }): Promise<Record<string, Tensor>>;
   setLearningRate(lr: number): void;
   getLearningRate(): number;
   /** The elements of the trainable parameters, or (`trainableOnly` false) of every parameter, frozen ones too. */
@@ -201,6 +207,8 @@ export interface Schedule {
   lastStep: number;
   /** The rate of optimizer step `step` (0-based). */
   lrAt(step: number): number;
+  /** The rates of the next `k` optimizer steps, the schedule left where it is (for runSteps). */
+  nextRates(k: number): number[];
   /** Advance one optimizer step; sets and returns the rate of the next one. */
   step(): number;
   stateDict(): ScheduleState;
@@ -217,6 +225,7 @@ declare class ScheduleBase implements Schedule {
   readonly endLr: number;
   lastStep: number;
   lrAt(step: number): number;
+  nextRates(k: number): number[];
   step(): number;
   stateDict(): ScheduleState;
 }

@@ -88,6 +88,7 @@ TORCHRUN_DEVICE = Refused("cuda:1", "each process of a torchrun run takes its ow
 REDUCED = Refused("torch", "the program's ONNX update reads the gradients reduced across the replicas")
 STAGE_UPDATE = Refused("torch", "each stage updates its own parameters in the program's ONNX update segments")
 MICROBATCHES = Refused(3, "the program's pipeline runs 2 micro-batches per step")
+SEVERAL = Refused(2, "several steps in one run take one process's whole program")
 
 #: [train] key -> topology -> what a run shows: HONOURED (the key's effect, checked below) and refusals
 TABLE: dict[str, dict[str, tuple]] = {
@@ -112,6 +113,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "pipeline stage": (HONOURED, STAGE_UPDATE),
         "tensor stage": (HONOURED, STAGE_UPDATE),
     },
+    "steps_per_run": {"one process": (HONOURED,), **{name: (SEVERAL,) for name in DISTRIBUTED}},
 }
 
 #: the run of non-default values, and the run of the defaults but its length
@@ -123,8 +125,11 @@ def _configs(folder: Path, name: str, place: Place) -> dict[str, Path]:
     """The configs a topology runs: the two runs, and one per value it refuses."""
     trains = {"changed": {"steps": None, **CHANGED, "update": place.update}, "defaults": DEFAULTS}
     for key, row in TABLE.items():
-        for refused in row[name][1:]:
+        for refused in (r for r in row[name] if r != HONOURED):
             trains[f"{key}={refused.value}"] = {"steps": 1, key: refused.value}
+    if name == "one process":  # four steps in runs of two, and one a run, the program's update both
+        trains["several"] = {"steps": 4, "steps_per_run": 2, "update": "onnx"}
+        trains["single"] = {"steps": 4, "update": "onnx"}
     configs = {}
     for case, train in trains.items():
         sections = {
@@ -232,6 +237,17 @@ def _update(seen: dict, place: Place) -> None:
     assert any("update" in note for note in defaults[0]["notes"]), defaults[0]["notes"]
 
 
+def _steps_per_run(seen: dict, place: Place) -> None:
+    """train.steps_per_run = 2 (one process): four steps in two runs end where four runs of one
+    step end, bit for bit."""
+    several, single = (_trained(seen, case)[0] for case in ("several", "single"))
+    assert several["step"] == single["step"] == 4
+    want, got = (CheckpointState.load(o["checkpoint"]).tensors for o in (single, several))
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), name
+    assert any("train.steps_per_run = 2" in note for note in several["notes"]), several["notes"]
+
+
 EFFECTS = {
     "steps": _steps,
     "epochs": _epochs,
@@ -240,6 +256,7 @@ EFFECTS = {
     "device": _device,
     "dropout": _dropout,
     "update": _update,
+    "steps_per_run": _steps_per_run,
 }
 
 

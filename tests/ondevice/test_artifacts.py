@@ -62,7 +62,7 @@ def test_the_files_and_their_plain_inputs(digits):
 def test_the_manifest_names_every_role(digits):
     _program, folder, manifest = digits
     document = json.loads((folder / MANIFEST).read_text())
-    assert document["format"] == "graphforge.ondevice" and document["version"] == 1
+    assert document["format"] == "graphforge.ondevice" and document["version"] == 2
     training = manifest.model("training")
     roles = {p.name: (p.role, p.state) for p in training.inputs}
     assert roles["images"] == ("batch", None) and roles["labels"] == ("labels", None)
@@ -215,7 +215,7 @@ def test_frozen_parameters_are_inputs_read_from_the_checkpoint(tmp_path):
         model = onnx.load(tmp_path / entry.file)
         assert not {"fc1.weight", "fc1.bias"} & {t.name for t in model.graph.initializer} or key == "inference", key
         reads = {p.state for p in entry.inputs if p.role == "state"}
-        assert ({"fc1.weight", "fc1.bias"} <= reads) == (key in ("training", "eval", "train_step")), key
+        assert ({"fc1.weight", "fc1.bias"} <= reads) == (key in ("training", "eval", "train_step", "train_steps")), key
         assert not {"fc1.weight", "fc1.bias"} & {p.state for p in entry.outputs if p.role == "state"}, key
     state = graphforge.CheckpointState.load(tmp_path / "checkpoint")
     assert {s.name: s.role for s in state.specs}["fc1.bias"] == "frozen"
@@ -315,9 +315,9 @@ def test_a_damaged_or_newer_set_is_refused_naming_the_file(digits, tmp_path):
     with pytest.raises(ManifestError, match=r"checkpoint: its sha256 is .* the manifest's"):
         Manifest.read(copy)
     document = json.loads((copy / MANIFEST).read_text())
-    document["version"] = 2
+    document["version"] = 3
     (copy / MANIFEST).write_text(json.dumps(document))
-    with pytest.raises(ManifestError, match="manifest version 2 is newer than this graphforge reads"):
+    with pytest.raises(ManifestError, match="manifest version 3 is newer than this graphforge reads"):
         Manifest.read(copy)
 
 

@@ -173,6 +173,43 @@ def test_accumulation_and_a_schedule_equal_python(digits):
     assert got["losses"] == want
 
 
+@pytest.mark.parametrize(
+    ("pipeline", "steps_per_run"),
+    [
+        ("adamw(lr=1e-2, weight_decay=0.01, accumulate=true)", 4),
+        (
+            "lora(r=4, alpha=8, dropout=0.25, targets=[fc1]), LOSS, autodiff, sgd(lr=0.05, momentum=0.9, accumulate=true)",
+            3,
+        ),
+    ],
+    ids=["adamw", "lora-dropout-sgd"],
+)
+def test_k_steps_in_one_run_on_node_equal_pythons_single_steps(tmp_path, pipeline, steps_per_run):
+    """runSteps(feeds, k) on train_steps.onnx, the rates of a cosine schedule with warmup
+    (schedule.nextRates(k)), 7 steps in runs of k and a shorter last run: the losses, the rates
+    and every carried tensor equal graphforge's Module stepping one step at a time, bit for bit
+    (AdamW; SGD with momentum on a LoRA program whose adapter dropout draws each step's masks)."""
+    loss = "loss(kind=cross_entropy, output=logits)"
+    text = pipeline.replace("LOSS", loss) if "LOSS" in pipeline else f"{loss}, autodiff, {pipeline}"
+    program = graphforge.compile(DIGITS, text).model
+    write_artifacts(program, tmp_path / "art")
+    batches = digits_batches(7)
+    options = {"warmupSteps": 2, "totalSteps": 7, "baseLr": 0.02, "endLr": 0.001}
+    job = {"backend": "node", "artifacts": str(tmp_path / "art"), "batches": batches_file(tmp_path, batches), "steps": 7,
+           "stepsPerRun": steps_per_run, "schedule": {"kind": "cosine", "options": options}, "save": str(tmp_path / "js.ckpt")}  # fmt: skip
+    got = run_js(job)
+
+    def cosine(optimizer):
+        return CosineSchedule(optimizer, base_lr=0.02, warmup_steps=2, total_steps=7, end_lr=0.001)
+
+    want, module = python_steps(program, batches, 7, schedule=cosine)
+    assert got["learningRates"] == [cosine(None).lr_at(k) for k in range(7)]
+    assert got["losses"] == want and got["step"] == 7
+    saved = CheckpointState.load(tmp_path / "js.ckpt")
+    for name, value in module.state.tensors.items():
+        assert np.array_equal(saved.tensors[name], value), name
+
+
 def test_a_checkpoint_crosses_between_python_and_javascript_both_ways(digits):
     """Python trains 10 steps and saves; the JS runtime resumes for 10 more and saves; Python
     resumes that for 10 more: the same as 30 uninterrupted steps in Python."""

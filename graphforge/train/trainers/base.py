@@ -47,12 +47,14 @@ class Topology:
 
 
 class NotFinite(Exception):
-    """Raised by a step whose loss or gradient norm is not finite, after undoing it."""
+    """Raised by a step whose loss or gradient norm is not finite, after undoing it; ``offset``:
+    which of the steps of one run (train.steps_per_run), all undone."""
 
-    def __init__(self, what: str, value: float):
+    def __init__(self, what: str, value: float, offset: int = 0):
         super().__init__(what, value)
         self.what = what
         self.value = value
+        self.offset = offset
 
 
 def check_finite(engine, what: str, value: float) -> None:
@@ -78,6 +80,8 @@ class Trainer:
     describe_as: ClassVar[str] = ""
     #: what its refusals call it ("a pipeline stage")
     topology_name: ClassVar[str] = "one process"
+    #: whether it runs several steps in one run (train.steps_per_run > 1: ``run_steps``)
+    several_steps: ClassVar[bool] = False
 
     def __init__(self, topology: Topology, state: CheckpointState, options: TrainerOptions):
         self.topology = topology
@@ -99,6 +103,11 @@ class Trainer:
             return {
                 "device": "each process of a torchrun run takes its own device (cuda:LOCAL_RANK on a GPU); "
                 f'name its type alone ("{device.split(":")[0]}")'
+            }
+        if options.train.steps_per_run > 1 and not cls.several_steps:
+            return {
+                "steps_per_run": "several steps in one run take one process's whole program, and here each step "
+                "is cut where the processes exchange values"
             }
         return {}
 
@@ -126,6 +135,15 @@ class Trainer:
 
     def step(self, batches: list[dict[str, np.ndarray]]) -> float:
         """One optimizer step over ``batches``: their mean loss. Raises NotFinite, the step undone."""
+        raise NotImplementedError
+
+    @property
+    def steps_per_run(self) -> int:
+        return self.options.train.steps_per_run
+
+    def run_steps(self, batches: list[dict[str, np.ndarray]], rates: list[float]) -> list[tuple[float, float | None]]:
+        """len(batches) optimizer steps in one run, one batch each at ``rates``: each step's loss
+        and gradient norm. Raises NotFinite, every step of the run undone (``several_steps`` only)."""
         raise NotImplementedError
 
     def evaluate(self, source: Source, output: str | None, labels: str | None) -> dict[str, float]:

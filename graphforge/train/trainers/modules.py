@@ -14,7 +14,7 @@ from graphforge.runtime import CheckpointManager, CheckpointState, Module, Optim
 from graphforge.runtime.fused_update import FusedUpdate, Refused, use_fused_update
 from graphforge.train.data import Source
 from graphforge.train.evaluation import evaluate
-from graphforge.train.trainers.base import Topology, Trainer, check_finite
+from graphforge.train.trainers.base import NotFinite, Topology, Trainer, check_finite
 from graphforge.train.trainers.options import TrainerOptions
 
 #: why a profiled run keeps the program's own update
@@ -38,7 +38,12 @@ class ModuleTrainer(Trainer):
             update="onnx",  # train.update is chosen below, once the Module is data-parallel or not
         )
         self.connect()
-        if not self.sharded and options.train.update != "onnx":
+        if options.train.steps_per_run > 1:
+            self.notes.append(
+                f"update: the program's ONNX update (train.steps_per_run = {options.train.steps_per_run} runs it "
+                "inside its loop)"
+            )
+        elif not self.sharded and options.train.update != "onnx":
             self._choose_update()
         self.optimizer = Optimizer(self.module)
 
@@ -114,7 +119,22 @@ class ModuleTrainer(Trainer):
 
 
 class OneProcess(ModuleTrainer):
-    """The only process of a run."""
+    """The only process of a run; with train.steps_per_run = k, k steps a run (Module.train_steps)."""
+
+    several_steps = True
+
+    def run_steps(self, batches: list[dict[str, np.ndarray]], rates: list[float]) -> list[tuple[float, float | None]]:
+        module = self.module
+        stacked = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
+        losses = [float(x) for x in module.train_steps(**stacked, lr=rates)]
+        norms = module.last_grad_norms
+        norms = [None] * len(losses) if norms is None else [float(x) for x in norms]
+        for offset, (loss, norm) in enumerate(zip(losses, norms, strict=True)):
+            for what, value in (("loss", loss), ("gradient norm", norm)):
+                if value is not None and not np.isfinite(value):
+                    module.undo_last_run()
+                    raise NotFinite(what, value, offset)
+        return list(zip(losses, norms, strict=True))
 
     def save(self, checkpoints: CheckpointManager) -> Path:
         return checkpoints.save(self.state)

@@ -2,7 +2,7 @@
 // hold what it computes against graphforge in Python. One argument: a JSON job
 //   {backend: "node" | "web", artifacts, batches: {file, tensors: [{name, dtype, shape, offset, bytes}] per step},
 //    steps, accumulate, schedule, resume, save, eval, threads, gradientsOnly, parameters,
-//    load: {file, trainableOnly}}
+//    load: {file, trainableOnly}, stepsPerRun}
 // It prints one JSON line: the loss of each step (mean over its micro-batches), the eval
 // loss, the session's step and learning rate, its execution providers, and with ``parameters``
 // the contiguous parameters after the steps (trainable, and all); ``load`` replaces the
@@ -31,6 +31,18 @@ function batch(i) {
   return feeds;
 }
 
+/** Batches first … first + k - 1 stacked on a new leading dim: what runSteps takes. */
+function stacked(first, k) {
+  const parts = Array.from({ length: k }, (_, i) => batch(first + i));
+  const feeds = {};
+  for (const [name, t] of Object.entries(parts[0])) {
+    const data = new t.data.constructor(t.data.length * k);
+    parts.forEach((part, i) => data.set(part[name].data, i * t.data.length));
+    feeds[name] = new ort.Tensor(t.type, data, [k, ...t.dims]);
+  }
+  return feeds;
+}
+
 const checkpointState = job.resume ? await CheckpointState.load(job.resume) : undefined;
 const session = await TrainingSession.create({ ort, artifacts: job.artifacts, ...(checkpointState ? { checkpointState } : {}) }, options);
 const schedule = job.schedule ? makeSchedule(job.schedule.kind, session, { ...job.schedule.options, lastStep: session.checkpointState.step }) : null;
@@ -39,7 +51,16 @@ const learningRates = [];
 let next = 0;
 const started = performance.now();
 if (job.gradientsOnly) await session.runTrainStep(batch(next++)); // the accumulators then hold one batch's gradients
-for (let step = 0; step < job.steps; step++) {
+for (let step = 0; job.stepsPerRun && step < job.steps; step += job.stepsPerRun) {
+  const k = Math.min(job.stepsPerRun, job.steps - step);
+  const rates = schedule ? schedule.nextRates(k) : Array.from({ length: k }, () => session.getLearningRate());
+  learningRates.push(...rates);
+  const out = await session.runSteps(stacked(next, k), k, { learningRates: rates });
+  next += k;
+  losses.push(...Array.from(out[session.manifest.loss].data, Number));
+  if (schedule) for (let i = 0; i < k; i++) schedule.step();
+}
+for (let step = 0; !job.stepsPerRun && step < job.steps; step++) {
   learningRates.push(session.getLearningRate());
   if (job.fused) {
     const out = await session.runStep(batch(next++));
