@@ -2,7 +2,8 @@
 by puppeteer-core) on pages served from 127.0.0.1 (examples/web/serve.py's server).
 
 1. The runtime's harness (js/test/browser/harness.html), on onnxruntime-web's wasm backend:
-   the digits MLP and a CNN with BatchNorm, 20 steps each within 1e-5 of graphforge in Python.
+   the digits MLP, a CNN with BatchNorm and the digits MLP with LoRA adapters (its base frozen),
+   20 steps each within 1e-5 of graphforge in Python.
 2. The page (examples/web/): it trains the digits to the test accuracy make demo promises,
    draws the loss curve (the screenshot holds it) with its legends clear of the accuracy
    points, keeps its checkpoint in IndexedDB, and a reload resumes from it; no request fails
@@ -68,13 +69,16 @@ def drive(job: dict, tmp_path: Path) -> dict:
 def test_the_runtime_in_chromium_and_the_page_that_trains_the_digits(site, tmp_path):
     root, url = site
     cnn_path, cnn = cnn_case(tmp_path, 20)
+    loss = "loss(kind=cross_entropy, output=logits), autodiff"
     cases = {
-        "digits": (DIGITS, digits_batches(20), "adamw(lr=1e-2, accumulate=true)"),
-        "cnn": (cnn_path, cnn, "sgd(lr=0.05, momentum=0.9, accumulate=true)"),
+        "digits": (DIGITS, digits_batches(20), f"{loss}, adamw(lr=1e-2, accumulate=true)"),
+        "cnn": (cnn_path, cnn, f"{loss}, sgd(lr=0.05, momentum=0.9, accumulate=true)"),
+        # low-rank adapters, the base frozen: the adapters are the artifacts' only parameters
+        "lora": (DIGITS, digits_batches(20), f"lora(r=4, alpha=8, targets=[fc1, fc2]), {loss}, adamw(lr=1e-2)"),
     }
     harness, expected = {}, {}
-    for name, (model, batches, optimizer) in cases.items():
-        program = graphforge.compile(model, f"loss(kind=cross_entropy, output=logits), autodiff, {optimizer}").model
+    for name, (model, batches, pipeline) in cases.items():
+        program = graphforge.compile(model, pipeline).model
         folder = root / "out" / name
         write_artifacts(program, folder / "artifacts")
         index = batches_file(folder, batches)
