@@ -1,5 +1,5 @@
 """docs/guides/lora.md as a reader runs it: every block in order, in a fresh folder holding the
-shipped fables (Python blocks through the venv's python, commands through bash with the venv's
+shipped fables (Python blocks in this process, the venv's python, commands through bash with the venv's
 bin first on PATH, the TOML saved as train.toml); each exits 0, the page's own PEFT comparison
 holds, and the merged model is not the base model again (the adapters trained and were merged)."""
 
@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import models
@@ -29,8 +30,15 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return done
 
 
-def _python(block: str, cwd: Path) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-c", block], cwd)
+def _python(block: str, cwd: Path, monkeypatch, capsys) -> str:
+    """``block`` run in this process (the venv's python, torch already imported), from ``cwd``;
+    what it printed."""
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's tracer warnings
+        exec(compile(block, PAGE, "exec", dont_inherit=True), {"__name__": "__main__"})
+    return capsys.readouterr().out
 
 
 def _sh(block: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -38,16 +46,16 @@ def _sh(block: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_the_lora_page_runs_top_to_bottom(tmp_path):
+def test_the_lora_page_runs_top_to_bottom(tmp_path, monkeypatch, capsys):
     shutil.copy(REPO / "data" / "text" / "fables.jsonl", tmp_path)
-    _python(page_block(PAGE, "python", "class Logits(LlamaForCausalLM)"), tmp_path)
+    _python(page_block(PAGE, "python", "class Logits(LlamaForCausalLM)"), tmp_path, monkeypatch, capsys)
     (tmp_path / "train.toml").write_text(page_block(PAGE, "toml", "lora(r=8, alpha=16"))
     trained = _sh(page_block(PAGE, "sh", "graphforge train train.toml --out run"), tmp_path)
     assert "10 steps" in trained.stdout and "fables.jsonl" in trained.stdout
     _sh(page_block(PAGE, "sh", "--adapters peft -o adapter"), tmp_path)
     assert {p.name for p in (tmp_path / "adapter").iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
-    compared = _python(page_block(PAGE, "python", "PeftModel.from_pretrained"), tmp_path)
-    assert "merged.onnx gives PEFT's logits" in compared.stdout
+    compared = _python(page_block(PAGE, "python", "PeftModel.from_pretrained"), tmp_path, monkeypatch, capsys)
+    assert "merged.onnx gives PEFT's logits" in compared
     generated = _sh(page_block(PAGE, "sh", "graphforge generate merged.onnx"), tmp_path)
     assert generated.stdout.strip()
 
