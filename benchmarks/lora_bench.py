@@ -190,13 +190,6 @@ def _peft_side(job: dict, folder: Path):
     return step, trainable, checkpoint
 
 
-def _resident_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def child(job: dict) -> dict:
     if job["side"] == "prepare":
         return prepare(train_bench.Spec(**job["spec"]), Path(job["folder"]))
@@ -205,7 +198,7 @@ def child(job: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         side = _peft_side if job["side"] == "peft" else _graphforge_side
         step, trainable, checkpoint = side(job, Path(tmp))
-        built_mib = _resident_mib()  # the model (and session) before any step
+        built_mib = train_bench._proc_status_mib("VmRSS")  # the model (and session) before any step
         batches = _batches(job["batches"])
         losses = [float(step(*batches[0]))]
         first_step_s = time.perf_counter() - START

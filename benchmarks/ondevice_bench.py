@@ -254,15 +254,20 @@ def _node(job: dict, timeout: float) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def read_batches(index: dict) -> list[list[np.ndarray]]:
+    """The steps' arrays of the batch file an index describes (what the JS sides read too)."""
+    raw = Path(index["file"]).read_bytes()
+    return [
+        [np.frombuffer(raw, t["dtype"], int(np.prod(t["shape"])), t["offset"]).reshape(t["shape"]) for t in step]
+        for step in index["steps"]
+    ]
+
+
 def _python_child(job: dict) -> dict:
     """graphforge's Module in this (fresh) process, timed as sides.mjs times the JS sides."""
     import graphforge
 
-    raw = Path(job["batches"]["file"]).read_bytes()
-    batches = [
-        [np.frombuffer(raw, t["dtype"], int(np.prod(t["shape"])), t["offset"]).reshape(t["shape"]) for t in step]
-        for step in job["batches"]["steps"]
-    ]
+    batches = read_batches(job["batches"])
     module = graphforge.Module(
         job["program"], device="cpu", intra_op_threads=job["threads"], inter_op_threads=1, update="onnx"
     )

@@ -66,11 +66,7 @@ def _python(job: dict) -> dict:
 def _python_child(job: dict) -> dict:
     import graphforge
 
-    raw = Path(job["batches"]["file"]).read_bytes()
-    batches = [
-        [np.frombuffer(raw, t["dtype"], int(np.prod(t["shape"])), t["offset"]).reshape(t["shape"]) for t in step]
-        for step in job["batches"]["steps"]
-    ]
+    batches = od.read_batches(job["batches"])
     k = job["k"]
     runs = [
         [np.stack([batches[(r * k + i) % len(batches)][n] for i in range(k)]) for n in range(len(batches[0]))]

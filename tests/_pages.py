@@ -11,6 +11,7 @@ a GPU, a server that runs until Ctrl-C).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,3 +64,14 @@ def page_block(page: str, language: str, *needles: str) -> str:
         where = ", ".join(str(b) for b in matching) or "none"
         raise LookupError(f"{page}: {len(matching)} ```{language} blocks contain {needles} (want 1): {where}")
     return matching[0].text
+
+
+def run_block(page: str, *blocks: str, namespace: dict | None = None) -> dict:
+    """Run a page's Python blocks in turn in one namespace (their warnings silenced), as a reader
+    pasting them into one session would; the namespace they leave."""
+    namespace = {} if namespace is None else namespace
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for block in blocks:
+            exec(compile(block, page, "exec", dont_inherit=True), namespace)
+    return namespace

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from _pages import page_block
+from _pages import page_block, run_block
 from graphforge.passes.lora_layers import module_path, torchscript_scope
 from onnx import TensorProto, helper, numpy_helper
 
@@ -539,10 +539,7 @@ def test_the_export_guides_lora_block_runs(tmp_path, monkeypatch, capsys):
     the two hidden layers (not the head), and they alone train."""
     block = page_block(PAGE, "python", "lora(r=4, alpha=8)")
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exec(compile(block, PAGE, "exec", dont_inherit=True), namespace)
+    namespace = run_block(PAGE, block)
     printed = capsys.readouterr().out.strip()
     assert printed == "('0.lora_A.weight', '0.lora_B.weight', '2.lora_A.weight', '2.lora_B.weight')"
     assert printed in block  # the page says what it prints

@@ -8,13 +8,11 @@ MatMul's [in, out], torch's [out, in] through a Transpose, and a Gemm with trans
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from _pages import page_block
+from _pages import page_block, run_block
 from graphforge.passes.quantize_frozen import RANGES, dequantize_blocks
 from onnx import TensorProto, helper, numpy_helper
 
@@ -263,10 +261,7 @@ def test_the_export_guides_quantized_block_runs(tmp_path, monkeypatch, capsys):
     """docs/guides/pytorch-export.md's quantized base block, as written in a fresh folder."""
     block = page_block(PAGE, "python", "quantize_frozen(bits=4, block=32)")
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exec(compile(block, PAGE, "exec", dont_inherit=True), namespace)
+    namespace = run_block(PAGE, block)
     printed = capsys.readouterr().out.strip()
     assert printed in block  # the page says what it prints
     assert sorted(ProgramRoles.read(namespace["program"]).quantized) == ["0.weight", "2.weight", "4.weight"]

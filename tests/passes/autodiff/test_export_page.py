@@ -8,7 +8,7 @@ import warnings
 
 import onnx
 import pytest
-from _pages import page_block
+from _pages import page_block, run_block
 
 PAGE = "docs/guides/pytorch-export.md"
 
@@ -38,11 +38,7 @@ def test_the_train_program_block_runs(tmp_path, monkeypatch):
     export = page_block(PAGE, "python", "torch.onnx.export", "TrainingMode")
     block = page_block(PAGE, "python", "train_program(")
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exec(compile(export, PAGE, "exec", dont_inherit=True), namespace)
-        exec(compile(block, PAGE, "exec", dont_inherit=True), namespace)
+    namespace = run_block(PAGE, export, block)
     module = namespace["module"]
     assert sorted(module.parameters) == sorted(name for name, _ in namespace["net"].named_parameters())
     assert sorted(module.buffers) == ["1.running_mean", "1.running_var"]
