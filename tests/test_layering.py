@@ -27,8 +27,17 @@ REPO = Path(__file__).resolve().parents[1]
 #: its own sub-layer and of those below it, never one above. A name stands for a module and,
 #: unless a longer name is listed, the package below it.
 CORE = (
-    # leaves: errors, temporary files, the metadata keys, the op emitter, pipeline text
-    ("graphforge.errors", "graphforge.tempfiles", "graphforge.roles", "graphforge.builder", "graphforge.pass_spec"),
+    # leaves: errors, temporary files, digests, the metadata keys, the op emitter, pipeline text,
+    # tokenizer files
+    (
+        "graphforge.errors",
+        "graphforge.tempfiles",
+        "graphforge.digests",
+        "graphforge.roles",
+        "graphforge.builder",
+        "graphforge.pass_spec",
+        "graphforge.tokenizer_files",  # a tokenizer.json and the files beside it
+    ),
     # ONNX protos and graphs as graphs, no file and no Model
     ("graphforge.ir", "graphforge.dag"),
     ("graphforge.ort_compat", "graphforge.payloads"),

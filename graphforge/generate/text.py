@@ -4,21 +4,14 @@ piece by piece and cut before a stop string."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphforge.errors import GenerationError, one_line
+from graphforge.errors import GenerationError
+from graphforge.tokenizer_files import read_tokenizer, token_id
 
-TOKENIZER = "tokenizer.json"
-#: the files beside tokenizer.json that name the EOS token, read in this order (a later one wins,
-#: as transformers reads tokenizer_config.json over special_tokens_map.json)
-SPECIAL_TOKENS_MAP = "special_tokens_map.json"
-CONFIG = "tokenizer_config.json"
-#: the model folder's generation settings: eos_token_id, one id or a list
-GENERATION_CONFIG = "generation_config.json"
 #: what decoding gives for the bytes of a character not yet complete
 INCOMPLETE = "\ufffd"
 
@@ -49,49 +42,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer at ``path`` (a tokenizer.json, or the folder holding one) and its EOS ids:
     tokenizer_config.json's (or special_tokens_map.json's) ``eos_token`` and
     generation_config.json's ``eos_token_id``, where those files lie beside it."""
-    from tokenizers import Tokenizer as HuggingFaceTokenizer
 
-    path = Path(path)
-    file = path / TOKENIZER if path.is_dir() else path
-    if not file.is_file():
-        raise GenerationError(f"tokenizer: no such file {file}")
-    try:
-        tokenizer = HuggingFaceTokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises plain Exceptions for a file it cannot read
-        raise GenerationError(f"tokenizer: {file} is not a Hugging Face tokenizer.json ({one_line(exc)})") from None
-    eos = set()
-    settings: dict = {}
-    for name in (SPECIAL_TOKENS_MAP, CONFIG):
-        settings.update(_json(file.parent / name))
-    text = _token_text(settings.get("eos_token"))
-    if text is not None:
-        token_id = tokenizer.token_to_id(text)
-        if token_id is None:
-            raise GenerationError(f"tokenizer: {CONFIG} beside {file} names eos_token {text!r}, which it does not hold")
-        eos.add(token_id)
-    generation_eos = _json(file.parent / GENERATION_CONFIG).get("eos_token_id")
-    if isinstance(generation_eos, int):
-        eos.add(generation_eos)
-    elif isinstance(generation_eos, list):
-        eos.update(i for i in generation_eos if isinstance(i, int))
-    return Tokenizer(tokenizer, file, frozenset(eos))
+    def refuse(message: str) -> GenerationError:
+        return GenerationError(f"tokenizer: {message}")
 
-
-def _json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise GenerationError(f"tokenizer: {path} is not JSON ({one_line(exc)})") from None
-    return value if isinstance(value, dict) else {}
-
-
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's object."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+    files = read_tokenizer(path, refuse, template=False)
+    eos = files.generation_eos_ids(refuse)
+    eos_id = token_id(files, "eos_token", refuse)
+    if eos_id is not None:
+        eos.add(eos_id)
+    return Tokenizer(files.tokenizer, files.path, frozenset(eos))
 
 
 class NewText:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fnmatch
 import gzip
-import hashlib
 import io
 import json
 import math
@@ -34,6 +33,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
+from graphforge.digests import sha256_bytes
 from graphforge.errors import GraphforgeError, InvalidModelError, ModelLoadError
 from graphforge.golden.fingerprint import graph_inputs, iter_float_initializers
 from graphforge.model_io import load
@@ -400,10 +400,6 @@ def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def expectation_paths(folder: Path, pipeline: str) -> tuple[Path, Path, Path]:
     base = folder / EXPECTED_DIR
     return base / f"{pipeline}.json", base / f"{pipeline}.npz", base / f"{pipeline}.graph.onnx.gz"
@@ -424,9 +420,9 @@ def write_expectation(folder: Path, expectation: Expectation) -> None:
         "stages": list(expectation.stages),
         "structure": expectation.structure,
         "values_file": npz_path.name,
-        "values_sha256": _sha256(values),
+        "values_sha256": sha256_bytes(values),
         "graph_file": graph_path.name if graph else None,
-        "graph_sha256": _sha256(graph) if graph else None,
+        "graph_sha256": sha256_bytes(graph) if graph else None,
         "values": [
             {"stage": v.stage, "set": v.set, "name": v.name, "dtype": v.array.dtype.name, "shape": list(v.array.shape)}
             for v in expectation.values
@@ -477,7 +473,7 @@ def _read_bytes(path: Path, digest: str, json_path: Path) -> bytes:
         raise GoldenError(f"{path}: no such file (named by {json_path.name})") from None
     except OSError as exc:
         raise GoldenError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if _sha256(data) != digest:
+    if sha256_bytes(data) != digest:
         raise GoldenError(
             f"{path}: its contents do not match the sha256 that {json_path.name} records "
             "(a damaged file or a half-merged update; rerun graphforge golden update)"

@@ -43,10 +43,11 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
+from graphforge.digests import sha256_file
 from graphforge.errors import GraphforgeError
 from graphforge.graph import Model
 from graphforge.model_io import ModelSource, load, save
-from graphforge.ondevice.manifest import CHECKPOINT, FILES, FROZEN, Manifest, ModelEntry, StateEntry, ports, sha256_of
+from graphforge.ondevice.manifest import CHECKPOINT, FILES, FROZEN, Manifest, ModelEntry, StateEntry, ports
 from graphforge.pass_manager import PassManager, parse_pipeline, pipeline_text
 from graphforge.pass_spec import format_value
 from graphforge.passes.steps import steps_model
@@ -281,7 +282,7 @@ def write_artifacts(
                 *(StateEntry(name, FROZEN, value.dtype.name, tuple(value.shape)) for name, value in fixed.items()),
             ],
             checkpoint=checkpoint.name,
-            checkpoint_sha256=sha256_of(checkpoint),
+            checkpoint_sha256=sha256_file(checkpoint),
             optimizer=roles.optimizer,
             hyperparameters=dict(roles.hyperparameters),
             default_lr=roles.default_lr,
@@ -301,7 +302,7 @@ def write_artifacts(
 def _written(model: onnx.ModelProto, path: Path, inputs_role, outputs_role) -> ModelEntry:
     save(model, path)
     return ModelEntry(
-        path.name, sha256_of(path), ports(model.graph.input, inputs_role), ports(model.graph.output, outputs_role)
+        path.name, sha256_file(path), ports(model.graph.input, inputs_role), ports(model.graph.output, outputs_role)
     )
 
 

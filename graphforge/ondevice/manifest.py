@@ -24,7 +24,6 @@ checkpoint whose tensor is damaged, naming the tensor: its CRC-32 says which).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 
 import onnx
 
+from graphforge.digests import sha256_file
 from graphforge.errors import CheckpointError, GraphforgeError
 from graphforge.runtime.checkpoint import CheckpointState
 from graphforge.tempfiles import write_atomically
@@ -227,20 +227,12 @@ class Manifest:
         return entry
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def check_file(path: Path, expected: str, *, checkpoint: bool = False) -> None:
     """Refuse ``path`` unless it is there with the sha256 ``expected``. A ``checkpoint`` that
     differs is read first: a damaged tensor is named by its CRC-32, not the file by its hash."""
     if not path.is_file():
         raise ManifestError(f"{path}: no such file (the manifest names it)")
-    got = sha256_of(path)
+    got = sha256_file(path)
     if got != expected:
         if checkpoint:
             try:

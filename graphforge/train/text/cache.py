@@ -21,7 +21,6 @@ failure leaves no entry, and no cache folder the run made.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from array import array
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from graphforge.digests import sha256_bytes
 from graphforge.errors import ConfigError, one_line
 from graphforge.tempfiles import move_into_place, remove_stale, temp_folder_beside
 from graphforge.train.config import shown
@@ -65,17 +65,9 @@ class TokenCache:
         return len(self.starts) - 1
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def entry_folder(root: Path, data: Path, parts: dict) -> Path:
     """Where the entry of ``data`` with the key made of ``parts`` lives under ``root``."""
-    key = hashlib.sha256(json.dumps({"version": VERSION, **parts}, sort_keys=True).encode()).hexdigest()
+    key = sha256_bytes(json.dumps({"version": VERSION, **parts}, sort_keys=True).encode())
     return root / f"{data.name}-{key[:20]}"
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from graphforge.digests import sha256_file
 from graphforge.errors import ConfigError
 from graphforge.program import BatchInput
 from graphforge.train.config import DataConfig, shown
@@ -194,7 +195,7 @@ def _packs(data: DataConfig, text: TextOptions, note) -> bool:
 def _tokens(location: Path, fmt: str, tokenizer: TextTokenizer, data: DataConfig, where: str) -> token_cache.TokenCache:
     """The file's tokens from the cache, tokenizing it first where needed."""
     parts = {
-        "data": token_cache.file_sha256(location),
+        "data": sha256_file(location),
         "format": fmt,
         "tokenizer": tokenizer.digests,
     }
