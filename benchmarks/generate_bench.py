@@ -1,5 +1,6 @@
 """Generation: tokens a second of `graphforge generate`'s Generator against transformers' own
-generate on torch eager, on the same randomly initialized GPT-2-small-shaped model.
+generate on torch eager, on the same randomly initialized model: GPT-2 small, and a Qwen2 at
+Qwen2-0.5B's shapes (grouped-query attention, rotary positions, a vocabulary of 151,936).
 
 Greedy, batch 1, a 32-token prompt, 64 new tokens (EOS never ends a run early), 2 threads on
 both sides (onnxruntime's intra-op threads, torch.set_num_threads), and the cache sides again
@@ -8,7 +9,8 @@ given a cache by the kv_cache pass (Generator's default) and with cache=False (t
 again for each token), and one with cache inputs in optimum's names
 (past_key_values.N.key/value in, present.N.key/value out; exported through a wrapper that hands
 transformers the past, as the kv_cache pass writes it); transformers runs with its cache
-and without (use_cache=False). Each figure is the median of REPEATS runs after one untimed run,
+and without (use_cache=False). The Qwen2 runs the plain forward's rows and transformers' (its
+cache inputs would need a wrapper per family; the pass is what a user of graphforge gets). Each figure is the median of REPEATS runs after one untimed run,
 the sides taking turns; every side's tokens are checked to be transformers' with its cache.
 
     python benchmarks/run.py generate
@@ -38,6 +40,21 @@ QUICK = {
     "prompt": 8,
     "new": 8,
 }
+#: Qwen2-0.5B's shapes (its config.json), random weights, the embedding tied to the head
+QWEN2_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 1024,
+}
+QWEN2_FULL = {"label": "Qwen2-0.5B shapes 24×896, 14 query / 2 kv heads, vocab 151936", "family": "qwen2",
+              "config": QWEN2_05B, "prompt": 32, "new": 64}  # fmt: skip
+QWEN2_QUICK = {"label": "Qwen2 2×64, 4 query / 2 kv heads, vocab 512", "family": "qwen2", "prompt": 8, "new": 8,
+               "config": {**QWEN2_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 128}}  # fmt: skip
 #: the rows: (label, which side, threads); the cache sides again on one thread, where a machine
 #: whose cores other work shares does not make torch's two threads wait for each other
 ROWS = [
@@ -49,6 +66,54 @@ ROWS = [
     ("graphforge, cache inputs", "graphforge-cache", 1),
     ("transformers generate, torch eager, with its cache", "torch-cache", 1),
 ]
+#: a family with no cache-inputs export here runs the other rows
+PLAIN_ROWS = [row for row in ROWS if row[1] != "graphforge-cache"]
+
+
+def qwen2_module(config: dict):
+    """A randomly initialized Qwen2ForCausalLM (seeded, eval mode, eager attention)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    settings = Qwen2Config(**config, tie_word_embeddings=True, attn_implementation="eager", bos_token_id=0,
+                           eos_token_id=0)  # fmt: skip
+    return Qwen2ForCausalLM(settings).eval()
+
+
+def export_plain(module, path: Path) -> Path:
+    """``module`` (a transformers causal LM) as input_ids, attention_mask -> logits, exported by
+    the TorchScript exporter with dynamic batch and sequence, unless ``path`` is there."""
+    if path.exists():
+        return path
+    import torch
+
+    class CausalLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, input_ids, attention_mask):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    ids = torch.randint(0, module.config.vocab_size, (2, 16))
+    axes = {n: {0: "batch", 1: "seq"} for n in ("input_ids", "attention_mask", "logits")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(CausalLM().eval(), (ids, torch.ones_like(ids)), str(partial), dynamo=False,
+                          do_constant_folding=False, opset_version=17, input_names=["input_ids", "attention_mask"],
+                          output_names=["logits"], dynamic_axes=axes)  # fmt: skip
+    import onnx
+
+    # a model over 2 GiB keeps its weights beside it; the file is moved in place last
+    model = onnx.load(str(partial))
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
+    partial.unlink()
+    for stale in partial.parent.glob(partial.name + "*"):
+        stale.unlink()
+    return path
 
 
 def export_with_cache(module, path: Path) -> Path:
@@ -133,14 +198,18 @@ def measure(spec: dict, cache: Path = CACHE) -> dict[tuple[str, int], tuple[floa
 
     from graphforge.generate import Generator
 
-    name = "gpt2_" + "_".join(f"{k}{v}" for k, v in sorted(spec["config"].items()))
-    module = helpers.gpt2_module(spec["config"])
-    plain = helpers.export_gpt2(cache / f"{name}.onnx", spec["config"])
-    paths = {
-        "graphforge-plain": plain,
-        "graphforge-pass": plain,  # Generator's default: the kv_cache pass adds the cache in memory
-        "graphforge-cache": export_with_cache(module, cache / f"{name}_cache.onnx"),
-    }
+    family = spec.get("family", "gpt2")
+    name = family + "_" + "_".join(f"{k}{v}" for k, v in sorted(spec["config"].items()))
+    if family == "gpt2":
+        module = helpers.gpt2_module(spec["config"])
+        plain = helpers.export_gpt2(cache / f"{name}.onnx", spec["config"])
+    else:
+        module = qwen2_module(spec["config"])
+        plain = export_plain(module, cache / name / "model.onnx")
+    # Generator's default gives the plain forward a cache in memory with the kv_cache pass
+    paths = {"graphforge-plain": plain, "graphforge-pass": plain}
+    if family == "gpt2":
+        paths["graphforge-cache"] = export_with_cache(module, cache / f"{name}_cache.onnx")
     words = tokenizer(cache / "tokenizer")
     prompt = np.random.default_rng(0).integers(0, spec["config"]["vocab_size"], spec["prompt"]).tolist()
     new = spec["new"]
@@ -160,7 +229,7 @@ def measure(spec: dict, cache: Path = CACHE) -> dict[tuple[str, int], tuple[floa
 
         return run
 
-    rates = _rates({(key, threads): side(key, threads) for _, key, threads in ROWS}, new)
+    rates = _rates({(key, threads): side(key, threads) for _, key, threads in rows(spec)}, new)
     reference = rates[("torch-cache", THREADS)][1]
     return {key: (rate, tokens == reference and len(tokens) == new) for key, (rate, tokens) in rates.items()}
 
@@ -176,14 +245,20 @@ def report(spec: dict, measured: dict[tuple[str, int], tuple[float, bool]], load
         "| side | threads | tokens/s | tokens equal transformers' with its cache |",
         "|---|---:|---:|---|",
     ]
-    for label, key, threads in ROWS:
+    for label, key, threads in rows(spec):
         rate, agree = measured[(key, threads)]
         lines.append(f"| {label} | {threads} | {rate:.1f} | {'yes' if agree else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
+def rows(spec: dict) -> list[tuple[str, str, int]]:
+    return ROWS if spec.get("family", "gpt2") == "gpt2" else PLAIN_ROWS
+
+
 def run(quick: bool) -> str:
-    spec = QUICK if quick else FULL
-    before = os.getloadavg()[0]
-    measured = measure(spec)
-    return report(spec, measured, (before, os.getloadavg()[0]))
+    parts = []
+    for spec in (QUICK, QWEN2_QUICK) if quick else (FULL, QWEN2_FULL):
+        before = os.getloadavg()[0]
+        measured = measure(spec)
+        parts.append(report(spec, measured, (before, os.getloadavg()[0])))
+    return "\n".join(parts)
