@@ -5,7 +5,7 @@
 // serve.py put its files), text (a URL of text to train on), seq, batch, steps, prompt, new
 // (tokens to generate), temperature, top_k, top_p, seed, autostart=1 (generate, train,
 // generate), fresh=1 (ignore what IndexedDB keeps), generate=1 (generate once loaded), threads.
-import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.all.bundle.min.mjs';
+import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.wasm.bundle.min.mjs'; // wasm alone
 import { Tokenizer } from '/js/node_modules/@huggingface/tokenizers/dist/tokenizers.mjs';
 import { CheckpointState, TrainingSession, makeSchedule, scheduleFromState } from '/js/src/index.js';
 import { pack, samplesOf, split, tokenize } from './rows.js';
@@ -185,6 +185,7 @@ async function run() {
     }
   }
   running = false;
+  log.trainMs = performance.now() - started;
   log.after = await generate();
   await keep();
   draw();
@@ -212,6 +213,7 @@ async function generate(into = $('after')) {
   if (promptIds.length === 0) throw new Error('the prompt gives no tokens');
   const ids = promptIds.slice();
   const fresh = [];
+  const started = performance.now();
   const rng = sampling.rng();
   for (let count = 0; count < NEW; count++) {
     const token = sampling.choose(await nextLogits(ids), rng);
@@ -220,7 +222,8 @@ async function generate(into = $('after')) {
     into.textContent = tokenizer.decode(fresh, { skip_special_tokens: true });
     if (token === eosId) break;
   }
-  return { prompt, promptIds, ids: fresh, text: into.textContent };
+  const ms = performance.now() - started;
+  return { prompt, promptIds, ids: fresh, text: into.textContent, ms };
 }
 
 /** The logits [vocab] after ``ids``: the whole prefix run again, the adapters fed from the training state. */
@@ -242,9 +245,18 @@ async function nextLogits(ids) {
   return logits.data.subarray((n - 1) * vocab, n * vocab);
 }
 
+/** The checkpoint without the frozen base: the adapters, their optimizer states and the step,
+ * as `graphforge export PROGRAM --checkpoint FILE` reads a training run's. */
+function adapterBytes() {
+  const state = session.checkpointState;
+  state.scheduler = schedule?.stateDict() ?? null;
+  const trained = (name) => state.roles[name] !== 'frozen';
+  const roles = Object.fromEntries(Object.entries(state.roles).filter(([name]) => trained(name)));
+  return new CheckpointState({ ...state, roles, tensors: new Map([...state.tensors].filter(([name]) => trained(name))) }).toBytes();
+}
+
 function download() {
-  session.checkpointState.scheduler = schedule?.stateDict() ?? null;
-  const url = URL.createObjectURL(new Blob([session.checkpointBytes()], { type: 'application/octet-stream' }));
+  const url = URL.createObjectURL(new Blob([adapterBytes()], { type: 'application/octet-stream' }));
   const link = Object.assign(document.createElement('a'), { href: url, download: `web-lm-step${session.checkpointState.step}.ckpt` });
   link.click();
   setTimeout(() => URL.revokeObjectURL(url), 1000);

@@ -42,7 +42,9 @@ MODEL = REPO / "out" / "lm" / "base" / "model.onnx"
 TOKENIZER = REPO / "out" / "lm" / "tokenizer.json"
 #: adapters of rank 8 on every linear layer (PEFT's 'all-linear'), the base frozen; the
 #: logits' last axis is the vocabulary; the gradients accumulate (runTrainStep, runOptimizerStep)
-PIPELINE = "lora(r=8, alpha=16), loss(kind=cross_entropy, output=logits, axis=-1), autodiff, adamw(lr=1e-2, accumulate=true)"
+PIPELINE = (
+    "lora(r=8, alpha=16), loss(kind=cross_entropy, output=logits, axis=-1), autodiff, adamw(lr=1e-2, accumulate=true)"
+)
 
 
 def _web_serve():
@@ -51,6 +53,12 @@ def _web_serve():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def server(port: int = 8000, root: Path = REPO):
+    """A server of ``root`` on 127.0.0.1:``port`` (0: any free port), not yet serving: the digits
+    page's (examples/web/serve.py), whose responses are cross-origin isolated."""
+    return _web_serve().server(port, root)
 
 
 def missing(model: Path, tokenizer: Path) -> str | None:
@@ -100,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problem = missing(args.model, args.tokenizer)
     if problem is None and not (REPO / "js" / "node_modules" / "@huggingface" / "tokenizers").is_dir():
-        problem = "onnxruntime-web or @huggingface/tokenizers is missing: run make install first (it runs npm ci in js/)"
+        problem = (
+            "onnxruntime-web or @huggingface/tokenizers is missing: run make install first (it runs npm ci in js/)"
+        )
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
@@ -109,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except graphforge.GraphforgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    web = _web_serve()
-    httpd = web.server(args.port)
+    httpd = server(args.port)
     print(f"serving {REPO} on http://127.0.0.1:{httpd.server_address[1]}/examples/web-lm/ (Ctrl-C stops)", flush=True)
     try:
         httpd.serve_forever()

@@ -40,7 +40,17 @@ VOCAB = 300
 SEQ = 32
 PROMPT = "Stir the"
 #: what the page is asked to do (its query parameters)
-PAGE = {"seq": SEQ, "batch": 8, "steps": 30, "new": 12, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 3}
+PAGE = {
+    "seq": SEQ,
+    "batch": 8,
+    "steps": 30,
+    "new": 12,
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.95,
+    "seed": 3,
+    "threads": 1,
+}
 
 
 def _serve_module():
@@ -89,14 +99,16 @@ def metaspace_tokenizer(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """make lm's files, tiny: lm/tokenizer.json (+ its config) and lm/base/model.onnx, a
-    1-layer GPT-2 (input_ids → logits [batch, seq, VOCAB]) with random weights."""
+    1-layer GPT-2 (input_ids → logits [batch, seq, VOCAB], 32 wide) with random weights."""
     import models
 
     pytest.importorskip("tokenizers")
     folder = tmp_path_factory.mktemp("lm")
     tokenizer = byte_level_tokenizer(folder)
     (folder / "base").mkdir()
-    model = models.export_transformer(folder / "base" / "model.onnx", vocab_size=VOCAB, n_positions=64)
+    # (weights of spread 0.3, not 0.02: logits far from uniform, which adapters move quickly)
+    model = models.export_transformer(folder / "base" / "model.onnx", vocab_size=VOCAB, n_positions=64,
+                                      initializer_range=0.3)  # fmt: skip
     return model, tokenizer
 
 
@@ -131,7 +143,10 @@ def test_the_pages_tokenizer_rows_and_sampling_are_pythons(base, tmp_path):
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in fables))
     logits = np.random.default_rng(0).normal(0, 2, size=(3, 64)).astype(np.float32)
     settings = [{"temperature": 0.7}, {"topK": 5}, {"temperature": 1.3, "topK": 20, "topP": 0.8}]
-    choices = [{"logits": row.tolist(), "seed": 11 + i, "count": 50, **s} for i, (row, s) in enumerate(zip(logits, settings))]
+    choices = [
+        {"logits": row.tolist(), "seed": 11 + i, "count": 50, **s}
+        for i, (row, s) in enumerate(zip(logits, settings, strict=True))
+    ]
     seeds = [0, 7, 2**64 + 5]
     job = {"tokenizers": [str(f) for f in folders], "texts": str(tmp_path / "texts.json"), "seqLen": SEQ,
            "samples": str(tmp_path / "samples.json"), "seeds": [str(s) for s in seeds], "draws": 9,
@@ -166,3 +181,72 @@ def _strings(path: Path) -> list[str]:
     for line in path.read_text().splitlines():
         walk(json.loads(line))
     return found
+
+
+@pytest.fixture(scope="module")
+def site(base, tmp_path_factory):
+    """A root of js/ and examples/ (linked), out/web-lm (serve.py's prepare on the tiny base)
+    and the text the page trains on (the kitchen notes, a blank line between them), served on
+    127.0.0.1."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium here: make install installs it where apt-get and root allow")
+    root = tmp_path_factory.mktemp("site")
+    for name in ("js", "examples"):
+        (root / name).symlink_to(REPO / name)
+    serve = _serve_module()
+    serve.prepare(*base, root / "out" / "web-lm")
+    (root / "kitchen.txt").write_text("\n\n".join(texts("kitchen.jsonl")))
+    httpd = serve.server(0, root)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_the_page_fine_tunes_and_generates_as_python_does(site, base, tmp_path):
+    root, url = site
+    query = "&".join(f"{k}={v}" for k, v in PAGE.items())
+    page = f"{url}/examples/web-lm/?text=/kitchen.txt&prompt={PROMPT.replace(' ', '%20')}"
+    job = {"chromium": CHROMIUM, "profile": str(tmp_path / "profile"), "downloads": str(tmp_path),
+           "page": f"{page}&{query}", "reload": f"{page}&new={PAGE['new']}&threads=1"}  # fmt: skip
+    got = node(JS / "test" / "browser" / "drive_web_lm.mjs", job)
+    trained = got["trained"]
+    assert trained["error"] is None, (trained["error"], got["console"])
+    assert got["failed"] == [] and got["console"] == [], (got["failed"], got["console"])
+    assert trained["done"] and trained["step"] == PAGE["steps"] and len(trained["losses"]) == PAGE["steps"]
+    held = [h["loss"] for h in trained["heldOut"]]
+    assert [h["step"] for h in trained["heldOut"]] == [0, 10, 20, 30]
+    assert held[-1] < held[0] - 0.5, (held, got["status"])
+
+    model, tokenizer = base
+    sampled = {k: PAGE[k] for k in ("temperature", "top_k", "top_p", "seed")}
+    before = Generator(model, tokenizer).generate(PROMPT, max_new_tokens=PAGE["new"], **sampled)
+    assert trained["before"]["promptIds"] == before.prompt_ids
+    assert trained["before"]["ids"] == before.ids
+    # the adapters the page trained, from the file its download button saved
+    tuned = tmp_path / "tuned.onnx"
+    graphforge.train.export(root / "out" / "web-lm" / "artifacts" / "program.onnx", tuned,
+                            checkpoint=got["download"], adapters="onnx")  # fmt: skip
+    generator = Generator(tuned, tokenizer, adapter=tuned.with_suffix(".onnx_adapter"))
+    after = generator.generate(PROMPT, max_new_tokens=PAGE["new"], **sampled)
+    assert trained["after"]["ids"] == after.ids and trained["after"]["text"] == after.text
+    assert after.ids != before.ids
+    # a reload restores the adapters from IndexedDB; greedy there is Python's greedy
+    reloaded = got["reloaded"]
+    assert reloaded["error"] is None and reloaded["resumedAt"] == PAGE["steps"]
+    greedy = generator.generate(PROMPT, max_new_tokens=PAGE["new"])
+    assert reloaded["after"]["ids"] == greedy.ids
+
+
+def test_serve_without_a_base_model_says_to_run_make_lm(tmp_path, capsys):
+    serve = _serve_module()
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    assert serve.main(["--model", str(tmp_path / "base" / "model.onnx"), "--tokenizer", str(tokenizer)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"no base model at {tmp_path / 'base' / 'model.onnx'}: run make lm first (it trains one), or give --model and --tokenizer"
+    ]
+    assert serve.main(["--model", str(tokenizer), "--tokenizer", str(tmp_path / "none.json")]) == 2
+    assert "no tokenizer at" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 // Drive headless Chromium (the system's, through puppeteer-core) through the page that
 // fine-tunes a language model (examples/web-lm/), for tests/ondevice/test_web_lm.py. One
-// argument, a JSON job: {chromium, profile, page (its URL with the query), downloads (a folder),
-// timeoutMs}. Prints one JSON line: the page's window.graphforge after training, the file its
+// argument, a JSON job: {chromium, profile, page (its URL with the query), reload (the URL to
+// reload with), downloads (a folder), timeoutMs}. Prints one JSON line: the page's window.graphforge after training, the file its
 // download button saved, the page's window.graphforge after a reload (restored from IndexedDB,
 // generating at once), the console's errors and every request that failed.
 import fs from 'node:fs';
@@ -16,9 +16,12 @@ const browser = await puppeteer.launch({
   args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
     '--disable-component-update', '--disable-sync', `--user-data-dir=${job.profile}`],
 });
-const out = { console: [], failed: [] };
+const out = { console: [], failed: [], at: {} };
+const t0 = Date.now();
+const mark = (what) => (out.at[what] = Date.now() - t0);
 const settled = 'window.graphforge && (window.graphforge.done || window.graphforge.error)';
 try {
+  mark("launched");
   const page = await browser.newPage();
   page.on('console', (message) => message.type() === 'error' && out.console.push(message.text()));
   page.on('pageerror', (error) => out.console.push(String(error)));
@@ -26,6 +29,7 @@ try {
   page.on('requestfailed', (request) => !request.response() && out.failed.push(`${request.failure()?.errorText} ${request.url()}`));
   await page.goto(`${job.page}&autostart=1&fresh=1`);
   await page.waitForFunction(settled, { timeout });
+  mark("trained");
   out.trained = await page.evaluate(() => window.graphforge);
   out.status = await page.$eval('#status', (element) => element.textContent);
   if (!out.trained.error) {
@@ -35,10 +39,12 @@ try {
     const named = new Promise((resolve) => cdp.on('Browser.downloadWillBegin', (e) => resolve(e.suggestedFilename)));
     await page.click('#download');
     await saved;
+    mark("downloaded");
     out.download = path.join(job.downloads, await named);
     if (!fs.existsSync(out.download)) throw new Error(`the download ${out.download} is not there`);
-    await page.goto(`${job.page}&generate=1`);
+    await page.goto(`${job.reload}&generate=1`);
     await page.waitForFunction('window.graphforge && (window.graphforge.after || window.graphforge.error)', { timeout });
+    mark("reloaded");
     out.reloaded = await page.evaluate(() => window.graphforge);
   }
 } finally {
