@@ -49,9 +49,10 @@ export function pack(tokenized, seqLen, padId) {
   return rows;
 }
 
-/** The rows split into training rows and the held-out last ``fraction`` (at least one each). */
-export function split(rows, fraction) {
+/** The rows split into training rows and the held-out last ``fraction`` (at least one each,
+ * at most ``most`` held out: they are scored in one run). */
+export function split(rows, fraction, most = 64) {
   if (rows.length < 2) return null;
-  const held = Math.min(rows.length - 1, Math.max(1, Math.round(rows.length * fraction)));
+  const held = Math.min(rows.length - 1, most, Math.max(1, Math.round(rows.length * fraction)));
   return { train: rows.slice(0, rows.length - held), heldOut: rows.slice(rows.length - held) };
 }

@@ -209,7 +209,7 @@ def test_the_page_fine_tunes_and_generates_as_python_does(site, base, tmp_path):
     query = "&".join(f"{k}={v}" for k, v in PAGE.items())
     page = f"{url}/examples/web-lm/?text=/kitchen.txt&prompt={PROMPT.replace(' ', '%20')}"
     job = {"chromium": CHROMIUM, "profile": str(tmp_path / "profile"), "downloads": str(tmp_path),
-           "page": f"{page}&{query}", "reload": f"{page}&new={PAGE['new']}&threads=1"}  # fmt: skip
+           "page": f"{page}&{query}", "reload": f"{page}&new={PAGE['new']}&threads=1", "screenshot": str(tmp_path / "chart.png")}  # fmt: skip
     got = node(JS / "test" / "browser" / "drive_web_lm.mjs", job)
     trained = got["trained"]
     assert trained["error"] is None, (trained["error"], got["console"])
@@ -218,6 +218,13 @@ def test_the_page_fine_tunes_and_generates_as_python_does(site, base, tmp_path):
     held = [h["loss"] for h in trained["heldOut"]]
     assert [h["step"] for h in trained["heldOut"]] == [0, 10, 20, 30]
     assert held[-1] < held[0] - 0.5, (held, got["status"])
+    # the chart holds the training loss's blue line and the held-out loss's orange points
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(tmp_path / "chart.png").convert("RGB")).reshape(-1, 3).astype(int)
+    blue = np.sum((abs(pixels[:, 0] - 0x1F) < 40) & (abs(pixels[:, 1] - 0x6F) < 40) & (pixels[:, 2] > 200))
+    orange = np.sum((pixels[:, 0] > 200) & (abs(pixels[:, 1] - 0x62) < 40) & (pixels[:, 2] < 60))
+    assert blue > 300 and orange > 80, (blue, orange)
 
     model, tokenizer = base
     sampled = {k: PAGE[k] for k in ("temperature", "top_k", "top_p", "seed")}

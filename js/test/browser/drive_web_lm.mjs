@@ -1,9 +1,10 @@
 // Drive headless Chromium (the system's, through puppeteer-core) through the page that
 // fine-tunes a language model (examples/web-lm/), for tests/ondevice/test_web_lm.py. One
 // argument, a JSON job: {chromium, profile, page (its URL with the query), reload (the URL to
-// reload with), downloads (a folder), timeoutMs}. Prints one JSON line: the page's window.graphforge after training, the file its
-// download button saved, the page's window.graphforge after a reload (restored from IndexedDB,
-// generating at once), the console's errors and every request that failed.
+// reload with), downloads (a folder), screenshot (a .png of the chart), timeoutMs}. Prints one
+// JSON line: the page's window.graphforge after training, the file its download button saved,
+// the page's window.graphforge after a reload (restored from IndexedDB, generating at once),
+// the console's errors, every request that failed, and when each part ended (ms, `at`).
 import fs from 'node:fs';
 import path from 'node:path';
 import puppeteer from 'puppeteer-core';
@@ -21,17 +22,18 @@ const t0 = Date.now();
 const mark = (what) => (out.at[what] = Date.now() - t0);
 const settled = 'window.graphforge && (window.graphforge.done || window.graphforge.error)';
 try {
-  mark("launched");
-  const page = await browser.newPage();
+    const page = await browser.newPage();
   page.on('console', (message) => message.type() === 'error' && out.console.push(message.text()));
   page.on('pageerror', (error) => out.console.push(String(error)));
   page.on('response', (response) => response.status() >= 400 && out.failed.push(`${response.status()} ${response.url()}`));
   page.on('requestfailed', (request) => !request.response() && out.failed.push(`${request.failure()?.errorText} ${request.url()}`));
+  await page.setViewport({ width: 800, height: 900 });
   await page.goto(`${job.page}&autostart=1&fresh=1`);
   await page.waitForFunction(settled, { timeout });
-  mark("trained");
+  mark('trained');
   out.trained = await page.evaluate(() => window.graphforge);
   out.status = await page.$eval('#status', (element) => element.textContent);
+  if (job.screenshot) await (await page.$('#chart')).screenshot({ path: job.screenshot });
   if (!out.trained.error) {
     const cdp = await page.createCDPSession();
     await cdp.send('Browser.setDownloadBehavior', { behavior: 'allow', downloadPath: job.downloads, eventsEnabled: true });
@@ -39,12 +41,12 @@ try {
     const named = new Promise((resolve) => cdp.on('Browser.downloadWillBegin', (e) => resolve(e.suggestedFilename)));
     await page.click('#download');
     await saved;
-    mark("downloaded");
+    mark('downloaded');
     out.download = path.join(job.downloads, await named);
     if (!fs.existsSync(out.download)) throw new Error(`the download ${out.download} is not there`);
     await page.goto(`${job.reload}&generate=1`);
     await page.waitForFunction('window.graphforge && (window.graphforge.after || window.graphforge.error)', { timeout });
-    mark("reloaded");
+    mark('reloaded');
     out.reloaded = await page.evaluate(() => window.graphforge);
   }
 } finally {
