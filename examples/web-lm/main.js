@@ -4,7 +4,8 @@
 // Generator does it (sampling.js). Query parameters (for tests and tinkering): base (where
 // serve.py put its files), text (a URL of text to train on), seq, batch, steps, prompt, new
 // (tokens to generate), temperature, top_k, top_p, seed, autostart=1 (generate, train,
-// generate), fresh=1 (ignore what IndexedDB keeps), generate=1 (generate once loaded), threads.
+// generate), fresh=1 (ignore what IndexedDB keeps), generate=1 (generate once loaded, before
+// autostart's training), threads.
 import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.wasm.bundle.min.mjs'; // wasm alone
 import { Tokenizer } from '/js/node_modules/@huggingface/tokenizers/dist/tokenizers.mjs';
 import { CheckpointState, TrainingSession, makeSchedule, scheduleFromState } from '/js/src/index.js';
@@ -25,7 +26,7 @@ ort.env.wasm.wasmPaths = '/js/node_modules/onnxruntime-web/dist/';
 ort.env.wasm.numThreads = Number(params.get('threads') ?? (self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency) : 1));
 
 /** What the page did, for whoever drives it (tests read it). */
-const log = (window.graphforge = { losses: [], heldOut: [], rows: null, before: null, after: null, step: 0, totalSteps: 0, done: false, resumedAt: null, error: null });
+const log = (window.graphforge = { losses: [], heldOut: [], rows: null, before: null, after: null, generated: null, step: 0, totalSteps: 0, done: false, resumedAt: null, error: null });
 const $ = (id) => document.getElementById(id);
 const status = (text) => ($('status').textContent = text);
 
@@ -61,10 +62,28 @@ async function kept(action, value) {
   });
 }
 
+/** The adapters (not the frozen base), the curves and the text, under the artifacts' checkpoint
+ * digest: what was trained from other artifacts is not restored onto these. */
 async function keep() {
-  session.checkpointState.scheduler = schedule.stateDict();
   const { losses, heldOut, before, totalSteps } = log;
-  await kept('put', { bytes: session.checkpointBytes(), losses, heldOut, before, totalSteps, text: $('text').value });
+  const artifacts = session.manifest.checkpoint.sha256;
+  await kept('put', { artifacts, bytes: adapterBytes(), losses, heldOut, before, totalSteps, text: $('text').value });
+}
+
+/** The kept adapters, their optimizer states and the step put into the session's state (each
+ * tensor's type and shape checked); false where they do not fit these artifacts. */
+function adopt(saved) {
+  const state = session.checkpointState;
+  if (saved.artifacts !== session.manifest.checkpoint.sha256) return false;
+  const trained = CheckpointState.fromBytes(saved.bytes, 'the adapters this browser kept');
+  for (const [name, { dtype, shape }] of trained.tensors) {
+    const mine = state.tensors.get(name);
+    if (!mine || mine.dtype !== dtype || String(mine.shape) !== String(shape)) return false;
+  }
+  for (const [name, tensor] of trained.tensors) state.tensors.set(name, tensor);
+  const { step, learningRate, scheduler, seeds, dataPosition } = trained;
+  Object.assign(state, { step, learningRate, scheduler, seeds, dataPosition });
+  return true;
 }
 
 // ------------------------------------------------------------------ setting up
@@ -75,18 +94,19 @@ async function start() {
   const eos = typeof config.eos_token === 'string' ? config.eos_token : config.eos_token?.content;
   eosId = eos === undefined ? null : tokenizer.token_to_id(eos) ?? null;
   padId = eosId ?? 0; // as the Python side pads without a pad token
-  const saved = params.get('fresh') === '1' ? undefined : await kept('get');
-  const checkpointState = saved ? CheckpointState.fromBytes(saved.bytes, 'the adapters this browser kept') : undefined;
   [session, generator] = await Promise.all([
-    TrainingSession.create({ ort, artifacts: `${BASE}artifacts/`, ...(checkpointState ? { checkpointState } : {}) }, { executionProviders: ['wasm'] }),
+    TrainingSession.create({ ort, artifacts: `${BASE}artifacts/` }, { executionProviders: ['wasm'] }),
     ort.InferenceSession.create(`${BASE}generate.onnx`, { executionProviders: ['wasm'] }),
   ]);
-  if (saved) restore(saved);
+  const saved = params.get('fresh') === '1' ? undefined : await kept('get');
+  const restored = saved !== undefined && adopt(saved);
+  if (restored) restore(saved);
   else if (params.has('text')) $('text').value = await fetch(params.get('text')).then((r) => r.text());
   wire();
+  if (saved !== undefined && !restored) status('the adapters this browser kept were trained from other artifacts (serve.py wrote new ones): starting afresh');
   draw();
+  if (params.get('generate') === '1') log.generated = await generate();
   if (params.get('autostart') === '1') await run();
-  else if (params.get('generate') === '1') log.after = await generate();
 }
 
 function restore(saved) {
@@ -118,7 +138,7 @@ function wire() {
     location.search = '';
   };
   for (const id of ['train', 'generate']) $(id).disabled = false;
-  if (!log.resumedAt) status('ready: paste or drop text, then Train');
+  if (log.resumedAt === null) status('ready: paste or drop text, then Train');
 }
 
 // ------------------------------------------------------------------ text into rows
@@ -155,7 +175,9 @@ async function run() {
   const steps = Number(params.get('steps') ?? $('steps').value);
   if (!schedule || session.checkpointState.step >= log.totalSteps) {
     log.totalSteps = session.checkpointState.step + steps;
-    schedule = makeSchedule('cosine', session, { warmupSteps: Math.min(10, Math.floor(steps / 10)), totalSteps: steps, lastStep: 0 });
+    // from the pipeline's rate each time (the rate a finished schedule left is its end, 0)
+    const baseLr = session.manifest.default_lr ?? session.getLearningRate();
+    schedule = makeSchedule('cosine', session, { baseLr, warmupSteps: Math.min(10, Math.floor(steps / 10)), totalSteps: steps });
   }
   if (log.before === null) log.before = await generate($('before'));
   running = true;
@@ -249,7 +271,7 @@ async function nextLogits(ids) {
  * as `graphforge export PROGRAM --checkpoint FILE` reads a training run's. */
 function adapterBytes() {
   const state = session.checkpointState;
-  state.scheduler = schedule?.stateDict() ?? null;
+  state.scheduler = schedule?.stateDict() ?? state.scheduler;
   const trained = (name) => state.roles[name] !== 'frozen';
   const roles = Object.fromEntries(Object.entries(state.roles).filter(([name]) => trained(name)));
   return new CheckpointState({ ...state, roles, tensors: new Map([...state.tensors].filter(([name]) => trained(name))) }).toBytes();

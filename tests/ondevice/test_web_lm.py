@@ -10,7 +10,8 @@ random GPT-2 and a byte-level BPE trained here on data/text/ (nothing downloaded
    kitchen notes, and the held-out loss drops; what it generates before and after training
    (sampled) and after a reload (greedy, the adapters restored from IndexedDB) equals
    graphforge's Generator on the base and on the checkpoint its download button saved
-   (`graphforge export --adapters onnx`), token for token.
+   (`graphforge export --adapters onnx`), token for token; the chart is drawn; after the
+   reload, training goes on from the restored adapters and the held-out loss drops again.
 3. serve.py without a base model says in one line to run make lm first.
 """
 
@@ -209,7 +210,7 @@ def test_the_page_fine_tunes_and_generates_as_python_does(site, base, tmp_path):
     query = "&".join(f"{k}={v}" for k, v in PAGE.items())
     page = f"{url}/examples/web-lm/?text=/kitchen.txt&prompt={PROMPT.replace(' ', '%20')}"
     job = {"chromium": CHROMIUM, "profile": str(tmp_path / "profile"), "downloads": str(tmp_path),
-           "page": f"{page}&{query}", "reload": f"{page}&new={PAGE['new']}&threads=1", "screenshot": str(tmp_path / "chart.png")}  # fmt: skip
+           "page": f"{page}&{query}", "reload": f"{page}&new={PAGE['new']}&threads=1&generate=1&autostart=1&steps=10", "screenshot": str(tmp_path / "chart.png")}  # fmt: skip
     got = node(JS / "test" / "browser" / "drive_web_lm.mjs", job)
     trained = got["trained"]
     assert trained["error"] is None, (trained["error"], got["console"])
@@ -239,11 +240,15 @@ def test_the_page_fine_tunes_and_generates_as_python_does(site, base, tmp_path):
     after = generator.generate(PROMPT, max_new_tokens=PAGE["new"], **sampled)
     assert trained["after"]["ids"] == after.ids and trained["after"]["text"] == after.text
     assert after.ids != before.ids
-    # a reload restores the adapters from IndexedDB; greedy there is Python's greedy
+    # a reload restores the adapters from IndexedDB: greedy with them is Python's greedy, and
+    # 10 more steps lower the held-out loss again
     reloaded = got["reloaded"]
     assert reloaded["error"] is None and reloaded["resumedAt"] == PAGE["steps"]
     greedy = generator.generate(PROMPT, max_new_tokens=PAGE["new"])
-    assert reloaded["after"]["ids"] == greedy.ids
+    assert reloaded["generated"]["ids"] == greedy.ids
+    assert reloaded["done"] and reloaded["step"] == PAGE["steps"] + 10
+    assert [h["step"] for h in reloaded["heldOut"]] == [0, 10, 20, 30, 40]
+    assert reloaded["heldOut"][-1]["loss"] < held[-1]
 
 
 def test_serve_without_a_base_model_says_to_run_make_lm(tmp_path, capsys):

@@ -3,7 +3,7 @@
 // argument, a JSON job: {chromium, profile, page (its URL with the query), reload (the URL to
 // reload with), downloads (a folder), screenshot (a .png of the chart), timeoutMs}. Prints one
 // JSON line: the page's window.graphforge after training, the file its download button saved,
-// the page's window.graphforge after a reload (restored from IndexedDB, generating at once),
+// the page's window.graphforge after a reload (restored from IndexedDB, then as its query says),
 // the console's errors, every request that failed, and when each part ended (ms, `at`).
 import fs from 'node:fs';
 import path from 'node:path';
@@ -44,8 +44,8 @@ try {
     mark('downloaded');
     out.download = path.join(job.downloads, await named);
     if (!fs.existsSync(out.download)) throw new Error(`the download ${out.download} is not there`);
-    await page.goto(`${job.reload}&generate=1`);
-    await page.waitForFunction('window.graphforge && (window.graphforge.after || window.graphforge.error)', { timeout });
+    await page.goto(job.reload);
+    await page.waitForFunction(settled, { timeout });
     mark('reloaded');
     out.reloaded = await page.evaluate(() => window.graphforge);
   }
