@@ -26,7 +26,7 @@ ort.env.wasm.wasmPaths = '/js/node_modules/onnxruntime-web/dist/';
 ort.env.wasm.numThreads = Number(params.get('threads') ?? (self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency) : 1));
 
 /** What the page did, for whoever drives it (tests read it). */
-const log = (window.graphforge = { losses: [], heldOut: [], rows: null, before: null, after: null, generated: null, step: 0, totalSteps: 0, done: false, resumedAt: null, error: null });
+const log = (window.graphforge = { losses: [], heldOut: [], rows: null, before: null, after: null, generated: null, settled: false, step: 0, totalSteps: 0, done: false, resumedAt: null, error: null });
 const $ = (id) => document.getElementById(id);
 const status = (text) => ($('status').textContent = text);
 
@@ -107,6 +107,7 @@ async function start() {
   draw();
   if (params.get('generate') === '1') log.generated = await generate();
   if (params.get('autostart') === '1') await run();
+  log.settled = true; // what the query asked for is done
 }
 
 function restore(saved) {

@@ -20,7 +20,7 @@ const browser = await puppeteer.launch({
 const out = { console: [], failed: [], at: {} };
 const t0 = Date.now();
 const mark = (what) => (out.at[what] = Date.now() - t0);
-const settled = 'window.graphforge && (window.graphforge.done || window.graphforge.error)';
+const settled = 'window.graphforge && (window.graphforge.settled || window.graphforge.error)';
 try {
     const page = await browser.newPage();
   page.on('console', (message) => message.type() === 'error' && out.console.push(message.text()));
