@@ -9,7 +9,7 @@ DEMO_MIN_ACCURACY := 0.93
 JS_STAMP := js/node_modules/.installed
 BENCH_JS_STAMP := benchmarks/js/node_modules/.installed
 
-.PHONY: install test demo web docs lint bench bench-check conformance cuda-check clean
+.PHONY: install test demo web web-lm docs lint bench bench-check conformance cuda-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,12 @@ demo: $(STAMP)
 # the data), then serves the repository on http://127.0.0.1:8000/examples/web/ until Ctrl-C.
 web: $(STAMP) $(JS_STAMP)
 	$(BIN)/python examples/web/serve.py
+
+# The page that fine-tunes make lm's small language model in a browser (examples/web-lm/): writes
+# out/web-lm/ (the LoRA artifacts, the generation model, the tokenizer), then serves the
+# repository on http://127.0.0.1:8000/examples/web-lm/ until Ctrl-C. It needs out/lm/ (make lm).
+web-lm: $(STAMP) $(JS_STAMP)
+	$(BIN)/python examples/web-lm/serve.py
 
 # The documentation site (mkdocs.yml, docs/; the API pages from the docstrings) into site/:
 # --strict fails on a broken link, anchor or API reference, and on a page left out of the nav.

@@ -1,7 +1,9 @@
 """Choosing the next token from a row of logits: greedy, or sampled after temperature, top-k
 and top-p (nucleus) filtering, applied in that order with transformers' arithmetic
 (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper), drawn with a seeded numpy
-Generator so that the same seed gives the same tokens."""
+Generator so that the same seed gives the same tokens: Philox4x64-10 keyed by the seed itself
+(no SeedSequence), one float64 uniform per token, a stream a JavaScript page reproduces
+(examples/web-lm/sampling.js)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,10 @@ class Sampling:
         return self.temperature == 0 or (self.temperature is None and self.top_k is None and self.top_p is None)
 
     def rng(self) -> np.random.Generator:
-        return np.random.default_rng(self.seed)
+        """numpy's Philox with the seed as its key (no seed: a random key)."""
+        if self.seed is None:
+            return np.random.Generator(np.random.Philox())
+        return np.random.Generator(np.random.Philox(key=self.seed))
 
     def choose(self, logits: np.ndarray, rng: np.random.Generator) -> int:
         """The next token from ``logits`` [vocab]."""
