@@ -1,6 +1,6 @@
-"""The example's base model: a byte-level BPE tokenizer and a small GPT-2, random-initialized
-with transformers, exported to ONNX and pretrained by ``graphforge train`` (examples/lm/
-pretrain.toml) on English prose the machine has (examples/lm/corpus.py).
+"""The example's base model: a byte-level BPE tokenizer and a small Llama-style model,
+random-initialized with transformers, exported to ONNX and pretrained by ``graphforge train``
+(examples/lm/pretrain.toml) on English prose the machine has (examples/lm/corpus.py).
 
 From the repository's root::
 
@@ -60,7 +60,7 @@ EXAMPLE = BaseSize()
 
 
 def pretrain(out: Path, size: BaseSize = EXAMPLE, *, quiet: bool = False) -> Path:
-    """Write the corpus, train the tokenizer, export a random-initialized GPT-2 and pretrain it
+    """Write the corpus, train the tokenizer, export a random-initialized Llama and pretrain it
     with graphforge train; the inference model ``out/base/model.onnx``."""
     out.mkdir(parents=True, exist_ok=True)
     texts = corpus.stdlib_docstrings(size.corpus_chars) + other_texts()
@@ -113,8 +113,9 @@ def train_tokenizer(out: Path, texts: list[str], vocab_size: int) -> Path:
 
 
 def export_random_model(path: Path, size: BaseSize) -> Path:
-    """A GPT-2 of ``size`` with random weights (seed 0), exported with torch.onnx's TorchScript
-    exporter: ``input_ids`` [batch, seq] -> ``logits`` [batch, seq, vocab]."""
+    """A Llama of ``size`` (rotary positions, tied embeddings) with random weights (seed 0),
+    exported with torch.onnx's TorchScript exporter: ``input_ids`` [batch, seq] -> ``logits``
+    [batch, seq, vocab]."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

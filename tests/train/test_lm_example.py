@@ -17,7 +17,7 @@ from _pages import REPO, page_text
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # examples.lm, as `python -m examples.lm.run` imports it from the root
+    sys.path.append(str(REPO))  # examples.lm, as `python -m examples.lm.run` imports it from the root
 
 from examples.lm import corpus, finetune, run  # noqa: E402
 from examples.lm.base import BaseSize, other_texts  # noqa: E402
