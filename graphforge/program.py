@@ -574,6 +574,12 @@ class ProgramRoles:
         return self
 
     @property
+    def class_axis(self) -> int:
+        """The axis of the classes in the scores the loss reads: 1, or -1 (the last, as in a
+        causal LM's [batch, seq, vocab] logits)."""
+        return int(self.metadata.get(roles.LOSS_CLASS_AXIS, 1))
+
+    @property
     def accumulates(self) -> bool:
         """Whether the program accumulates gradients over micro-batches (``accumulate=true``)."""
         return self.reset_input is not None

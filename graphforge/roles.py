@@ -14,6 +14,8 @@ import onnx
 
 LOSS = "graphforge.loss"  # name of the scalar loss output
 LABELS = "graphforge.labels"  # name of the labels input the loss pass added
+#: the axis of the classes in the scores the loss pass read ("-1": the last), where not axis 1
+LOSS_CLASS_AXIS = "graphforge.loss_class_axis"
 PARAMETERS = "graphforge.parameters"  # JSON list of trainable parameter names
 GRADIENTS = "graphforge.gradients"  # JSON object: parameter (or input) name -> gradient output name
 #: JSON object: parameter name -> the tensor holding its gradient as the update reads it, after

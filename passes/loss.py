@@ -75,6 +75,8 @@ class Loss(Pass):
                 labels = self._labels_input(graph, source)
                 value = _BUILDERS[self.kind](self, b, source, labels)
                 model.metadata[roles.LABELS] = labels.name
+                if self.axis != 1:
+                    model.metadata[roles.LOSS_CLASS_AXIS] = str(self.axis)
         if value.name == "loss":  # an adopted output already named so: a second tensor "loss" would clash
             loss = value
         else:

@@ -21,7 +21,8 @@ def evaluate(
     classes_across=None,
 ):
     """Loss averaged over samples and, when ``output`` is set and the labels are integer class
-    ids, the accuracy of ``argmax(output, axis=1)`` (labels < 0, the ignored ones, not counted).
+    ids, the accuracy of the argmax of ``output`` over its classes (axis 1, or the last where the
+    loss pass read them there) (labels < 0, the ignored ones, not counted).
 
     Runs the module in eval mode (dropout off, BatchNorm on its running statistics) and
     puts it back in the mode it was in; the training state is not touched. ``across``: each
@@ -32,6 +33,7 @@ def evaluate(
     """
     was_training = module.training
     module.eval()
+    axis = module.roles.class_axis
     loss_sum, samples, correct, counted = 0.0, 0, 0, 0
     try:
         for batch in batches:
@@ -40,8 +42,8 @@ def evaluate(
             scored = output is not None and target is not None and np.issubdtype(target.dtype, np.integer)
             if scored:
                 loss, predicted = module(**batch, outputs=[output])
-                chosen = _argmax_across(predicted, classes_across) if classes_across is not None else None
-                right, total = _hits(predicted, target, output, chosen)
+                chosen = _argmax_across(predicted, classes_across, axis) if classes_across is not None else None
+                right, total = _hits(predicted, target, output, axis, chosen)
                 correct += right
                 counted += total
             else:
@@ -59,22 +61,24 @@ def evaluate(
     return metrics
 
 
-def _hits(predicted: np.ndarray, target: np.ndarray, output: str, chosen=None) -> tuple[int, int]:
-    if predicted.ndim != target.ndim + 1 or predicted.shape[0] != target.shape[0]:
+def _hits(predicted: np.ndarray, target: np.ndarray, output: str, axis: int, chosen=None) -> tuple[int, int]:
+    others = np.delete(np.array(predicted.shape), axis)
+    if predicted.ndim != target.ndim + 1 or tuple(others) != target.shape:
+        scores = "[N, C, ...]" if axis == 1 else "[N, ..., C]"
         raise GraphforgeError(
-            f"accuracy needs {output!r} as scores [N, C, ...] for labels [N, ...]; it is {list(predicted.shape)} "
+            f"accuracy needs {output!r} as scores {scores} for labels [N, ...]; it is {list(predicted.shape)} "
             f"for labels {list(target.shape)} (set eval.output to the logits output)"
         )
     valid = target >= 0
-    chosen = np.argmax(predicted, axis=1) if chosen is None else chosen
+    chosen = np.argmax(predicted, axis=axis) if chosen is None else chosen
     return int(np.sum((chosen == target) & valid)), int(np.sum(valid))
 
 
-def _argmax_across(scores: np.ndarray, group) -> np.ndarray:
-    """The class of the highest score along axis 1, which the members of ``group`` split in
+def _argmax_across(scores: np.ndarray, group, axis: int = 1) -> np.ndarray:
+    """The class of the highest score along ``axis``, which the members of ``group`` split in
     rank order: each member's best and where, the group's best of those (on a tie the lower
     rank's, as argmax over the whole takes the first)."""
-    mine = (scores.max(axis=1), scores.argmax(axis=1), scores.shape[1])
+    mine = (scores.max(axis=axis), scores.argmax(axis=axis), scores.shape[axis])
     gathered = group.gather(mine, "the evaluation's argmax across the tensor group")
     offsets = np.cumsum([0, *(count for _, _, count in gathered)])[:-1]
     bests = np.stack([best for best, _, _ in gathered])

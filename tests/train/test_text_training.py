@@ -51,15 +51,17 @@ def test_a_tiny_gpt2_learns_the_fables_and_its_loss_falls(tmp_path):
 
 def test_transformers_layout_learns_alike_with_the_loss_on_the_last_axis(tmp_path):
     """The same GPT-2 exported with transformers' [batch, seq, vocab] logits, compiled with
-    loss(axis=-1), takes the same steps as its [batch, vocab, seq] export (same weights, data)."""
+    loss(axis=-1), takes the same steps as its [batch, vocab, seq] export (same weights, data),
+    and its evaluation (the accuracy's argmax over the last axis) gives the same figures."""
     tx.tokenizer(tmp_path / "tok")
     tx.gpt2(tmp_path / "first.onnx", vocab=400)
     tx.gpt2(tmp_path / "last.onnx", vocab=400, classes_first=False)
-    tx.copy_text(tmp_path, "fables.jsonl")
+    tx.copy_text(tmp_path, "fables.jsonl", "kitchen.jsonl")
     last = "loss(kind=cross_entropy, output=logits, axis=-1), autodiff, adamw(lr=0.01)"
+    data = {"train": "fables.jsonl", "eval": "kitchen.jsonl", "batch_size": 8}
     cfgs = {
-        "first": tx.config(tmp_path, "first.toml", model="first.onnx", train="fables.jsonl", batch_size=8),
-        "last": tx.config(tmp_path, "last.toml", model="last.onnx", pipeline=last, train="fables.jsonl", batch_size=8),
+        "first": tx.config(tmp_path, "first.toml", model="first.onnx", **data),
+        "last": tx.config(tmp_path, "last.toml", model="last.onnx", pipeline=last, **data),
     }
     done = th.cli_many({k: (["train", c, "--steps", 12, "--out", f"out-{k}"], tmp_path) for k, c in cfgs.items()})
     losses = {}
@@ -68,6 +70,9 @@ def test_transformers_layout_learns_alike_with_the_loss_on_the_last_axis(tmp_pat
         losses[key] = [r["loss"] for r in read_jsonl(tmp_path / f"out-{key}" / "log.jsonl") if "loss" in r]
     np.testing.assert_allclose(losses["last"], losses["first"], rtol=1e-4)
     assert losses["last"][-1] < losses["last"][0] - 0.5, losses["last"]
+    evals = {k: [r for r in read_jsonl(tmp_path / f"out-{k}" / "log.jsonl") if "eval_loss" in r][-1] for k in cfgs}
+    np.testing.assert_allclose(evals["last"]["eval_loss"], evals["first"]["eval_loss"], rtol=1e-4)
+    assert evals["last"]["eval_accuracy"] == evals["first"]["eval_accuracy"] > 0, evals
 
 
 def test_rows_feed_a_models_attention_mask_and_position_ids_as_transformers_takes_them(tmp_path):
