@@ -1,7 +1,8 @@
 """The freeze pass: a MobileNetV2-style model (inverted residuals, depthwise convolutions,
 BatchNorm in inference mode) exported by torch, its backbone frozen by name or up to a tensor;
-the program's gradients equal torch's with ``requires_grad=False`` on the backbone, and its
-backward stops at the first trained layer. Then the selections' errors on a small hand-written MLP."""
+the program's gradients, from a graphforge session (the backbone's convolutions in onnxruntime's
+NCHWc layout), equal torch's with ``requires_grad=False`` on the backbone, and its backward stops
+at the first trained layer. Then the selections' errors on a small hand-written MLP."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import warnings
 import models
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from _pages import page_block, run_block
 
 import graphforge
 from graphforge.errors import GraphforgeError
 from graphforge.pass_spec import format_value
 from graphforge.program import ProgramRoles
+from graphforge.runtime.sessions import nchwc_safe
 
 torch = pytest.importorskip("torch")
 
@@ -101,12 +103,27 @@ def test_the_trained_layers_gradients_are_torchs_with_the_backbone_not_requiring
     backbone = {n for n, _ in module.named_parameters() if n.startswith(BACKBONE)}
     assert backbone <= set(roles.frozen) and {f.by for f in roles.frozen.values()} == {"freeze"}
     assert not backbone & {i.name for i in frozen_program.graph.input}  # constants of the session
-    session = ort.InferenceSession(frozen_program.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = graphforge.create_session(frozen_program)
     feeds = {"x": x, "labels": labels}
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
     for name, grad in expected.items():
         np.testing.assert_allclose(got[roles.gradients[name]], grad, rtol=1e-4, atol=1e-6, err_msg=name)
+
+    # a training program (the trained weights carried inputs): its backward reads no constant, so
+    # the runner's session runs the backbone's convolutions in onnxruntime's NCHWc blocks; one SGD
+    # step moves each trained weight by lr times torch's gradient
+    lr = 0.5
+    program = graphforge.compile(
+        mobilenet[1], f"freeze(names=['features.0.*', 'features.1.*']), {TRAINING}, sgd(lr={lr})"
+    )
+    assert nchwc_safe(program.model)
+    trained = graphforge.Module(program.model, device="cpu")
+    start = {name: np.array(value, copy=True) for name, value in trained.parameters.items()}
+    np.testing.assert_allclose(float(trained.train_step(x, labels)), loss.item(), rtol=1e-5)
+    for name, grad in expected.items():
+        moved = (start[name] - trained.parameters[name]) / lr
+        np.testing.assert_allclose(moved, grad, rtol=1e-3, atol=2e-6, err_msg=name)
 
 
 def test_the_backward_stops_at_the_first_trained_layer(mobilenet, frozen_program):
@@ -122,6 +139,7 @@ def test_the_backward_stops_at_the_first_trained_layer(mobilenet, frozen_program
         return {f for f in forward if any(g.startswith(f"grad::{f}/") for g in grads)}
 
     unfrozen = graphforge.compile(model, TRAINING).model
+    assert not nchwc_safe(unfrozen)  # its backward reads the constant weights
     assert set(backbone) & backward_of(unfrozen)  # the oracle's premise: names say where a gradient comes from
     assert backward_of(frozen_program) and not set(backbone) & backward_of(frozen_program)
     count = sum(n.name.startswith("grad::") for n in frozen_program.graph.node)
@@ -172,3 +190,17 @@ def test_before_freezes_what_computes_a_tensor_and_training_leaves_it(tmp_path):
     before = dict(module.parameters)
     module.train_step(**models.tanh_mlp_batches(1)[0])
     assert sorted(module.parameters) == ["b2", "w2"] and not np.array_equal(module.parameters["w2"], before["w2"])
+
+
+def test_the_export_guides_frozen_backbone_block_runs(tmp_path, monkeypatch, capsys):
+    """docs/guides/pytorch-export.md's transfer-learning block, as written in a fresh folder: the
+    second convolution, its BatchNorm and the head train, and the page says what it prints."""
+    page = "docs/guides/pytorch-export.md"
+    block = page_block(page, "python", "freeze(names=")
+    monkeypatch.chdir(tmp_path)
+    namespace = run_block(page, block)
+    printed = capsys.readouterr().out.strip()
+    assert printed == "('4.weight', '4.bias', '3.weight', '3.bias', '8.weight', '8.bias')"
+    assert printed in block
+    frozen = ProgramRoles.read(namespace["program"]).frozen
+    assert {"0.weight", "0.bias", "1.weight", "1.bias"} <= set(frozen)
