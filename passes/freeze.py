@@ -42,7 +42,7 @@ class Freeze(Pass):
        beside those frozen before; autodiff reads the role: they get no gradient (unless named
        in its ``trainable`` without a wildcard), so no optimizer state, and no input gradient
        is computed below the first weight that trains. The graph itself is left as it was.
-    It comes before autodiff (which refuses nothing it finds frozen).
+    It comes before autodiff: after it, the pass is refused (the gradients are made already).
     """
 
     name = "freeze"
