@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 #: the backbone: the stem and the first inverted residual block (torch's parameter names)
 BACKBONE = ("features.0.", "features.1.")
 TRAINING = "loss(kind=cross_entropy, output=logits), autodiff"
+PAGE = "docs/guides/pytorch-export.md"
 
 
 def _mobilenet():
@@ -195,10 +196,9 @@ def test_before_freezes_what_computes_a_tensor_and_training_leaves_it(tmp_path):
 def test_the_export_guides_frozen_backbone_block_runs(tmp_path, monkeypatch, capsys):
     """docs/guides/pytorch-export.md's transfer-learning block, as written in a fresh folder: the
     second convolution, its BatchNorm and the head train, and the page says what it prints."""
-    page = "docs/guides/pytorch-export.md"
-    block = page_block(page, "python", "freeze(names=")
+    block = page_block(PAGE, "python", "freeze(names=")
     monkeypatch.chdir(tmp_path)
-    namespace = run_block(page, block)
+    namespace = run_block(PAGE, block)
     printed = capsys.readouterr().out.strip()
     assert printed == "('4.weight', '4.bias', '3.weight', '3.bias', '8.weight', '8.bias')"
     assert printed in block
