@@ -631,6 +631,22 @@ def artifacts_command(
         bool, typer.Option("--loss-only", help="The training and eval models return the loss alone.")
     ] = False,
     prefix: Annotated[str, typer.Option("--prefix", help="Put before each file's name.")] = "",
+    freeze: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--freeze",
+            help="Freeze the weights this glob names (repeat; with -p: the freeze pass first, as "
+            "onnxruntime-training's frozen_params).",
+        ),
+    ] = None,
+    frozen_constants: Annotated[
+        bool,
+        typer.Option(
+            "--frozen-constants",
+            help="Keep the frozen weights constants of the models (onnxruntime folds and prepacks them), "
+            "not inputs read from the checkpoint.",
+        ),
+    ] = False,
 ) -> None:
     """Write on-device training artifacts (training, eval and optimizer models, the whole step,
     an inference model, the checkpoint and manifest.json) for onnxruntime in any language:
@@ -644,6 +660,8 @@ def artifacts_command(
         outputs=output,
         loss_only=loss_only,
         prefix=prefix,
+        freeze=freeze or (),
+        frozen_constants=frozen_constants,
     )
     out.print(f"[bold]artifacts[/] {escape(how)} → {escape(str(output_dir))}", highlight=False, soft_wrap=True)
     table = Table()

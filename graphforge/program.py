@@ -249,7 +249,8 @@ class FrozenWeight:
     """A weight the program reads and never trains (``graphforge.frozen``): an initializer
     of the program, not a carried tensor, with no gradient, optimizer state or reduction.
     ``by``: what froze it: "autodiff" (its ``trainable``/``frozen`` patterns), "torch"
-    (``requires_grad=False``) or "lora" (an adapter's base weight)."""
+    (``requires_grad=False``), "lora" (an adapter's base weight) or "freeze" (the freeze pass:
+    a backbone frozen by name or up to a tensor)."""
 
     name: str
     by: str

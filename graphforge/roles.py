@@ -57,9 +57,9 @@ RESET_GRAD = "graphforge.lazy_reset_grad"  # name of the accumulate-or-overwrite
 EXPORTED_FROM = "graphforge.exported_from"  # JSON: what an inference model was pruned from (passes/prune.py)
 #: JSON object: weight -> {"by": what froze it}: the floating-point initializers a program reads and
 #: never trains ("autodiff": its trainable/frozen patterns; "torch": requires_grad=False; "lora": an
-#: adapter's base weight). Autodiff gives them no gradient, so the optimizer gives them no state and
-#: data parallelism nothing to reduce; a session keeps them as constants (initializers, never bound
-#: inputs), which onnxruntime may prepack
+#: adapter's base weight; "freeze": the freeze pass's backbone). Autodiff gives them no gradient, so
+#: the optimizer gives them no state and data parallelism nothing to reduce; a session keeps them as
+#: constants (initializers, never bound inputs), which onnxruntime may prepack
 FROZEN = "graphforge.frozen"
 #: JSON: the lora pass's adapters (passes/lora.py), one per module it adapted: {"adapters": [{"module",
 #: "weight", "A", "B", "r", "alpha", "scale", "rslora", "dropout", "dtype", "fan_in_fan_out"}, ...],

@@ -9,6 +9,7 @@ from graphforge.passes.autodiff import Autodiff, ExpandGradient, VectorJacobian
 from graphforge.passes.cse import CommonSubexpressionElimination
 from graphforge.passes.dce import DeadCodeElimination
 from graphforge.passes.fold_constants import FoldConstants
+from graphforge.passes.freeze import Freeze
 from graphforge.passes.fusion import Fuse
 from graphforge.passes.identity_elimination import IdentityElimination
 from graphforge.passes.kv_cache import KvCache
@@ -35,6 +36,7 @@ REGISTRY = PassRegistry(
         Autodiff,
         VectorJacobian,
         KvCache,
+        Freeze,
         Lora,
         LoraMerge,
         QuantizeFrozen,
@@ -72,6 +74,7 @@ __all__ = [
     "DeadCodeElimination",
     "ExpandGradient",
     "FoldConstants",
+    "Freeze",
     "Fuse",
     "IdentityElimination",
     "KvCache",

@@ -192,24 +192,33 @@ def artifacts_from(
     outputs: Sequence[str] | None = None,
     loss_only: bool = False,
     prefix: str = "",
+    freeze: Sequence[str] = (),
+    frozen_constants: bool = False,
 ) -> tuple[Manifest, str]:
     """What ``graphforge artifacts`` writes into ``folder``: the artifacts of ``model``, a
     training program, or a forward model compiled with ``pipeline`` (its optimizer made to
-    accumulate), starting from the checkpoint file ``checkpoint`` (the command finds a run
-    folder's latest).
+    accumulate; ``freeze``: globs of the weights to freeze, the freeze pass put first, as
+    onnxruntime-training's ``frozen_params``), starting from the checkpoint file ``checkpoint``
+    (the command finds a run folder's latest).
     The training and eval models return ``outputs`` after the loss (default: the forward
-    outputs; none with ``loss_only``). Returns the manifest and a line saying what it was made from."""
+    outputs; none with ``loss_only``). The frozen weights are inputs of the models, their values
+    in the checkpoint, or with ``frozen_constants`` constants of the models (onnxruntime folds
+    and prepacks them; the checkpoint leaves them out). Returns the manifest and a line saying
+    what it was made from."""
     proto = load(model)
     if ProgramRoles.of_proto(proto).is_training_program:
-        if pipeline is not None:
+        if pipeline is not None or freeze:
+            given = "a pipeline (-p)" if pipeline is not None else "weights to freeze (--freeze)"
             raise GraphforgeError(
-                f"{model} is a training program already: give it no pipeline (-p), or give its forward model"
+                f"{model} is a training program already: give it no {given}, or give its forward model"
             )
         program, how = proto, f"the training program {model}"
     else:
         if pipeline is None:
             raise GraphforgeError(f"{model} is a forward model: give it a pipeline (-p, e.g. \"loss(kind=cross_entropy, "
                                   "output=logits), autodiff, adamw(lr=1e-3)\"), or a training program")  # fmt: skip
+        if freeze:
+            pipeline = f"freeze(names={format_value(list(freeze))}), {pipeline}"
         passes, text = accumulating(pipeline)
         program = PassManager(passes).run(proto).model
         how = f'{model} compiled with "{text}"'
@@ -218,7 +227,10 @@ def artifacts_from(
         state = CheckpointState.load(checkpoint, program)
         how += f", from {checkpoint} (step {state.step})"
     extras = [] if loss_only else list(outputs) if outputs else list(ProgramRoles.of_proto(program).forward_outputs)
-    return write_artifacts(program, folder, state=state, prefix=prefix, outputs=extras), how
+    frozen = [] if frozen_constants else None
+    if frozen_constants:
+        how += ", the frozen weights constants of the models"
+    return write_artifacts(program, folder, state=state, prefix=prefix, outputs=extras, frozen=frozen), how
 
 
 def write_artifacts(
@@ -235,9 +247,10 @@ def write_artifacts(
     returning the loss and ``outputs`` (default: none; the forward outputs are ``inference.onnx``'s).
     ``frozen``: initializers of the program that are parameters it does not train: the models
     read them as inputs, from the checkpoint. Default: the program's frozen weights (its
-    ``graphforge.frozen`` role: what ``autodiff``'s patterns, torch's ``requires_grad=False``
-    or the lora pass froze); ``generate_artifacts`` gives its ``frozen_params`` alone, as
-    onnxruntime-training keeps a parameter it names in neither list a constant of the models."""
+    ``graphforge.frozen`` role: what ``autodiff``'s patterns, torch's ``requires_grad=False``,
+    the lora pass or the freeze pass froze); ``generate_artifacts`` gives its ``frozen_params``
+    alone, as onnxruntime-training keeps a parameter it names in neither list a constant of the
+    models; ``[]`` keeps every frozen weight a constant of the models (``--frozen-constants``)."""
     if Path(folder).exists() and not Path(folder).is_dir():
         raise GraphforgeError(f"{folder} is a file, not a folder: artifacts are written into a folder")
     proto = (

@@ -271,7 +271,10 @@ RECOMPUTE_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination", "FastGeluFusi
 #: gradient program whose Conv weights are constants (``autodiff`` alone, no optimizer), changed
 #: ResNet-18's gradients by up to 1.5% of their largest value against float64 autograd (5e-6
 #: without it, as torch's own float32: tests/runtime/test_backward_sessions.py's case); a
-#: training program's weights are inputs, which it leaves alone anyway
+#: training program's weights are inputs, which it leaves alone anyway. Kept where the backward
+#: reads no constant weight and no BatchNorm is in training mode (``nchwc_safe``): a frozen
+#: backbone's convolutions, constants read by the forward alone, then run in its blocked layout
+#: (a MobileNetV2's step 1.4-2× faster: docs/benchmarks.md, Transfer learning)
 BACKWARD_DISABLED_OPTIMIZERS = ("NchwcTransformer",)
 #: what a model with a training-mode BatchNormalization is run without: onnxruntime 1.31's
 #: ConstantSharing makes initializers of equal values one buffer, and the CPU kernel writes the
@@ -321,7 +324,7 @@ def _session(
     disabled = []
     if any(name.startswith(roles.RECOMPUTE_PREFIX) for name in names):
         disabled += RECOMPUTE_DISABLED_OPTIMIZERS
-    if any(name.startswith(roles.GRAD_PREFIX) for name in names):
+    if any(name.startswith(roles.GRAD_PREFIX) for name in names) and not nchwc_safe(proto):
         disabled += BACKWARD_DISABLED_OPTIMIZERS
     if proto is not None and has_training_batch_norm(proto):
         disabled += TRAINING_BATCHNORM_DISABLED_OPTIMIZERS
@@ -356,6 +359,23 @@ def quantized_options(options: ort.SessionOptions) -> ort.SessionOptions:
         )
     options.add_session_config_entry(_NBITS_ACCURACY, level)
     return options
+
+
+def nchwc_safe(proto: onnx.ModelProto) -> bool:
+    """Whether a program with a backward may run with onnxruntime's NchwcTransformer: no
+    backward node reads a constant of rank 3 or more (a convolution's weight, or what the
+    session folds from one) and no BatchNormalization is in training mode. A frozen backbone's
+    program is one: its constant weights are read by the forward alone."""
+    if has_training_batch_norm(proto):
+        return False
+    fed = {i.name for i in proto.graph.input}  # an initializer that is an input too is a default, fed each run
+    constants = {t.name for t in proto.graph.initializer if len(t.dims) >= 3 and t.name not in fed}
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and any(a.name == "value" and len(a.t.dims) >= 3 for a in node.attribute):
+            constants.update(node.output)
+    return not any(
+        node.name.startswith(roles.GRAD_PREFIX) and constants.intersection(node.input) for node in proto.graph.node
+    )
 
 
 def _check_nchwc_layout(proto: onnx.ModelProto, where: str) -> None:

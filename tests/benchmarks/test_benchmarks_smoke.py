@@ -192,3 +192,25 @@ def test_ondevice_benchmark_trains_alike_on_every_side(tmp_path):
     row = ob.benchmark(cache=tmp_path, specs=[tiny], sides=sides, counts=[1], timing=timing)["rows"]["cnn/1"]
     if ob._missing(sides[1]) is None:
         np.testing.assert_allclose(row["tfjs-cpu-node"]["losses"], row["gf-node"]["losses"], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_transfer_benchmark_trains_alike_on_every_side(tmp_path):
+    """The frozen-backbone benchmark's sides (torch eager, graphforge Python, the JS runtime on
+    onnxruntime-node with the frozen weights constants and as inputs, onnxruntime-web wasm) train
+    the tiny MobileNetV2 from the same weights to the same first losses; the report has every row
+    and the profile."""
+    sys.path.insert(0, str(BENCH.parent))
+    import transfer_bench as tb
+
+    results = tb.measure(quick=True, cache=tmp_path)
+    rows = results["rows"]
+    want = rows["torch eager"]["losses"]
+    for label, _, backend, _ in tb.SIDES:
+        if backend is not None and tb.steps_bench.unavailable():
+            continue
+        assert "error" not in rows[label], (label, rows[label])
+        np.testing.assert_allclose(rows[label]["losses"][:3], want, rtol=1e-4, err_msg=label)
+    report = tb.report(results)
+    assert all(f"| {label} | " in report for label, *_ in tb.SIDES)
+    assert "step with the ONNX update goes" in report and "backward" in report and "Goals: " in report

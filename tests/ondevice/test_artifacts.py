@@ -6,6 +6,7 @@ them, eval runs BatchNorm on its statistics, Dropout draws the Module's masks.""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _pages import page_block
 
 import graphforge
 import graphforge.train
@@ -344,3 +346,45 @@ def test_the_command_writes_them_from_a_pipeline_and_from_a_trained_run(tmp_path
         done = subprocess.run([str(GRAPHFORGE), "artifacts", *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
         assert not (tmp_path / "c").exists()
+
+
+def test_the_pages_frozen_backbone_keeps_it_a_constant_of_the_models_and_trains_alike(tmp_path):
+    """docs/on-device/training.md's --freeze/--frozen-constants command: fc1 is a constant of every
+    model (no input, state entry or checkpoint tensor); 3 steps of its artifacts, run as onnxruntime's
+    on-device API runs them, equal those of the artifacts that read fc1 from the checkpoint (held to
+    a Module's step above) within the rounding of onnxruntime's prepacked constants."""
+    from graphforge.ondevice import CheckpointState, Module, Optimizer
+
+    block = page_block("docs/on-device/training.md", "sh", "--frozen-constants")
+    argv = shlex.split(block.replace("\\\n", " ").split("#", 1)[0])
+    assert argv[:2] == [".venv/bin/graphforge", "artifacts"] and "out/frozen" in argv, argv
+    argv = [str(GRAPHFORGE), *[str(tmp_path / "constants") if a == "out/frozen" else a for a in argv[1:]]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    pipeline = argv[argv.index("-p") + 1]
+    artifacts.artifacts_from(DIGITS, tmp_path / "inputs", pipeline=pipeline, freeze=["fc1.*"])
+    frozen = {"fc1.weight", "fc1.bias"}
+    constants = Manifest.read(tmp_path / "constants")
+    assert [s.name for s in constants.state if s.role in ("parameter", "frozen")] == ["fc2.weight", "fc2.bias"]
+    inputs = Manifest.read(tmp_path / "inputs")
+    assert [s.name for s in inputs.state if s.role == "frozen"] == ["fc1.weight", "fc1.bias"]
+    for key, entry in constants.models.items():
+        model = onnx.load(tmp_path / "constants" / entry.file)
+        assert frozen <= {t.name for t in model.graph.initializer} or key == "optimizer", key
+        assert not frozen & {i.name for i in model.graph.input}, key
+    losses = {}
+    for side in ("constants", "inputs"):
+        folder = tmp_path / side
+        state = CheckpointState.load_checkpoint(folder / "checkpoint")
+        module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
+        optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+        losses[side] = []
+        for i in range(3):
+            losses[side].append(float(module(*_batch(i))[0]))
+            optimizer.step()
+            module.lazy_reset_grad()
+    np.testing.assert_allclose(losses["constants"], losses["inputs"], rtol=1e-5)
+    with pytest.raises(GraphforgeError, match=r"training program already: give it no weights to freeze \(--freeze\)"):
+        program = tmp_path / "program.onnx"
+        graphforge.save(graphforge.compile(DIGITS, PIPELINE).model, program)
+        artifacts.artifacts_from(program, tmp_path / "x", freeze=["fc1.*"])

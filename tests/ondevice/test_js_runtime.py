@@ -391,3 +391,24 @@ def test_on_wasm_a_transformers_gradients_are_float32_roundings_of_the_same_valu
         own = np.linalg.norm(native - exact)
         assert np.linalg.norm(wasm - native) <= 3 * own + 1e-12 * np.linalg.norm(exact), port.state
         assert np.linalg.norm(wasm - exact) <= 4 * own + 1e-12 * np.linalg.norm(exact), port.state
+
+
+def test_a_frozen_backbone_kept_constant_trains_on_node_as_python(tmp_path):
+    """freeze(names=[fc1.*]) on the digits MLP, its artifacts written with the frozen weights
+    constants of the models (--frozen-constants): the state holds fc2 and its Adam moments alone;
+    10 steps on onnxruntime-node give the Module's losses, and its checkpoint the Module's fc2, bit
+    for bit."""
+    program = graphforge.compile(
+        DIGITS, "freeze(names=['fc1.*']), loss(kind=cross_entropy, output=logits), autodiff, adamw(lr=1e-2)"
+    ).model
+    manifest = write_artifacts(program, tmp_path / "art", frozen=[])
+    assert not [s.name for s in manifest.state if s.name.startswith("fc1")]
+    batches = digits_batches(10)
+    job = {"backend": "node", "artifacts": str(tmp_path / "art"), "batches": batches_file(tmp_path, batches),
+           "steps": 10, "save": str(tmp_path / "js.ckpt")}  # fmt: skip
+    got = run_js(job)
+    want, module = python_steps(program, batches, 10)
+    assert got["losses"] == want  # bit for bit: the same kernels on the same constants
+    saved = CheckpointState.load(tmp_path / "js.ckpt", program)
+    for name in ("fc2.weight", "fc2.bias"):
+        assert np.array_equal(saved.tensors[name], module.state.tensors[name]), name

@@ -92,7 +92,7 @@ def test_the_pages_training_commands_reach_the_stated_accuracy(workspace):
 
     # the on-device page's artifacts commands: from the forward model (the optimizer made to
     # accumulate), then from this run (whose program does not accumulate, as the page says)
-    artifacts = page_block("docs/on-device/training.md", "sh", "graphforge artifacts")
+    artifacts = page_block("docs/on-device/training.md", "sh", "graphforge artifacts", "out/trained")
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", artifacts], cwd=workspace, env=th.env(),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
