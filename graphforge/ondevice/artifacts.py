@@ -57,6 +57,7 @@ from graphforge.program import ProgramRoles
 from graphforge.runtime.checkpoint import CheckpointState, TensorSpec
 from graphforge.runtime.dropout import KEY_INPUT, seeded_dropout
 from graphforge.runtime.inference import eval_model, export_inference_model
+from graphforge.runtime.sessions import backward_constants
 from graphforge.tempfiles import move_into_place, temp_folder_beside
 
 
@@ -227,9 +228,15 @@ def artifacts_from(
         state = CheckpointState.load(checkpoint, program)
         how += f", from {checkpoint} (step {state.step})"
     extras = [] if loss_only else list(outputs) if outputs else list(ProgramRoles.of_proto(program).forward_outputs)
-    frozen = [] if frozen_constants else None
+    frozen = None
     if frozen_constants:
+        # the JavaScript runtime cannot turn off onnxruntime's NchwcTransformer, which Python's
+        # sessions leave out where a backward kernel reads a constant weight (runtime/sessions.py,
+        # nchwc_safe): a frozen convolution after a trained one stays an input
+        frozen = sorted(backward_constants(program.to_proto() if isinstance(program, Model) else program))
         how += ", the frozen weights constants of the models"
+        if frozen:
+            how += f" but the {len(frozen)} that the backward reads (inputs, from the checkpoint)"
     return write_artifacts(program, folder, state=state, prefix=prefix, outputs=extras, frozen=frozen), how
 
 

@@ -366,16 +366,23 @@ def nchwc_safe(proto: onnx.ModelProto) -> bool:
     backward node reads a constant of rank 3 or more (a convolution's weight, or what the
     session folds from one) and no BatchNormalization is in training mode. A frozen backbone's
     program is one: its constant weights are read by the forward alone."""
-    if has_training_batch_norm(proto):
-        return False
+    return not has_training_batch_norm(proto) and not backward_constants(proto)
+
+
+def backward_constants(proto: onnx.ModelProto) -> set[str]:
+    """The constants of rank 3 or more (initializers that are no input, Constant nodes' values)
+    that a backward node reads: what onnxruntime's NchwcTransformer may lay out in channel
+    blocks under a backward kernel that reads them plain."""
     fed = {i.name for i in proto.graph.input}  # an initializer that is an input too is a default, fed each run
     constants = {t.name for t in proto.graph.initializer if len(t.dims) >= 3 and t.name not in fed}
     for node in proto.graph.node:
         if node.op_type == "Constant" and any(a.name == "value" and len(a.t.dims) >= 3 for a in node.attribute):
             constants.update(node.output)
-    return not any(
-        node.name.startswith(roles.GRAD_PREFIX) and constants.intersection(node.input) for node in proto.graph.node
-    )
+    read = set()
+    for node in proto.graph.node:
+        if node.name.startswith(roles.GRAD_PREFIX):
+            read.update(constants.intersection(node.input))
+    return read
 
 
 def _check_nchwc_layout(proto: onnx.ModelProto, where: str) -> None:

@@ -204,3 +204,25 @@ def test_the_export_guides_frozen_backbone_block_runs(tmp_path, monkeypatch, cap
     assert printed in block
     frozen = ProgramRoles.read(namespace["program"]).frozen
     assert {"0.weight", "0.bias", "1.weight", "1.bias"} <= set(frozen)
+
+
+def test_frozen_constants_keep_a_frozen_convolution_the_backward_reads_an_input(mobilenet, tmp_path):
+    """The stem trains and the first block after it is frozen: the backward reads that block's
+    convolution weights (the stem's gradient passes through them). With --frozen-constants the
+    artifacts keep those an input, from the checkpoint (the JavaScript runtime cannot turn
+    onnxruntime's NCHWc layout off under them), and every other frozen weight a constant."""
+    from graphforge.ondevice.artifacts import artifacts_from
+    from graphforge.ondevice.manifest import Manifest
+
+    _, model, _ = mobilenet
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    pipeline = f"{TRAINING}, sgd(lr=0.1)"
+    _, how = artifacts_from(path, tmp_path / "a", pipeline=pipeline, freeze=["features.1.*"], frozen_constants=True)
+    frozen = {n.name for n in model.graph.initializer if n.name.startswith("features.1.")}
+    read = {s.name for s in Manifest.read(tmp_path / "a").state if s.role == "frozen"}
+    convolutions = {n.input[1] for n in model.graph.node if n.op_type == "Conv" and n.input[1] in frozen}
+    assert read == convolutions and len(read) == 3, (read, convolutions)
+    assert f"but the {len(read)} that the backward reads" in how
+    training = onnx.load(tmp_path / "a" / "training_model.onnx")
+    assert frozen - read <= {t.name for t in training.graph.initializer}
