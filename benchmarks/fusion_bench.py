@@ -226,17 +226,34 @@ LEFT = """What fusion does not reach yet (the profiles say where the rest goes):
   GELU's tanh, the attention's softmax), so a rule would have to fuse before autodiff and give
   the fused op a compact standard-op backward. At most the GELU's 4.5% is there to win, and the
   backward half of it stays.
-- **ResNet-18.** conv_stacked and conv_transpose_stacked take the convolutions of the last two
-  stages (4×4 and 2×2 images) off onnxruntime's per-image GEMMs, conv_input_grad_nchwc the
-  input gradients of the first stage onto the blocked kernels; autodiff itself now writes the
-  weight gradients of the small stages as one GEMM (benchmarks/fusion_kernels.py small_conv has
-  each formulation's A/B by layer). Left: AdamW over 11.2 M parameters (a quarter of the kernel
-  time), the convolutions over 8×8 and 16×16 images, still im2col + GEMM image by image in NCHW
-  against torch's oneDNN kernels (a forward NCHWc rule might pay there, as it did for the input
-  gradients; prune can now put a rewritten forward node back), and BatchNorm's training-mode
-  backward (Mul, Sub, ReduceMean). The stacked convolutions sum in another order: the third
-  step's loss moves in the fifth digit, for the reason the Training step section gives for ResNet-18's
-  losses."""
+- **ResNet-18.** conv_nchwc puts the forward convolutions over 16×16 and 8×8 outputs (the first
+  two stages, 3×3 kernels) onto onnxruntime's NCHWc kernels, conv_input_grad_nchwc the input
+  gradients of the first stage; conv_stacked and conv_transpose_stacked take the convolutions of
+  the last two stages (4×4 and 2×2 images) off onnxruntime's per-image GEMMs; autodiff itself
+  writes the weight gradients of the small stages as one GEMM (benchmarks/fusion_kernels.py
+  conv_forward, conv and small_conv have each formulation's A/B by layer). The issue's other
+  candidates, measured by layer on this machine (a scratch A/B, onnxruntime 1.31, 2 threads,
+  the fastest of 60 interleaved runs, load average 3-13): a whole-batch im2col as one GEMM for
+  the forward ties the stacked Conv (2×2: 4.7 vs 5.1 ms; 4×4 → 2×2 stride 2: 2.4 vs 3.3 ms;
+  4×4: 5.7 vs 3.2 ms, slower) and is slower at 8×8 and 16×16, where its channels-first slices
+  copy rows of 8 and 16 values; the input gradient as one GEMM and a col2im of nine Pads and a
+  Sum loses to ConvTranspose at 8×8 and 16×16 (10.9 vs 3.7 ms, 11.0 vs 4.6 ms) and beats the
+  per-image ConvTranspose only at 2×2 (10.5 vs 24.2 ms), which conv_transpose_stacked already
+  replaces; the input gradient as a plain Conv with flipped, transposed weights runs a Conv of
+  the forward's cost, which ties ConvTranspose at 8×8 and 16×16 (3.6 vs 3.7 ms, 4.7 vs 4.6 ms),
+  and on NCHWc kernels at 8×8 it was 1.1× faster by the fastest run and no faster by the
+  median, so conv_input_grad_nchwc keeps its 16×16 floor; the weight gradient from
+  channels-first columns in one GEMM (no transpose of the result) ties autodiff's channels-last
+  GEMM (2×2: 8.0 vs 7.5 ms; 4×4: 5.4 vs 4.3 ms). None of them is kept.
+  Left: AdamW over 11.2 M parameters (a quarter to a third of the kernel time: Mul, Sub, Add,
+  Div, Sqrt), the input gradients over 8×8 (ConvTranspose, image by image), the stacked
+  convolutions of the last stages, whose GEMMs run at about half the machine's GEMM rate with
+  their gap rows (a quarter to a half more columns), the transposes of the small stages' weight
+  gradients to the weights' layout (Transpose, 5-7% of the kernel time), and BatchNorm's
+  training-mode backward (Mul, Sub, ReduceMean). torch runs oneDNN's convolution kernels,
+  blocked and direct, for the forward and both gradients, and AdamW in place. The stacked and
+  NCHWc convolutions sum in another order: the third step's loss moves in the fifth digit, for
+  the reason the Training step section gives for ResNet-18's losses."""
 
 
 def run(quick: bool = False) -> str:

@@ -265,7 +265,8 @@ def conv_forward(threads: int, rng) -> list[str]:
         plain = _session_of(
             [helper.make_node("Conv", ["x", "w"], ["out"], pads=[k // 2] * 4, strides=[stride] * 2)], feeds, threads
         )
-        blocked = _session_of(*_nchwc_forward_nodes(o, c, k, stride, block), feeds, threads)
+        nodes, shapes = _nchwc_forward_nodes(o, c, k, stride, block)
+        blocked = _session_of(nodes, feeds, threads, shapes)
         np.testing.assert_allclose(blocked.run(None, feeds)[0], plain.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
         ms = _interleaved_ms(
             {"plain": functools.partial(plain.run, None, feeds), "nchwc": functools.partial(blocked.run, None, feeds)}
