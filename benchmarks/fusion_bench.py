@@ -35,6 +35,9 @@ FULL = [tb.FULL[1], RESNET, tb.FULL[2]]
 QUICK = [tb.QUICK[1], tb.Spec("resnet18", "ResNet-18 3×16×16", 2, {"image": 16, "classes": 10}, steps=2)]
 ROUNDS, QUICK_ROUNDS = 8, 2
 PROFILE_STEPS = 3
+#: the side that runs the fused program with Module's default update (torch's fused AdamW kernel
+#: over the runner's buffers; the other graphforge sides run the program's ONNX update)
+FUSED_UPDATE = "fuse, fused update"
 
 
 def prepare(spec: tb.Spec, folder: Path):
@@ -136,6 +139,9 @@ def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
         for label, (path, _) in programs.items()
     }
     steppers = {label: m.train_step for label, m in modules.items()}
+    # what Module does by default: the same fused program, its AdamW run by torch's fused kernel
+    default = Module(str(programs["fuse"][0]), device="cpu", intra_op_threads=THREADS, inter_op_threads=1)
+    steppers[FUSED_UPDATE] = default.train_step
     steppers["torch eager"] = tb.torch_adamw_step(module.train())
     losses = {label: [float(step(*batches[i % len(batches)])) for i in range(3)] for label, step in steppers.items()}
     times: dict[str, list[float]] = {label: [] for label in steppers}
@@ -148,7 +154,7 @@ def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
     median = {label: float(np.median(t)) for label, t in times.items()}
     rows = [
         f"| {spec.label} | {label} | {median[label] * 1000:.1f} | {median['no fuse'] / median[label]:.2f}× | "
-        f"{median['torch eager'] / median[label]:.2f}× | {programs[label][1] if label in programs else '—'} |"
+        f"{median['torch eager'] / median[label]:.2f}× | {_note(label, programs)} |"
         for label in steppers
     ]
     first = ", ".join(f"{label} {' '.join(f'{v:.5f}' for v in ls)}" for label, ls in losses.items())
@@ -156,6 +162,12 @@ def measure(spec: tb.Spec, quick: bool) -> tuple[list[str], list[str]]:
         f"- {spec.label}: first losses: {first}",
         f"- {spec.label}: {_where_time_goes(modules['fuse'], batches)}",
     ]
+
+
+def _note(label: str, programs: dict[str, tuple[Path, str]]) -> str:
+    if label == FUSED_UPDATE:
+        return "the fuse row's program; Module's default update: torch's fused AdamW kernel"
+    return programs[label][1] if label in programs else "—"
 
 
 def _where_time_goes(module, batches) -> str:
@@ -214,17 +226,34 @@ LEFT = """What fusion does not reach yet (the profiles say where the rest goes):
   GELU's tanh, the attention's softmax), so a rule would have to fuse before autodiff and give
   the fused op a compact standard-op backward. At most the GELU's 4.5% is there to win, and the
   backward half of it stays.
-- **ResNet-18.** conv_stacked and conv_transpose_stacked take the convolutions of the last two
-  stages (4×4 and 2×2 images) off onnxruntime's per-image GEMMs, conv_input_grad_nchwc the
-  input gradients of the first stage onto the blocked kernels; autodiff itself now writes the
-  weight gradients of the small stages as one GEMM (benchmarks/fusion_kernels.py small_conv has
-  each formulation's A/B by layer). Left: AdamW over 11.2 M parameters (a quarter of the kernel
-  time), the convolutions over 8×8 and 16×16 images, still im2col + GEMM image by image in NCHW
-  against torch's oneDNN kernels (a forward NCHWc rule might pay there, as it did for the input
-  gradients; prune can now put a rewritten forward node back), and BatchNorm's training-mode
-  backward (Mul, Sub, ReduceMean). The stacked convolutions sum in another order: the third
-  step's loss moves in the fifth digit, for the reason the Training step section gives for ResNet-18's
-  losses."""
+- **ResNet-18.** conv_nchwc puts the forward convolutions over 16×16 and 8×8 outputs (the first
+  two stages, 3×3 kernels) onto onnxruntime's NCHWc kernels, conv_input_grad_nchwc the input
+  gradients of the first stage; conv_stacked and conv_transpose_stacked take the convolutions of
+  the last two stages (4×4 and 2×2 images) off onnxruntime's per-image GEMMs; autodiff itself
+  writes the weight gradients of the small stages as one GEMM (benchmarks/fusion_kernels.py
+  conv_forward, conv and small_conv have each formulation's A/B by layer). The issue's other
+  candidates, measured by layer on this machine (a scratch A/B, onnxruntime 1.31, 2 threads,
+  the fastest of 60 interleaved runs, load average 3-13): a whole-batch im2col as one GEMM for
+  the forward ties the stacked Conv (2×2: 4.7 vs 5.1 ms; 4×4 → 2×2 stride 2: 2.4 vs 3.3 ms;
+  4×4: 5.7 vs 3.2 ms, slower) and is slower at 8×8 and 16×16, where its channels-first slices
+  copy rows of 8 and 16 values; the input gradient as one GEMM and a col2im of nine Pads and a
+  Sum loses to ConvTranspose at 8×8 and 16×16 (10.9 vs 3.7 ms, 11.0 vs 4.6 ms) and beats the
+  per-image ConvTranspose only at 2×2 (10.5 vs 24.2 ms), which conv_transpose_stacked already
+  replaces; the input gradient as a plain Conv with flipped, transposed weights runs a Conv of
+  the forward's cost, which ties ConvTranspose at 8×8 and 16×16 (3.6 vs 3.7 ms, 4.7 vs 4.6 ms),
+  and on NCHWc kernels at 8×8 it was 1.1× faster by the fastest run and no faster by the
+  median, so conv_input_grad_nchwc keeps its 16×16 floor; the weight gradient from
+  channels-first columns in one GEMM (no transpose of the result) ties autodiff's channels-last
+  GEMM (2×2: 8.0 vs 7.5 ms; 4×4: 5.4 vs 4.3 ms). None of them is kept.
+  Left: AdamW over 11.2 M parameters (a quarter to a third of the kernel time: Mul, Sub, Add,
+  Div, Sqrt), the input gradients over 8×8 (ConvTranspose, image by image), the stacked
+  convolutions of the last stages, whose GEMMs run at about half the machine's GEMM rate with
+  their gap rows (a quarter to a half more columns), the transposes of the small stages' weight
+  gradients to the weights' layout (Transpose, 5-7% of the kernel time), and BatchNorm's
+  training-mode backward (Mul, Sub, ReduceMean). torch runs oneDNN's convolution kernels,
+  blocked and direct, for the forward and both gradients, and AdamW in place. The stacked and
+  NCHWc convolutions sum in another order: the third step's loss moves in the fifth digit, for
+  the reason the Training step section gives for ResNet-18's losses."""
 
 
 def run(quick: bool = False) -> str:
@@ -243,7 +272,9 @@ def run(quick: bool = False) -> str:
         [
             f"Training step (loss, backward, AdamW) at {THREADS} threads, median ms over "
             f"{QUICK_ROUNDS if quick else ROUNDS} rounds of a block of steps per side, the sides taking turns in "
-            "one process. × no fuse, × torch eager: that side's time over this row's (above 1: the row is faster).",
+            "one process. × no fuse, × torch eager: that side's time over this row's (above 1: the row is faster). "
+            "The graphforge sides run the program's ONNX update, as the Training step section does, but "
+            f"'{FUSED_UPDATE}', which runs it as Module does by default.",
             "",
             "| model | side | step ms | × no fuse | × torch eager | fuse's note |",
             "| --- | --- | ---: | ---: | ---: | --- |",

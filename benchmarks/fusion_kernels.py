@@ -1,7 +1,7 @@
 """The kernel-level A/Bs behind the fusion rules: each formulation alone in an onnxruntime CPU
 session, at 1 and 2 threads, on a few layer shapes (median of 30 runs after 3 warm-ups).
 
-    python benchmarks/fusion_kernels.py [relu|maxpool|conv|small_conv|optimizer ...]
+    python benchmarks/fusion_kernels.py [relu|maxpool|conv|conv_forward|small_conv|optimizer ...]
 
 - ReLU's gradient: Where(y > 0, dy, 0) against dy · Cast(y > 0) (rule relu_backward_mask).
 - A 2×2/2 MaxPool's gradient: ScatterElements into flat zeros against MaxUnpool (rule
@@ -10,6 +10,11 @@ session, at 1 and 2 threads, on a few layer shapes (median of 30 runs after 3 wa
   transposed and flipped), plain (faster on some shapes, slower on others: not a rule) and on
   onnxruntime's NCHWc kernels with the weights blocked each run (rule conv_input_grad_nchwc,
   where the channels divide into the CPU's block).
+- A forward convolution: Conv as it is (im2col + GEMM image by image) against onnxruntime's
+  NCHWc Conv with the weights blocked each run and the input and output reordered (rule
+  conv_nchwc), on ResNet-18's and the benchmark CNN's layers; the two run in turn, run by
+  run, and each gets its median and its fastest run (the machine is shared: the fastest
+  run is the one least disturbed).
 - A 3×3 convolution over small images, forward and input gradient: Conv and ConvTranspose as
   they are against the batch stacked into one tall image (rules conv_stacked and
   conv_transpose_stacked, applied by the fuse pass itself, their position limit lifted so
@@ -26,8 +31,10 @@ session, at 1 and 2 threads, on a few layer shapes (median of 30 runs after 3 wa
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -181,6 +188,95 @@ def conv_input_gradient(threads: int, rng) -> list[str]:
             np.testing.assert_allclose(r[0], a[0], rtol=1e-4, atol=1e-3)
             line += f"; NCHWc Conv, flipped W {blocked:.2f}"
         lines.append(line + " |")
+    return lines
+
+
+#: batch, in channels, size, out channels, kernel, stride: ResNet-18's layers at 3×64×64 (batch 16)
+#: from 16×16 down, and the benchmark CNN's second conv (batch 32)
+FORWARD_CONVS = (
+    (16, 64, 16, 64, 3, 1),
+    (32, 32, 16, 64, 3, 1),
+    (16, 128, 8, 128, 3, 1),
+    (16, 64, 16, 128, 3, 2),
+    (16, 64, 16, 128, 1, 2),
+    (16, 128, 8, 256, 3, 2),
+    (16, 256, 4, 256, 3, 1),
+)
+
+
+def _interleaved_ms(runs: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
+    """Each run's (median, fastest) ms over RUNS rounds in which every run goes once, in turn."""
+    for run in runs.values():
+        for _ in range(WARMUP):
+            run()
+    times = {name: [] for name in runs}
+    for _ in range(RUNS):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: (float(np.median(t)) * 1000, float(np.min(t)) * 1000) for name, t in times.items()}
+
+
+def _nchwc_forward_nodes(o: int, c: int, k: int, stride: int, block: int) -> tuple[list, list]:
+    """Rule conv_nchwc's form: W blocked ([O/B, B, C/B, B, k, k] permuted), x reordered, the
+    NCHWc Conv, the result reordered back."""
+    shapes = [
+        numpy_helper.from_array(np.array(v, np.int64), name)
+        for name, v in (("s6", [o // block, block, c // block, block, k, k]), ("s4", [o, c, k, k]))
+    ]
+    pads = [k // 2] * 4
+    nodes = [
+        helper.make_node("Reshape", ["w", "s6"], ["w6"]),
+        helper.make_node("Transpose", ["w6"], ["w6t"], perm=list(NCHWC_WEIGHT_PERM)),
+        helper.make_node("Reshape", ["w6t", "s4"], ["wr"]),
+        helper.make_node("ReorderInput", ["x"], ["xr"], domain=NCHWC_DOMAIN),
+        helper.make_node(
+            "Conv", ["xr", "wr"], ["yr"], domain=NCHWC_DOMAIN, kernel_shape=[k, k], pads=pads, strides=[stride] * 2
+        ),
+        helper.make_node("ReorderOutput", ["yr"], ["out"], domain=NCHWC_DOMAIN, channels=o),
+    ]
+    return nodes, shapes
+
+
+def _session_of(nodes, feeds: dict[str, np.ndarray], threads: int, inits=()):
+    graph = helper.make_graph(
+        nodes,
+        "ab",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in feeds.items()],
+        [helper.make_value_info("out", onnx.TypeProto())],
+        list(inits),
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(NCHWC_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=9)
+    return _cpu_session(model, threads, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)
+
+
+def conv_forward(threads: int, rng) -> list[str]:
+    block = nchwc_block_size()
+    if block is None:
+        return [f"| conv forward | — | {threads} | no NCHWc kernels in this onnxruntime on this CPU | |"]
+    lines = []
+    for n, c, size, o, k, stride in FORWARD_CONVS:
+        feeds = {
+            "x": rng.standard_normal((n, c, size, size)).astype(np.float32),
+            "w": (rng.standard_normal((o, c, k, k)) / np.sqrt(k * k * c)).astype(np.float32),
+        }
+        plain = _session_of(
+            [helper.make_node("Conv", ["x", "w"], ["out"], pads=[k // 2] * 4, strides=[stride] * 2)], feeds, threads
+        )
+        nodes, shapes = _nchwc_forward_nodes(o, c, k, stride, block)
+        blocked = _session_of(nodes, feeds, threads, shapes)
+        np.testing.assert_allclose(blocked.run(None, feeds)[0], plain.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+        ms = _interleaved_ms(
+            {"plain": functools.partial(plain.run, None, feeds), "nchwc": functools.partial(blocked.run, None, feeds)}
+        )
+        out = (size - 1) // stride + 1
+        lines.append(
+            f"| {k}×{k} conv forward | {[n, c, size, size]} → {o}, stride {stride} ({out}×{out} out) | {threads} | "
+            f"Conv {ms['plain'][0]:.2f} (fastest {ms['plain'][1]:.2f}) | "
+            f"NCHWc Conv {ms['nchwc'][0]:.2f} (fastest {ms['nchwc'][1]:.2f}) |"
+        )
     return lines
 
 
@@ -444,6 +540,7 @@ KERNELS = {
     "relu": relu,
     "maxpool": maxpool,
     "conv": conv_input_gradient,
+    "conv_forward": conv_forward,
     "small_conv": small_convolutions,
     "optimizer": optimizer_layouts,
 }

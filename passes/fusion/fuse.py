@@ -13,7 +13,7 @@ from graphforge.pass_infra import Pass, PassResult
 from graphforge.shapes import infer_shapes
 
 from .engine import Context, apply
-from .rules import CONV_INPUT_GRAD_NCHWC, RULES
+from .rules import CONV_INPUT_GRAD_NCHWC, CONV_NCHWC, RULES
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class Fuse(Pass):
       as onnxruntime's blocked-channel (NCHWc) CPU Conv instead of ConvTranspose (the same sums
       in another order). Its weight layout depends on the CPU's vector width: the program
       records it, and a session on a CPU with another refuses the program;
+    - ``conv_nchwc``: a forward Conv (a kernel over 1×1, at least 8×8 output positions) on the same
+      NCHWc kernels, its weights blocked each step, instead of im2col + GEMM image by image (the
+      same sums in another order; the layout is recorded as above, and ``prune`` puts the Conv
+      back: an exported model has the user's op);
     - ``conv_stacked`` and ``conv_transpose_stacked``: a Conv or ConvTranspose over images of
       at most 16 positions (4×4) as one over the batch stacked into one tall image, with zero
       rows between the images (onnxruntime's CPU kernels run image by image, one GEMM as narrow
@@ -71,7 +75,7 @@ class Fuse(Pass):
         record = {"provider": provider, **report.to_json()}
         if context.restore:
             record["restore"] = context.restore  # the forward nodes prune puts back
-        if report.fired[CONV_INPUT_GRAD_NCHWC.name]:
+        if report.fired[CONV_INPUT_GRAD_NCHWC.name] or report.fired[CONV_NCHWC.name]:
             record["nchwc_block"] = nchwc_block_size()  # the weights' layout: the runtime checks its CPU's
         roles.set_json(model, roles.FUSION, record)
         return PassResult(model, bool(report.fired), note=report.note())

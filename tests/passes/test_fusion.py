@@ -218,10 +218,65 @@ def test_conv_input_gradient_on_nchwc_kernels_where_the_image_is_large_enough():
     ids=["small_image", "odd_channels", "strided"],
 )
 def test_conv_input_gradient_stays_a_conv_transpose(model, reason):
-    plain, done, report = fused(model)
+    plain, done, report = fused(model, fuse="fuse(provider=cpu, rules=[conv_input_grad_nchwc])")
     assert "conv_input_grad_nchwc" not in report["fired"]
     assert any(r.startswith(reason) for r in report["refused"]["conv_input_grad_nchwc"])
     assert_same_values(plain, done)
+
+
+def _torch_gradients(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The loss and each weight's gradient of a ``cnn`` model without pools, by torch's autograd
+    (the oracle the program's ONNX gradients are held to)."""
+    import torch
+
+    weights = {t.name: torch.tensor(numpy_helper.to_array(t), requires_grad=True) for t in model.graph.initializer}
+    h = torch.from_numpy(feeds["x"])
+    for node in model.graph.node:
+        if node.op_type == "Conv":
+            strides = next(a.ints for a in node.attribute if a.name == "strides")
+            h = torch.relu(torch.nn.functional.conv2d(h, weights[node.input[1]], stride=list(strides), padding=1))
+    logits = h.mean(dim=(2, 3)) @ weights["fc"].T
+    loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(feeds["labels"]))
+    loss.backward()
+    return {"loss": loss.detach().numpy(), **{f"{k}_grad": w.grad.numpy() for k, w in weights.items()}}
+
+
+@needs_nchwc
+def test_forward_convs_on_nchwc_kernels_keep_every_gradient_and_export_as_they_were():
+    """Three 3×3 convs over 8×8 images (64 output positions), 16 channels after the first: the
+    second and third run on NCHWc kernels (the first reads 3 channels, which no block divides).
+    The loss and every gradient equal the program's without fuse, run by onnxruntime, and torch
+    autograd's; the export has the user's Convs again, byte for byte."""
+    model = cnn(None, None, None, width=16, size=8)
+    plain, done, report = fused(model, fuse="fuse(provider=cpu, rules=[conv_nchwc])")
+    assert report["fired"] == {"conv_nchwc": 2}
+    assert list(report["refused"]["conv_nchwc"]) == [f"channels not a multiple of the block ({nchwc_block_size()})"]
+    assert report["nchwc_block"] == nchwc_block_size()
+    assert sorted(report["restore"]) == ["c1", "c2"]
+    assert sum(n.op_type == "Conv" and n.domain == NCHWC_DOMAIN for n in done.graph.node) == 2
+    assert_same_values(plain, done, reordered=True)
+    assert_same_values(plain, done, seed=1, reordered=True)
+    feeds = random_inputs(plain, seed=2, dims={"N": 4}, int_high=CLASSES)
+    actual, expected = run(done, feeds), _torch_gradients(model, feeds)
+    for name, value in expected.items():
+        assert np.abs(actual[name] - value).max() <= 1e-5 * np.abs(value).max(), name
+    assert exported(done).SerializeToString() == exported(plain).SerializeToString()
+
+
+@needs_nchwc
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (cnn(None, None, width=16, size=4), "fewer than 64 positions per image"),
+        (cnn(None, None, width=12, size=8), "channels not a multiple of the block"),
+    ],
+    ids=["small_image", "odd_channels"],
+)
+def test_forward_conv_stays_a_conv(model, reason):
+    _, done, report = fused(model, fuse="fuse(provider=cpu, rules=[conv_nchwc])")
+    assert "conv_nchwc" not in report["fired"]
+    assert any(r.startswith(reason) for r in report["refused"]["conv_nchwc"])
+    assert NCHWC_DOMAIN not in {n.domain for n in done.graph.node}
 
 
 @needs_nchwc

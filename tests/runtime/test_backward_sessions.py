@@ -18,6 +18,7 @@ import pytest
 
 import graphforge
 from graphforge import roles
+from graphforge.ort_compat import nchwc_block_size
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -46,8 +47,9 @@ def resnet(tmp_path_factory):
     "fuse",
     [
         "",
-        # its stacked convolutions (the 4x4 and 2x2 stages), NCHWc input gradients (16x16) and
-        # ReLU masks sum in other orders or through other kernels: the same oracle holds
+        # its stacked convolutions (the 4x4 and 2x2 stages), NCHWc input gradients (16x16), NCHWc
+        # forward convolutions (16x16 and 8x8) and ReLU masks sum in other orders or through other
+        # kernels: the same oracle holds
         ", fuse(provider=cpu)",
     ],
     ids=["plain", "fused"],
@@ -58,6 +60,7 @@ def test_resnet_gradients_from_a_session_match_float64_autograd(resnet, fuse):
     if fuse:
         fired = json.loads(roles.metadata_of(program)[roles.FUSION])["fired"]
         assert fired["conv_stacked"] == 10 and fired["conv_transpose_stacked"] == 10, fired
+        assert fired.get("conv_nchwc", 0) == (8 if nchwc_block_size() else 0), fired
     session = graphforge.create_session(program)
     names = [o.name for o in session.get_outputs()]
     got = dict(zip(names, session.run(names, {"x": x, "labels": y}), strict=True))
