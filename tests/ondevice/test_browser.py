@@ -93,7 +93,9 @@ def test_the_runtime_in_chromium_and_the_page_that_trains_the_digits(site, tmp_p
     for name, losses in expected.items():
         result = got["harness"][name]
         assert result["done"], result.get("error")
-        np.testing.assert_allclose(result["losses"], losses, rtol=1e-5, err_msg=name)
+        # the CNN's convolutions sum in another order in wasm than in the native CPU kernels, and
+        # momentum carries the difference from step to step: measured up to 3e-5 by step 20
+        np.testing.assert_allclose(result["losses"], losses, rtol=1e-4 if name == "cnn" else 1e-5, err_msg=name)
 
     trained = got["trained"]
     assert trained["error"] is None, (trained["error"], got["console"])

@@ -39,7 +39,9 @@ def test_fine_tuning_lowers_the_held_out_loss_and_changes_the_samples(example):
     _, result = example
     assert result["before"] - result["after"] >= TINY_MIN_DROP, result
     assert len(result["samples_before"]) == len(result["samples_after"]) == len(run.PROMPTS)
-    assert all(isinstance(text, str) and text for text in result["samples_before"] + result["samples_after"])
+    # (a sample may be empty: the model may end a text with its EOS at once)
+    assert all(isinstance(text, str) for text in result["samples_before"] + result["samples_after"])
+    assert any(result["samples_before"]) and any(result["samples_after"]), result
     assert result["samples_before"] != result["samples_after"]
 
 
