@@ -24,6 +24,7 @@ from graphforge.graph import Model
 from graphforge.ir import subgraphs_of
 from graphforge.model_io import load, save
 from graphforge.payloads import exceeds_protobuf_limit
+from graphforge.stand_ins import is_stand_in
 
 
 def infer_shapes(model: Model, *, in_place: bool = False, relate: bool = False) -> Model:
@@ -154,6 +155,7 @@ def symbolic_shapes(proto: onnx.ModelProto) -> dict[str, list] | None:
     module = _symbolic_shape_infer()
     if module is None:
         return None
+    proto = _stand_ins_as_inputs(proto)
     SymbolicShapeInference, get_shape_from_value_info = module.SymbolicShapeInference, module.get_shape_from_value_info
     quiet = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
     level = quiet.level
@@ -173,6 +175,26 @@ def symbolic_shapes(proto: onnx.ModelProto) -> dict[str, list] | None:
         return None
     finally:
         quiet.setLevel(level)
+
+
+def _stand_ins_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto``, or where it holds stand-ins (weights left out, ``to_proto(values=False)``) a copy
+    in which they are graph inputs of their type and shape: the symbolic inference reads the
+    values of the initializers an op's rule may fold (a norm's weight under a Mul), and a
+    stand-in has none."""
+    left_out = [t for t in proto.graph.initializer if is_stand_in(t)]
+    if not left_out:
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    kept = [t for t in copy.graph.initializer if not is_stand_in(t)]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    inputs = {i.name for i in copy.graph.input}
+    copy.graph.input.extend(
+        onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in left_out if t.name not in inputs
+    )
+    return copy
 
 
 @functools.cache

@@ -519,3 +519,27 @@ def test_weights_held_in_a_missing_file_are_left_out_and_anything_else_is_refuse
     graphforge.PassManager(graphforge.parse_pipeline(TRAINING), shapes_only=True).run(light)
     with pytest.raises(graphforge.GraphforgeError, match="keeps its data in the external file"):
         graphforge.PassManager(graphforge.parse_pipeline(TRAINING)).run(light)
+
+
+def test_symbolic_shapes_follow_a_model_whose_weights_are_left_out():
+    """onnxruntime's symbolic inference reads the values of initializers an op's rule may fold
+    (the norm weight under a Mul that a Qwen2-0.5B export's kv_cache pass met); a copy without
+    the weights (``to_proto(values=False)``) gives it stand-ins, which it sees as inputs."""
+    from graphforge.shapes import symbolic_shapes
+
+    weight = onnx.numpy_helper.from_array(np.linspace(0.5, 1.5, 512, dtype=np.float32), "w")
+    shape = onnx.numpy_helper.from_array(np.array([0, 8, 64], np.int64), "shape")
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Mul", ["x", "w"], ["scaled"]),
+            onnx.helper.make_node("Reshape", ["scaled", "shape"], ["y"]),
+        ],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 512])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [weight, shape],
+    )
+    proto = graphforge.Model.from_proto(onnx.helper.make_model(graph)).to_proto(values=False)
+    assert is_stand_in(next(t for t in proto.graph.initializer if t.name == "w"))
+    shapes = symbolic_shapes(proto)
+    assert shapes is not None and shapes["y"] == ["batch", 8, 64], shapes
