@@ -82,10 +82,18 @@ def _python_child(job: dict) -> dict:
         count[0] += 1
         return [float(module.train_step(*feeds))] if k == 1 else [float(x) for x in module.train_steps(*feeds)]
 
-    losses, last, begun = [], 0.0, time.perf_counter()
-    while count[0] < 3 or time.perf_counter() - begun < job["warmupSeconds"]:
+    return timed(once, job, steps_a_run=k)
+
+
+def timed(once, job: dict, *, steps_a_run: int = 1, losses_kept: int = 5) -> dict:
+    """Warm-up runs (at least 3, for ``job["warmupSeconds"]``), then ``job["blocks"]`` blocks of
+    about ``job["blockSeconds"]``: each block's milliseconds a step, and the first losses.
+    ``once()`` runs ``steps_a_run`` steps and returns their losses."""
+    losses, runs, last, begun = [], 0, 0.0, time.perf_counter()
+    while runs < 3 or time.perf_counter() - begun < job["warmupSeconds"]:
         started = time.perf_counter()
         losses += once()
+        runs += 1
         last = time.perf_counter() - started
     per_block = max(1, round(job["blockSeconds"] / max(last, 1e-6)))
     blocks = []
@@ -93,8 +101,8 @@ def _python_child(job: dict) -> dict:
         started = time.perf_counter()
         for _ in range(per_block):
             once()
-        blocks.append((time.perf_counter() - started) * 1e3 / (per_block * k))
-    return {"blocks": blocks, "losses": losses[:5]}
+        blocks.append((time.perf_counter() - started) * 1e3 / (per_block * steps_a_run))
+    return {"blocks": blocks, "losses": losses[:losses_kept]}
 
 
 def _node(job: dict) -> dict:

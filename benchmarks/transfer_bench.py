@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -204,33 +203,16 @@ def _torch_child(job: dict) -> dict:
     batches = [[torch.from_numpy(a.copy()) for a in step] for step in od.read_batches(job["batches"])]
     count = [0]
 
-    def once() -> float:
+    def once() -> list[float]:
         x, labels = batches[count[0] % len(batches)]
         count[0] += 1
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(x), labels)
         loss.backward()
         optimizer.step()
-        return float(loss)
+        return [float(loss)]
 
-    return timed(once, job)
-
-
-def timed(once, job: dict) -> dict:
-    """steps_bench's timing: warm-up steps, then blocks; each block's milliseconds a step."""
-    losses, last, begun = [], 0.0, time.perf_counter()
-    while len(losses) < 3 or time.perf_counter() - begun < job["warmupSeconds"]:
-        started = time.perf_counter()
-        losses.append(once())
-        last = time.perf_counter() - started
-    per_block = max(1, round(job["blockSeconds"] / max(last, 1e-6)))
-    blocks = []
-    for _ in range(job["blocks"]):
-        started = time.perf_counter()
-        for _ in range(per_block):
-            once()
-        blocks.append((time.perf_counter() - started) * 1e3 / per_block)
-    return {"blocks": blocks, "losses": losses[:3]}
+    return steps_bench.timed(once, job, losses_kept=3)
 
 
 def _graphforge_child(job: dict) -> dict:
@@ -244,11 +226,11 @@ def _graphforge_child(job: dict) -> dict:
     )
     count = [0]
 
-    def once() -> float:
+    def once() -> list[float]:
         count[0] += 1
-        return float(module.train_step(*batches[(count[0] - 1) % len(batches)]))
+        return [float(module.train_step(*batches[(count[0] - 1) % len(batches)]))]
 
-    return timed(once, job)
+    return steps_bench.timed(once, job, losses_kept=3)
 
 
 def _child(flag: str, job: dict) -> dict:

@@ -9,6 +9,7 @@
 import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.wasm.bundle.min.mjs'; // wasm alone
 import { Tokenizer } from '/js/node_modules/@huggingface/tokenizers/dist/tokenizers.mjs';
 import { CheckpointState, TrainingSession, makeSchedule, scheduleFromState } from '/js/src/index.js';
+import { keeper } from '../web/kept.js';
 import { pack, samplesOf, split, tokenize } from './rows.js';
 import { Sampling } from './sampling.js';
 
@@ -43,24 +44,7 @@ function fail(error) {
 
 // ------------------------------------------------------------------ what IndexedDB keeps
 
-function database() {
-  return new Promise((resolve, reject) => {
-    const request = indexedDB.open(DB, 1);
-    request.onupgradeneeded = () => request.result.createObjectStore('adapters');
-    request.onsuccess = () => resolve(request.result);
-    request.onerror = () => reject(request.error);
-  });
-}
-
-async function kept(action, value) {
-  const db = await database();
-  return new Promise((resolve, reject) => {
-    const store = db.transaction('adapters', action === 'get' ? 'readonly' : 'readwrite').objectStore('adapters');
-    const request = action === 'get' ? store.get('latest') : action === 'put' ? store.put(value, 'latest') : store.delete('latest');
-    request.onsuccess = () => resolve(request.result);
-    request.onerror = () => reject(request.error);
-  });
-}
+const kept = keeper(DB, 'adapters');
 
 /** The adapters (not the frozen base), the curves and the text, under the artifacts' checkpoint
  * digest: what was trained from other artifacts is not restored onto these. */

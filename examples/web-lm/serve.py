@@ -119,15 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except graphforge.GraphforgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    httpd = server(args.port)
-    print(f"serving {REPO} on http://127.0.0.1:{httpd.server_address[1]}/examples/web-lm/ (Ctrl-C stops)", flush=True)
-    try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        httpd.server_close()
-    return 0
+    return _web_serve().serve(args.port, "examples/web-lm/")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 // fresh=1 (ignore the checkpoint IndexedDB keeps), threads, backend=wasm|webgpu.
 import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.all.bundle.min.mjs';
 import { CheckpointState, TrainingSession, makeSchedule, scheduleFromState } from '/js/src/index.js';
+import { keeper } from './kept.js';
 
 const params = new URLSearchParams(location.search);
 const ARTIFACTS = params.get('artifacts') ?? '/out/web/artifacts/';
@@ -50,24 +51,7 @@ async function loadData() {
 
 // ------------------------------------------------------------------ the checkpoint IndexedDB keeps
 
-function database() {
-  return new Promise((resolve, reject) => {
-    const request = indexedDB.open(DB, 1);
-    request.onupgradeneeded = () => request.result.createObjectStore('checkpoints');
-    request.onsuccess = () => resolve(request.result);
-    request.onerror = () => reject(request.error);
-  });
-}
-
-async function kept(action, value) {
-  const db = await database();
-  return new Promise((resolve, reject) => {
-    const store = db.transaction('checkpoints', action === 'get' ? 'readonly' : 'readwrite').objectStore('checkpoints');
-    const request = action === 'get' ? store.get('latest') : action === 'put' ? store.put(value, 'latest') : store.delete('latest');
-    request.onsuccess = () => resolve(request.result);
-    request.onerror = () => reject(request.error);
-  });
-}
+const kept = keeper(DB, 'checkpoints');
 
 async function keep() {
   session.checkpointState.scheduler = schedule.stateDict();

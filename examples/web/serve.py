@@ -80,8 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         print("onnxruntime-web is missing: run make install first (it runs npm ci in js/)", file=sys.stderr)
         return 2
     prepare()
-    httpd = server(args.port)
-    print(f"serving {REPO} on http://127.0.0.1:{httpd.server_address[1]}/examples/web/ (Ctrl-C stops)", flush=True)
+    return serve(args.port, "examples/web/")
+
+
+def serve(port: int, page: str) -> int:
+    """Serve the repository on 127.0.0.1:``port`` until Ctrl-C, naming ``page``'s address."""
+    httpd = server(port)
+    print(f"serving {REPO} on http://127.0.0.1:{httpd.server_address[1]}/{page} (Ctrl-C stops)", flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

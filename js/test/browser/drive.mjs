@@ -4,24 +4,14 @@
 // Prints one JSON line: each harness run's window.result, the page's window.graphforge after
 // training, and after a reload (resumed from IndexedDB); the console's errors, and every
 // request that failed or was answered with an error status (a missing favicon's 404).
-import puppeteer from 'puppeteer-core';
+import { launch, watchedPage } from './chromium.mjs';
 
 const job = JSON.parse(process.argv[2]);
 const timeout = job.timeoutMs ?? 180_000;
-const browser = await puppeteer.launch({
-  executablePath: job.chromium,
-  headless: true,
-  args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
-    '--disable-component-update', '--disable-sync', `--user-data-dir=${job.profile}`],
-});
+const browser = await launch(job);
 const out = { harness: {}, console: [], failed: [] };
 try {
-  const page = await browser.newPage();
-  page.on('console', (message) => message.type() === 'error' && out.console.push(message.text()));
-  page.on('pageerror', (error) => out.console.push(String(error)));
-  page.on('response', (response) => response.status() >= 400 && out.failed.push(`${response.status()} ${response.url()}`));
-  // (a HEAD request, answered, ends as 'aborted': Chromium drops the body it announces; its status counts)
-  page.on('requestfailed', (request) => !request.response() && out.failed.push(`${request.failure()?.errorText} ${request.url()}`));
+  const page = await watchedPage(browser, out);
   for (const [name, url] of Object.entries(job.harness ?? {})) {
     await page.goto(url);
     await page.waitForFunction('window.result !== null && window.result !== undefined', { timeout });

@@ -7,26 +7,17 @@
 // the console's errors, every request that failed, and when each part ended (ms, `at`).
 import fs from 'node:fs';
 import path from 'node:path';
-import puppeteer from 'puppeteer-core';
+import { launch, watchedPage } from './chromium.mjs';
 
 const job = JSON.parse(process.argv[2]);
 const timeout = job.timeoutMs ?? 120_000;
-const browser = await puppeteer.launch({
-  executablePath: job.chromium,
-  headless: true,
-  args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
-    '--disable-component-update', '--disable-sync', `--user-data-dir=${job.profile}`],
-});
+const browser = await launch(job);
 const out = { console: [], failed: [], at: {} };
 const t0 = Date.now();
 const mark = (what) => (out.at[what] = Date.now() - t0);
 const settled = 'window.graphforge && (window.graphforge.settled || window.graphforge.error)';
 try {
-    const page = await browser.newPage();
-  page.on('console', (message) => message.type() === 'error' && out.console.push(message.text()));
-  page.on('pageerror', (error) => out.console.push(String(error)));
-  page.on('response', (response) => response.status() >= 400 && out.failed.push(`${response.status()} ${response.url()}`));
-  page.on('requestfailed', (request) => !request.response() && out.failed.push(`${request.failure()?.errorText} ${request.url()}`));
+  const page = await watchedPage(browser, out);
   await page.setViewport({ width: 800, height: 900 });
   await page.goto(`${job.page}&autostart=1&fresh=1`);
   await page.waitForFunction(settled, { timeout });
