@@ -40,16 +40,8 @@ QUICK = {
     "prompt": 8,
     "new": 8,
 }
-#: Qwen2-0.5B's shapes (its config.json), random weights, the embedding tied to the head
-QWEN2_05B = {
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 1024,
-}
+#: Qwen2-0.5B's shapes, random weights, the embedding tied to the head
+QWEN2_05B = {**helpers.QWEN2_05B, "max_position_embeddings": 1024}
 QWEN2_FULL = {"label": "Qwen2-0.5B shapes 24×896, 14 query / 2 kv heads, vocab 151936", "family": "qwen2",
               "config": QWEN2_05B, "prompt": 32, "new": 64}  # fmt: skip
 QWEN2_QUICK = {"label": "Qwen2 2×64, 4 query / 2 kv heads, vocab 512", "family": "qwen2", "prompt": 8, "new": 8,

@@ -16,6 +16,15 @@ from pathlib import Path
 CACHE_ROOT = Path(tempfile.gettempdir()) / "graphforge-bench"
 #: GPT-2 small's shapes (the exporter's context length; the training benchmark sets its own)
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+#: Qwen2-0.5B's shapes (its config.json): Qwen2Config's keys
+QWEN2_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+}
 
 
 def cache(name: str) -> Path:

@@ -53,15 +53,7 @@ CACHE = helpers.cache("lora")
 R, ALPHA = 16, 32
 #: the issue's goals: tokens a second against PEFT's, and peak memory with the int4 base
 SPEED_GOAL, MEMORY_GOAL = 1.3, 0.5
-QWEN2_05B = {
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "seq": 256,
-}
+QWEN2_05B = {**helpers.QWEN2_05B, "seq": 256}
 FULL = train_bench.Spec("qwen2", "Qwen2-0.5B shapes, batch 4 × 256", 4, QWEN2_05B, steps=3, warmup=1)
 QUICK = train_bench.Spec(
     "qwen2",

@@ -9,7 +9,7 @@
 import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.wasm.bundle.min.mjs'; // wasm alone
 import { Tokenizer } from '/js/node_modules/@huggingface/tokenizers/dist/tokenizers.mjs';
 import { CheckpointState, TrainingSession, makeSchedule, scheduleFromState } from '/js/src/index.js';
-import { keeper } from '../web/kept.js';
+import { keeper, offer } from '../web/shared.js';
 import { pack, samplesOf, split, tokenize } from './rows.js';
 import { Sampling } from './sampling.js';
 
@@ -263,10 +263,7 @@ function adapterBytes() {
 }
 
 function download() {
-  const url = URL.createObjectURL(new Blob([adapterBytes()], { type: 'application/octet-stream' }));
-  const link = Object.assign(document.createElement('a'), { href: url, download: `web-lm-step${session.checkpointState.step}.ckpt` });
-  link.click();
-  setTimeout(() => URL.revokeObjectURL(url), 1000);
+  offer(adapterBytes(), `web-lm-step${session.checkpointState.step}.ckpt`);
 }
 
 // ------------------------------------------------------------------ the chart

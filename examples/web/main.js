@@ -4,7 +4,7 @@
 // fresh=1 (ignore the checkpoint IndexedDB keeps), threads, backend=wasm|webgpu.
 import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.all.bundle.min.mjs';
 import { CheckpointState, TrainingSession, makeSchedule, scheduleFromState } from '/js/src/index.js';
-import { keeper } from './kept.js';
+import { keeper, offer } from './shared.js';
 
 const params = new URLSearchParams(location.search);
 const ARTIFACTS = params.get('artifacts') ?? '/out/web/artifacts/';
@@ -221,10 +221,7 @@ async function train() {
 
 function download() {
   session.checkpointState.scheduler = schedule.stateDict();
-  const url = URL.createObjectURL(new Blob([session.checkpointBytes()], { type: 'application/octet-stream' }));
-  const link = Object.assign(document.createElement('a'), { href: url, download: `digits-step${session.checkpointState.step}.ckpt` });
-  link.click();
-  setTimeout(() => URL.revokeObjectURL(url), 1000);
+  offer(session.checkpointBytes(), `digits-step${session.checkpointState.step}.ckpt`);
 }
 
 // ------------------------------------------------------------------ the chart

@@ -1,5 +1,5 @@
-// What a page keeps between visits: one record, under 'latest', in an IndexedDB object store.
-// Both pages (examples/web/, examples/web-lm/) keep their training this way.
+// What the two pages (examples/web/, examples/web-lm/) share: the record a page keeps between
+// visits (one, under 'latest', in an IndexedDB object store), and a file offered for download.
 
 /**
  * ``kept(action, value)`` over the store ``store`` of the database ``name``: 'get' resolves to
@@ -25,4 +25,12 @@ export function keeper(name, store) {
       request.onerror = () => reject(request.error);
     });
   };
+}
+
+/** Offer ``bytes`` as a download named ``name`` (the browser's save dialog or downloads folder). */
+export function offer(bytes, name) {
+  const url = URL.createObjectURL(new Blob([bytes], { type: 'application/octet-stream' }));
+  const link = Object.assign(document.createElement('a'), { href: url, download: name });
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
 }
