@@ -9,7 +9,7 @@
 import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.wasm.bundle.min.mjs'; // wasm alone
 import { Tokenizer } from '/js/node_modules/@huggingface/tokenizers/dist/tokenizers.mjs';
 import { CheckpointState, TrainingSession, makeSchedule, scheduleFromState } from '/js/src/index.js';
-import { keeper, offer } from '../web/shared.js';
+import { chartFrame, keeper, lossLine, offer } from '../web/shared.js';
 import { pack, samplesOf, split, tokenize } from './rows.js';
 import { Sampling } from './sampling.js';
 
@@ -269,33 +269,20 @@ function download() {
 // ------------------------------------------------------------------ the chart
 
 function draw() {
-  const canvas = $('chart');
-  const g = canvas.getContext('2d');
-  const { width, height } = canvas;
-  const pad = 36;
-  const top = 28;
-  const bottom = height - pad;
-  g.clearRect(0, 0, width, height);
-  g.strokeStyle = '#bbb';
-  g.strokeRect(pad, top, width - 2 * pad, bottom - top);
-  g.font = '12px system-ui';
-  const label = (text, x, y, color, align) => Object.assign(g, { fillStyle: color, textAlign: align }).fillText(text, x, y);
-  label('training loss', pad, top - 10, '#1f6feb', 'left');
-  label('held-out loss', width - pad, top - 10, '#e36209', 'right');
-  label(`step ${log.step} of ${log.totalSteps}`, width / 2, height - 10, '#555', 'center');
+  const { g, x, pad, top, bottom, label } = chartFrame($('chart'), {
+    left: ['training loss', '#1f6feb'],
+    right: ['held-out loss', '#e36209'],
+    caption: `step ${log.step} of ${log.totalSteps}`,
+    total: log.totalSteps,
+  });
   const all = [...log.losses, ...log.heldOut.map((h) => h.loss)];
   if (all.length === 0) return;
   const most = Math.max(...all) * 1.05;
   const least = Math.min(...all) * 0.95;
   label(most.toFixed(2), pad - 4, top + 10, '#555', 'right');
   label(least.toFixed(2), pad - 4, bottom, '#555', 'right');
-  const x = (step) => pad + ((width - 2 * pad) * step) / Math.max(1, log.totalSteps);
   const y = (loss) => top + ((bottom - top) * (most - loss)) / Math.max(1e-9, most - least);
-  g.strokeStyle = '#1f6feb';
-  g.lineWidth = 1.5;
-  g.beginPath();
-  log.losses.forEach((loss, i) => (i ? g.lineTo(x(i + 1), y(loss)) : g.moveTo(x(i + 1), y(loss))));
-  g.stroke();
+  lossLine(g, x, y, log.losses, '#1f6feb');
   g.fillStyle = '#e36209';
   for (const { step, loss } of log.heldOut) {
     g.beginPath();

@@ -4,7 +4,7 @@
 // fresh=1 (ignore the checkpoint IndexedDB keeps), threads, backend=wasm|webgpu.
 import * as ort from '/js/node_modules/onnxruntime-web/dist/ort.all.bundle.min.mjs';
 import { CheckpointState, TrainingSession, makeSchedule, scheduleFromState } from '/js/src/index.js';
-import { keeper, offer } from './shared.js';
+import { chartFrame, keeper, lossLine, offer } from './shared.js';
 
 const params = new URLSearchParams(location.search);
 const ARTIFACTS = params.get('artifacts') ?? '/out/web/artifacts/';
@@ -227,39 +227,17 @@ function download() {
 // ------------------------------------------------------------------ the chart
 
 function draw() {
-  const canvas = $('chart');
-  const g = canvas.getContext('2d');
-  const { width, height } = canvas;
-  // the legends above the plot, the step below it: nothing drawn in the plot covers them
-  const pad = 36;
-  const top = 28;
-  const bottom = height - pad;
-  g.clearRect(0, 0, width, height);
-  g.strokeStyle = '#bbb';
-  g.strokeRect(pad, top, width - 2 * pad, bottom - top);
-  g.font = '12px system-ui';
-  const labels = [];
-  const label = (text, x, y, color, align) => {
-    g.fillStyle = color;
-    g.textAlign = align;
-    g.fillText(text, x, y);
-    const m = g.measureText(text);
-    const left = align === 'right' ? x - m.width : align === 'center' ? x - m.width / 2 : x;
-    labels.push({ text, left, right: left + m.width, top: y - m.actualBoundingBoxAscent, bottom: y + m.actualBoundingBoxDescent });
-  };
-  label('training loss', pad, top - 10, '#1f6feb', 'left');
-  label('test accuracy (0 to 1)', width - pad, top - 10, '#e36209', 'right');
-  label(`step ${log.step} of ${totalSteps}`, width / 2, height - 10, '#555', 'center');
+  const { g, x, top, bottom, labels } = chartFrame($('chart'), {
+    left: ['training loss', '#1f6feb'],
+    right: ['test accuracy (0 to 1)', '#e36209'],
+    caption: `step ${log.step} of ${totalSteps}`,
+    total: totalSteps,
+  });
   g.textAlign = 'left';
-  const x = (step) => pad + ((width - 2 * pad) * step) / Math.max(1, totalSteps);
   const most = Math.max(2.5, ...log.losses);
   const yLoss = (loss) => top + (bottom - top) * (1 - loss / most);
   const yAcc = (acc) => top + (bottom - top) * (1 - acc);
-  g.strokeStyle = '#1f6feb';
-  g.lineWidth = 1.5;
-  g.beginPath();
-  log.losses.forEach((loss, i) => (i ? g.lineTo(x(i + 1), yLoss(loss)) : g.moveTo(x(i + 1), yLoss(loss))));
-  g.stroke();
+  lossLine(g, x, yLoss, log.losses, '#1f6feb');
   g.fillStyle = '#e36209';
   const dots = [];
   for (const { step, accuracy } of log.accuracies) {

@@ -233,7 +233,7 @@ def artifacts_from(
         # the JavaScript runtime cannot turn off onnxruntime's NchwcTransformer, which Python's
         # sessions leave out where a backward kernel reads a constant weight (runtime/sessions.py,
         # nchwc_safe): a frozen convolution after a trained one stays an input
-        frozen = sorted(backward_constants(program.to_proto() if isinstance(program, Model) else program))
+        frozen = sorted(backward_constants(program))
         how += ", the frozen weights constants of the models"
         if frozen:
             how += f" but the {len(frozen)} that the backward reads (inputs, from the checkpoint)"

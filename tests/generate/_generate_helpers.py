@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import models
+from _texts import shipped_strings
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 128
@@ -27,19 +28,7 @@ EOS = 2
 
 def texts() -> list[str]:
     """Every string in data/text/'s JSONL files."""
-    found: list[str] = []
-
-    def walk(value) -> None:
-        if isinstance(value, str):
-            found.append(value)
-        elif isinstance(value, dict | list):
-            for item in value.values() if isinstance(value, dict) else value:
-                walk(item)
-
-    for path in sorted((REPO / "data" / "text").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            walk(json.loads(line))
-    return found
+    return shipped_strings()
 
 
 def tokenizer(folder: Path, vocab_size: int = 120) -> Path:

@@ -12,11 +12,13 @@ by puppeteer-core) on pages served from 127.0.0.1 (examples/web/serve.py's serve
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +34,32 @@ DRIVE = JS / "test" / "browser" / "drive.mjs"
 MIN_ACCURACY = 0.93
 
 
-def _serve_module():
-    spec = importlib.util.spec_from_file_location("web_serve", REPO / "examples" / "web" / "serve.py")
+def serve_module(page: str):
+    """examples/``page``/serve.py, imported."""
+    spec = importlib.util.spec_from_file_location(f"{page}_serve", REPO / "examples" / page / "serve.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def site_root(tmp_path_factory) -> Path:
+    """A folder that stands for the repository: js/ and examples/ linked into it, out/ its own."""
+    root = tmp_path_factory.mktemp("site")
+    for name in ("js", "examples"):
+        (root / name).symlink_to(REPO / name)
+    return root
+
+
+@contextlib.contextmanager
+def serving(serve, root: Path) -> Iterator[str]:
+    """``root`` served on 127.0.0.1 by ``serve``'s server (any free port) in a thread: its URL."""
+    httpd = serve.server(0, root)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +69,11 @@ def site(tmp_path_factory):
         pytest.skip("no Chromium here: make install installs it where apt-get and root allow")
     if NODE is None or not (JS / "node_modules" / "puppeteer-core").is_dir():
         pytest.fail("node or puppeteer-core is missing: run make install first (it runs npm ci in js/)")
-    root = tmp_path_factory.mktemp("site")
-    for name in ("js", "examples"):
-        (root / name).symlink_to(REPO / name)
-    serve = _serve_module()
+    root = site_root(tmp_path_factory)
+    serve = serve_module("web")
     serve.prepare(root / "out" / "web")
-    httpd = serve.server(0, root)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(serve, root) as url:
+        yield root, url
 
 
 def drive(job: dict, tmp_path: Path) -> dict:

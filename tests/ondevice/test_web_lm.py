@@ -17,15 +17,14 @@ random GPT-2 and a byte-level BPE trained here on data/text/ (nothing downloaded
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_browser import CHROMIUM
+from _texts import shipped_strings
+from test_browser import CHROMIUM, serve_module, serving, site_root
 from test_js_runtime import JS, NODE, REPO
 
 import graphforge.train
@@ -52,13 +51,6 @@ PAGE = {
     "seed": 3,
     "threads": 1,
 }
-
-
-def _serve_module():
-    spec = importlib.util.spec_from_file_location("web_lm_serve", REPO / "examples" / "web-lm" / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def texts(*names: str) -> list[str]:
@@ -136,7 +128,7 @@ def test_the_pages_tokenizer_rows_and_sampling_are_pythons(base, tmp_path):
     from tokenizers import Tokenizer
 
     folders = [base[1].parent, metaspace_tokenizer(tmp_path / "metaspace").parent]
-    corpus = [t for name in sorted(TEXT.glob("*.jsonl")) for t in _strings(name)]
+    corpus = shipped_strings()
     (tmp_path / "texts.json").write_text(json.dumps(corpus))
     fables = texts("fables.jsonl")
     (tmp_path / "samples.json").write_text(json.dumps(fables))
@@ -169,21 +161,6 @@ def test_the_pages_tokenizer_rows_and_sampling_are_pythons(base, tmp_path):
         assert tokens == [sampling.choose(row, rng) for _ in range(choice["count"])]
 
 
-def _strings(path: Path) -> list[str]:
-    found: list[str] = []
-
-    def walk(value) -> None:
-        if isinstance(value, str):
-            found.append(value)
-        elif isinstance(value, dict | list):
-            for item in value.values() if isinstance(value, dict) else value:
-                walk(item)
-
-    for line in path.read_text().splitlines():
-        walk(json.loads(line))
-    return found
-
-
 @pytest.fixture(scope="module")
 def site(base, tmp_path_factory):
     """A root of js/ and examples/ (linked), out/web-lm (serve.py's prepare on the tiny base)
@@ -191,18 +168,12 @@ def site(base, tmp_path_factory):
     127.0.0.1."""
     if CHROMIUM is None:
         pytest.skip("no Chromium here: make install installs it where apt-get and root allow")
-    root = tmp_path_factory.mktemp("site")
-    for name in ("js", "examples"):
-        (root / name).symlink_to(REPO / name)
-    serve = _serve_module()
+    root = site_root(tmp_path_factory)
+    serve = serve_module("web-lm")
     serve.prepare(*base, root / "out" / "web-lm")
     (root / "kitchen.txt").write_text("\n\n".join(texts("kitchen.jsonl")))
-    httpd = serve.server(0, root)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(serve, root) as url:
+        yield root, url
 
 
 def test_the_page_fine_tunes_and_generates_as_python_does(site, base, tmp_path):
@@ -252,7 +223,7 @@ def test_the_page_fine_tunes_and_generates_as_python_does(site, base, tmp_path):
 
 
 def test_serve_without_a_base_model_says_to_run_make_lm(tmp_path, capsys):
-    serve = _serve_module()
+    serve = serve_module("web-lm")
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text("{}")
     assert serve.main(["--model", str(tmp_path / "base" / "model.onnx"), "--tokenizer", str(tokenizer)]) == 2
